@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway in front of every model (cluster and local modes)."""

@@ -1,0 +1,126 @@
+"""The operator's own configuration: images, hardware profiles, watched namespaces.
+
+One YAML file, named by ``UNIVERSAL_RUNTIME_OPERATOR_CONFIG`` (the Helm chart mounts it from a
+ConfigMap). It is validated at start-up; a bad file stops the operator with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+CONFIG_ENV = "UNIVERSAL_RUNTIME_OPERATOR_CONFIG"
+DEFAULT_CPU_IMAGE = "ghcr.io/universal-runtime/predictor-cpu:0.1.0"
+DEFAULT_CUDA_IMAGE = "ghcr.io/universal-runtime/predictor-cuda:0.1.0"
+
+
+class ConfigError(Exception):
+    """The operator's configuration cannot be used; the message is one line naming the key."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class Images(_Model):
+    """Predictor images: the CPU build and the CUDA build."""
+
+    cpu: str = Field(default=DEFAULT_CPU_IMAGE, min_length=1)
+    cuda: str = Field(default=DEFAULT_CUDA_IMAGE, min_length=1)
+    pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
+
+
+class Toleration(_Model):
+    """A pod toleration, as Kubernetes spells it."""
+
+    key: str | None = None
+    operator: str | None = Field(default=None, pattern="^(Exists|Equal)$")
+    value: str | None = None
+    effect: str | None = Field(default=None, pattern="^(NoSchedule|PreferNoSchedule|NoExecute)$")
+    toleration_seconds: int | None = None
+
+
+class Profile(_Model):
+    """A hardware profile: where GPU (or special CPU) models run and with what."""
+
+    gpu_resource: str = Field(default="nvidia.com/gpu", min_length=1, description="The extended resource name.")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    runtime_class_name: str | None = None
+    image: str | None = Field(default=None, description="An image for this profile instead of the default ones.")
+    shm_size: str | None = Field(default=None, description="Size of a memory-backed /dev/shm (vLLM, NCCL).")
+
+
+class OperatorConfig(_Model):
+    """Everything the operator is told by its deployer."""
+
+    images: Images = Field(default_factory=Images)
+    profiles: dict[str, Profile] = Field(default_factory=dict)
+    default_profile: str | None = None
+    namespaces: list[str] = Field(default_factory=list, description="Watched namespaces; empty: cluster-wide.")
+    service_account_name: str | None = Field(default=None, description="The predictor pods' service account.")
+    repair_interval_seconds: float = Field(default=60.0, gt=0, description="How often drift is checked.")
+    ingress_domain: str | None = None
+
+    @model_validator(mode="after")
+    def _default_profile_exists(self) -> OperatorConfig:
+        if self.default_profile is not None and self.default_profile not in self.profiles:
+            raise ValueError(f"defaultProfile {self.default_profile!r} is not one of profiles {sorted(self.profiles)}")
+        return self
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    def profile(self, name: str | None) -> Profile | None:
+        """The named profile, the default one when ``name`` is empty, or None when neither exists.
+
+        Raises KeyError for a name that no profile has.
+        """
+        chosen = name or self.default_profile
+        if chosen is None:
+            return None
+        return self.profiles[chosen]
+
+
+def _error_location(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    return f"{where}: {first['msg']}"
+
+
+def parse_config(data: Any, origin: str = "operator config") -> OperatorConfig:
+    """Validate a parsed YAML document; ConfigError names the first bad key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return OperatorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{origin}: {_error_location(exc)}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> OperatorConfig:
+    """Read the configuration from ``path`` or the file ``$UNIVERSAL_RUNTIME_OPERATOR_CONFIG`` names.
+
+    With neither, the defaults apply (the public images, no profiles, cluster-wide).
+    """
+    location = path if path is not None else os.environ.get(CONFIG_ENV)
+    if not location:
+        return OperatorConfig()
+    file = Path(location)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read the operator config ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_config(data, origin=str(file))

@@ -1,0 +1,279 @@
+"""kopf handlers: thin glue between watch events and the pure functions in :mod:`reconcile`.
+
+Handlers are registered on a registry built by :func:`build_registry`, so an embedded operator (tests,
+the benchmark) and the CLI get the same set with their own configuration. Each handler can also be
+called as a plain function with an :class:`OperatorState`.
+
+Who writes what:
+- the child InferenceService: server-side apply, one field manager, only when it drifted or is missing;
+- the parent's status: one merge patch to ``/status`` when what it says would change;
+- kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
+  timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+from lightkube.core.exceptions import ApiError
+
+from universal_operator import reconcile
+from universal_operator.config import OperatorConfig
+from universal_operator.kube import KubeApi, api_error_code
+from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
+
+logger = logging.getLogger(__name__)
+
+ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "serving.kserve.io", "v1beta1", "inferenceservices"
+MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
+FINALIZER = f"{GROUP}/kopf-finalizer"
+#: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
+RETRY_DELAY = 2.0
+
+Key = tuple[str, str]
+
+
+@dataclass
+class OperatorState:
+    """What the handlers share: config, API client, per-model locks and the last status written."""
+
+    config: OperatorConfig
+    api: KubeApi
+    locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    written_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    latest_child: dict[Key, dict[str, Any]] = field(default_factory=dict)
+
+    def lock(self, key: Key) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+    def forget(self, key: Key) -> None:
+        self.locks.pop(key, None)
+        self.written_status.pop(key, None)
+        self.latest_child.pop(key, None)
+
+
+def _key(body: Mapping[str, Any]) -> Key:
+    meta = body.get("metadata", {})
+    return str(meta.get("namespace") or "default"), str(meta["name"])
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A deep plain-dict copy of a kopf body (kopf's bodies are live views)."""
+    if isinstance(body, Mapping):
+        return {str(k): _plain(v) for k, v in body.items()}
+    if isinstance(body, list):
+        return [_plain(v) for v in body]  # type: ignore[return-value]
+    return body  # type: ignore[no-any-return]
+
+
+def _newer(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The later of two views of one child: the higher generation, ties to ``a`` (the watched one)."""
+    if a is None or b is None:
+        return a or b
+    gen_a = a.get("metadata", {}).get("generation") or 0
+    gen_b = b.get("metadata", {}).get("generation") or 0
+    return b if gen_b > gen_a else a
+
+
+async def write_status(state: OperatorState, key: Key, current: dict[str, Any] | None, status: dict[str, Any]) -> bool:
+    """Patch the parent's status if it would change; returns whether a write happened."""
+    known = state.written_status.get(key, current)
+    if not reconcile.status_changed(known, status):
+        return False
+    try:
+        await state.api.patch_model_status(key[0], key[1], status)
+    except ApiError as exc:
+        if api_error_code(exc) == 404:
+            return False  # the model is gone; nothing to report on
+        raise kopf.TemporaryError(f"writing the status failed: {exc}", delay=RETRY_DELAY) from exc
+    state.written_status[key] = status
+    return True
+
+
+async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict[str, Any] | None) -> None:
+    """Recompute the parent's status from the freshest view of its child and write it if it changed."""
+    key = _key(body)
+    async with state.lock(key):
+        model = reconcile.parse_model(_plain(body))
+        freshest = _newer(state.latest_child.get(key), child)
+        status = reconcile.status_from_inference_service(freshest, model)
+        await write_status(state, key, _plain(body.get("status") or {}), status)
+
+
+async def reconcile_model(
+    state: OperatorState,
+    body: Mapping[str, Any],
+    children: Mapping[Key, Any] | None = None,
+    *,
+    reason: str = "reconcile",
+) -> dict[str, Any] | None:
+    """Make the child match the spec and the status match the child. Returns the applied child if any."""
+    key = _key(body)
+    plain = _plain(body)
+    try:
+        model = reconcile.parse_model(plain)
+        desired = reconcile.desired_inference_service(model, state.config)
+    except reconcile.SpecError as error:
+        await report_invalid_spec(state, plain, error)
+        return None
+
+    actual = _index_value(children, key)
+    if actual is not None:
+        state.latest_child[key] = _newer(state.latest_child.get(key), actual) or actual
+    applied: dict[str, Any] | None = None
+    if reconcile.child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
+        try:
+            applied = await state.api.apply_inference_service(desired)
+        except ApiError as exc:
+            code = api_error_code(exc)
+            if code in (400, 403, 422):
+                # The API server (or KServe's webhook) refused the child: a spec problem, not a blip.
+                await report_invalid_spec(
+                    state, plain, reconcile.SpecError("spec", f"the InferenceService was rejected: {exc}")
+                )
+                return None
+            raise kopf.TemporaryError(
+                f"applying the InferenceService failed ({code}): {exc}", delay=RETRY_DELAY
+            ) from exc
+        if actual is None:
+            kopf.info(
+                cast(kopf.Body, plain),
+                reason="InferenceServiceApplied",
+                message=f"Applied InferenceService {key[1]} ({reason}).",
+            )
+        logger.info("applied InferenceService %s/%s (%s)", key[0], key[1], reason)
+        state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
+    async with state.lock(key):
+        status = reconcile.status_from_inference_service(state.latest_child.get(key), model)
+        await write_status(state, key, _plain(plain.get("status") or {}), status)
+    return applied
+
+
+async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: reconcile.SpecError) -> None:
+    """SpecValid=False with the field and what to do, one Warning Event; no retry (the spec must change)."""
+    key = _key(body)
+    status = reconcile.status_for_invalid_spec(body, error)
+    async with state.lock(key):
+        changed = await write_status(state, key, _plain(body.get("status") or {}), status)
+    if changed:
+        kopf.warn(cast(kopf.Body, body), reason="InvalidSpec", message=str(error))
+    logger.warning("UniversalModel %s/%s has an invalid spec: %s", key[0], key[1], error)
+
+
+def _index_value(index: Mapping[Key, Any] | None, key: Key) -> dict[str, Any] | None:
+    if index is None or key not in index:
+        return None
+    values = list(index[key])
+    return _plain(values[-1]) if values else None
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    """Every handler, registered on a fresh registry with this configuration's settings."""
+    registry = kopf.OperatorRegistry()
+    um = (GROUP, VERSION, PLURAL)
+    isvc = (ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL)
+
+    @kopf.on.login(registry=registry, id="login")
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Explicit, so the credentials do not depend on which client libraries happen to be installed.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry, id="configure")
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration"
+        )
+        settings.persistence.finalizer = FINALIZER
+        # Only warnings become Events: one "applied" Event per model instead of kopf's chatter per handler.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.connect_timeout = 30
+        settings.networking.request_timeout = 60
+        settings.execution.max_workers = 8
+        if "state" not in memo:
+            memo["state"] = OperatorState(config=config, api=KubeApi())
+
+    @kopf.on.cleanup(registry=registry, id="close-client")
+    async def close_client(memo: kopf.Memo, **_: Any) -> None:
+        state: OperatorState | None = memo.get("state")
+        if state is not None:
+            await state.api.close()
+
+    @kopf.on.probe(registry=registry, id="models-known")
+    def models_known(memo: kopf.Memo, **_: Any) -> int:
+        state: OperatorState | None = memo.get("state")
+        return len(state.written_status) if state else 0
+
+    # kopf passes handler arguments by keyword and types them as protocols, so the handlers take **kw.
+    @kopf.index(*isvc, registry=registry, labels=MANAGED, id="children")
+    def children(**kw: Any) -> dict[Key, dict[str, Any]]:
+        return {_key(kw["body"]): _plain(kw["body"])}
+
+    @kopf.index(*um, registry=registry, id="models")
+    def models(**kw: Any) -> dict[Key, dict[str, Any]]:
+        return {_key(kw["body"]): _plain(kw["body"])}
+
+    @kopf.on.resume(*um, registry=registry, id="apply-on-resume")
+    async def on_resume(**kw: Any) -> None:
+        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="operator start")
+
+    @kopf.on.create(*um, registry=registry, id="apply-on-create")
+    async def on_create(**kw: Any) -> None:
+        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="created")
+
+    @kopf.on.update(*um, registry=registry, id="apply-on-update")
+    async def on_update(**kw: Any) -> None:
+        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="spec changed")
+
+    @kopf.timer(*um, registry=registry, id="repair-child", interval=config.repair_interval_seconds)
+    async def repair(**kw: Any) -> None:
+        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="drift repaired")
+
+    @kopf.on.event(*isvc, registry=registry, labels=MANAGED, id="mirror-child-status")
+    async def on_child_event(**kw: Any) -> None:
+        await mirror_child_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["models"])
+
+    @kopf.on.event(*um, registry=registry, id="forget-deleted")
+    def forget(**kw: Any) -> None:
+        if kw["event"]["type"] == "DELETED":
+            kw["memo"]["state"].forget(_key(kw["body"]))
+
+    return registry
+
+
+async def mirror_child_event(
+    state: OperatorState, event_type: str, child: Mapping[str, Any], models: Mapping[Key, Any] | None
+) -> None:
+    """A watched InferenceService changed: mirror its status into the parent, or recreate it if deleted."""
+    key = _key(child)
+    parent = _index_value(models, key)
+    if parent is None or not _owned_by(child, parent) or parent.get("metadata", {}).get("deletionTimestamp"):
+        return
+    if event_type == "DELETED":
+        state.latest_child.pop(key, None)
+        logger.info("InferenceService %s/%s was deleted out of band; recreating it", *key)
+        await reconcile_model(state, parent, None, reason="deleted out of band")
+        return
+    state.latest_child[key] = _plain(child)
+    try:
+        await sync_status(state, parent, _plain(child))
+    except reconcile.SpecError:
+        return  # an invalid parent already says so in its status
+
+
+def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:
+    uid = parent.get("metadata", {}).get("uid")
+    refs = child.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+
+
+def model_from_body(body: Mapping[str, Any]) -> UniversalModel:
+    """Parse a kopf body (for callers outside the handlers)."""
+    return reconcile.parse_model(_plain(body))

@@ -1,0 +1,64 @@
+"""The operator's own Kubernetes calls (kopf has no public client): apply the child, patch the parent's status.
+
+lightkube's async client speaks server-side apply natively, so the child is written with one field
+manager and fields others own (KServe's defaults, the gateway's stop annotation) are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.types import PatchType
+
+from universal_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+FIELD_MANAGER = "universal-runtime-operator"
+
+InferenceService = create_namespaced_resource("serving.kserve.io", "v1beta1", "InferenceService", "inferenceservices")
+UniversalModelResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+
+
+def api_error_code(exc: ApiError) -> int:
+    """The HTTP status of a failed API call (0 when the server did not say)."""
+    code = getattr(exc.status, "code", None)
+    if code is None and exc.response is not None:
+        code = exc.response.status_code
+    return int(code or 0)
+
+
+class KubeApi:
+    """The few writes the operator makes besides kopf's own bookkeeping."""
+
+    def __init__(self, client: AsyncClient | None = None) -> None:
+        self._client = client
+
+    @property
+    def client(self) -> AsyncClient:
+        if self._client is None:
+            # Reads $KUBECONFIG / ~/.kube/config, or the in-cluster service account.
+            self._client = AsyncClient(field_manager=FIELD_MANAGER)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def apply_inference_service(self, desired: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply the child; returns the object as the API server stored it."""
+        obj = InferenceService.from_dict(desired)
+        result = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        return dict(result.to_dict())
+
+    async def patch_model_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the UniversalModel's status subresource (None values remove keys)."""
+        await self.client.patch(
+            UniversalModelResource.Status,
+            name,
+            {"status": status},
+            namespace=namespace,
+            patch_type=PatchType.MERGE,
+        )

@@ -1,0 +1,618 @@
+"""Pure reconcile logic: UniversalModel -> InferenceService, InferenceService status -> UniversalModel status.
+
+Nothing here talks to Kubernetes. The handlers feed these functions plain dicts and write the results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from pydantic import ValidationError
+
+from universal_operator.config import OperatorConfig, Profile
+from universal_operator.spec import (
+    GROUP,
+    KIND,
+    Condition,
+    Phase,
+    ScalingMode,
+    UniversalModel,
+    parse_duration,
+)
+from universal_predictors.config import (
+    DEFAULT_HTTP_PORT,
+    MODEL_MOUNT_PATH,
+    PREDICTOR_MODULE,
+    Backend,
+    PredictorConfig,
+    render_engine_arg,
+    resolve_backend,
+)
+
+ISVC_API_VERSION = "serving.kserve.io/v1beta1"
+ISVC_KIND = "InferenceService"
+MANAGED_BY = "universal-runtime"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MODEL = f"{GROUP}/model"
+LABEL_TASK = f"{GROUP}/task"
+LABEL_SERVED_NAME = f"{GROUP}/served-name"
+ANNOTATION_SERVED_NAME = f"{GROUP}/served-name"
+ANNOTATION_DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
+ANNOTATION_RETENTION = "autoscaling.knative.dev/scale-to-zero-pod-retention-period"
+ANNOTATION_WINDOW = "autoscaling.knative.dev/window"
+ANNOTATION_PROGRESS_DEADLINE = "serving.knative.dev/progress-deadline"
+CONTAINER_NAME = "kserve-container"
+CACHE_DIR = "/cache"
+#: Keys read from spec.source.credentialsSecret, each optional so one Secret serves every store.
+CREDENTIAL_KEYS = (
+    "HF_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+)
+#: Knative's default stable window; an idle timeout shorter than it needs a shorter window.
+KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
+KNATIVE_MIN_WINDOW = timedelta(seconds=6)
+#: Ready=False reasons from KServe/Knative that a retry will not fix.
+FAILURE_REASONS = frozenset(
+    {
+        "RevisionFailed",
+        "ProgressDeadlineExceeded",
+        "ContainerMissing",
+        "ExitCode",
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "ModelLoadFailed",
+        "InvalidSpec",
+        "BlockedByFailedLoad",
+        "RevisionMissing",
+    }
+)
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+class SpecError(Exception):
+    """A spec the operator cannot serve; ``field`` names where, the message says what to do."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing and judging a spec
+
+
+def parse_model(body: dict[str, Any]) -> UniversalModel:
+    """Validate a UniversalModel object; SpecError names the first offending field."""
+    try:
+        return UniversalModel.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise SpecError(loc, message) from None
+
+
+def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
+    """What only the operator can judge: the profile exists, the source can be fetched in a cluster."""
+    spec = model.spec
+    if spec.resources.profile is not None and spec.resources.profile not in config.profiles:
+        known = ", ".join(sorted(config.profiles)) or "none are configured"
+        raise SpecError(
+            "spec.resources.profile",
+            f"profile {spec.resources.profile!r} is not in the operator's configuration ({known})",
+        )
+    source = spec.source
+    if source.scheme == "file" or (source.scheme is None and not source.uri.startswith("/")):
+        raise SpecError(
+            "spec.source.uri",
+            f"{source.uri!r} is a path on a workstation; in a cluster use hf://, s3://, gs://, pvc:// or https://, "
+            "or an absolute path baked into spec.image",
+        )
+    for key, value in spec.engine_args.items():
+        if isinstance(value, dict | list):
+            raise SpecError(f"spec.engineArgs.{key}", "must be a string, number or boolean")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering the InferenceService
+
+
+def labels_for(model: UniversalModel) -> dict[str, str]:
+    """Labels on the child (and its pods): who manages it, which model, which task, which served name."""
+    labels = {
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: MANAGED_BY,
+        LABEL_NAME: model.metadata.name,
+        LABEL_COMPONENT: "predictor",
+        LABEL_MODEL: model.metadata.name,
+        LABEL_TASK: model.spec.task.value,
+    }
+    served = model.served_name
+    labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.match(served) else _label_safe(served)
+    return labels
+
+
+def _label_safe(text: str) -> str:
+    """A label value standing for ``text`` (which has characters or length labels forbid)."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-_.")[:54].strip("-_.")
+    return f"{cleaned}-{digest}" if cleaned else digest
+
+
+def predictor_config(model: UniversalModel, http_port: int = DEFAULT_HTTP_PORT) -> PredictorConfig:
+    """The predictor's command line as a config: the one contract cluster and local runs share."""
+    spec = model.spec
+    source = MODEL_MOUNT_PATH if spec.source.is_remote else spec.source.uri.removeprefix("file://")
+    return PredictorConfig(
+        model_name=model.served_name,
+        task=spec.task,
+        backend=resolved_backend(model),
+        source=source,
+        source_file=spec.source.file,
+        # In a cluster the storage initializer fetched the revision already; locally the predictor does.
+        revision=None if spec.source.is_remote else spec.source.revision,
+        engine_args={k: render_engine_arg(v) for k, v in spec.engine_args.items()},
+        http_port=http_port,
+    )
+
+
+def resolved_backend(model: UniversalModel) -> Backend:
+    """The backend as far as the spec can decide it (see :func:`resolve_backend`)."""
+    spec = model.spec
+    return resolve_backend(spec.task, spec.backend, spec.source.uri, spec.source.file, spec.resources.gpus)
+
+
+def _env(model: UniversalModel) -> list[dict[str, Any]]:
+    spec = model.spec
+    env: list[dict[str, Any]] = []
+    if spec.source.is_remote:
+        env.append({"name": "STORAGE_URI", "value": spec.source.uri})
+    env += [
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        # The storage initializer fetched the model; the predictor must not reach for the hub itself.
+        {"name": "HF_HUB_OFFLINE", "value": "1" if spec.source.is_remote else "0"},
+    ]
+    if spec.source.credentials_secret:
+        env += [
+            {
+                "name": key,
+                "valueFrom": {"secretKeyRef": {"name": spec.source.credentials_secret, "key": key, "optional": True}},
+            }
+            for key in CREDENTIAL_KEYS
+        ]
+    taken = {item["name"] for item in env}
+    for var in spec.env:
+        if var.name in taken:
+            env = [item for item in env if item["name"] != var.name]
+        env.append(var.model_dump(by_alias=True, exclude_none=True))
+    return env
+
+
+def _resources(model: UniversalModel, profile: Profile | None) -> dict[str, Any]:
+    res = model.spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.cpu:
+        requests["cpu"] = res.cpu
+    if res.memory:
+        # Memory is requested and limited alike: engines size their caches from the cgroup limit.
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    if res.gpus:
+        gpu_resource = profile.gpu_resource if profile else "nvidia.com/gpu"
+        requests[gpu_resource] = str(res.gpus)
+        limits[gpu_resource] = str(res.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _image(model: UniversalModel, profile: Profile | None, config: OperatorConfig) -> str:
+    if model.spec.image:
+        return model.spec.image
+    if profile is not None and profile.image:
+        return profile.image
+    return config.images.cuda if model.spec.resources.gpus > 0 else config.images.cpu
+
+
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def owner_reference(model: UniversalModel) -> dict[str, Any]:
+    """The controller reference that lets garbage collection delete the child with its parent."""
+    return {
+        "apiVersion": model.api_version,
+        "kind": KIND,
+        "name": model.metadata.name,
+        "uid": model.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> dict[str, Any]:
+    """The InferenceService that serves ``model``: everything the operator owns in it, nothing else.
+
+    Applied by server-side apply, so fields KServe or the gateway set (defaults, the stop annotation)
+    are theirs and stay untouched. Raises SpecError for a spec only the operator can reject.
+    """
+    check_servable(model, config)
+    spec = model.spec
+    profile = config.profile(spec.resources.profile)
+    scaling = spec.scaling
+    knative = scaling.mode is ScalingMode.KNATIVE
+
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": _image(model, profile, config),
+        "imagePullPolicy": config.images.pull_policy,
+        "command": ["python", "-m", PREDICTOR_MODULE],
+        "args": predictor_config(model).to_args(),
+        "env": _env(model),
+        "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
+        # Ready only once the model is loaded: the predictor's v2 readiness says exactly that.
+        "readinessProbe": {
+            "httpGet": {"path": "/v2/health/ready", "port": DEFAULT_HTTP_PORT},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "volumeMounts": [
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    resources = _resources(model, profile)
+    if resources:
+        container["resources"] = resources
+
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.resources.gpus > 0:
+        shm: dict[str, Any] = {"medium": "Memory"}
+        if profile is not None and profile.shm_size:
+            shm["sizeLimit"] = profile.shm_size
+        volumes.append({"name": "dshm", "emptyDir": shm})
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    predictor: dict[str, Any] = {
+        "minReplicas": scaling.min_replicas if knative else max(scaling.min_replicas, 1),
+        "maxReplicas": scaling.max_replicas,
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": POD_SECURITY_CONTEXT,
+        "labels": labels_for(model),
+    }
+    if knative:
+        if scaling.target_concurrency is not None:
+            predictor["scaleMetric"] = "concurrency"
+            predictor["scaleTarget"] = scaling.target_concurrency
+        idle = parse_duration(scaling.idle_timeout)
+        component_annotations = {
+            ANNOTATION_RETENTION: scaling.idle_timeout,
+            ANNOTATION_PROGRESS_DEADLINE: scaling.startup_timeout,
+        }
+        if idle < KNATIVE_STABLE_WINDOW:
+            # Knative decides "no traffic" over its stable window (60s): shorter TTLs need a shorter window.
+            window = max(idle, KNATIVE_MIN_WINDOW)
+            component_annotations[ANNOTATION_WINDOW] = f"{int(window.total_seconds())}s"
+        predictor["annotations"] = component_annotations
+    if config.service_account_name:
+        predictor["serviceAccountName"] = config.service_account_name
+    if profile is not None:
+        if profile.node_selector:
+            predictor["nodeSelector"] = dict(profile.node_selector)
+        if profile.tolerations:
+            predictor["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in profile.tolerations]
+        if profile.runtime_class_name:
+            predictor["runtimeClassName"] = profile.runtime_class_name
+
+    return {
+        "apiVersion": ISVC_API_VERSION,
+        "kind": ISVC_KIND,
+        "metadata": {
+            "name": model.metadata.name,
+            "namespace": model.metadata.namespace,
+            "labels": labels_for(model),
+            "annotations": {
+                ANNOTATION_DEPLOYMENT_MODE: scaling.mode.value,
+                ANNOTATION_SERVED_NAME: model.served_name,
+            },
+            "ownerReferences": [owner_reference(model)],
+        },
+        "spec": {"predictor": predictor},
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Drift: does the live child still carry everything we want in it?
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([a-zA-Z]*)$")
+_SUFFIX = {
+    "": Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9),
+    "T": Decimal(10**12), "P": Decimal(10**15), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50),
+}  # fmt: skip
+
+
+def _quantity(value: Any) -> Decimal | None:
+    match = _QUANTITY.match(str(value))
+    if not match or match.group(2) not in _SUFFIX:
+        return None
+    try:
+        return Decimal(match.group(1)) * _SUFFIX[match.group(2)]
+    except InvalidOperation:
+        return None
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    # The API server canonicalises quantities ("1024Mi" comes back as "1Gi"); compare their values.
+    if isinstance(want, str | int) and isinstance(have, str | int):
+        a, b = _quantity(want), _quantity(have)
+        return a is not None and a == b
+    return False
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether ``have`` contains everything in ``want`` (maps by key, lists item by item)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
+    return _same_scalar(want, have)
+
+
+def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
+    """Whether the live InferenceService lost something the operator set (or is gone)."""
+    if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):
+        return True
+    want_meta = desired["metadata"]
+    have_meta = actual.get("metadata", {})
+    return not (
+        is_subset(want_meta.get("labels", {}), have_meta.get("labels", {}))
+        and is_subset(want_meta.get("annotations", {}), have_meta.get("annotations", {}))
+        and is_subset(want_meta.get("ownerReferences", []), have_meta.get("ownerReferences", []))
+        and is_subset(desired["spec"], actual.get("spec", {}))
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Status
+
+
+def _now_text(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _find(conditions: list[dict[str, Any]] | None, kind: str) -> dict[str, Any] | None:
+    for cond in conditions or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
+
+
+def _conditions(
+    previous: list[Condition], generation: int, now: datetime, *updates: tuple[str, str, str, str]
+) -> list[dict[str, Any]]:
+    """Conditions in a fixed order, keeping lastTransitionTime where the status did not change."""
+    before = {c.type: c for c in previous}
+    out = []
+    for kind, status, reason, message in updates:
+        old = before.get(kind)
+        since = (
+            old.last_transition_time if old is not None and old.status == status and old.last_transition_time else ""
+        )
+        out.append(
+            {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": since or _now_text(now),
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def _child_failure(status: dict[str, Any], ready: dict[str, Any] | None) -> str | None:
+    """A message when KServe reports a failure retrying will not fix, else None."""
+    model_status = status.get("modelStatus") or {}
+    info = model_status.get("lastFailureInfo") or {}
+    active = (model_status.get("states") or {}).get("activeModelState")
+    transition = model_status.get("transitionStatus")
+    if info or active == "FailedToLoad" or transition in ("BlockedByFailedLoad", "InvalidSpec"):
+        parts = [info.get("reason"), info.get("message")]
+        if info.get("exitCode") is not None:
+            parts.append(f"exit code {info['exitCode']}")
+        text = ": ".join(str(p) for p in parts if p)
+        return text or f"the model failed to load ({transition or active})"
+    if ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS:
+        return f"{ready.get('reason')}: {ready.get('message') or 'the predictor failed'}"
+    return None
+
+
+def status_from_inference_service(
+    isvc: dict[str, Any] | None, model: UniversalModel, now: datetime | None = None
+) -> dict[str, Any]:
+    """The UniversalModel's status given its InferenceService as KServe last reported it.
+
+    Readiness is judged from the child's ``Ready`` condition only when KServe has observed the child's
+    current generation: a status written for an older spec says nothing about the new one.
+    """
+    now = now or datetime.now(UTC)
+    generation = model.metadata.generation
+    base: dict[str, Any] = {
+        "observedGeneration": generation,
+        "servedName": model.served_name,
+        "backend": resolved_backend(model).value,
+        "inferenceService": model.metadata.name,
+    }
+    spec_valid = ("SpecValid", "True", "Valid", "The spec is valid.")
+    previous = model.status.conditions
+
+    if isvc is None:
+        message = "Creating the InferenceService."
+        return {
+            **base,
+            "phase": Phase.PENDING.value,
+            "url": None,
+            "address": None,
+            "replicas": None,
+            "message": message,
+            "conditions": _conditions(
+                previous, generation, now,
+                ("Ready", "False", "InferenceServiceMissing", message),
+                spec_valid,
+                ("InferenceServiceReady", "Unknown", "NotCreated", message),
+            ),
+        }  # fmt: skip
+
+    status = isvc.get("status") or {}
+    child_generation = isvc.get("metadata", {}).get("generation")
+    observed = status.get("observedGeneration")
+    conditions = status.get("conditions") or []
+    ready = _find(conditions, "Ready")
+    stopped = _find(conditions, "Stopped")
+    model_status = status.get("modelStatus") or {}
+    copies = (model_status.get("copies") or {}).get("totalCopies")
+    active = (model_status.get("states") or {}).get("activeModelState")
+    url = status.get("url")
+    address = (status.get("address") or {}).get("url") or (
+        ((status.get("components") or {}).get("predictor") or {}).get("address") or {}
+    ).get("url")
+    fresh = observed is not None and (child_generation is None or observed >= child_generation)
+
+    replicas: int | None = copies
+    if not conditions:
+        phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
+        message = "Waiting for KServe to pick up the InferenceService."
+    elif not fresh:
+        phase = Phase.LOADING
+        message = (
+            f"KServe has not yet observed generation {child_generation} of the InferenceService "
+            f"(last observed: {observed})."
+        )
+        isvc_cond = ("Unknown", "Reconciling", message)
+    elif stopped is not None and stopped.get("status") == "True":
+        phase, replicas = Phase.IDLE, 0
+        message = "Stopped while idle; the next request wakes it."
+        isvc_cond = ("True", "Stopped", message)
+    elif (failure := _child_failure(status, ready)) is not None:
+        phase, message = Phase.FAILED, failure
+        isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
+    elif ready is not None and ready.get("status") == "True":
+        if copies == 0 or (copies is None and active == "Pending"):
+            phase, replicas = Phase.IDLE, 0
+            message = "Scaled to zero; the next request wakes it."
+        else:
+            phase, message = Phase.READY, "Serving."
+        isvc_cond = ("True", str(ready.get("reason") or "Ready"), str(ready.get("message") or "Ready."))
+    else:
+        phase = Phase.LOADING
+        message = str((ready or {}).get("message") or "The predictor is starting.")
+        isvc_cond = (
+            str((ready or {}).get("status") or "Unknown"),
+            str((ready or {}).get("reason") or "Starting"),
+            message,
+        )
+
+    if phase in (Phase.READY, Phase.IDLE):
+        ready_cond = ("Ready", "True", "ScaledToZero" if phase is Phase.IDLE else "Serving", message)
+    elif phase is Phase.FAILED:
+        ready_cond = ("Ready", "False", "InferenceServiceFailed", message)
+    else:
+        ready_cond = ("Ready", "False", phase.value, message)
+
+    return {
+        **base,
+        "phase": phase.value,
+        "url": url,
+        "address": address,
+        "replicas": replicas,
+        "message": message,
+        "conditions": _conditions(
+            previous, generation, now, ready_cond, spec_valid, ("InferenceServiceReady", *isvc_cond)
+        ),
+    }
+
+
+def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetime | None = None) -> dict[str, Any]:
+    """The status of a UniversalModel whose spec cannot be served: SpecValid=False naming the field."""
+    now = now or datetime.now(UTC)
+    meta = body.get("metadata", {})
+    generation = int(meta.get("generation") or 0)
+    raw_previous = (body.get("status") or {}).get("conditions") or []
+    previous = []
+    for item in raw_previous:
+        try:
+            previous.append(Condition.model_validate(item))
+        except ValidationError:
+            continue
+    message = f"Invalid spec: {error}"
+    return {
+        "phase": Phase.FAILED.value,
+        "observedGeneration": generation,
+        "message": message,
+        "conditions": _conditions(
+            previous, generation, now,
+            ("Ready", "False", "InvalidSpec", message),
+            ("SpecValid", "False", "InvalidSpec", message),
+            ("InferenceServiceReady", "Unknown", "NotCreated", "No InferenceService for an invalid spec."),
+        ),
+    }  # fmt: skip
+
+
+def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether writing ``new`` would change what ``current`` says (None values mean absent)."""
+    current = current or {}
+    for key, value in new.items():
+        if key == "conditions":
+            continue
+        if current.get(key) != value and not (value is None and key not in current):
+            return True
+    return _strip_times(current.get("conditions")) != _strip_times(new.get("conditions"))
+
+
+def _strip_times(conditions: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
+    return [
+        (c.get("type"), c.get("status"), c.get("reason"), c.get("message"), c.get("observedGeneration"))
+        for c in conditions or []
+    ]

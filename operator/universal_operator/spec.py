@@ -1,0 +1,468 @@
+"""The UniversalModel resource: spec and status models, the single source of truth.
+
+The CRD (``crds/universalmodels.yaml``) is generated from these models by :mod:`universal_operator.crd`;
+the operator, the gateway and ``universal-runtime serve`` all validate manifests with them. Admission-time
+rules the API server can judge are written here as CEL next to the fields they constrain.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
+
+from universal_predictors.config import (
+    FILE_PATTERN_BACKENDS,
+    FILE_PATTERN_TASKS,
+    TASK_BACKENDS,
+    Backend,
+    EngineArgValue,
+    Task,
+    backend_allowed,
+)
+
+GROUP = "serving.universal-runtime.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "UniversalModel"
+PLURAL = "universalmodels"
+SINGULAR = "universalmodel"
+SHORT_NAMES = ("um", "umodel")
+
+#: The longest UniversalModel name whose derived names stay DNS-1035 labels (<= 63 characters):
+#: the longest is Knative's private service ``<name>-predictor-00001-private`` (24 characters added).
+MAX_NAME_LENGTH = 63 - len("-predictor-00001-private")
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+#: Go durations as Knative and Kubernetes read them: 30s, 5m, 1h30m, 500ms.
+DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+#: Kubernetes resource quantities: 500m, 2, 1.5, 8Gi, 512M, 1e3.
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+SOURCE_URI = r"^((hf|s3|gs|pvc|oci|https?|file)://.+|/.*|\.{1,2}(/.*)?|[A-Za-z0-9_][^:]*)$"
+REMOTE_SCHEMES = ("hf", "s3", "gs", "pvc", "oci", "https", "http")
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
+
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_DURATION_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> timedelta:
+    """A Go-style duration (``1h30m``, ``500ms``) as a timedelta; ValueError if malformed."""
+    if not re.fullmatch(DURATION, text):
+        raise ValueError(f"{text!r} is not a duration; write it like 30s, 5m or 1h30m")
+    return timedelta(seconds=sum(float(n) * _DURATION_UNIT[u] for n, u in _DURATION_PART.findall(text)))
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
+    validation: JsonDict = {"rule": rule, "message": message}
+    if field_path:
+        validation["fieldPath"] = field_path
+    return validation
+
+
+class _Model(BaseModel):
+    """Shared configuration: camelCase on the wire, unknown fields rejected (as the CRD's schema prunes)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=False)
+
+
+class ScalingMode(StrEnum):
+    """How replicas are managed."""
+
+    KNATIVE = "Knative"
+    STANDARD = "Standard"
+
+
+class Source(_Model):
+    """Where the model's files come from."""
+
+    uri: Annotated[
+        str,
+        Field(
+            min_length=1,
+            pattern=SOURCE_URI,
+            description=(
+                "Where the model lives: hf://ORG/REPO, s3://BUCKET/PATH, gs://BUCKET/PATH, pvc://CLAIM/PATH, "
+                "https://URL, or a path (inside the predictor image in a cluster; on disk with "
+                "'universal-runtime serve'). Remote sources are fetched into /mnt/models by KServe's "
+                "storage initializer."
+            ),
+        ),
+    ]
+    file: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "A glob picking one weights file inside the source, e.g. '*q4_k_m.gguf'. Only for GGUF models "
+            "(task generate or embed with backend auto or llamacpp)."
+        ),
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, description="A branch, tag or commit of the source (hf:// sources)."
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        pattern=DNS_1123_SUBDOMAIN,
+        max_length=253,
+        description=(
+            "A Secret in the model's namespace whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_SESSION_TOKEN, GOOGLE_APPLICATION_CREDENTIALS) enter the predictor as environment variables "
+            "through secretKeyRef. Never logged, never copied."
+        ),
+    )
+
+    @property
+    def scheme(self) -> str | None:
+        """The URI scheme (``hf``, ``s3`` ...) or None for a path."""
+        head, sep, _ = self.uri.partition("://")
+        return head if sep else None
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether something must fetch the files before the predictor starts."""
+        return self.scheme in REMOTE_SCHEMES
+
+
+class Resources(_Model):
+    """What one predictor replica gets."""
+
+    profile: str | None = Field(
+        default=None,
+        pattern=DNS_1123_SUBDOMAIN,
+        description=(
+            "A hardware profile named in the operator's configuration (node selector, tolerations, "
+            "runtime class, image, GPU resource name). Empty: the operator's default profile."
+        ),
+    )
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per replica (the profile's GPU resource).")
+    cpu: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="CPU request per replica, e.g. 2 or '500m'.",
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    )
+    memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="Memory request and limit per replica, e.g. '8Gi'. Engines size their caches from it.",
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    )
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+class Scaling(_Model):
+    """How many replicas run, and when they stop."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "scaling.minReplicas must not exceed scaling.maxReplicas",
+                )
+            ]
+        }
+    )
+
+    mode: ScalingMode = Field(
+        default=ScalingMode.KNATIVE,
+        description=(
+            "Knative: true scale to zero, requests held by Knative's activator while a replica starts. "
+            "Standard: a plain Deployment; the gateway stops it after idleTimeout and wakes it on demand. "
+            "Cannot change after the model is created."
+        ),
+    )
+    min_replicas: int = Field(
+        default=0, ge=0, le=1000, description="Replicas kept running when idle (0 = scale to zero)."
+    )
+    max_replicas: int = Field(default=1, ge=1, le=1000, description="The most replicas the autoscaler may run.")
+    idle_timeout: str = Field(
+        default="5m",
+        pattern=DURATION,
+        description="How long a model may go without requests before it scales to zero (the TTL unload).",
+    )
+    target_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=10000,
+        description="In-flight requests per replica the autoscaler aims for. Empty: KServe's default.",
+    )
+    startup_timeout: str = Field(
+        default="20m",
+        pattern=DURATION,
+        description="Budget for download plus load before a rollout counts as failed (large models need more).",
+    )
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> Scaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("scaling.minReplicas must not exceed scaling.maxReplicas")
+        return self
+
+
+class KeyRef(_Model):
+    """A key of a Secret or ConfigMap."""
+
+    name: str = Field(pattern=DNS_1123_SUBDOMAIN, max_length=253, description="The object's name.")
+    key: str = Field(min_length=1, description="The key inside it.")
+    optional: bool | None = Field(default=None, description="Start even if the key is missing.")
+
+
+class FieldRef(_Model):
+    """A field of the pod, e.g. metadata.namespace."""
+
+    field_path: str = Field(min_length=1, description="The pod field's path, e.g. 'status.podIP'.")
+
+
+class EnvVarSource(_Model):
+    """Where an environment variable's value comes from (secrets only by reference)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)].filter(x, x).size() == 1",
+                    "valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef",
+                )
+            ]
+        }
+    )
+
+    secret_key_ref: KeyRef | None = Field(default=None, description="A key of a Secret in the model's namespace.")
+    config_map_key_ref: KeyRef | None = Field(
+        default=None, description="A key of a ConfigMap in the model's namespace."
+    )
+    field_ref: FieldRef | None = Field(default=None, description="A field of the predictor pod.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvVarSource:
+        if sum(x is not None for x in (self.secret_key_ref, self.config_map_key_ref, self.field_ref)) != 1:
+            raise ValueError("valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef")
+        return self
+
+
+class EnvVar(_Model):
+    """An extra environment variable for the predictor."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("has(self.value) != has(self.valueFrom)", "an env entry needs exactly one of value, valueFrom")
+            ]
+        }
+    )
+
+    name: str = Field(pattern=ENV_NAME, max_length=256, description="The variable's name.")
+    value: str | None = Field(default=None, description="A literal value (never a secret: use valueFrom).")
+    value_from: EnvVarSource | None = Field(
+        default=None, description="A value read from a Secret, ConfigMap or the pod."
+    )
+
+    @model_validator(mode="after")
+    def _value_or_reference(self) -> EnvVar:
+        if (self.value is None) == (self.value_from is None):
+            raise ValueError(f"env {self.name}: needs exactly one of value, valueFrom")
+        return self
+
+
+def _task_backend_rule() -> str:
+    clauses = [
+        f"(self.task == '{task.value}' && self.backend in [{', '.join(repr(b.value) for b in backends)}])"
+        for task, backends in TASK_BACKENDS.items()
+    ]
+    return "self.backend == 'auto' || " + " || ".join(clauses)
+
+
+def _file_pattern_rule() -> str:
+    tasks = ", ".join(repr(t.value) for t in FILE_PATTERN_TASKS)
+    backends = ", ".join(repr(b.value) for b in FILE_PATTERN_BACKENDS)
+    return f"!has(self.source.file) || (self.task in [{tasks}] && self.backend in [{backends}])"
+
+
+FILE_PATTERN_MESSAGE = (
+    "source.file picks a GGUF file and applies only to task generate or embed with backend auto or llamacpp"
+)
+
+
+class UniversalModelSpec(_Model):
+    """What to serve and how."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    _task_backend_rule(),
+                    "backend does not serve this task: generate and embed take transformers, llamacpp or vllm; "
+                    "rerank, classify and ner take transformers; ocr takes rapidocr or tesseract; "
+                    "anomaly takes pyod; every task takes auto",
+                    ".backend",
+                ),
+                _cel(_file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
+            ]
+        }
+    )
+
+    task: Task = Field(description="What the model does: generate, embed, rerank, classify, ner, ocr or anomaly.")
+    source: Source = Field(description="Where the model's files come from.")
+    backend: Backend = Field(
+        default=Backend.AUTO,
+        description=(
+            "The engine: auto (chosen from the source and hardware), transformers, llamacpp (GGUF), vllm, "
+            "rapidocr, tesseract or pyod."
+        ),
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=SERVED_NAME,
+        description="The OpenAI 'model' name clients use. Empty: the UniversalModel's name.",
+    )
+    engine_args: dict[str, EngineArgValue] = Field(
+        default_factory=dict,
+        description=(
+            "Backend-specific arguments passed to the engine as --engine-arg key=value (for example n_ctx for "
+            "llamacpp, max_model_len for vllm, max_batch_size for encoders). Values are strings, numbers or "
+            "booleans; each backend rejects keys it does not know at start-up."
+        ),
+        # Any scalar: the API server keeps the value as written; the operator rejects non-scalars.
+        json_schema_extra={"additionalProperties": {"x-kubernetes-preserve-unknown-fields": True}},
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="What one predictor replica gets.", json_schema_extra={"default": {}}
+    )
+    scaling: Scaling = Field(
+        default_factory=Scaling,
+        description="How many replicas run, and when they stop.",
+        json_schema_extra={"default": {}},
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Extra environment for the predictor.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A predictor image to run instead of the profile's or the operator's default.",
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> UniversalModelSpec:
+        if not backend_allowed(self.task, self.backend):
+            allowed = ", ".join(b.value for b in TASK_BACKENDS[self.task])
+            raise ValueError(
+                f"backend {self.backend.value!r} does not serve task {self.task.value!r}; use auto or one of {allowed}"
+            )
+        if self.source.file is not None and not (
+            self.task in FILE_PATTERN_TASKS and self.backend in FILE_PATTERN_BACKENDS
+        ):
+            raise ValueError(FILE_PATTERN_MESSAGE)
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata the operator reads (everything else passes through untouched)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+ConditionType = Literal["Ready", "SpecValid", "InferenceServiceReady"]
+
+
+class Phase(StrEnum):
+    """Where a model is in its life."""
+
+    PENDING = "Pending"
+    LOADING = "Loading"
+    READY = "Ready"
+    IDLE = "Idle"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    """One observed aspect of the model, in Kubernetes' condition shape."""
+
+    type: str = Field(description="Ready, SpecValid or InferenceServiceReady.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="A CamelCase word saying why.")
+    message: str = Field(default="", description="What a person should know or do.")
+    last_transition_time: str = Field(default="", description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="The spec generation this was judged on.")
+
+
+class UniversalModelStatus(_Model):
+    """What the operator observed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase | None = Field(default=None, description="Pending, Loading, Ready, Idle (scaled to zero) or Failed.")
+    observed_generation: int | None = Field(default=None, description="The spec generation the status describes.")
+    served_name: str | None = Field(default=None, description="The OpenAI 'model' name this model answers to.")
+    backend: str | None = Field(default=None, description="The engine, resolved from auto where the spec tells.")
+    url: str | None = Field(default=None, description="The external URL of the model's InferenceService.")
+    address: str | None = Field(default=None, description="The in-cluster address the gateway routes to.")
+    replicas: int | None = Field(default=None, description="Predictor replicas running now.")
+    inference_service: str | None = Field(default=None, description="The name of the owned InferenceService.")
+    message: str | None = Field(default=None, description="The most useful thing to know right now.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, SpecValid and InferenceServiceReady, with reasons and transition times.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class UniversalModel(BaseModel):
+    """A whole UniversalModel object as read from the API or a manifest file."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    api_version: Literal["serving.universal-runtime.dev/v1alpha1"] = Field(
+        default="serving.universal-runtime.dev/v1alpha1", alias="apiVersion"
+    )
+    kind: Literal["UniversalModel"] = "UniversalModel"
+    metadata: ObjectMeta
+    spec: UniversalModelSpec
+    status: UniversalModelStatus = Field(default_factory=UniversalModelStatus)
+
+    @field_validator("metadata")
+    @classmethod
+    def _name_fits_derived_names(cls, meta: ObjectMeta) -> ObjectMeta:
+        if len(meta.name) > MAX_NAME_LENGTH or not re.match(DNS_1035_LABEL, meta.name):
+            raise ValueError(
+                f"metadata.name {meta.name!r} must be a DNS-1035 label (lower-case letters, digits and '-', "
+                f"starting with a letter) of at most {MAX_NAME_LENGTH} characters, so the names KServe and "
+                "Knative derive from it stay valid"
+            )
+        return meta
+
+    @property
+    def served_name(self) -> str:
+        """The OpenAI model name: ``spec.servedName`` or the object's name."""
+        return self.spec.served_name or self.metadata.name
+
+
+#: The root-level CEL rule on the object's name (the API server lets root rules read metadata.name).
+NAME_RULE = _cel(
+    f"self.metadata.name.matches('{DNS_1035_LABEL}') && size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+    f"metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter) of at most "
+    f"{MAX_NAME_LENGTH} characters, so the names KServe and Knative derive from it stay valid",
+)

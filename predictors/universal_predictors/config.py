@@ -1,0 +1,192 @@
+"""The predictor's command line: the contract between the operator, the local supervisor and a predictor.
+
+The operator renders a :class:`PredictorConfig` into the InferenceService container's ``args``; the
+local supervisor renders the same object into a subprocess command line; the predictor parses it back
+with :meth:`PredictorConfig.from_args`. One function each way, so cluster and local runs cannot drift.
+
+This module is imported by the control plane, so it must stay light: pydantic and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Where KServe's storage initializer puts a remote model inside the predictor container.
+MODEL_MOUNT_PATH = "/mnt/models"
+#: The port the predictor's HTTP server listens on in the cluster (KServe's default).
+DEFAULT_HTTP_PORT = 8080
+#: The module a predictor process runs: ``python -m universal_predictors``.
+PREDICTOR_MODULE = "universal_predictors"
+
+
+class Task(StrEnum):
+    """What a model does; one predictor class per task."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+    RERANK = "rerank"
+    CLASSIFY = "classify"
+    NER = "ner"
+    OCR = "ocr"
+    ANOMALY = "anomaly"
+
+
+class Backend(StrEnum):
+    """The engine that runs a model; ``auto`` lets the source and the hardware decide."""
+
+    AUTO = "auto"
+    TRANSFORMERS = "transformers"
+    LLAMACPP = "llamacpp"
+    VLLM = "vllm"
+    RAPIDOCR = "rapidocr"
+    TESSERACT = "tesseract"
+    PYOD = "pyod"
+
+
+#: The engines each task can run on, ``auto`` always allowed. The CRD's CEL rule, the operator's
+#: validation and the predictor's dispatch all read this one table.
+TASK_BACKENDS: Mapping[Task, tuple[Backend, ...]] = {
+    Task.GENERATE: (Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
+    Task.EMBED: (Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
+    Task.RERANK: (Backend.TRANSFORMERS,),
+    Task.CLASSIFY: (Backend.TRANSFORMERS,),
+    Task.NER: (Backend.TRANSFORMERS,),
+    Task.OCR: (Backend.RAPIDOCR, Backend.TESSERACT),
+    Task.ANOMALY: (Backend.PYOD,),
+}
+
+#: Tasks whose sources may hold several weight files, one picked by ``source.file`` (a GGUF pattern).
+FILE_PATTERN_TASKS: tuple[Task, ...] = (Task.GENERATE, Task.EMBED)
+FILE_PATTERN_BACKENDS: tuple[Backend, ...] = (Backend.AUTO, Backend.LLAMACPP)
+
+_ENGINE_ARG_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+EngineArgValue = str | int | float | bool
+
+
+def backend_allowed(task: Task, backend: Backend) -> bool:
+    """Whether ``backend`` can serve ``task``."""
+    return backend is Backend.AUTO or backend in TASK_BACKENDS[task]
+
+
+def is_gguf(source: str, file_pattern: str | None) -> bool:
+    """Whether the weights are a GGUF file, judged from the source URI and the file pattern."""
+    return any(s.lower().endswith(".gguf") or "gguf" in s.lower() for s in (source, file_pattern or "") if s)
+
+
+def resolve_backend(task: Task, backend: Backend, source: str, file_pattern: str | None, gpus: int) -> Backend:
+    """The engine ``auto`` means, as far as the spec alone can tell.
+
+    A GGUF source runs on llama.cpp; OCR defaults to RapidOCR (its models ship with the package);
+    anomaly detection is PyOD; encoder tasks run on transformers. Generation on a GPU stays ``auto``:
+    only the predictor can see whether vLLM is importable and supports the architecture.
+    """
+    if backend is not Backend.AUTO:
+        return backend
+    if task in FILE_PATTERN_TASKS and is_gguf(source, file_pattern):
+        return Backend.LLAMACPP
+    if task is Task.OCR:
+        return Backend.RAPIDOCR
+    if task is Task.ANOMALY:
+        return Backend.PYOD
+    if task is Task.GENERATE and gpus > 0:
+        return Backend.AUTO
+    return Backend.TRANSFORMERS
+
+
+def render_engine_arg(value: EngineArgValue) -> str:
+    """One engine argument's value as it appears on the command line (booleans lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class PredictorConfig(BaseModel):
+    """Everything a predictor process needs to serve one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_name: Annotated[str, Field(min_length=1, description="The OpenAI model name the predictor answers to.")]
+    task: Task
+    backend: Backend = Backend.AUTO
+    source: Annotated[str, Field(min_length=1, description="A local path (or /mnt/models) or a remote URI.")]
+    source_file: str | None = Field(default=None, description="A glob picking one file inside the source.")
+    revision: str | None = Field(default=None, description="The source revision (hf:// sources in local mode).")
+    engine_args: dict[str, str] = Field(default_factory=dict, description="Backend-specific key=value arguments.")
+    http_port: Annotated[int, Field(ge=1, le=65535)] = DEFAULT_HTTP_PORT
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_arg_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENGINE_ARG_KEY.match(key):
+                raise ValueError(f"engine argument key {key!r} must match {_ENGINE_ARG_KEY.pattern}")
+        return value
+
+    def to_args(self) -> list[str]:
+        """The command-line arguments (after ``python -m universal_predictors``)."""
+        args = [
+            "--model_name", self.model_name,
+            "--task", self.task.value,
+            "--backend", self.backend.value,
+            "--source", self.source,
+        ]  # fmt: skip
+        if self.source_file:
+            args += ["--source-file", self.source_file]
+        if self.revision:
+            args += ["--revision", self.revision]
+        for key, value in sorted(self.engine_args.items()):
+            args += ["--engine-arg", f"{key}={value}"]
+        args += ["--http_port", str(self.http_port)]
+        return args
+
+    def to_command(self, python: str = "python") -> list[str]:
+        """The whole command line, interpreter included."""
+        return [python, "-m", PREDICTOR_MODULE, *self.to_args()]
+
+    @classmethod
+    def argument_parser(cls, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+        """A parser for :meth:`to_args`' output; pass KServe's parser as a parent to accept its flags."""
+        parser = argparse.ArgumentParser(
+            prog=f"python -m {PREDICTOR_MODULE}", parents=list(parents), conflict_handler="resolve"
+        )
+        parser.add_argument("--model_name", required=True)
+        parser.add_argument("--task", required=True, choices=[t.value for t in Task])
+        parser.add_argument("--backend", default=Backend.AUTO.value, choices=[b.value for b in Backend])
+        parser.add_argument("--source", required=True)
+        parser.add_argument("--source-file", dest="source_file", default=None)
+        parser.add_argument("--revision", default=None)
+        parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
+        return parser
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> PredictorConfig:
+        """Build the config from parsed arguments; a malformed ``--engine-arg`` raises ValueError."""
+        engine_args: dict[str, str] = {}
+        for item in ns.engine_args:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
+            engine_args[key] = value
+        return cls(
+            model_name=ns.model_name,
+            task=Task(ns.task),
+            backend=Backend(ns.backend),
+            source=ns.source,
+            source_file=ns.source_file,
+            revision=ns.revision,
+            engine_args=engine_args,
+            http_port=ns.http_port,
+        )
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> PredictorConfig:
+        """Parse a command line produced by :meth:`to_args` (unknown flags are an error)."""
+        return cls.from_namespace(cls.argument_parser().parse_args(list(argv)))
