@@ -1,0 +1,61 @@
+# The project's commands. `make test` is what CI runs (.ci/run); `make demo` is the main job for now.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: help venv test lint format typecheck layering unit crd crd-check demo operator bench clean
+
+help:
+	@echo "make test       create .venv, install everything, run lint, types, layering and all tests (CI)"
+	@echo "make demo       run the operator against a simulated cluster and apply examples/cluster/"
+	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
+	@echo "make crd        regenerate crds/universalmodels.yaml from the spec models"
+	@echo "make bench      operator scale benchmark (100 and 1000 models)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+test: venv lint typecheck layering crd-check unit
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+layering: venv
+	$(VENV)/bin/lint-imports
+
+crd: venv
+	$(VENV)/bin/universal-runtime crd -o crds/universalmodels.yaml
+
+crd-check: venv
+	$(VENV)/bin/universal-runtime crd --check crds/universalmodels.yaml
+
+unit: venv
+	$(PY) -m pytest
+
+demo: venv
+	$(PY) e2e/simulated_cluster.py
+
+operator: venv
+	$(VENV)/bin/universal-runtime operator
+
+bench: venv
+	$(PY) bench/operator_scale.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

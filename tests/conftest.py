@@ -1,0 +1,117 @@
+"""Shared fixtures: the generated CRD, an API emulator with kubectl, and the real operator embedded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from universal_operator.config import OperatorConfig, parse_config
+from universal_operator.crd import custom_resource_definition
+from universal_operator.handlers import OperatorState
+from universal_operator.kube import KubeApi
+from universal_operator.runner import run_embedded
+
+from tests.support.kube_emulator import ServedEmulator, serve_emulator
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+#: The operator configuration the cluster tests run with: one GPU profile, fast drift repair.
+TEST_OPERATOR_CONFIG: dict[str, Any] = {
+    "images": {"cpu": "registry.test/predictor-cpu:1", "cuda": "registry.test/predictor-cuda:1"},
+    "profiles": {
+        "gpu-l4": {
+            "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "runtimeClassName": "nvidia",
+        }
+    },
+    "repairIntervalSeconds": 1.0,
+}
+
+
+async def eventually(
+    check: Callable[[], Any] | Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05
+) -> Any:
+    """Poll ``check`` until it returns a truthy value (or stops raising AssertionError) before the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error: AssertionError | None = None
+    while True:
+        try:
+            result = check()
+            if asyncio.iscoroutine(result):
+                result = await result
+            if result:
+                return result
+            last_error = None
+        except AssertionError as exc:
+            last_error = exc
+        if time.monotonic() > deadline:
+            if last_error is not None:
+                raise last_error
+            raise AssertionError(f"condition not met within {timeout}s: {check}")
+        await asyncio.sleep(interval)
+
+
+def load_manifest(relative: str) -> dict[str, Any]:
+    """A manifest from examples/ as a dict."""
+    data = yaml.safe_load((EXAMPLES / relative).read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="session")
+def crd() -> dict[str, Any]:
+    return custom_resource_definition()
+
+
+@pytest.fixture
+def operator_config() -> OperatorConfig:
+    return parse_config(TEST_OPERATOR_CONFIG)
+
+
+@pytest.fixture
+async def cluster(
+    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[ServedEmulator]:
+    """An API emulator serving the UniversalModel CRD and KServe's InferenceService, with a kubeconfig."""
+    async with serve_emulator(tmp_path, crds=[crd]) as served:
+        monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
+        yield served
+
+
+@pytest.fixture
+async def operator(cluster: ServedEmulator, operator_config: OperatorConfig) -> AsyncIterator[OperatorState]:
+    """The real kopf operator, in a thread with its own event loop (as in its own process), watching the emulator.
+
+    Its own loop matters: on stop, kopf waits for every task of its loop, which would include the
+    emulator's open watch streams if they shared one.
+    """
+    state = OperatorState(config=operator_config, api=KubeApi())
+    stop, ready = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(run_embedded(operator_config, stop_flag=stop, ready_flag=ready, state=state))
+        except BaseException as exc:  # reported to the test below
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, name="operator", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 30), "the operator did not become ready within 30s"
+    if failure:
+        raise failure[0]
+    try:
+        yield state
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 30)
+        assert not thread.is_alive(), "the operator did not stop within 30s"

@@ -1,0 +1,283 @@
+"""The real kopf operator, embedded, against the API emulator; manifests applied with the real kubectl.
+
+The tests play KServe: they write the InferenceService's status the way KServe's controller would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightkube import AsyncClient
+from universal_operator import reconcile
+from universal_operator.handlers import OperatorState
+
+from tests.conftest import EXAMPLES, eventually, load_manifest
+from tests.support.kserve_standin import ready_status
+from tests.support.kube_emulator import ServedEmulator
+
+pytestmark = pytest.mark.operator
+
+UM = "universalmodels"
+ISVC = "inferenceservices"
+
+
+def _condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return dict(cond)
+    return {}
+
+
+async def _apply(cluster: ServedEmulator, path: Path | str) -> None:
+    result = await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+    assert result.returncode == 0, result.stderr
+
+
+async def _apply_text(cluster: ServedEmulator, manifest: dict[str, Any], tmp_path: Path) -> None:
+    file = tmp_path / f"{manifest['metadata']['name']}.yaml"
+    file.write_text(yaml.safe_dump(manifest))
+    await _apply(cluster, file)
+
+
+def _child(cluster: ServedEmulator, name: str) -> dict[str, Any] | None:
+    return cluster.emulator.get_object(ISVC, "default", name)
+
+
+def _model(cluster: ServedEmulator, name: str) -> dict[str, Any] | None:
+    return cluster.emulator.get_object(UM, "default", name)
+
+
+async def test_create_renders_owned_inference_service_with_expected_spec(
+    cluster: ServedEmulator, operator: OperatorState
+) -> None:
+    await _apply(cluster, EXAMPLES / "cluster/minilm-embed.yaml")
+
+    child = await eventually(lambda: _child(cluster, "minilm"))
+    model = _model(cluster, "minilm")
+    assert model is not None
+    [owner] = child["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+        "kind": "UniversalModel",
+        "name": "minilm",
+        "uid": model["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    expected = reconcile.desired_inference_service(reconcile.parse_model(model), operator.config)
+    assert child["spec"] == expected["spec"]
+    assert child["metadata"]["labels"]["serving.universal-runtime.dev/task"] == "embed"
+    # Nothing of kopf's lands on the child.
+    assert not [k for k in child["metadata"].get("annotations", {}) if "kopf" in k or "last-handled" in k]
+    assert "finalizers" not in child["metadata"]
+
+    status = await eventually(lambda: (_model(cluster, "minilm") or {}).get("status"))
+    assert status["phase"] == "Pending"
+    assert status["servedName"] == "all-minilm-l6-v2"
+    assert status["backend"] == "transformers"
+    assert _condition(_model(cluster, "minilm"), "SpecValid")["status"] == "True"
+
+
+async def test_status_and_printer_columns_follow_kserve(cluster: ServedEmulator, operator: OperatorState) -> None:
+    await _apply(cluster, EXAMPLES / "cluster/qwen-chat.yaml")
+    child = await eventually(lambda: _child(cluster, "qwen-chat"))
+
+    # KServe reports the predictor up.
+    await cluster.emulator.put_status(ISVC, "default", "qwen-chat", ready_status(child))
+
+    def ready() -> dict[str, Any]:
+        status = (_model(cluster, "qwen-chat") or {}).get("status") or {}
+        assert status.get("phase") == "Ready"
+        return status
+
+    status = await eventually(ready)
+    assert status["url"] == "http://qwen-chat-default.example.com"
+    assert status["address"] == "http://qwen-chat-predictor.default.svc.cluster.local"
+    assert status["replicas"] == 1
+    assert status["observedGeneration"] == _model(cluster, "qwen-chat")["metadata"]["generation"]  # type: ignore[index]
+    assert _condition(_model(cluster, "qwen-chat"), "Ready")["status"] == "True"
+    assert _condition(_model(cluster, "qwen-chat"), "InferenceServiceReady")["status"] == "True"
+
+    table = await cluster.kubectl("get", "um")
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "TASK", "BACKEND", "SERVED", "PHASE", "READY", "URL", "AGE"]
+    assert row.split()[:7] == [
+        "qwen-chat",
+        "generate",
+        "llamacpp",
+        "qwen2.5-0.5b-instruct",
+        "Ready",
+        "True",
+        "http://qwen-chat-default.example.com",
+    ]
+
+    # Scaled to zero: KServe keeps Ready but reports no copies.
+    await cluster.emulator.put_status(ISVC, "default", "qwen-chat", ready_status(child, replicas=0))
+    await eventually(lambda: ((_model(cluster, "qwen-chat") or {}).get("status") or {}).get("phase") == "Idle")
+    assert _model(cluster, "qwen-chat")["status"]["replicas"] == 0  # type: ignore[index]
+
+
+async def test_spec_update_updates_child_and_waits_for_kserve_to_observe_it(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    manifest = load_manifest("cluster/minilm-embed.yaml")
+    await _apply_text(cluster, manifest, tmp_path)
+    child = await eventually(lambda: _child(cluster, "minilm"))
+    await cluster.emulator.put_status(ISVC, "default", "minilm", ready_status(child))
+    await eventually(lambda: (_model(cluster, "minilm") or {}).get("status", {}).get("phase") == "Ready")
+
+    manifest["spec"]["engineArgs"]["max_batch_size"] = 16
+    manifest["spec"]["scaling"]["maxReplicas"] = 3
+    await _apply_text(cluster, manifest, tmp_path)
+
+    def updated() -> dict[str, Any]:
+        child = _child(cluster, "minilm") or {}
+        predictor = child.get("spec", {}).get("predictor", {})
+        assert predictor.get("maxReplicas") == 3
+        assert "max_batch_size=16" in predictor["containers"][0]["args"]
+        return child
+
+    child = await eventually(updated)
+    # KServe has not observed the new generation: the old Ready status must not count.
+    model = await eventually(
+        lambda: (m := _model(cluster, "minilm")) and m["status"]["observedGeneration"] == m["metadata"]["generation"] and m
+    )
+    assert model["status"]["phase"] == "Loading"
+    assert _condition(model, "Ready")["status"] == "False"
+
+    await cluster.emulator.put_status(ISVC, "default", "minilm", ready_status(child))
+    await eventually(lambda: (_model(cluster, "minilm") or {}).get("status", {}).get("phase") == "Ready")
+
+
+async def test_child_deleted_out_of_band_is_recreated(cluster: ServedEmulator, operator: OperatorState) -> None:
+    await _apply(cluster, EXAMPLES / "cluster/bert-ner.yaml")
+    first = await eventually(lambda: _child(cluster, "bert-ner"))
+
+    result = await cluster.kubectl("delete", "isvc", "bert-ner")
+    assert result.returncode == 0, result.stderr
+
+    second = await eventually(
+        lambda: (c := _child(cluster, "bert-ner")) and c["metadata"]["uid"] != first["metadata"]["uid"] and c
+    )
+    assert second["spec"] == first["spec"]
+    assert second["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
+
+
+async def test_out_of_band_edit_of_child_is_repaired(cluster: ServedEmulator, operator: OperatorState) -> None:
+    await _apply(cluster, EXAMPLES / "cluster/sentiment-classify.yaml")
+    child = await eventually(lambda: _child(cluster, "sentiment"))
+    wanted_image = child["spec"]["predictor"]["containers"][0]["image"]
+
+    patch = {"spec": {"predictor": {"maxReplicas": 9, "containers": [{**child["spec"]["predictor"]["containers"][0],
+                                                                      "image": "evil/image:latest"}]}}}
+    result = await cluster.kubectl("patch", "isvc", "sentiment", "--type=merge", "-p", yaml.safe_dump(patch))
+    assert result.returncode == 0, result.stderr
+    assert _child(cluster, "sentiment")["spec"]["predictor"]["maxReplicas"] == 9  # type: ignore[index]
+
+    def repaired() -> bool:
+        predictor = (_child(cluster, "sentiment") or {})["spec"]["predictor"]
+        return predictor["maxReplicas"] == 1 and predictor["containers"][0]["image"] == wanted_image
+
+    await eventually(repaired, timeout=10)
+
+
+async def test_invalid_spec_sets_spec_valid_false_with_event_and_no_child(
+    cluster: ServedEmulator, operator: OperatorState
+) -> None:
+    await _apply(cluster, EXAMPLES / "invalid/unknown-profile.yaml")
+
+    def rejected() -> dict[str, Any]:
+        cond = _condition(_model(cluster, "needs-h100"), "SpecValid")
+        assert cond.get("status") == "False"
+        return cond
+
+    cond = await eventually(rejected)
+    assert cond["reason"] == "InvalidSpec"
+    assert "spec.resources.profile" in cond["message"]
+    assert "gpu-h100" in cond["message"]
+    assert _model(cluster, "needs-h100")["status"]["phase"] == "Failed"  # type: ignore[index]
+
+    events = await eventually(
+        lambda: [
+            e
+            for e in cluster.emulator.list_objects("events", "default")
+            if e.get("reason") == "InvalidSpec" and e.get("involvedObject", {}).get("name") == "needs-h100"
+        ]
+    )
+    assert events[0]["type"] == "Warning"
+    assert "spec.resources.profile" in events[0]["message"]
+    assert _child(cluster, "needs-h100") is None
+
+    # No retry storm: over several repair intervals the operator does not keep writing.
+    writes_before = cluster.emulator.write_count(UM, "default", "needs-h100")
+    await asyncio.sleep(3)
+    assert cluster.emulator.write_count(UM, "default", "needs-h100") == writes_before
+    assert cluster.emulator.write_count(ISVC) == 0
+
+    # Fixing the spec recovers.
+    result = await cluster.kubectl(
+        "patch", "um", "needs-h100", "--type=merge", "-p", '{"spec": {"resources": {"profile": "gpu-l4"}}}'
+    )
+    assert result.returncode == 0, result.stderr
+    child = await eventually(lambda: _child(cluster, "needs-h100"))
+    assert child["spec"]["predictor"]["runtimeClassName"] == "nvidia"
+    assert child["spec"]["predictor"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    await eventually(lambda: _condition(_model(cluster, "needs-h100"), "SpecValid").get("status") == "True")
+
+
+@pytest.mark.parametrize("code", [409, 500])
+async def test_api_errors_converge_to_one_child_without_a_write_storm(
+    cluster: ServedEmulator, operator: OperatorState, code: int
+) -> None:
+    cluster.emulator.inject_failures(status=code, times=3, resource=ISVC)
+    cluster.emulator.inject_failures(status=code, times=2, resource=UM, subresource="status")
+    await _apply(cluster, EXAMPLES / "cluster/bge-rerank.yaml")
+
+    child = await eventually(lambda: _child(cluster, "bge-reranker"), timeout=30)
+    await cluster.emulator.put_status(ISVC, "default", "bge-reranker", ready_status(child))
+    await eventually(
+        lambda: (_model(cluster, "bge-reranker") or {}).get("status", {}).get("phase") == "Ready", timeout=30
+    )
+    assert [c["metadata"]["name"] for c in cluster.emulator.list_objects(ISVC)] == ["bge-reranker"]
+    # 3 refused applies + 1 that landed; a retry storm would be dozens.
+    assert cluster.emulator.write_count(ISVC, "default", "bge-reranker") <= 5
+    assert cluster.emulator.write_count(UM, "default", "bge-reranker") <= 10
+
+
+async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator, operator: OperatorState) -> None:
+    from tests.support.kserve_standin import kserve_standin
+
+    names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
+    assert len(names) >= 7
+    client = AsyncClient()
+    async with kserve_standin(client):
+        await _apply(cluster, EXAMPLES / "cluster")
+
+        def all_ready() -> bool:
+            phases = {m["metadata"]["name"]: (m.get("status") or {}).get("phase") for m in cluster.emulator.list_objects(UM)}
+            assert phases == dict.fromkeys(names, "Ready")
+            return True
+
+        await eventually(all_ready, timeout=30)
+    await client.close()
+    tasks = {c["metadata"]["labels"]["serving.universal-runtime.dev/task"] for c in cluster.emulator.list_objects(ISVC)}
+    assert tasks == {"generate", "embed", "rerank", "classify", "ner", "ocr", "anomaly"}
+    standard = _child(cluster, "anomaly")
+    assert standard is not None
+    assert standard["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+
+
+async def test_deleting_the_model_deletes_its_child(cluster: ServedEmulator, operator: OperatorState) -> None:
+    await _apply(cluster, EXAMPLES / "cluster/rapidocr.yaml")
+    await eventually(lambda: _child(cluster, "ocr"))
+
+    result = await cluster.kubectl("delete", "um", "ocr", "--wait=false")
+    assert result.returncode == 0, result.stderr
+
+    await eventually(lambda: _model(cluster, "ocr") is None)
+    await eventually(lambda: _child(cluster, "ocr") is None)
