@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.support.kube_emulator import ServedEmulator, serve_emulator
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.crd import custom_resource_definition
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import KubeApi
 from universal_operator.runner import run_embedded
-
-from tests.support.kube_emulator import ServedEmulator, serve_emulator
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -37,10 +37,10 @@ TEST_OPERATOR_CONFIG: dict[str, Any] = {
 
 
 async def eventually(
-    check: Callable[[], Any] | Callable[[], Awaitable[Any]], *, timeout: float = 15.0, interval: float = 0.05
+    check: Callable[[], Any] | Callable[[], Awaitable[Any]], *, within: float = 15.0, interval: float = 0.05
 ) -> Any:
     """Poll ``check`` until it returns a truthy value (or stops raising AssertionError) before the deadline."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     last_error: AssertionError | None = None
     while True:
         try:
@@ -55,7 +55,7 @@ async def eventually(
         if time.monotonic() > deadline:
             if last_error is not None:
                 raise last_error
-            raise AssertionError(f"condition not met within {timeout}s: {check}")
+            raise AssertionError(f"condition not met within {within}s: {check}")
         await asyncio.sleep(interval)
 
 

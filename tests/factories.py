@@ -7,10 +7,18 @@ import textwrap
 from typing import Any
 
 import yaml
+from hypothesis import strategies as st
 
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.reconcile import desired_inference_service, parse_model
-from universal_operator.spec import UniversalModel
+from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel
+from universal_predictors.config import (
+    FILE_PATTERN_BACKENDS,
+    FILE_PATTERN_TASKS,
+    TASK_BACKENDS,
+    Backend,
+    Task,
+)
 
 #: An operator configuration with two hardware profiles, as a deployer would write it.
 CONFIG_YAML = """
@@ -85,3 +93,127 @@ def at(obj: Any, path: str) -> Any:
 def pick(mapping: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``like`` taken from ``mapping`` (None where absent), to compare with ``==`` against ``like``."""
     return {key: mapping.get(key) for key in like}
+
+
+# --------------------------------------------------------------------------------------------------
+# Hypothesis strategies: valid UniversalModel manifests and the operator configs that can serve them
+
+#: Configs the generated specs are rendered with: two profiles, a default profile, and none at all.
+CONFIGS: tuple[OperatorConfig, ...] = (
+    CONFIG,
+    parse_config({**load(CONFIG_YAML), "defaultProfile": "amd", "serviceAccountName": "predictors"}),
+    OperatorConfig(),
+)
+
+_PATH_CHARS = st.sampled_from("abcdefghijklmnopqrstuvwxyzABCXYZ0123456789._-")
+_segment = st.text(_PATH_CHARS, min_size=1, max_size=12)
+_path = st.lists(_segment, min_size=1, max_size=4).map("/".join)
+names = st.from_regex(rf"[a-z]([-a-z0-9]{{0,{MAX_NAME_LENGTH - 2}}}[a-z0-9])?", fullmatch=True)
+dns_1123 = st.from_regex(
+    r"[a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?){0,2}", fullmatch=True
+)
+served_names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,90}", fullmatch=True)
+env_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
+engine_arg_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,20}", fullmatch=True)
+engine_arg_values = st.one_of(
+    st.text(max_size=20),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+)
+#: Memory as Mi or Gi, cpu as cores or millicores: spellings whose equal re-spellings the drift check must accept.
+memory_quantities = st.builds(lambda n, unit: f"{n}{unit}", st.integers(1, 4096), st.sampled_from(["Mi", "Gi"]))
+cpu_quantities = st.one_of(st.integers(1, 64).map(str), st.integers(1, 64000).map(lambda n: f"{n}m"))
+durations = st.one_of(
+    st.builds(lambda n, unit: f"{n}{unit}", st.integers(0, 5000), st.sampled_from(["ms", "s", "m", "h"])),
+    st.builds(lambda h, m: f"{h}h{m}m", st.integers(0, 3), st.integers(0, 59)),
+    st.builds(lambda n: f"{n}.5m", st.integers(0, 30)),
+)
+
+
+def _env_entry(name: str) -> st.SearchStrategy[dict[str, Any]]:
+    key_ref = st.fixed_dictionaries(
+        {"name": dns_1123, "key": st.text(_PATH_CHARS, min_size=1, max_size=10)},
+        optional={"optional": st.booleans()},
+    )
+    field_ref = st.fixed_dictionaries({"fieldPath": st.sampled_from(["status.podIP", "metadata.name"])})
+    return st.one_of(
+        st.fixed_dictionaries({"name": st.just(name), "value": st.text(max_size=20)}),
+        st.fixed_dictionaries({"name": st.just(name), "valueFrom": st.fixed_dictionaries({"secretKeyRef": key_ref})}),
+        st.fixed_dictionaries(
+            {"name": st.just(name), "valueFrom": st.fixed_dictionaries({"configMapKeyRef": key_ref})}
+        ),
+        st.fixed_dictionaries(
+            {
+                "name": st.just(name),
+                "valueFrom": st.fixed_dictionaries({"fieldRef": field_ref}),
+            }
+        ),
+    )
+
+
+@st.composite
+def servable_models(draw: st.DrawFn) -> tuple[dict[str, Any], OperatorConfig]:
+    """A valid UniversalModel body (any task, an allowed backend, ...) and an operator config that can serve it."""
+    config = draw(st.sampled_from(CONFIGS))
+    task = draw(st.sampled_from(list(Task)))
+    backend = draw(st.sampled_from([Backend.AUTO, *TASK_BACKENDS[task]]))
+    remote = draw(st.booleans())
+    scheme = draw(st.sampled_from(REMOTE_SCHEMES)) if remote else None
+    if scheme == "hf":
+        uri = f"hf://{draw(_segment)}/{draw(_segment)}"  # hf://OWNER/REPO
+    elif scheme is not None:
+        uri = f"{scheme}://{draw(_path)}"
+    else:
+        uri = f"/{draw(_path)}"
+    source: dict[str, Any] = {"uri": uri}
+    if task in FILE_PATTERN_TASKS and backend in FILE_PATTERN_BACKENDS and draw(st.booleans()):
+        source["file"] = draw(st.sampled_from(["*q4_k_m.gguf", "*.gguf", "model-Q8_0.gguf"]))
+    if scheme == "hf" and draw(st.booleans()):
+        source["revision"] = draw(_segment)  # reaches KServe as hf://OWNER/REPO:REV
+    if draw(st.booleans()):
+        source["credentialsSecret"] = draw(dns_1123)
+    spec: dict[str, Any] = {"task": task.value, "source": source}
+    if draw(st.booleans()) or backend is not Backend.AUTO:
+        spec["backend"] = backend.value
+    if draw(st.booleans()):
+        spec["servedName"] = draw(served_names)
+    if draw(st.booleans()):
+        spec["engineArgs"] = draw(st.dictionaries(engine_arg_keys, engine_arg_values, max_size=4))
+    resources: dict[str, Any] = {}
+    profile = draw(st.sampled_from([None, *sorted(config.profiles)]))
+    if profile is not None:
+        resources["profile"] = profile
+    resources["gpus"] = draw(st.integers(0, 8))
+    if draw(st.booleans()):
+        resources["cpu"] = draw(cpu_quantities)
+    if draw(st.booleans()):
+        resources["memory"] = draw(memory_quantities)
+    spec["resources"] = resources
+    max_replicas = draw(st.integers(1, 1000))
+    scaling: dict[str, Any] = {
+        "mode": draw(st.sampled_from(["Knative", "Standard"])),
+        "minReplicas": draw(st.integers(0, max_replicas)),
+        "maxReplicas": max_replicas,
+        "idleTimeout": draw(durations),
+        "startupTimeout": draw(durations),
+    }
+    if draw(st.booleans()):
+        scaling["targetConcurrency"] = draw(st.integers(1, 10000))
+    spec["scaling"] = scaling
+    env_keys = draw(st.lists(env_names, max_size=4, unique=True))
+    spec["env"] = [draw(_env_entry(name)) for name in env_keys]
+    if draw(st.booleans()):
+        spec["image"] = f"registry.example/{draw(_segment).lower()}:1"
+    body = {
+        "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+        "kind": "UniversalModel",
+        "metadata": {
+            "name": draw(names),
+            "namespace": draw(st.sampled_from(["default", "models"])),
+            "uid": "uid-1",
+            "generation": draw(st.integers(1, 50)),
+        },
+        "spec": spec,
+    }
+    return body, config

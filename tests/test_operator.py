@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 from lightkube import AsyncClient
-from universal_operator import reconcile
-from universal_operator.handlers import OperatorState
 
 from tests.conftest import EXAMPLES, eventually, load_manifest
 from tests.support.kserve_standin import ready_status
 from tests.support.kube_emulator import ServedEmulator
+from universal_operator import reconcile
+from universal_operator.handlers import OperatorState
 
 pytestmark = pytest.mark.operator
 
@@ -139,13 +139,15 @@ async def test_spec_update_updates_child_and_waits_for_kserve_to_observe_it(
         child = _child(cluster, "minilm") or {}
         predictor = child.get("spec", {}).get("predictor", {})
         assert predictor.get("maxReplicas") == 3
-        assert "max_batch_size=16" in predictor["containers"][0]["args"]
+        assert "--engine-arg=max_batch_size=16" in predictor["containers"][0]["args"]
         return child
 
     child = await eventually(updated)
     # KServe has not observed the new generation: the old Ready status must not count.
     model = await eventually(
-        lambda: (m := _model(cluster, "minilm")) and m["status"]["observedGeneration"] == m["metadata"]["generation"] and m
+        lambda: (
+            (m := _model(cluster, "minilm")) and m["status"]["observedGeneration"] == m["metadata"]["generation"] and m
+        )
     )
     assert model["status"]["phase"] == "Loading"
     assert _condition(model, "Ready")["status"] == "False"
@@ -173,8 +175,14 @@ async def test_out_of_band_edit_of_child_is_repaired(cluster: ServedEmulator, op
     child = await eventually(lambda: _child(cluster, "sentiment"))
     wanted_image = child["spec"]["predictor"]["containers"][0]["image"]
 
-    patch = {"spec": {"predictor": {"maxReplicas": 9, "containers": [{**child["spec"]["predictor"]["containers"][0],
-                                                                      "image": "evil/image:latest"}]}}}
+    patch = {
+        "spec": {
+            "predictor": {
+                "maxReplicas": 9,
+                "containers": [{**child["spec"]["predictor"]["containers"][0], "image": "evil/image:latest"}],
+            }
+        }
+    }
     result = await cluster.kubectl("patch", "isvc", "sentiment", "--type=merge", "-p", yaml.safe_dump(patch))
     assert result.returncode == 0, result.stderr
     assert _child(cluster, "sentiment")["spec"]["predictor"]["maxReplicas"] == 9  # type: ignore[index]
@@ -183,7 +191,7 @@ async def test_out_of_band_edit_of_child_is_repaired(cluster: ServedEmulator, op
         predictor = (_child(cluster, "sentiment") or {})["spec"]["predictor"]
         return predictor["maxReplicas"] == 1 and predictor["containers"][0]["image"] == wanted_image
 
-    await eventually(repaired, timeout=10)
+    await eventually(repaired, within=10)
 
 
 async def test_invalid_spec_sets_spec_valid_false_with_event_and_no_child(
@@ -238,10 +246,10 @@ async def test_api_errors_converge_to_one_child_without_a_write_storm(
     cluster.emulator.inject_failures(status=code, times=2, resource=UM, subresource="status")
     await _apply(cluster, EXAMPLES / "cluster/bge-rerank.yaml")
 
-    child = await eventually(lambda: _child(cluster, "bge-reranker"), timeout=30)
+    child = await eventually(lambda: _child(cluster, "bge-reranker"), within=30)
     await cluster.emulator.put_status(ISVC, "default", "bge-reranker", ready_status(child))
     await eventually(
-        lambda: (_model(cluster, "bge-reranker") or {}).get("status", {}).get("phase") == "Ready", timeout=30
+        lambda: (_model(cluster, "bge-reranker") or {}).get("status", {}).get("phase") == "Ready", within=30
     )
     assert [c["metadata"]["name"] for c in cluster.emulator.list_objects(ISVC)] == ["bge-reranker"]
     # 3 refused applies + 1 that landed; a retry storm would be dozens.
@@ -259,11 +267,13 @@ async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator
         await _apply(cluster, EXAMPLES / "cluster")
 
         def all_ready() -> bool:
-            phases = {m["metadata"]["name"]: (m.get("status") or {}).get("phase") for m in cluster.emulator.list_objects(UM)}
+            phases = {
+                m["metadata"]["name"]: (m.get("status") or {}).get("phase") for m in cluster.emulator.list_objects(UM)
+            }
             assert phases == dict.fromkeys(names, "Ready")
             return True
 
-        await eventually(all_ready, timeout=30)
+        await eventually(all_ready, within=30)
     await client.close()
     tasks = {c["metadata"]["labels"]["serving.universal-runtime.dev/task"] for c in cluster.emulator.list_objects(ISVC)}
     assert tasks == {"generate", "embed", "rerank", "classify", "ner", "ocr", "anomaly"}

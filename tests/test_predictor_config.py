@@ -38,25 +38,25 @@ def test_to_args_parses_back_to_the_same_config(config: PredictorConfig) -> None
 
 def test_to_args_spells_every_flag_with_engine_args_sorted() -> None:
     assert FULL.to_args() == [
-        "--model_name", "Qwen/Qwen2.5-0.5B",
-        "--task", "generate",
-        "--backend", "llamacpp",
-        "--source", "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
-        "--source-file", "*q4_k_m.gguf",
-        "--revision", "main",
-        "--engine-arg", "dotted.key-1=x y",
-        "--engine-arg", "empty=",
-        "--engine-arg", "flash_attn=true",
-        "--engine-arg", "n_ctx=8192",
-        "--engine-arg", "stop=a=b",
-        "--http_port", "9000",
-    ]  # fmt: skip
+        "--model_name=Qwen/Qwen2.5-0.5B",
+        "--task=generate",
+        "--backend=llamacpp",
+        "--source=hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+        "--source-file=*q4_k_m.gguf",
+        "--revision=main",
+        "--engine-arg=dotted.key-1=x y",
+        "--engine-arg=empty=",
+        "--engine-arg=flash_attn=true",
+        "--engine-arg=n_ctx=8192",
+        "--engine-arg=stop=a=b",
+        "--http_port=9000",
+    ]
 
 
 def test_minimal_args_omit_optional_flags_and_default_port_and_backend() -> None:
     assert MINIMAL.to_args() == [
-        "--model_name", "m", "--task", "embed", "--backend", "auto", "--source", "/mnt/models", "--http_port", "8080",
-    ]  # fmt: skip
+        "--model_name=m", "--task=embed", "--backend=auto", "--source=/mnt/models", "--http_port=8080"
+    ]
 
 
 def test_to_command_prefixes_the_interpreter_and_module() -> None:
@@ -65,8 +65,8 @@ def test_to_command_prefixes_the_interpreter_and_module() -> None:
 
 
 def test_engine_arg_value_keeps_everything_after_the_first_equals_sign() -> None:
-    parsed = PredictorConfig.from_args([*MINIMAL.to_args(), "--engine-arg", "stop===="])
-    assert parsed.engine_args == {"stop": "==="}
+    parsed = PredictorConfig.from_args([*MINIMAL.to_args(), "--engine-arg=stop===", "--engine-arg", "x=-1"])
+    assert parsed.engine_args == {"stop": "==", "x": "-1"}
 
 
 @pytest.mark.parametrize("key", ["1abc", "-x", "a b", "a=b", "", "ключ", "a/b"])
@@ -165,3 +165,9 @@ def test_every_task_has_a_backend_table_entry_and_auto_resolves_to_an_allowed_ba
 
 def test_file_patterns_apply_to_backends_that_serve_their_tasks() -> None:
     assert all(backend_allowed(t, b) for t in FILE_PATTERN_TASKS for b in FILE_PATTERN_BACKENDS)
+
+
+@pytest.mark.parametrize("field", ["revision", "source_file", "model_name", "source"])
+def test_values_starting_with_a_dash_survive_the_command_line(field: str) -> None:
+    config = MINIMAL.model_copy(update={field: "-rc1"})
+    assert PredictorConfig.from_args(config.to_args()) == config

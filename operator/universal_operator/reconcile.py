@@ -6,6 +6,7 @@ Nothing here talks to Kubernetes. The handlers feed these functions plain dicts 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
@@ -181,7 +182,10 @@ def _env(model: UniversalModel) -> list[dict[str, Any]]:
     spec = model.spec
     env: list[dict[str, Any]] = []
     if spec.source.is_remote:
-        env.append({"name": "STORAGE_URI", "value": spec.source.uri})
+        env.append({"name": "STORAGE_URI", "value": spec.source.storage_uri})
+        if spec.source.file:
+            # KServe's storage initializer fetches only matching files: one quantisation, not the whole repo.
+            env.append({"name": "STORAGE_ALLOW_PATTERNS", "value": json.dumps([spec.source.file])})
     env += [
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -587,9 +591,12 @@ def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetim
         except ValidationError:
             continue
     message = f"Invalid spec: {error}"
+    raw_spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
+    served = raw_spec.get("servedName") if isinstance(raw_spec.get("servedName"), str) else None
     return {
         "phase": Phase.FAILED.value,
         "observedGeneration": generation,
+        "servedName": served or meta.get("name"),
         "message": message,
         "conditions": _conditions(
             previous, generation, now,

@@ -82,6 +82,18 @@ class ScalingMode(StrEnum):
 class Source(_Model):
     """Where the model's files come from."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.revision) || self.uri.startsWith('hf://')",
+                    "source.revision applies only to hf:// sources",
+                    ".revision",
+                )
+            ]
+        }
+    )
+
     uri: Annotated[
         str,
         Field(
@@ -116,6 +128,25 @@ class Source(_Model):
             "through secretKeyRef. Never logged, never copied."
         ),
     )
+
+    @model_validator(mode="after")
+    def _hub_reference(self) -> Source:
+        if self.scheme == "hf":
+            path = self.uri[len("hf://") :]
+            if not re.fullmatch(r"[^/:]+/[^/:]+(:[^/:]+)?", path):
+                raise ValueError(f"source.uri {self.uri!r} must look like hf://OWNER/REPO (optionally :REVISION)")
+            if ":" in path and self.revision is not None:
+                raise ValueError("give the revision either in source.uri (hf://OWNER/REPO:REV) or source.revision")
+        elif self.revision is not None:
+            raise ValueError("source.revision applies only to hf:// sources")
+        return self
+
+    @property
+    def storage_uri(self) -> str:
+        """The URI KServe's storage initializer fetches (hf:// carries the revision as ``:REV``)."""
+        if self.scheme == "hf" and self.revision:
+            return f"{self.uri}:{self.revision}"
+        return self.uri
 
     @property
     def scheme(self) -> str | None:
@@ -357,6 +388,15 @@ class UniversalModelSpec(_Model):
         min_length=1,
         description="A predictor image to run instead of the profile's or the operator's default.",
     )
+
+    @field_validator("engine_args", mode="before")
+    @classmethod
+    def _scalar_engine_args(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, dict | list) or item is None:
+                    raise ValueError(f"engineArgs.{key} must be a string, number or boolean")
+        return value
 
     @model_validator(mode="after")
     def _coherent(self) -> UniversalModelSpec:

@@ -130,20 +130,22 @@ class PredictorConfig(BaseModel):
         return value
 
     def to_args(self) -> list[str]:
-        """The command-line arguments (after ``python -m universal_predictors``)."""
+        """The command-line arguments (after ``python -m universal_predictors``).
+
+        Free-text values use the ``--flag=value`` form so a value starting with '-' is not read as a flag.
+        """
         args = [
-            "--model_name", self.model_name,
-            "--task", self.task.value,
-            "--backend", self.backend.value,
-            "--source", self.source,
-        ]  # fmt: skip
+            f"--model_name={self.model_name}",
+            f"--task={self.task.value}",
+            f"--backend={self.backend.value}",
+            f"--source={self.source}",
+        ]
         if self.source_file:
-            args += ["--source-file", self.source_file]
+            args.append(f"--source-file={self.source_file}")
         if self.revision:
-            args += ["--revision", self.revision]
-        for key, value in sorted(self.engine_args.items()):
-            args += ["--engine-arg", f"{key}={value}"]
-        args += ["--http_port", str(self.http_port)]
+            args.append(f"--revision={self.revision}")
+        args += [f"--engine-arg={key}={value}" for key, value in sorted(self.engine_args.items())]
+        args.append(f"--http_port={self.http_port}")
         return args
 
     def to_command(self, python: str = "python") -> list[str]:

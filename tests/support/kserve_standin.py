@@ -16,6 +16,7 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.types import PatchType
+
 from universal_operator.kube import InferenceService
 
 logger = logging.getLogger(__name__)

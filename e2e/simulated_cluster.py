@@ -1,0 +1,118 @@
+"""A simulated cluster on one machine: API emulator + KServe stand-in + the real operator + real kubectl.
+
+This is what `make demo` runs. It needs no container engine and no Kubernetes binaries beyond kubectl:
+
+1. an in-process Kubernetes API emulator (tests/support/kube_emulator.py) serves the UniversalModel
+   CRD and KServe's InferenceService on a loopback port, and a kubeconfig for it is written;
+2. the operator runs as a real process (`universal-runtime operator`) against it;
+3. a stand-in for KServe's controller reports every InferenceService Ready;
+4. `kubectl apply -f` applies the manifests (default: examples/cluster/), the script waits for every
+   model to be Ready and prints `kubectl get um`.
+
+Then it keeps serving until Ctrl-C, so you can use kubectl yourself with the printed KUBECONFIG.
+Predictor pods are not run: the InferenceServices are reported Ready by the stand-in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightkube import AsyncClient  # noqa: E402
+from universal_operator.crd import custom_resource_definition  # noqa: E402
+
+from tests.support.kserve_standin import kserve_standin  # noqa: E402
+from tests.support.kube_emulator import ServedEmulator, serve_emulator  # noqa: E402
+
+DEFAULT_CONFIG = """\
+images:
+  cpu: ghcr.io/universal-runtime/predictor-cpu:0.1.0
+  cuda: ghcr.io/universal-runtime/predictor-cuda:0.1.0
+profiles:
+  gpu-l4:
+    nodeSelector: {cloud.google.com/gke-accelerator: nvidia-l4}
+    tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+    runtimeClassName: nvidia
+"""
+
+
+async def wait_ready(served: ServedEmulator, names: set[str], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phases = {
+            m["metadata"]["name"]: (m.get("status") or {}).get("phase")
+            for m in served.emulator.list_objects("universalmodels")
+        }
+        if names <= phases.keys() and all(phases[n] in ("Ready", "Failed") for n in names):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
+    async with serve_emulator(workdir, crds=[custom_resource_definition()]) as served:
+        config_file = workdir / "operator.yaml"
+        config_file.write_text(DEFAULT_CONFIG)
+        env = {**os.environ, "KUBECONFIG": str(served.kubeconfig), "UNIVERSAL_RUNTIME_OPERATOR_CONFIG": str(config_file)}
+        os.environ["KUBECONFIG"] = str(served.kubeconfig)
+        log_path = workdir / "operator.log"
+        with log_path.open("w") as log:
+            operator = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "universal_operator.cli", "operator", "--liveness", "",
+                env=env, stdout=log, stderr=log,
+            )  # fmt: skip
+            client = AsyncClient()
+            try:
+                async with kserve_standin(client, delay=0.5):
+                    print(f"API emulator at {served.url}; operator log: {log_path}")
+                    applied = await served.kubectl("apply", "--validate=false", *[f"-f={p}" for p in paths])
+                    print(applied.stdout.strip() or applied.stderr.strip())
+                    if applied.returncode != 0:
+                        return 1
+                    names = {
+                        line.split()[0].split("/", 1)[1]
+                        for line in applied.stdout.splitlines()
+                        if line.startswith("universalmodel")
+                    }
+                    if not await wait_ready(served, names, timeout=60):
+                        print("not every model became Ready within 60s; see the operator log", file=sys.stderr)
+                    table = await served.kubectl("get", "um")
+                    print(table.stdout, end="")
+                    if once:
+                        return 0
+                    print(f"\nexport KUBECONFIG={served.kubeconfig}   # then: kubectl get um,isvc -o wide")
+                    print("Serving until Ctrl-C.")
+                    stop = asyncio.Event()
+                    loop = asyncio.get_running_loop()
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.add_signal_handler(sig, stop.set)
+                    await stop.wait()
+                    return 0
+            finally:
+                operator.terminate()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(operator.wait(), 15)
+                await client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="*", default=[str(ROOT / "examples" / "cluster")], help="manifests to apply")
+    parser.add_argument("--once", action="store_true", help="exit after printing `kubectl get um`")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="universal-runtime-demo-") as tmp:
+        raise SystemExit(asyncio.run(main_async(args.paths, args.once, Path(tmp))))
+
+
+if __name__ == "__main__":
+    main()
