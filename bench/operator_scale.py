@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from lightkube import AsyncClient  # noqa: E402
 from lightkube.types import PatchType  # noqa: E402
+
 from tests.support.kserve_standin import ready_status  # noqa: E402
 from tests.support.kube_emulator import HARNESS_HEADER, KubeEmulator, ServedEmulator, serve_emulator  # noqa: E402
-
 from universal_operator import reconcile  # noqa: E402
 from universal_operator.config import OperatorConfig  # noqa: E402
 from universal_operator.crd import custom_resource_definition  # noqa: E402

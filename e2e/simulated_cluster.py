@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightkube import AsyncClient  # noqa: E402
-from universal_operator.crd import custom_resource_definition  # noqa: E402
 
 from tests.support.kserve_standin import kserve_standin  # noqa: E402
 from tests.support.kube_emulator import ServedEmulator, serve_emulator  # noqa: E402
+from universal_operator.crd import custom_resource_definition  # noqa: E402
 
 DEFAULT_CONFIG = """\
 images:
@@ -46,8 +46,8 @@ profiles:
 """
 
 
-async def wait_ready(served: ServedEmulator, names: set[str], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
+async def wait_ready(served: ServedEmulator, names: set[str], within: float) -> bool:
+    deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         phases = {
             m["metadata"]["name"]: (m.get("status") or {}).get("phase")
@@ -63,7 +63,11 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
     async with serve_emulator(workdir, crds=[custom_resource_definition()]) as served:
         config_file = workdir / "operator.yaml"
         config_file.write_text(DEFAULT_CONFIG)
-        env = {**os.environ, "KUBECONFIG": str(served.kubeconfig), "UNIVERSAL_RUNTIME_OPERATOR_CONFIG": str(config_file)}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(served.kubeconfig),
+            "UNIVERSAL_RUNTIME_OPERATOR_CONFIG": str(config_file),
+        }
         os.environ["KUBECONFIG"] = str(served.kubeconfig)
         log_path = workdir / "operator.log"
         with log_path.open("w") as log:
@@ -84,7 +88,7 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
                         for line in applied.stdout.splitlines()
                         if line.startswith("universalmodel")
                     }
-                    if not await wait_ready(served, names, timeout=60):
+                    if not await wait_ready(served, names, within=60):
                         print("not every model became Ready within 60s; see the operator log", file=sys.stderr)
                     table = await served.kubectl("get", "um")
                     print(table.stdout, end="")

@@ -323,26 +323,12 @@ def test_boundary_cases_pass_cel_and_pydantic_alike(patch: dict[str, Any]) -> No
     assert pydantic_accepts(body)
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: UniversalModel._name_fits_derived_names uses re.match with '$', which also matches before a "
-        "trailing newline, so pydantic accepts 'qwen\\n' while the CEL rule (RE2, as celpy) rejects it"
-    ),
-    strict=True,
-)
 def test_a_name_with_a_trailing_newline_is_rejected_by_cel_and_pydantic_alike() -> None:
     body = merged(load(VALID), {"metadata": {"name": "qwen\n"}})
     assert cel_failures(body) != []
     assert not pydantic_accepts(body)
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: spec.env is a list-map keyed by name in the CRD (the API server rejects duplicate names) but "
-        "UniversalModelSpec accepts duplicates, so 'serve' and the gateway take what a cluster refuses"
-    ),
-    strict=True,
-)
 def test_duplicate_env_names_are_rejected_by_pydantic_as_by_the_api_server() -> None:
     body = merged(load(VALID), {"spec": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}})
     assert not pydantic_accepts(body)

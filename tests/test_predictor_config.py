@@ -55,7 +55,11 @@ def test_to_args_spells_every_flag_with_engine_args_sorted() -> None:
 
 def test_minimal_args_omit_optional_flags_and_default_port_and_backend() -> None:
     assert MINIMAL.to_args() == [
-        "--model_name=m", "--task=embed", "--backend=auto", "--source=/mnt/models", "--http_port=8080"
+        "--model_name=m",
+        "--task=embed",
+        "--backend=auto",
+        "--source=/mnt/models",
+        "--http_port=8080",
     ]
 
 

@@ -247,10 +247,19 @@ def test_equal_quantities_written_differently_are_not_drift(case: Any) -> None:
     assert not child_drifted(desired, actual)
 
 
+def test_a_changed_env_value_that_reads_as_an_equal_quantity_is_still_drift() -> None:
+    desired = {"metadata": {}, "spec": {"predictor": {"containers": [{"env": [{"name": "N", "value": "1"}]}]}}}
+    actual = {"metadata": {}, "spec": {"predictor": {"containers": [{"env": [{"name": "N", "value": "1.0"}]}]}}}
+    assert child_drifted(desired, actual)
+
+
 def test_the_documented_quantity_respellings_are_not_drift() -> None:
-    desired = {"metadata": {}, "spec": {"r": {"memory": "1Gi", "cpu": "0.5", "other": "500m"}}}
-    same = {"metadata": {}, "spec": {"r": {"memory": "1024Mi", "cpu": "500m", "other": "0.5"}}}
-    different = {"metadata": {}, "spec": {"r": {"memory": "1G", "cpu": "500m", "other": "0.5"}}}
+    def child(requests: dict[str, str]) -> dict[str, Any]:
+        return {"metadata": {}, "spec": {"predictor": {"containers": [{"resources": {"requests": requests}}]}}}
+
+    desired = child({"memory": "1Gi", "cpu": "0.5"})
+    same = child({"memory": "1024Mi", "cpu": "500m"})
+    different = child({"memory": "1G", "cpu": "500m"})
     assert not child_drifted(desired, same)
     assert child_drifted(desired, different)
 

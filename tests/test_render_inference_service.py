@@ -318,6 +318,19 @@ SOURCE_CASES = {
         source: /mnt/models
         """,
     ),
+    "remote GGUF with source.file: the storage initializer fetches only the matching files": (
+        with_spec("source: {uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF', file: '*q4_k_m.gguf'}\ntask: generate"),
+        """
+        env:
+        - {name: STORAGE_URI, value: "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF"}
+        - {name: STORAGE_ALLOW_PATTERNS, value: '["*q4_k_m.gguf"]'}
+        - {name: HOME, value: /cache}
+        - {name: XDG_CACHE_HOME, value: /cache}
+        - {name: HF_HOME, value: /cache/huggingface}
+        - {name: HF_HUB_OFFLINE, value: "1"}
+        source: /mnt/models
+        """,
+    ),
     "absolute path baked into the image: no STORAGE_URI, the path itself": (
         with_spec("source: {uri: /opt/models/minilm}"),
         """

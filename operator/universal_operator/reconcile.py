@@ -366,41 +366,56 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
 # --------------------------------------------------------------------------------------------------
 # Drift: does the live child still carry everything we want in it?
 
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([a-zA-Z]*)$")
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
 _SUFFIX = {
-    "": Decimal(1), "m": Decimal("0.001"), "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9),
-    "T": Decimal(10**12), "P": Decimal(10**15), "Ki": Decimal(2**10), "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50),
+    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("0.001"), "k": Decimal(10**3),
+    "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18),
+    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60),
 }  # fmt: skip
 
 
 def _quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity's value, or None if ``value`` is not one."""
     match = _QUANTITY.match(str(value))
-    if not match or match.group(2) not in _SUFFIX:
+    if not match:
         return None
+    number, suffix = match.group(1), match.group(2) or ""
     try:
-        return Decimal(match.group(1)) * _SUFFIX[match.group(2)]
-    except InvalidOperation:
+        if suffix[:1] in ("e", "E"):
+            return Decimal(number) * (Decimal(10) ** int(suffix[1:]))
+        return Decimal(number) * _SUFFIX[suffix]
+    except (InvalidOperation, KeyError):
         return None
 
 
-def _same_scalar(want: Any, have: Any) -> bool:
+def _same_scalar(want: Any, have: Any, quantities: bool) -> bool:
     if want == have:
         return True
-    # The API server canonicalises quantities ("1024Mi" comes back as "1Gi"); compare their values.
-    if isinstance(want, str | int) and isinstance(have, str | int):
+    # The API server canonicalises quantities ("1024Mi" comes back as "1Gi"); compare those by value.
+    if quantities and isinstance(want, str | int) and isinstance(have, str | int):
         a, b = _quantity(want), _quantity(have)
         return a is not None and a == b
     return False
 
 
-def is_subset(want: Any, have: Any) -> bool:
-    """Whether ``have`` contains everything in ``want`` (maps by key, lists item by item)."""
+def is_subset(want: Any, have: Any, *, quantities: bool = False) -> bool:
+    """Whether ``have`` contains everything in ``want`` (maps by key, lists item by item).
+
+    Scalars compare exactly, except under ``resources`` maps, where quantities compare by value.
+    """
     if isinstance(want, dict):
-        return isinstance(have, dict) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        return isinstance(have, dict) and all(
+            k in have and is_subset(v, have[k], quantities=quantities or k in ("requests", "limits"))
+            for k, v in want.items()
+        )
     if isinstance(want, list):
-        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
-    return _same_scalar(want, have)
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(is_subset(w, h, quantities=quantities) for w, h in zip(want, have, strict=True))
+        )
+    return _same_scalar(want, have, quantities)
 
 
 def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
@@ -591,12 +606,12 @@ def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetim
         except ValidationError:
             continue
     message = f"Invalid spec: {error}"
-    raw_spec = body.get("spec") if isinstance(body.get("spec"), dict) else {}
-    served = raw_spec.get("servedName") if isinstance(raw_spec.get("servedName"), str) else None
+    raw_spec = body.get("spec")
+    served = raw_spec.get("servedName") if isinstance(raw_spec, dict) else None
     return {
         "phase": Phase.FAILED.value,
         "observedGeneration": generation,
-        "servedName": served or meta.get("name"),
+        "servedName": served if isinstance(served, str) else meta.get("name"),
         "message": message,
         "conditions": _conditions(
             previous, generation, now,

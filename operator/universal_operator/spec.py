@@ -12,7 +12,7 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -42,7 +42,7 @@ DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0
 #: Go durations as Knative and Kubernetes read them: 30s, 5m, 1h30m, 500ms.
 DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
 #: Kubernetes resource quantities: 500m, 2, 1.5, 8Gi, 512M, 1e3.
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+QUANTITY = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
 SOURCE_URI = r"^((hf|s3|gs|pvc|oci|https?|file)://.+|/.*|\.{1,2}(/.*)?|[A-Za-z0-9_][^:]*)$"
 REMOTE_SCHEMES = ("hf", "s3", "gs", "pvc", "oci", "https", "http")
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -124,8 +124,8 @@ class Source(_Model):
         max_length=253,
         description=(
             "A Secret in the model's namespace whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-            "AWS_SESSION_TOKEN, GOOGLE_APPLICATION_CREDENTIALS) enter the predictor as environment variables "
-            "through secretKeyRef. Never logged, never copied."
+            "AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS), each "
+            "optional, enter the predictor as environment variables through secretKeyRef. Never logged, never copied."
         ),
     )
 
@@ -344,7 +344,6 @@ class UniversalModelSpec(_Model):
     )
 
     task: Task = Field(description="What the model does: generate, embed, rerank, classify, ner, ocr or anomaly.")
-    source: Source = Field(description="Where the model's files come from.")
     backend: Backend = Field(
         default=Backend.AUTO,
         description=(
@@ -352,6 +351,7 @@ class UniversalModelSpec(_Model):
             "rapidocr, tesseract or pyod."
         ),
     )
+    source: Source = Field(description="Where the model's files come from.")
     served_name: str | None = Field(
         default=None,
         min_length=1,
@@ -398,18 +398,35 @@ class UniversalModelSpec(_Model):
                     raise ValueError(f"engineArgs.{key} must be a string, number or boolean")
         return value
 
-    @model_validator(mode="after")
-    def _coherent(self) -> UniversalModelSpec:
-        if not backend_allowed(self.task, self.backend):
-            allowed = ", ".join(b.value for b in TASK_BACKENDS[self.task])
+    # Cross-field rules live on the later field so an error's location names it (spec.backend, spec.source).
+    @field_validator("backend")
+    @classmethod
+    def _backend_serves_task(cls, backend: Backend, info: ValidationInfo) -> Backend:
+        task = info.data.get("task")
+        if task is not None and not backend_allowed(task, backend):
+            allowed = ", ".join(b.value for b in TASK_BACKENDS[task])
             raise ValueError(
-                f"backend {self.backend.value!r} does not serve task {self.task.value!r}; use auto or one of {allowed}"
+                f"backend {backend.value!r} does not serve task {task.value!r}; use auto or one of {allowed}"
             )
-        if self.source.file is not None and not (
-            self.task in FILE_PATTERN_TASKS and self.backend in FILE_PATTERN_BACKENDS
-        ):
+        return backend
+
+    @field_validator("source")
+    @classmethod
+    def _file_pattern_fits(cls, source: Source, info: ValidationInfo) -> Source:
+        task, backend = info.data.get("task"), info.data.get("backend")
+        if source.file is not None and not (task in FILE_PATTERN_TASKS and backend in FILE_PATTERN_BACKENDS):
             raise ValueError(FILE_PATTERN_MESSAGE)
-        return self
+        return source
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
+        seen: set[str] = set()
+        for var in env:
+            if var.name in seen:
+                raise ValueError(f"env {var.name} appears more than once")
+            seen.add(var.name)
+        return env
 
 
 class ObjectMeta(BaseModel):
@@ -486,7 +503,7 @@ class UniversalModel(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _name_fits_derived_names(cls, meta: ObjectMeta) -> ObjectMeta:
-        if len(meta.name) > MAX_NAME_LENGTH or not re.match(DNS_1035_LABEL, meta.name):
+        if len(meta.name) > MAX_NAME_LENGTH or not re.fullmatch(DNS_1035_LABEL, meta.name):
             raise ValueError(
                 f"metadata.name {meta.name!r} must be a DNS-1035 label (lower-case letters, digits and '-', "
                 f"starting with a letter) of at most {MAX_NAME_LENGTH} characters, so the names KServe and "
