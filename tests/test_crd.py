@@ -26,6 +26,7 @@ CRD = custom_resource_definition()
 VERSION = CRD["spec"]["versions"][0]
 ROOT_SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = ROOT_SCHEMA["properties"]["spec"]
+SCALING_SCHEMA = SPEC_SCHEMA["properties"]["scaling"]
 INT_OR_STRING = [{"type": "integer"}, {"type": "string"}]
 
 
@@ -186,11 +187,22 @@ def cel_failures(body: dict[str, Any]) -> list[str]:
     failures = []
     for path, rule, value in _rules(ROOT_SCHEMA, obj, ""):
         program = ENV.program(ENV.compile(rule["rule"]))
-        verdict = program.evaluate({"self": celpy.json_to_cel(value)})
+        # On create the API server skips transition rules; binding oldSelf to self has the same effect.
+        verdict = program.evaluate({"self": celpy.json_to_cel(value), "oldSelf": celpy.json_to_cel(value)})
         assert isinstance(verdict, celpy.celtypes.BoolType), (rule["rule"], verdict)
         if not verdict:
             failures.append(f"{path or '.'}: {rule['message']}")
     return failures
+
+
+def test_scaling_mode_cannot_change_on_update() -> None:
+    [rule] = [r for r in SCALING_SCHEMA["x-kubernetes-validations"] if "oldSelf" in r["rule"]]
+    program = ENV.program(ENV.compile(rule["rule"]))
+    knative = celpy.json_to_cel({"mode": "Knative", "minReplicas": 0, "maxReplicas": 1})
+    standard = celpy.json_to_cel({"mode": "Standard", "minReplicas": 0, "maxReplicas": 1})
+    assert not program.evaluate({"self": standard, "oldSelf": knative})
+    assert program.evaluate({"self": knative, "oldSelf": knative})
+    assert "cannot change" in rule["message"]
 
 
 def pydantic_accepts(body: dict[str, Any]) -> bool:

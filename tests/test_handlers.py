@@ -31,6 +31,7 @@ class RecordingApi:
         self.applied: list[dict[str, Any]] = []
         self.statuses: list[tuple[str, str, dict[str, Any]]] = []
         self.apply_error: ApiError | None = None
+        self.existing: dict[tuple[str, str], dict[str, Any]] = {}
 
     async def apply_inference_service(self, desired: dict[str, Any]) -> dict[str, Any]:
         if self.apply_error is not None:
@@ -40,6 +41,9 @@ class RecordingApi:
         stored["metadata"]["generation"] = len(self.applied)
         stored["metadata"]["uid"] = "child-uid"
         return stored
+
+    async def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.existing.get((namespace, name))
 
     async def patch_model_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.statuses.append((namespace, name, status))
@@ -227,3 +231,31 @@ async def test_stale_child_event_does_not_override_a_newer_applied_generation(
 
     [(_, _, status)] = api.statuses
     assert status["phase"] == "Ready"  # the event itself is the freshest view of what KServe reported
+
+
+async def test_an_existing_inference_service_of_someone_else_is_never_taken_over(
+    state: OperatorState, api: RecordingApi, events: asyncio.Queue[posting.K8sEvent]
+) -> None:
+    api.existing[("default", "minilm")] = {"metadata": {"name": "minilm", "namespace": "default"}, "spec": {}}
+
+    await reconcile_model(state, _model(), {}, reason="created")
+
+    assert api.applied == []
+    [(_, _, status)] = api.statuses
+    assert status["phase"] == "Failed"
+    assert "already exists" in status["message"]
+    assert "metadata.name" in status["message"]
+    assert [e.reason for e in _drain(events)] == ["InvalidSpec"]
+
+
+async def test_an_existing_child_of_this_model_is_adopted_without_a_write_when_unchanged(
+    state: OperatorState, api: RecordingApi
+) -> None:
+    body = _model()
+    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    api.existing[("default", "minilm")] = child
+    body["status"] = reconcile.status_from_inference_service(child, reconcile.parse_model(body))
+
+    await reconcile_model(state, body, {}, reason="operator start")
+
+    assert api.applied == []

@@ -291,3 +291,29 @@ async def test_deleting_the_model_deletes_its_child(cluster: ServedEmulator, ope
 
     await eventually(lambda: _model(cluster, "ocr") is None)
     await eventually(lambda: _child(cluster, "ocr") is None)
+
+
+async def test_a_foreign_inference_service_with_the_same_name_is_left_alone(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    foreign = {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {"name": "minilm", "namespace": "default"},
+        "spec": {"predictor": {"model": {"modelFormat": {"name": "sklearn"}, "storageUri": "gs://bucket/model"}}},
+    }
+    file = tmp_path / "foreign.yaml"
+    file.write_text(yaml.safe_dump(foreign))
+    await _apply(cluster, file)
+    before = _child(cluster, "minilm")
+
+    await _apply(cluster, EXAMPLES / "cluster/minilm-embed.yaml")
+
+    def refused() -> dict[str, Any]:
+        cond = _condition(_model(cluster, "minilm"), "Ready")
+        assert cond.get("status") == "False"
+        return cond
+
+    cond = await eventually(refused)
+    assert "already exists" in cond["message"]
+    assert _child(cluster, "minilm") == before

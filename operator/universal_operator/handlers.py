@@ -123,6 +123,24 @@ async def reconcile_model(
         return None
 
     actual = _index_value(children, key)
+    if actual is None and key not in state.latest_child:
+        # Not one of ours as far as the watch knows: never take over someone else's InferenceService.
+        try:
+            existing = await state.api.get_inference_service(*key)
+        except ApiError as exc:
+            raise kopf.TemporaryError(f"reading the InferenceService failed: {exc}", delay=RETRY_DELAY) from exc
+        if existing is not None and not _owned_by(existing, plain):
+            await report_invalid_spec(
+                state,
+                plain,
+                reconcile.SpecError(
+                    "metadata.name",
+                    f"an InferenceService named {key[1]!r} already exists in {key[0]!r} and is not owned by this "
+                    "UniversalModel; rename the model or remove that InferenceService",
+                ),
+            )
+            return None
+        actual = existing
     if actual is not None:
         state.latest_child[key] = _newer(state.latest_child.get(key), actual) or actual
     applied: dict[str, Any] | None = None

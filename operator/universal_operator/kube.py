@@ -47,6 +47,16 @@ class KubeApi:
             await self._client.close()
             self._client = None
 
+    async def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The InferenceService as stored, or None if there is none."""
+        try:
+            result = await self.client.get(InferenceService, name, namespace=namespace)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                return None
+            raise
+        return dict(result.to_dict())
+
     async def apply_inference_service(self, desired: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply the child; returns the object as the API server stored it."""
         obj = InferenceService.from_dict(desired)

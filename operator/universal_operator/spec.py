@@ -200,7 +200,13 @@ class Scaling(_Model):
                 _cel(
                     "self.minReplicas <= self.maxReplicas",
                     "scaling.minReplicas must not exceed scaling.maxReplicas",
-                )
+                ),
+                # KServe fixes an InferenceService's deployment mode at its first reconcile.
+                _cel(
+                    "self.mode == oldSelf.mode",
+                    "scaling.mode cannot change after the model is created; delete and re-create the model",
+                    ".mode",
+                ),
             ]
         }
     )
