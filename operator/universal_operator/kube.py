@@ -50,7 +50,7 @@ class KubeApi:
     async def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The InferenceService as stored, or None if there is none."""
         try:
-            result = await self.client.get(InferenceService, name, namespace=namespace)
+            result: Any = await self.client.get(InferenceService, name, namespace=namespace)
         except ApiError as exc:
             if api_error_code(exc) == 404:
                 return None
