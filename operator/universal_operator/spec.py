@@ -98,6 +98,7 @@ class Source(_Model):
         str,
         Field(
             min_length=1,
+            max_length=2048,
             pattern=SOURCE_URI,
             description=(
                 "Where the model lives: hf://ORG/REPO, s3://BUCKET/PATH, gs://BUCKET/PATH, pvc://CLAIM/PATH, "
@@ -110,13 +111,14 @@ class Source(_Model):
     file: str | None = Field(
         default=None,
         min_length=1,
+        max_length=512,
         description=(
             "A glob picking one weights file inside the source, e.g. '*q4_k_m.gguf'. Only for GGUF models "
             "(task generate or embed with backend auto or llamacpp)."
         ),
     )
     revision: str | None = Field(
-        default=None, min_length=1, description="A branch, tag or commit of the source (hf:// sources)."
+        default=None, min_length=1, max_length=256, description="A branch, tag or commit of the source (hf:// sources)."
     )
     credentials_secret: str | None = Field(
         default=None,
@@ -392,6 +394,7 @@ class UniversalModelSpec(_Model):
     image: str | None = Field(
         default=None,
         min_length=1,
+        max_length=1024,
         description="A predictor image to run instead of the profile's or the operator's default.",
     )
 
