@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv test lint format typecheck layering unit crd crd-check demo operator bench clean
+.PHONY: help venv system-deps test lint format typecheck layering unit crd crd-check demo operator bench clean
 
 help:
 	@echo "make test       create .venv, install everything, run lint, types, layering and all tests (CI)"
@@ -20,10 +20,14 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,all]"
 	touch $@
 
-test: venv lint typecheck layering crd-check unit
+# System programs the tests drive for real (Debian packages; needs root, as on CI).
+system-deps:
+	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
+
+test: system-deps venv lint typecheck layering crd-check unit
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -681,3 +681,29 @@ def test_parse_model_rejects_a_non_scalar_engine_arg_naming_its_key(value: objec
     assert caught.value.field.startswith("spec.engineArgs")
     assert "max_batch_size" in str(caught.value)
     assert "string, number or boolean" in caught.value.message
+
+
+def test_state_claim_is_mounted_and_passed_as_state_dir() -> None:
+    from universal_operator.config import OperatorConfig
+    from universal_operator.reconcile import desired_inference_service, parse_model
+    from universal_predictors.config import PredictorConfig
+
+    model = parse_model(
+        {
+            "metadata": {"name": "anomaly", "namespace": "ml", "uid": "u", "generation": 1},
+            "spec": {
+                "task": "anomaly",
+                "source": {"uri": "/opt/models/anomaly"},
+                "state": {"claimName": "detectors", "subPath": "team-a"},
+            },
+        }
+    )
+    predictor = desired_inference_service(model, OperatorConfig())["spec"]["predictor"]
+    assert {"name": "state", "persistentVolumeClaim": {"claimName": "detectors"}} in predictor["volumes"]
+    container = predictor["containers"][0]
+    assert {
+        "name": "state",
+        "mountPath": "/var/lib/universal-runtime/state",
+        "subPath": "team-a",
+    } in container["volumeMounts"]
+    assert PredictorConfig.from_args(container["args"]).state_dir == "/var/lib/universal-runtime/state"

@@ -28,6 +28,7 @@ from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
     MODEL_MOUNT_PATH,
     PREDICTOR_MODULE,
+    STATE_MOUNT_PATH,
     Backend,
     PredictorConfig,
     render_engine_arg,
@@ -169,6 +170,7 @@ def predictor_config(model: UniversalModel, http_port: int = DEFAULT_HTTP_PORT) 
         revision=None if spec.source.is_remote else spec.source.revision,
         engine_args={k: render_engine_arg(v) for k, v in spec.engine_args.items()},
         http_port=http_port,
+        state_dir=STATE_MOUNT_PATH if spec.state is not None else None,
     )
 
 
@@ -307,6 +309,12 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if spec.state is not None:
+        volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": spec.state.claim_name}})
+        mount: dict[str, Any] = {"name": "state", "mountPath": STATE_MOUNT_PATH}
+        if spec.state.sub_path:
+            mount["subPath"] = spec.state.sub_path
+        container["volumeMounts"].append(mount)
     if spec.resources.gpus > 0:
         shm: dict[str, Any] = {"medium": "Memory"}
         if profile is not None and profile.shm_size:

@@ -162,6 +162,25 @@ class Source(_Model):
         return self.scheme in REMOTE_SCHEMES
 
 
+class State(_Model):
+    """A volume for state that must survive scale to zero (fitted anomaly detectors)."""
+
+    claim_name: str = Field(
+        pattern=DNS_1123_SUBDOMAIN,
+        max_length=253,
+        description=(
+            "A PersistentVolumeClaim in the model's namespace, mounted read-write into the predictor and passed "
+            "as --state-dir. With several replicas it must support ReadWriteMany."
+        ),
+    )
+    sub_path: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=r"^[^/].*$",
+        description="A relative directory inside the claim (default: its root).",
+    )
+
+
 class Resources(_Model):
     """What one predictor replica gets."""
 
@@ -390,6 +409,13 @@ class UniversalModelSpec(_Model):
         max_length=128,
         description="Extra environment for the predictor.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    state: State | None = Field(
+        default=None,
+        description=(
+            "Persistent state for the predictor (anomaly detectors fitted through the API). Without it, state "
+            "lives only as long as the process and the predictor says so."
+        ),
     )
     image: str | None = Field(
         default=None,

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MODEL_MOUNT_PATH = "/mnt/models"
 #: The port the predictor's HTTP server listens on in the cluster (KServe's default).
 DEFAULT_HTTP_PORT = 8080
+#: Where the operator mounts ``spec.state`` inside the predictor container.
+STATE_MOUNT_PATH = "/var/lib/universal-runtime/state"
 #: The module a predictor process runs: ``python -m universal_predictors``.
 PREDICTOR_MODULE = "universal_predictors"
 
@@ -120,6 +122,9 @@ class PredictorConfig(BaseModel):
     revision: str | None = Field(default=None, description="The source revision (hf:// sources in local mode).")
     engine_args: dict[str, str] = Field(default_factory=dict, description="Backend-specific key=value arguments.")
     http_port: Annotated[int, Field(ge=1, le=65535)] = DEFAULT_HTTP_PORT
+    state_dir: str | None = Field(
+        default=None, description="A writable directory for state that must outlive the process (fitted detectors)."
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -145,6 +150,8 @@ class PredictorConfig(BaseModel):
         if self.revision:
             args.append(f"--revision={self.revision}")
         args += [f"--engine-arg={key}={value}" for key, value in sorted(self.engine_args.items())]
+        if self.state_dir:
+            args.append(f"--state-dir={self.state_dir}")
         args.append(f"--http_port={self.http_port}")
         return args
 
@@ -165,6 +172,7 @@ class PredictorConfig(BaseModel):
         parser.add_argument("--source-file", dest="source_file", default=None)
         parser.add_argument("--revision", default=None)
         parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--state-dir", dest="state_dir", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
         return parser
 
@@ -186,6 +194,7 @@ class PredictorConfig(BaseModel):
             revision=ns.revision,
             engine_args=engine_args,
             http_port=ns.http_port,
+            state_dir=ns.state_dir,
         )
 
     @classmethod

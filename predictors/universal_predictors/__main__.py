@@ -1,0 +1,56 @@
+"""``python -m universal_predictors --model_name NAME --task TASK --source PATH [...]``: serve one model.
+
+The flags are :class:`universal_predictors.config.PredictorConfig`'s plus KServe's own ModelServer
+flags. A bad flag or engine argument stops the process with one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from universal_predictors.config import PredictorConfig
+
+PROG = "universal_predictors"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # kserve.model_server parses sys.argv when imported; give it only what it knows.
+    from kserve import model_server
+
+    parser = PredictorConfig.argument_parser(parents=[model_server.parser])
+    parser.set_defaults(enable_grpc=False)  # one model per process: HTTP only unless asked
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = PredictorConfig.from_namespace(ns)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+    from universal_predictors.base import StartupError
+    from universal_predictors.registry import EXTRAS, predictor_class
+    from universal_predictors.server import serve
+
+    try:
+        cls = predictor_class(config.task)
+    except ImportError as exc:
+        print(
+            f"{PROG}: error: task {config.task.value} needs a package that is not installed ({exc.name}); "
+            f"install universal-runtime[{EXTRAS[config.task]}]",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        predictor = cls(config)
+    except StartupError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    serve(predictor, config.http_port, enable_grpc=bool(ns.enable_grpc), grpc_port=ns.grpc_port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

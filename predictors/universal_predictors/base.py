@@ -1,0 +1,200 @@
+"""The base of every predictor: one model per process, served by KServe's ModelServer.
+
+A task subclasses :class:`UniversalPredictor`: ``load()`` (blocking, runs in a thread while the
+server already answers 503 "loading"), ``add_routes()`` for its OpenAI/task routes, ``infer()`` for
+KServe's v1/v2 protocols, ``unload()`` to give memory back. Engine arguments are a pydantic model per
+predictor: an unknown key stops the process at start-up with one line naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import kserve
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
+from universal_predictors.http import endpoint, error_response
+
+logger = logging.getLogger("universal_predictors")
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+class StartupError(Exception):
+    """A configuration the predictor cannot start with; printed as one line, exit status 2."""
+
+
+class NoEngineArgs(BaseModel):
+    """A predictor that takes no engine arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_engine_args(model: type[BaseModel], raw: dict[str, str], where: str) -> Any:
+    """Validate ``--engine-arg`` pairs against ``model``; StartupError names the first bad key."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        known = ", ".join(sorted(model.model_fields)) or "none"
+        if first["type"] == "extra_forbidden":
+            raise StartupError(f"engine arg {key!r} is not known to {where} (known: {known})") from None
+        raise StartupError(f"engine arg {key!r}: {first['msg']} (for {where})") from None
+
+
+class UniversalPredictor(kserve.Model):
+    """One served model. Subclasses set ``task``, ``EngineArgs`` and implement the hooks."""
+
+    task: ClassVar[Task]
+    EngineArgs: ClassVar[type[BaseModel]] = NoEngineArgs
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__(config.model_name)
+        self.config = config
+        self.engine = True  # KServe awaits start_engine(): that is where loading runs, in the background
+        self.backend: Backend = config.backend
+        self.engine_args = parse_engine_args(
+            self.EngineArgs, config.engine_args, f"the {config.backend.value} backend of task {self.task.value}"
+        )
+        self.loaded_at: float | None = None
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def load(self) -> bool:
+        """Load the model (blocking; runs in a worker thread). Set ``self.backend`` to what was chosen."""
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Drop the model and give its memory back."""
+
+    def add_routes(self, router: APIRouter) -> None:
+        """Register the task's routes (OpenAI and task-specific) on ``router``."""
+
+    async def infer(self, instances: list[Any]) -> list[Any]:
+        """KServe v1/v2: a list of inputs (strings or JSON values) to a list of outputs."""
+        raise InvalidRequest(f"task {self.task.value} does not take KServe v1/v2 inference requests")
+
+    def describe(self) -> dict[str, Any]:
+        """Extra fields for ``/openai/v1/models``."""
+        return {}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """KServe calls this at registration; readiness waits for :meth:`start_engine`."""
+
+    async def start_engine(self) -> None:
+        started = time.monotonic()
+        logger.info("loading %s (task %s, backend %s) from %s", self.name, self.task.value, self.backend.value,
+                    self.config.source)  # fmt: skip
+        try:
+            await asyncio.to_thread(self.load)
+        except Exception as exc:
+            logger.exception("loading %s failed", self.name)
+            print(f"universal_predictors: error: loading {self.name!r} failed: {exc}", file=sys.stderr, flush=True)
+            # Exit so Kubernetes (or the local supervisor) sees the failure and its last log lines.
+            os._exit(1)
+        self.loaded_at = time.time()
+        self.ready = True
+        logger.info("%s is ready (backend %s, %.1fs)", self.name, self.backend.value, time.monotonic() - started)
+
+    def stop(self) -> None:
+        self.ready = False
+        self.unload()
+
+    def stop_engine(self) -> None:
+        self.ready = False
+
+    # -- shared request helpers --------------------------------------------------------------------
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            raise Unavailable(
+                f"The model {self.name!r} is loading; retry shortly.", code="model_loading", retry_after=5
+            )
+
+    def check_model(self, requested: str | None) -> None:
+        """404 when the body names another model (task routes may omit it)."""
+        if requested is not None and requested != self.name:
+            raise ModelNotFound(requested, self.name)
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(self.loaded_at or time.time()),
+            "owned_by": "universal-runtime",
+            "task": self.task.value,
+            "backend": self.backend.value,
+            "ready": self.ready,
+            **self.describe(),
+        }
+
+    def route(self, name: str) -> Callable[[Handler], Handler]:
+        """Decorator for task routes: metrics, OpenAI errors, no stack traces."""
+        return endpoint(name, lambda: self.name)
+
+    # -- KServe v1 / v2 ----------------------------------------------------------------------------
+
+    async def predict(self, payload: Any, headers: dict[str, str] | None = None) -> Any:
+        self.require_ready()
+        if isinstance(payload, InferRequest):
+            if not payload.inputs:
+                raise InvalidRequest("the v2 request has no inputs")
+            tensor = payload.inputs[0]
+            values: list[Any] = _tensor_values(tensor)
+            results = await self.infer(values)
+            encoded = [r if isinstance(r, str) else json.dumps(r) for r in results]
+            output = InferOutput(name="output", shape=[len(encoded)], datatype="BYTES", data=encoded)
+            return InferResponse(response_id=payload.id or str(uuid.uuid4()), model_name=self.name,
+                                 infer_outputs=[output])  # fmt: skip
+        if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
+            raise InvalidRequest('a v1 request is {"instances": [...]}')
+        return {"predictions": await self.infer(payload["instances"])}
+
+
+def _tensor_values(tensor: Any) -> list[Any]:
+    """A v2 input tensor's elements: strings for BYTES (JSON sends str, binary sends bytes), else numbers."""
+    if tensor.datatype != "BYTES":
+        return list(tensor.as_numpy().tolist())
+    flat: list[Any] = []
+    stack = [tensor.data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list | tuple):
+            stack.extend(reversed(item))
+        else:
+            flat.append(item.decode("utf-8") if isinstance(item, bytes) else str(item))
+    return flat
+
+
+def common_routes(predictor: UniversalPredictor) -> APIRouter:
+    """Routes every predictor has: truthful readiness and the OpenAI model list."""
+    router = APIRouter()
+
+    async def ready() -> Response:
+        # KServe's own /v2/health/ready answers 200 before any model is loaded; this one does not.
+        if predictor.ready:
+            return JSONResponse({"ready": True})
+        return error_response(Unavailable(f"{predictor.name} is loading", code="model_loading", retry_after=5))
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [predictor.model_card()]})
+
+    router.add_api_route("/v2/health/ready", ready, methods=["GET"])
+    router.add_api_route("/openai/v1/models", models, methods=["GET"])
+    return router

