@@ -1,7 +1,8 @@
-"""``universal-runtime``: one command, one subcommand per program.
+"""The operator's subcommands of ``universal-runtime`` (``crd``, ``operator``).
 
-Subcommands are looked up by name and imported only when chosen, so ``universal-runtime crd`` never
-loads kopf and the control plane never loads a model engine.
+The ``universal-runtime`` command itself lives in :mod:`universal_gateway.cli`, which adds ``serve``,
+``ps`` and ``gateway``; ``python -m universal_operator.cli`` runs the operator's part alone. Heavy
+imports happen only in the chosen subcommand, so ``universal-runtime crd`` never loads kopf.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
+    if args.liveness == "":
+        args.liveness = None
     from universal_operator.config import ConfigError, load_config
 
     try:
@@ -54,10 +57,8 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Serve any Hugging Face-style model on Kubernetes.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the operator's subcommands (``crd``, ``operator``) to a ``universal-runtime`` parser."""
     crd = sub.add_parser("crd", help="print the UniversalModel CustomResourceDefinition")
     crd.add_argument("-o", "--output", help="write to this file instead of standard output")
     crd.add_argument("--check", metavar="FILE", help="exit 2 if FILE differs from the generated CRD")
@@ -74,13 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL ('' to disable)")
     op.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     op.set_defaults(handler=_operator)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Serve any Hugging Face-style model on Kubernetes.")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "liveness", None) == "":
-        args.liveness = None
     return int(args.handler(args))
 
 

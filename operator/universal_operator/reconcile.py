@@ -156,21 +156,32 @@ def _label_safe(text: str) -> str:
     return f"{cleaned}-{digest}" if cleaned else digest
 
 
-def predictor_config(model: UniversalModel, http_port: int = DEFAULT_HTTP_PORT) -> PredictorConfig:
-    """The predictor's command line as a config: the one contract cluster and local runs share."""
+def predictor_config(
+    model: UniversalModel,
+    http_port: int = DEFAULT_HTTP_PORT,
+    *,
+    source: str | None = None,
+    state_dir: str | None = None,
+) -> PredictorConfig:
+    """The predictor's command line as a config: the one contract cluster and local runs share.
+
+    In a cluster remote sources arrive at /mnt/models (KServe's storage initializer) and state lives on
+    ``spec.state``'s volume; the local supervisor passes the paths it fetched and chose instead.
+    """
     spec = model.spec
-    source = MODEL_MOUNT_PATH if spec.source.is_remote else spec.source.uri.removeprefix("file://")
+    if source is None:
+        source = MODEL_MOUNT_PATH if spec.source.is_remote else spec.source.uri.removeprefix("file://")
+    if state_dir is None and spec.state is not None:
+        state_dir = STATE_MOUNT_PATH
     return PredictorConfig(
         model_name=model.served_name,
         task=spec.task,
         backend=resolved_backend(model),
         source=source,
         source_file=spec.source.file,
-        # In a cluster the storage initializer fetched the revision already; locally the predictor does.
-        revision=None if spec.source.is_remote else spec.source.revision,
         engine_args={k: render_engine_arg(v) for k, v in spec.engine_args.items()},
         http_port=http_port,
-        state_dir=STATE_MOUNT_PATH if spec.state is not None else None,
+        state_dir=state_dir,
     )
 
 

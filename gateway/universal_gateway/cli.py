@@ -1,0 +1,160 @@
+"""``universal-runtime``: the one command. ``serve`` and ``ps`` here; ``operator`` and ``crd`` from the operator.
+
+Each subcommand imports what it needs only when chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from universal_operator import cli as operator_cli
+
+PROG = "universal-runtime"
+DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
+
+
+def _fail(subcommand: str, message: str) -> int:
+    print(f"{PROG} {subcommand}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from universal_gateway.app import Gateway, GatewayLimits
+    from universal_gateway.auth import ApiKeys
+    from universal_gateway.local import LocalSupervisor
+    from universal_gateway.manifests import ManifestError, load_manifests
+
+    paths = [Path(p) for p in args.paths] or [DEFAULT_LOCAL_EXAMPLES]
+    try:
+        manifests = load_manifests(paths)
+        keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
+    except (ManifestError, OSError) as exc:
+        return _fail("serve", str(exc))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    supervisor = LocalSupervisor(manifests, state_root=Path(args.state_dir) if args.state_dir else None)
+    limits = GatewayLimits(
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_concurrency_per_model=args.max_concurrency,
+        max_queue_per_model=args.max_queue,
+    )
+    gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin)
+    names = ", ".join(m.model.served_name for m in manifests)
+    print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
+
+    async def run() -> None:
+        runner = web.AppRunner(gateway.app(), handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()  # stops every predictor: no orphans
+
+    asyncio.run(run())
+    return 0
+
+
+def _age(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    seconds = max(0, int(time.time() - timestamp))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def format_ps(models: list[dict[str, object]]) -> str:
+    """The ``ps`` table: name, task, backend, state, port, last used, requests, p50 latency."""
+    header = ["NAME", "TASK", "BACKEND", "STATE", "PORT", "LAST USED", "REQUESTS", "P50"]
+    rows = [header]
+    for m in models:
+        endpoint = str(m.get("endpoint") or "")
+        port = endpoint.rsplit(":", 1)[-1] if endpoint else "-"
+        p50 = m.get("p50_ms")
+        last_used = m.get("last_used")
+        rows.append(
+            [
+                str(m["id"]),
+                str(m.get("task", "")),
+                str(m.get("backend", "")),
+                str(m.get("state", "")),
+                port,
+                _age(float(last_used) if isinstance(last_used, int | float) else None),
+                str(m.get("requests", 0)),
+                f"{float(p50):.0f}ms" if isinstance(p50, int | float) else "-",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/") + "/v1/models"
+    request = urllib.request.Request(url)
+    if args.api_key:
+        request.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            data = json.load(response)["data"]
+    except (urllib.error.URLError, OSError) as exc:
+        return _fail(
+            "ps", f"no gateway answers at {args.url} ({getattr(exc, 'reason', exc)}); is `{PROG} serve` running?"
+        )
+    print(format_ps(data))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Serve any Hugging Face-style model, locally or on Kubernetes."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve UniversalModel manifests on this machine behind one OpenAI API")
+    serve.add_argument("paths", nargs="*", help=f"manifest files or folders (default: {DEFAULT_LOCAL_EXAMPLES})")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    serve.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
+    serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable, '*')")
+    serve.add_argument("--max-body-mb", type=float, default=32, help="largest request body (default 32 MiB)")
+    serve.add_argument("--max-concurrency", type=int, default=64, help="requests per model at once (default 64)")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests per model waiting; beyond: 429")
+    serve.add_argument("--state-dir", help="where predictors keep state (default ~/.local/state/universal-runtime)")
+    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging, predictor output included")
+    serve.set_defaults(handler=_serve)
+
+    ps = sub.add_parser("ps", help="list the models a running gateway serves")
+    ps.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default http://127.0.0.1:8000)")
+    ps.add_argument("--api-key", help="an API key, if the gateway requires one")
+    ps.set_defaults(handler=_ps)
+
+    operator_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,340 @@
+"""LocalSupervisor: one predictor process per model on loopback, started on demand, stopped when idle.
+
+The command line comes from the operator's own ``predictor_config`` (so a model runs the same way on a
+laptop and in a cluster); only the source path (fetched here) and the state folder differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_gateway.manifests import Manifest
+from universal_operator.reconcile import predictor_config, resolved_backend
+from universal_operator.spec import parse_duration
+from universal_predictors.config import resolve_source
+from universal_predictors.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+#: Crashes within this window count towards marking a model failed.
+CRASH_WINDOW_S = 120.0
+CRASHES_BEFORE_FAILED = 3
+#: A failed model is tried again on a request after this long.
+FAILED_COOLDOWN_S = 30.0
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def default_state_root() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "universal-runtime"
+
+
+@dataclass
+class LocalModel:
+    """One model's process and bookkeeping."""
+
+    manifest: Manifest
+    state: ModelState = ModelState.IDLE
+    message: str = "Not started; the first request starts it."
+    process: asyncio.subprocess.Process | None = None
+    port: int | None = None
+    source_path: str | None = None
+    starting: asyncio.Task[None] | None = None
+    stopping: bool = False
+    crashes: deque[float] = field(default_factory=lambda: deque(maxlen=CRASHES_BEFORE_FAILED))
+    failed_at: float | None = None
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    stats: UsageStats = field(default_factory=UsageStats)
+    starts: int = 0
+    last_load_seconds: float | None = None
+    handled_exits: set[int] = field(default_factory=set)
+    watchers: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.manifest.model.served_name
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def idle_timeout(self) -> float:
+        return parse_duration(self.manifest.model.spec.scaling.idle_timeout).total_seconds()
+
+    @property
+    def startup_timeout(self) -> float:
+        return parse_duration(self.manifest.model.spec.scaling.startup_timeout).total_seconds()
+
+    @property
+    def always_on(self) -> bool:
+        return self.manifest.model.spec.scaling.min_replicas >= 1
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+
+class LocalSupervisor(Backends):
+    """Serve manifests as local predictor processes with TTL unloading."""
+
+    def __init__(
+        self,
+        manifests: list[Manifest],
+        *,
+        state_root: Path | None = None,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        reap_interval: float = 0.25,
+        fetch: Callable[[Manifest], str] | None = None,
+    ) -> None:
+        self._models = {m.model.served_name: LocalModel(m) for m in manifests}
+        self._state_root = state_root or default_state_root()
+        self._python = python
+        self._env = env or {}
+        self._reap_interval = reap_interval
+        self._fetch = fetch or fetch_source
+        self._reaper: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- Backends ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        self._reaper = asyncio.create_task(self._reap_idle(), name="local-supervisor-reaper")
+        for model in self._models.values():
+            if model.always_on:
+                model.starting = asyncio.create_task(self._start(model))
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await asyncio.gather(*(self._stop(m, reason="gateway shutting down") for m in self._models.values()))
+        if self._session is not None:
+            await self._session.close()
+
+    def models(self) -> list[ModelView]:
+        return [self._view(m) for m in self._models.values()]
+
+    def model(self, name: str) -> LocalModel | None:
+        return self._models.get(name)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[str]:
+        model = self._models[name]
+        async with counted(model.stats):
+            await self.ensure_ready(model)
+            yield model.url
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def ensure_ready(self, model: LocalModel) -> None:
+        """Return once the model's process is ready; concurrent callers share one start."""
+        if model.state is ModelState.READY and model.running():
+            return
+        if model.state is ModelState.FAILED:
+            if model.failed_at is not None and time.monotonic() - model.failed_at < FAILED_COOLDOWN_S:
+                raise Unavailable(
+                    f"The model {model.name!r} failed to start: {model.message}",
+                    code="model_failed",
+                    retry_after=FAILED_COOLDOWN_S - (time.monotonic() - model.failed_at),
+                )
+            model.crashes.clear()
+        if model.starting is None or model.starting.done():
+            model.starting = asyncio.create_task(self._start(model), name=f"start-{model.name}")
+        # Shield: one caller giving up must not cancel the start the others wait for.
+        await asyncio.shield(model.starting)
+        if model.state is not ModelState.READY:
+            raise Unavailable(f"The model {model.name!r} is not available: {model.message}", code="model_failed")
+
+    async def _start(self, model: LocalModel) -> None:
+        if model.running() and model.state is ModelState.READY:
+            return
+        backoff = self._backoff(model)
+        if backoff > 0:
+            await asyncio.sleep(backoff)
+        model.state, model.message = ModelState.LOADING, "Starting."
+        started = time.monotonic()
+        try:
+            if model.source_path is None:
+                model.source_path = await asyncio.to_thread(self._fetch, model.manifest)
+        except Exception as exc:  # an offline hub, a missing path: this model fails, the rest serve
+            self._fail(model, f"cannot fetch {model.manifest.model.spec.source.uri}: {exc}")
+            return
+        model.port = free_port()
+        state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir))
+        env = {**os.environ, **self._env, **{e.name: e.value for e in model.manifest.model.spec.env if e.value}}
+        model.log_tail.clear()
+        model.stopping = False
+        model.process = await asyncio.create_subprocess_exec(
+            *config.to_command(self._python),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # our signals only: Ctrl-C in the terminal goes to the gateway
+        )
+        model.starts += 1
+        logger.info("starting %s (pid %d, port %d)", model.name, model.process.pid, model.port)
+        model.watchers = {
+            asyncio.create_task(self._pump_logs(model, model.process)),
+            asyncio.create_task(self._watch_exit(model, model.process)),
+        }
+        deadline = started + model.startup_timeout
+        assert self._session is not None
+        process = model.process
+        while True:
+            if process.returncode is not None:
+                self._record_exit(model, process, process.returncode)
+                return
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self._session.get(f"{model.url}/v2/health/ready") as response:
+                    if response.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                await self._stop(model, reason="startup timeout")
+                self._fail(
+                    model, f"not ready within startupTimeout ({model.manifest.model.spec.scaling.startup_timeout})"
+                )
+                return
+            await asyncio.sleep(0.05)
+        model.last_load_seconds = time.monotonic() - started
+        model.state, model.message = ModelState.READY, "Serving."
+        logger.info("%s is ready (%.1fs)", model.name, model.last_load_seconds)
+
+    def _backoff(self, model: LocalModel) -> float:
+        recent = [t for t in model.crashes if time.monotonic() - t < CRASH_WINDOW_S]
+        return 0.0 if not recent else min(8.0, 0.5 * 2 ** (len(recent) - 1))
+
+    def _fail(self, model: LocalModel, message: str) -> None:
+        tail = " | ".join(list(model.log_tail)[-5:])
+        model.state = ModelState.FAILED
+        model.message = f"{message}" + (f"; last log lines: {tail}" if tail else "")
+        model.failed_at = time.monotonic()
+        logger.error("%s failed: %s", model.name, model.message)
+
+    async def _pump_logs(self, model: LocalModel, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        async for raw in process.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            model.log_tail.append(line)
+            logger.debug("[%s] %s", model.name, line)
+
+    async def _watch_exit(self, model: LocalModel, process: asyncio.subprocess.Process) -> None:
+        self._record_exit(model, process, await process.wait())
+
+    def _record_exit(self, model: LocalModel, process: asyncio.subprocess.Process, code: int) -> None:
+        """An exit we did not ask for: restart on the next request, or mark failed after repeated crashes."""
+        if model.process is not process or model.stopping or process.pid in model.handled_exits:
+            return
+        model.handled_exits.add(process.pid)
+        model.crashes.append(time.monotonic())
+        recent = [t for t in model.crashes if time.monotonic() - t < CRASH_WINDOW_S]
+        if len(recent) >= CRASHES_BEFORE_FAILED:
+            self._fail(model, f"the predictor exited with {code} {len(recent)} times in a row")
+        else:
+            model.state = ModelState.IDLE
+            model.message = f"The predictor exited with {code}; the next request restarts it."
+            logger.warning("%s exited with %s; it restarts on the next request", model.name, code)
+
+    async def _stop(self, model: LocalModel, reason: str) -> None:
+        process = model.process
+        if process is None or process.returncode is not None:
+            return
+        model.stopping = True
+        logger.info("stopping %s (%s)", model.name, reason)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        if model.state is not ModelState.FAILED:
+            model.state = ModelState.IDLE
+            model.message = f"Stopped ({reason}); the next request starts it."
+
+    async def _reap_idle(self) -> None:
+        """The TTL unload: stop models idle for longer than their idleTimeout."""
+        while True:
+            await asyncio.sleep(self._reap_interval)
+            now = time.monotonic()
+            for model in self._models.values():
+                if (
+                    model.state is ModelState.READY
+                    and model.running()
+                    and not model.always_on
+                    and model.stats.in_flight == 0
+                    and now - model.stats.last_used_monotonic >= model.idle_timeout
+                    and (model.starting is None or model.starting.done())
+                ):
+                    await self._stop(model, reason=f"idle for {model.manifest.model.spec.scaling.idle_timeout}")
+
+    def _view(self, model: LocalModel) -> ModelView:
+        return ModelView(
+            name=model.name,
+            task=model.manifest.model.spec.task,
+            backend=resolved_backend(model.manifest.model).value,
+            state=model.state,
+            message=model.message,
+            endpoint=model.url if model.running() else None,
+            pid=model.process.pid if model.running() and model.process else None,
+            stats=model.stats,
+            extra={"starts": model.starts, "idle_timeout": model.manifest.model.spec.scaling.idle_timeout},
+        )
+
+
+def fetch_source(manifest: Manifest) -> str:
+    """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded."""
+    source = manifest.model.spec.source
+    if source.scheme == "hf":
+        return _download_hf(source.uri, source.revision, source.file)
+    if source.scheme == "package":
+        return resolve_source(source.uri)
+    if source.scheme == "file" or source.scheme is None:
+        raw = source.uri.removeprefix("file://")
+        path = Path(raw).expanduser()
+        if not path.is_absolute():
+            path = (manifest.path.parent / path).resolve()
+        if not path.exists() and manifest.model.spec.task.value != "anomaly":
+            raise FileNotFoundError(f"{path} does not exist")
+        return str(path)
+    raise ValueError(f"{source.scheme}:// sources are served in a cluster; locally use a path, file:// or hf://")
+
+
+def _download_hf(uri: str, revision: str | None, pattern: str | None) -> str:
+    """Download (or find in the cache) a hub repository; offline, a clear error for this model only."""
+    from huggingface_hub import snapshot_download
+
+    repo, _, uri_revision = uri.removeprefix("hf://").partition(":")
+    return str(
+        snapshot_download(
+            repo_id=repo,
+            revision=revision or uri_revision or None,
+            allow_patterns=[pattern] if pattern else None,
+        )
+    )

