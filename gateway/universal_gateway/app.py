@@ -324,11 +324,14 @@ class Gateway:
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
+        read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout, sock_read=read_timeout)
         attempt = 0
         while True:
             try:
                 upstream = await self._session.request(
-                    request.method, url, data=body or None, headers=headers, params=request.query
+                    request.method, url, data=body or None, headers=headers, params=request.query, timeout=timeout
                 )
                 break
             except aiohttp.ClientConnectorError as exc:

@@ -125,6 +125,10 @@ class Backends(ABC):
                 return view
         return None
 
+    def upstream_timeout(self, name: str) -> float | None:
+        """How long an upstream may take to answer (a scale-from-zero included); None: the default."""
+        return None
+
     @abstractmethod
     def lease(self, name: str) -> contextlib.AbstractAsyncContextManager[str]:
         """A ready upstream base URL for one request (waking the model if needed)."""

@@ -72,6 +72,43 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from universal_gateway.app import Gateway, GatewayLimits
+    from universal_gateway.auth import ApiKeys
+    from universal_gateway.cluster import KubernetesBackends
+
+    try:
+        keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
+    except OSError as exc:
+        return _fail("gateway", str(exc))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    backends = KubernetesBackends(args.namespace)
+    limits = GatewayLimits(
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_concurrency_per_model=args.max_concurrency,
+        max_queue_per_model=args.max_queue,
+    )
+    gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin)
+    web.run_app(gateway.app(), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
+    parser.add_argument("--host", default=host, help=f"listen address (default {host})")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
+    parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
+    parser.add_argument("--max-body-mb", type=float, default=32, help="largest request body (default 32 MiB)")
+    parser.add_argument("--max-concurrency", type=int, default=64, help="requests per model at once (default 64)")
+    parser.add_argument("--max-queue", type=int, default=256, help="requests per model waiting; beyond: 429")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
 def _age(timestamp: float | None) -> str:
     if timestamp is None:
         return "-"
@@ -131,16 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve UniversalModel manifests on this machine behind one OpenAI API")
     serve.add_argument("paths", nargs="*", help=f"manifest files or folders (default: {DEFAULT_LOCAL_EXAMPLES})")
-    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    serve.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
-    serve.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable, '*')")
-    serve.add_argument("--max-body-mb", type=float, default=32, help="largest request body (default 32 MiB)")
-    serve.add_argument("--max-concurrency", type=int, default=64, help="requests per model at once (default 64)")
-    serve.add_argument("--max-queue", type=int, default=256, help="requests per model waiting; beyond: 429")
+    _add_gateway_options(serve, "127.0.0.1")
     serve.add_argument("--state-dir", help="where predictors keep state (default ~/.local/state/universal-runtime)")
-    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging, predictor output included")
     serve.set_defaults(handler=_serve)
+
+    gateway = sub.add_parser("gateway", help="the OpenAI gateway in a cluster (routes to UniversalModels)")
+    gateway.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable; default: all)"
+    )
+    _add_gateway_options(gateway, "0.0.0.0")
+    gateway.set_defaults(handler=_gateway)
 
     ps = sub.add_parser("ps", help="list the models a running gateway serves")
     ps.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default http://127.0.0.1:8000)")
