@@ -1,0 +1,67 @@
+"""What the OCR predictor needs from an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from PIL import Image
+
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.ocr.layout import Line
+
+#: ISO 639-1 codes and common spellings to Tesseract's traineddata names (RapidOCR maps them on).
+LANGUAGE_ALIASES = {
+    "en": "eng", "english": "eng", "de": "deu", "german": "deu", "fr": "fra", "french": "fra", "es": "spa",
+    "spanish": "spa", "it": "ita", "pt": "por", "nl": "nld", "pl": "pol", "ru": "rus", "ja": "jpn", "ko": "kor",
+    "zh": "chi_sim", "ch": "chi_sim", "zh-cn": "chi_sim", "zh-hans": "chi_sim", "zh-tw": "chi_tra",
+    "zh-hant": "chi_tra", "ar": "ara", "hi": "hin", "tr": "tur", "uk": "ukr", "sv": "swe", "da": "dan",
+    "fi": "fin", "no": "nor", "cs": "ces", "el": "ell", "he": "heb",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """One page for the engine thread: the image, the languages asked for, its resolution if known."""
+
+    image: Image.Image
+    languages: tuple[str, ...]
+    dpi: int | None
+
+
+class OcrEngine(Protocol):
+    name: str
+
+    def languages(self) -> list[str]:
+        """The languages this engine can read, in the codes a request uses."""
+        ...
+
+    def recognise_batch(self, jobs: Sequence[Job]) -> list[list[Line]]:
+        """Recognise each page (blocking; runs on the engine thread)."""
+        ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def resolve_languages(
+    requested: Sequence[str] | None, installed: Sequence[str], default: Sequence[str]
+) -> tuple[str, ...]:
+    """Requested language codes as installed names; 400 naming the installed ones for anything else."""
+    if not requested:
+        return tuple(default)
+    resolved = []
+    for position, code in enumerate(requested):
+        key = code.strip().lower()
+        name = key if key in installed else LANGUAGE_ALIASES.get(key, key)
+        if name not in installed:
+            raise InvalidRequest(
+                f"languages[{position}]: {code!r} is not installed; installed: {', '.join(installed)}",
+                param=f"languages[{position}]",
+                code="unsupported_language",
+            )
+        if name not in resolved:
+            resolved.append(name)
+    return tuple(resolved)

@@ -1,0 +1,84 @@
+"""Lines (text, confidence, quadrilateral) and their reading order: top-to-bottom, left-to-right.
+
+Rows are formed in the text's own frame: the page's skew is estimated from the lines' top edges and
+the centres are rotated back by it, so a slightly rotated line that an engine splits into pieces is
+still one row, read left to right.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Point = tuple[float, float]
+
+
+@dataclass
+class Line:
+    """One recognised line (or piece of one): its text, confidence in [0, 1] and four corners
+    (top-left, top-right, bottom-right, bottom-left) in the image's pixel coordinates."""
+
+    text: str
+    confidence: float
+    box: tuple[Point, Point, Point, Point]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "text": self.text,
+            "confidence": round(self.confidence, 4),
+            "box": [[round(x, 1), round(y, 1)] for x, y in self.box],
+        }
+
+
+def _skew(lines: Sequence[Line]) -> float:
+    """The median angle (radians) of the top edges of lines wider than tall; 0 when there are none."""
+    angles = []
+    for line in lines:
+        (x0, y0), (x1, y1), _, (x3, y3) = line.box
+        width, height = math.hypot(x1 - x0, y1 - y0), math.hypot(x3 - x0, y3 - y0)
+        if width > height > 0:
+            angles.append(math.atan2(y1 - y0, x1 - x0))
+    return statistics.median(angles) if angles else 0.0
+
+
+def reading_order(lines: Sequence[Line]) -> list[list[Line]]:
+    """Rows top to bottom, each row's pieces left to right."""
+    if not lines:
+        return []
+    angle = _skew(lines)
+    cos, sin = math.cos(angle), math.sin(angle)
+    placed = []
+    for line in lines:
+        cx = sum(p[0] for p in line.box) / 4
+        cy = sum(p[1] for p in line.box) / 4
+        (x0, y0), _, _, (x3, y3) = line.box
+        height = max(math.hypot(x3 - x0, y3 - y0), 1.0)
+        # Coordinates along (u) and across (v) the text direction.
+        placed.append((cx * cos + cy * sin, -cx * sin + cy * cos, height, line))
+    placed.sort(key=lambda item: item[1])
+    rows: list[list[tuple[float, float, float, Line]]] = []
+    for item in placed:
+        if rows:
+            row = rows[-1]
+            centre = sum(p[1] for p in row) / len(row)
+            height = min(item[2], statistics.median(p[2] for p in row))
+            # Same row when the centres are within half a line height of each other.
+            if abs(item[1] - centre) < 0.5 * height:
+                row.append(item)
+                continue
+        rows.append([item])
+    return [[p[3] for p in sorted(row, key=lambda p: p[0])] for row in rows]
+
+
+def assemble(lines: Sequence[Line]) -> tuple[str, float, list[Line]]:
+    """The page's text (rows joined by newlines), its confidence (mean over characters) and the
+    lines in reading order."""
+    rows = reading_order(lines)
+    ordered = [line for row in rows for line in row]
+    row_texts = (" ".join(line.text.strip() for line in row if line.text.strip()) for row in rows)
+    text = "\n".join(row for row in row_texts if row)
+    characters = sum(len(line.text) for line in ordered)
+    confidence = sum(line.confidence * len(line.text) for line in ordered) / characters if characters else 0.0
+    return text.strip("\n"), confidence, ordered

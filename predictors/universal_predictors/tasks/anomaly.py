@@ -1,0 +1,422 @@
+"""``task: anomaly``: named PyOD detectors fitted, scored and persisted at run time.
+
+Routes: ``POST /v1/anomaly/fit``, ``/v1/anomaly/score``, ``/v1/anomaly/detect``,
+``GET /v1/anomaly/detectors[/{name}]``, ``DELETE /v1/anomaly/detectors/{name}``, plus KServe v1/v2
+(``infer``) scoring with the default detector. ``--source`` is not read: detectors come from fit
+requests and from ``--state-dir`` (see :mod:`universal_predictors.anomaly.store`), so the source may be
+any placeholder path, existing or not.
+
+Fitting, encoding and scoring run on the engine thread pool, never on the event loop; the loop only
+parses JSON, checks limits and installs a finished detector in the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
+from universal_predictors.anomaly.detector import DetectorSpec, FitFailed, FittedDetector, fit
+from universal_predictors.anomaly.features import FeatureSpace, FieldKind
+from universal_predictors.anomaly.normalize import Normalization
+from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, valid_name
+from universal_predictors.base import UniversalPredictor
+from universal_predictors.config import Backend, Task
+from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
+from universal_predictors.http import field_path, parse_json
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class AnomalyEngineArgs(BaseModel):
+    """Engine arguments of the anomaly predictor (``--engine-arg key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rows: int = Field(default=100_000, ge=1, description="Rows per fit/score/detect request.")
+    max_features: int = Field(default=1024, ge=1, description="Columns per row (after one-hot encoding).")
+    max_cells: int = Field(default=5_000_000, ge=1, description="Rows x columns per request.")
+    max_categories: int = Field(default=256, ge=1, description="Distinct values per categorical field at fit.")
+    max_detectors: int = Field(default=256, ge=1, description="Detectors held at once.")
+    max_body_mb: float = Field(default=64.0, gt=0, description="Request body limit in MiB.")
+    engine_threads: int = Field(default=1, ge=1, le=64, description="Threads fitting and scoring.")
+    default_detector: str | None = Field(default=None, description="The detector KServe v1/v2 requests use.")
+
+    @field_validator("default_detector")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not valid_name(value):
+            raise ValueError(f"must match {NAME_PATTERN.pattern}")
+        return value
+
+
+def _detector_name(value: str) -> str:
+    if not valid_name(value):
+        raise ValueError(
+            f"{value[:80]!r} is not a valid detector name: 1-64 characters from letters, digits, '_', '.', '-', "
+            "starting with a letter or digit (no paths)"
+        )
+    return value
+
+
+class _Request(BaseModel):
+    # Unknown fields are refused: a mistyped "threshold" or "contamination" silently ignored would
+    # change which rows are flagged without telling anyone.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    detector: Annotated[str, AfterValidator(_detector_name)]
+
+
+class FitRequest(_Request):
+    algorithm: AlgorithmName = Field(default="iforest", validation_alias=AliasChoices("algorithm", "backend"))
+    data: Annotated[list[Any], Field(min_length=1)]
+    schema_: dict[str, FieldKind] | None = Field(default=None, alias="schema")
+    contamination: Annotated[float, Field(gt=0, le=0.5)] = 0.1
+    params: dict[str, Any] = Field(default_factory=dict)
+    normalization: Normalization = "standardization"
+
+
+class ScoreRequest(_Request):
+    data: Annotated[list[Any], Field(min_length=1)]
+
+
+class DetectRequest(ScoreRequest):
+    threshold: float | None = None
+
+    @field_validator("threshold")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class DetectorNotFound(APIError):
+    status_code = 404
+    error_type = "not_found_error"
+
+    def __init__(self, name: str, param: str = "detector") -> None:
+        super().__init__(f"The anomaly detector {name!r} does not exist; fit it first.", param=param,
+                         code="detector_not_found")  # fmt: skip
+
+
+def _json_float(value: float) -> float | None:
+    # Extreme inputs can drive a distance to inf; JSON has no inf, so such a score is null.
+    return float(value) if math.isfinite(value) else None
+
+
+class AnomalyPredictor(UniversalPredictor):
+    """Named anomaly detectors, fitted by clients, persisted in the state directory."""
+
+    task = Task.ANOMALY
+    EngineArgs = AnomalyEngineArgs
+
+    def load(self) -> bool:
+        import importlib
+
+        args: AnomalyEngineArgs = self.engine_args
+        # Import every allowlisted algorithm now, so the first fit does not pay for it (and a broken
+        # install fails at start, not on a request).
+        for module in ("iforest", "ecod", "copod", "hbos", "lof", "knn", "ocsvm", "pca"):
+            importlib.import_module(f"pyod.models.{module}")
+        self.backend = Backend.PYOD
+        self.detectors: dict[str, FittedDetector] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=args.engine_threads, thread_name_prefix=f"engine-{self.name}"
+        )
+        self.store: DetectorStore | None = None
+        if self.config.state_dir:
+            self.store = DetectorStore(self.config.state_dir)
+            self.store.prepare()  # an unwritable state dir stops start-up: persistence was asked for
+            started = time.monotonic()
+            for detector in self.store.load_all():
+                self.detectors[detector.spec.name] = detector
+            logger.info("loaded %d anomaly detectors from %s in %.1fs", len(self.detectors), self.store.root,
+                        time.monotonic() - started)  # fmt: skip
+        else:
+            logger.info("no --state-dir: fitted anomaly detectors live in memory only")
+        return True
+
+    def unload(self) -> None:
+        if hasattr(self, "_executor"):
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self.detectors = {}
+
+    def describe(self) -> dict[str, Any]:
+        if not self.ready:
+            return {"persistence": bool(self.config.state_dir)}
+        return {
+            "persistence": self.store is not None,
+            "detectors": len(self.detectors),
+            "algorithms": sorted(ALGORITHMS),
+            "default_detector": self._default_detector_name(),
+        }
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    @property
+    def args(self) -> AnomalyEngineArgs:
+        engine_args: AnomalyEngineArgs = self.engine_args
+        return engine_args
+
+    async def _on_engine(self, fn: Callable[[], R]) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _get(self, name: str, param: str = "detector") -> FittedDetector:
+        detector = self.detectors.get(name)
+        if detector is None:
+            raise DetectorNotFound(name, param)
+        return detector
+
+    def _check_size(self, rows: list[Any], width: int | None) -> None:
+        args = self.args
+        if len(rows) > args.max_rows:
+            raise RequestTooLarge(f"data: {len(rows)} rows; the limit is {args.max_rows} (engine arg max_rows)")
+        if width is None:
+            first = rows[0]
+            width = len(first) if isinstance(first, list | dict) else 1
+        if width > args.max_features:
+            raise RequestTooLarge(
+                f"data: {width} features per row; the limit is {args.max_features} (engine arg max_features)"
+            )
+        if len(rows) * width > args.max_cells:
+            raise RequestTooLarge(
+                f"data: {len(rows)} rows x {width} features = {len(rows) * width} values; the limit is "
+                f"{args.max_cells} (engine arg max_cells)"
+            )
+
+    def _default_detector_name(self) -> str | None:
+        if self.args.default_detector:
+            return self.args.default_detector
+        return next(iter(self.detectors)) if len(self.detectors) == 1 else None
+
+    # -- operations ------------------------------------------------------------------------------------------
+
+    async def fit_detector(self, body: FitRequest) -> dict[str, Any]:
+        algorithm = ALGORITHMS[body.algorithm]
+        try:
+            params = algorithm.validate(body.params).model_dump()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = "params." + field_path(tuple(first["loc"]))
+            message = str(first["msg"]).removeprefix("Value error, ")
+            if first["type"] == "extra_forbidden":
+                known = ", ".join(sorted(algorithm.params.model_fields)) or "none"
+                message = f"not a parameter {body.algorithm} accepts (allowed: {known})"
+            raise InvalidRequest(f"{where}: {message}", param=where, code="invalid_value") from None
+        self._check_size(body.data, len(body.schema_) if body.schema_ is not None else None)
+        name = body.detector
+        if name not in self.detectors and len(self.detectors) >= self.args.max_detectors:
+            raise InvalidRequest(
+                f"detector: {len(self.detectors)} detectors exist, the limit (engine arg max_detectors); "
+                "delete one first",
+                param="detector",
+                code="too_many_detectors",
+            )
+        store = self.store
+        args = self.args
+
+        def job() -> FittedDetector:
+            space, matrix = FeatureSpace.fit(
+                body.data, body.schema_, max_categories=args.max_categories, max_features=args.max_features
+            )
+            spec = DetectorSpec(
+                name=name,
+                algorithm=body.algorithm,
+                params=params,
+                contamination=body.contamination,
+                normalization=body.normalization,
+                features=space,
+                fitted_at=time.time(),
+            )
+            try:
+                detector = fit(spec, matrix)
+            except FitFailed as exc:
+                raise InvalidRequest(f"data: {exc}", param="data", code="fit_failed") from None
+            if store is not None:
+                try:
+                    store.save(detector, matrix)
+                    detector.persisted = True
+                except OSError as exc:  # the detector still serves from memory; the response says so
+                    logger.warning("could not persist anomaly detector %s: %s", name, exc)
+                    detector.persist_error = f"saving to the state directory failed: {exc.strerror or exc}"
+            return detector
+
+        replaced = name in self.detectors
+        lock = self._lock(name)
+        await lock.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self._executor, job)
+        except BaseException:
+            lock.release()
+            raise
+
+        def install(done: asyncio.Future[FittedDetector]) -> None:
+            # Runs on the loop when the fit ends, even if the client went away meanwhile: what is on disk
+            # and what is in memory stay the same detector.
+            try:
+                if not done.cancelled() and done.exception() is None:
+                    self.detectors[name] = done.result()
+            finally:
+                lock.release()
+
+        future.add_done_callback(install)
+        detector = await asyncio.shield(future)
+        return {**detector.summary(), "replaced": replaced}
+
+    async def delete_detector(self, name: str) -> dict[str, Any]:
+        async with self._lock(name):
+            self._get(name, "name")
+            if self.store is not None:
+                await asyncio.to_thread(self.store.delete, name)
+            del self.detectors[name]
+        return {"object": "anomaly.detector.deleted", "name": name, "deleted": True}
+
+    async def score_rows(self, detector: FittedDetector, rows: list[Any]) -> tuple[np.ndarray, np.ndarray, Any]:
+        self._check_size(rows, detector.spec.features.n_encoded)
+        scores = await self._on_engine(lambda: detector.score(rows))
+        return scores.raw, scores.normalized, scores.encoded
+
+    # -- KServe v1 / v2 --------------------------------------------------------------------------------------
+
+    async def infer(self, instances: list[Any]) -> list[Any]:
+        """Score instances (numeric rows, objects, or JSON strings of either) with the default detector."""
+        import json
+
+        name = self._default_detector_name()
+        if name is None:
+            raise InvalidRequest(
+                "KServe v1/v2 requests score with the default detector: set engine arg default_detector, or fit "
+                f"exactly one detector ({len(self.detectors)} exist)"
+            )
+        detector = self._get(name)
+        if not instances:
+            raise InvalidRequest("instances: must not be empty", param="instances")
+        rows: list[Any] = []
+        for index, instance in enumerate(instances):
+            if isinstance(instance, str):  # v2 BYTES tensors carry each row as a JSON string
+                try:
+                    instance = json.loads(instance)
+                except json.JSONDecodeError:
+                    raise InvalidRequest(f"instances[{index}]: not a JSON row", param=f"instances[{index}]") from None
+            rows.append(instance)
+        raw, normalized, _ = await self.score_rows(detector, rows)
+        threshold = detector.threshold
+        return [
+            {"score": _json_float(n), "raw_score": _json_float(r), "is_anomaly": bool(n > threshold)}
+            for r, n in zip(raw.tolist(), normalized.tolist(), strict=True)
+        ]
+
+    # -- routes ----------------------------------------------------------------------------------------------
+
+    def add_routes(self, router: APIRouter) -> None:
+        def max_bytes() -> int:
+            return int(self.args.max_body_mb * 2**20)
+
+        @self.route("anomaly_fit")
+        async def fit_route(request: Request) -> Response:
+            body = await parse_json(request, FitRequest, max_bytes())
+            self.check_model(body.model)
+            self.require_ready()
+            return JSONResponse({"model": self.name, **await self.fit_detector(body)})
+
+        @self.route("anomaly_score")
+        async def score_route(request: Request) -> Response:
+            body = await parse_json(request, ScoreRequest, max_bytes())
+            self.check_model(body.model)
+            self.require_ready()
+            detector = self._get(body.detector)
+            raw, normalized, encoded = await self.score_rows(detector, body.data)
+            data = [
+                {"index": i, "score": _json_float(n), "raw_score": _json_float(r)}
+                for i, (r, n) in enumerate(zip(raw.tolist(), normalized.tolist(), strict=True))
+            ]
+            return JSONResponse(self._result(detector, data, encoded))
+
+        @self.route("anomaly_detect")
+        async def detect_route(request: Request) -> Response:
+            body = await parse_json(request, DetectRequest, max_bytes())
+            self.check_model(body.model)
+            self.require_ready()
+            detector = self._get(body.detector)
+            raw, normalized, encoded = await self.score_rows(detector, body.data)
+            threshold = detector.threshold if body.threshold is None else body.threshold
+            flags = normalized > threshold
+            data = [
+                {"index": i, "score": _json_float(n), "raw_score": _json_float(r), "is_anomaly": bool(f)}
+                for i, (r, n, f) in enumerate(zip(raw.tolist(), normalized.tolist(), flags.tolist(), strict=True))
+            ]
+            result = self._result(detector, data, encoded)
+            result["threshold"] = threshold
+            result["threshold_source"] = "contamination" if body.threshold is None else "request"
+            result["summary"] = {"rows": len(data), "anomalies": int(flags.sum())}
+            return JSONResponse(result)
+
+        @self.route("anomaly_detectors")
+        async def list_route(request: Request) -> Response:
+            self.require_ready()
+            listed = [self.detectors[name].summary() for name in sorted(self.detectors)]
+            return JSONResponse({"object": "list", "persistence": self.store is not None, "data": listed})
+
+        def path_name(request: Request) -> str:
+            name = str(request.path_params.get("name", ""))
+            if not valid_name(name):
+                raise InvalidRequest(f"name: {_invalid_name_message(name)}", param="name", code="invalid_value")
+            return name
+
+        @self.route("anomaly_detector")
+        async def get_route(request: Request) -> Response:
+            self.require_ready()
+            return JSONResponse(self._get(path_name(request), "name").summary())
+
+        @self.route("anomaly_delete")
+        async def delete_route(request: Request) -> Response:
+            self.require_ready()
+            return JSONResponse(await self.delete_detector(path_name(request)))
+
+        router.add_api_route("/v1/anomaly/fit", fit_route, methods=["POST"])
+        router.add_api_route("/v1/anomaly/score", score_route, methods=["POST"])
+        router.add_api_route("/v1/anomaly/detect", detect_route, methods=["POST"])
+        router.add_api_route("/v1/anomaly/detectors", list_route, methods=["GET"])
+        # {name:path} so 'a/b' or an encoded '..%2Fx' reaches the handler and gets a 400, not a bare 404.
+        router.add_api_route("/v1/anomaly/detectors/{name:path}", get_route, methods=["GET"])
+        router.add_api_route("/v1/anomaly/detectors/{name:path}", delete_route, methods=["DELETE"])
+
+    def _result(self, detector: FittedDetector, data: list[dict[str, Any]], encoded: Any) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "object": "list",
+            "model": self.name,
+            "detector": detector.spec.name,
+            "algorithm": detector.spec.algorithm,
+            "normalization": detector.spec.normalization,
+            "data": data,
+        }
+        if encoded.unseen_count:
+            result["unseen_categories"] = {"count": encoded.unseen_count, "examples": encoded.unseen}
+        return result
+
+
+def _invalid_name_message(name: str) -> str:
+    try:
+        _detector_name(name)
+    except ValueError as exc:
+        return str(exc)
+    return "invalid"

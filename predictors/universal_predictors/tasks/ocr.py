@@ -1,0 +1,257 @@
+"""``task: ocr``: ``POST /v1/ocr`` over RapidOCR (default) or Tesseract, pages micro-batched.
+
+A request carries base64 ``images`` (PNG, JPEG, TIFF, WebP) or one base64 PDF ``document`` (alias
+``pdf``), rendered page by page with PDFium. Decoding runs on a worker thread and recognition on the
+engine thread, so the event loop only moves bytes; pages of concurrent requests share batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from universal_predictors.base import UniversalPredictor
+from universal_predictors.batching import BatchPolicy, MicroBatcher
+from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.errors import InvalidRequest, RequestTooLarge
+from universal_predictors.http import parse_json
+from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
+from universal_predictors.ocr.images import Limits, Page, decode_base64, decode_inputs, is_pdf, open_image, render_pdf
+from universal_predictors.ocr.layout import Line, assemble
+
+
+def _codes(value: str) -> list[str]:
+    return [code.strip() for code in value.replace("+", ",").split(",") if code.strip()]
+
+
+class OcrEngineArgs(BaseModel):
+    """Engine arguments of the OCR predictor (``--engine-arg key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Batching: pages from concurrent requests share a trip to the engine thread.
+    max_batch_size: int = Field(default=8, ge=1, le=256)
+    max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
+    # Limits, each a 413 naming itself.
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of one image or the PDF.")
+    max_pixels: int = Field(default=40_000_000, ge=10_000, description="Pixels of one image, frame or PDF page.")
+    max_pages: int = Field(default=32, ge=1, description="Pages of one PDF or frames of one TIFF.")
+    max_images: int = Field(default=16, ge=1, description="Entries of images[] in one request.")
+    pdf_dpi: int = Field(default=200, ge=50, le=600, description="Resolution PDF pages are rendered at.")
+    # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
+    languages: str | None = None
+    # rapidocr
+    threads: int = Field(default=-1, ge=-1, le=256, description="ONNX Runtime intra-op threads (-1: all cores).")
+    max_side: int = Field(default=2000, ge=256, le=8192, description="Longest side detection works at.")
+    use_angle_cls: bool = True
+    text_score: float = Field(default=0.5, ge=0, le=1, description="Drop lines recognised below this score.")
+    # tesseract
+    workers: int = Field(default=0, ge=0, le=64, description="Tesseract processes at once (0: one per core).")
+    psm: int = Field(default=3, ge=0, le=13, description="Tesseract page segmentation mode.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Longest one Tesseract page may take.")
+    max_skew: float = Field(default=15.0, ge=0, le=45, description="Deskew search range in degrees (0: off).")
+    tesseract_cmd: str = "tesseract"
+
+    def limits(self) -> Limits:
+        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi)
+
+
+class OcrRequest(BaseModel):
+    """``POST /v1/ocr``; unknown extension fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    images: list[str] | None = Field(default=None, description="Base64 PNG, JPEG, TIFF or WebP images.")
+    document: str | None = Field(
+        default=None, validation_alias=AliasChoices("document", "pdf"), description="A base64 PDF."
+    )
+    languages: list[str] | None = Field(default=None, description="Language codes ('eng', 'en', 'deu', ...).")
+    return_boxes: bool = False
+
+    @field_validator("languages", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return _codes(value) if isinstance(value, str) else value
+
+
+class OcrPredictor(UniversalPredictor):
+    """One OCR engine; every page of every request goes through one micro-batcher."""
+
+    task = Task.OCR
+    EngineArgs = OcrEngineArgs
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__(config)
+        # A source the engine cannot use stops the process with one line, before the server starts.
+        if config.backend is Backend.TESSERACT:
+            from universal_predictors.ocr.tesseract import check_source
+
+            check_source(config.source, self.engine_args.tesseract_cmd)
+        else:
+            from universal_predictors.ocr.rapid import model_files
+
+            model_files(config.source)
+
+    def load(self) -> bool:
+        from PIL import Image
+
+        args: OcrEngineArgs = self.engine_args
+        languages = _codes(args.languages) if args.languages else None
+        engine: OcrEngine
+        if self.config.backend is Backend.TESSERACT:
+            from universal_predictors.ocr.tesseract import TesseractEngine
+
+            engine = TesseractEngine(
+                self.config.source,
+                languages=languages,
+                workers=args.workers,
+                psm=args.psm,
+                timeout_s=args.timeout_s,
+                max_skew=args.max_skew,
+                command=args.tesseract_cmd,
+            )
+            self.default_languages: list[str] = engine.default_languages
+            self.backend = Backend.TESSERACT
+        else:
+            from universal_predictors.ocr.rapid import RapidOcrEngine
+
+            engine = RapidOcrEngine(
+                self.config.source,
+                languages=languages,
+                threads=args.threads,
+                max_side=args.max_side,
+                use_angle_cls=args.use_angle_cls,
+                text_score=args.text_score,
+            )
+            self.default_languages = engine.languages()
+            self.backend = Backend.RAPIDOCR
+        # Pillow's own bomb check follows ours, so its warnings never fire for images we accept.
+        Image.MAX_IMAGE_PIXELS = args.max_pixels
+        self.ocr = engine
+        self.limits = args.limits()
+        self.batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
+            engine.recognise_batch,
+            model_name=self.name,
+            policy=BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms),
+            # Bigger pages last in a batch: small ones are not held up behind them.
+            cost=lambda job: job.image.width * job.image.height,
+        )
+        return True
+
+    def unload(self) -> None:
+        if hasattr(self, "ocr"):
+            self.ocr.close()
+            del self.ocr
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "ocr"):
+            return {}
+        limits = self.limits
+        return {
+            "engine": self.ocr.name,
+            "languages": self.ocr.languages(),
+            "default_languages": self.default_languages,
+            "limits": {
+                "max_image_bytes": limits.max_image_bytes,
+                "max_pixels": limits.max_pixels,
+                "max_pages": limits.max_pages,
+                "max_images": self.engine_args.max_images,
+                "max_body_bytes": self.engine_args.max_body_bytes,
+                "pdf_dpi": limits.pdf_dpi,
+            },
+            **self.ocr.describe(),
+        }
+
+    def _languages(self, requested: list[str] | None) -> tuple[str, ...]:
+        return resolve_languages(requested, self.ocr.languages(), self.default_languages)
+
+    async def recognise(self, pages: list[Page], languages: tuple[str, ...]) -> list[list[Line]]:
+        return await self.batcher.submit_many([Job(page.image, languages, page.dpi) for page in pages])
+
+    @staticmethod
+    def _result(page: Page, lines: list[Line], return_boxes: bool) -> dict[str, Any]:
+        text, confidence, ordered = assemble(lines)
+        item: dict[str, Any] = {"index": page.index}
+        if page.page is not None:
+            item["page"] = page.page
+        item["text"] = text
+        item["confidence"] = round(confidence, 4)
+        if return_boxes:
+            item["width"], item["height"] = page.image.size
+            item["boxes"] = [line.as_json() for line in ordered]
+        return item
+
+    async def ocr_request(self, body: OcrRequest) -> dict[str, Any]:
+        args: OcrEngineArgs = self.engine_args
+        if body.images is None and body.document is None:
+            raise InvalidRequest(
+                "images: send images (a list of base64 images) or document (a base64 PDF)", param="images"
+            )
+        if body.images is not None and body.document is not None:
+            raise InvalidRequest("document: send either images or document, not both", param="document")
+        if body.images is not None and not body.images:
+            raise InvalidRequest("images: must not be empty", param="images")
+        if body.images is not None and len(body.images) > args.max_images:
+            raise RequestTooLarge(
+                f"images: the request has {len(body.images)} images; the limit max_images is {args.max_images}",
+                param="images",
+                code="too_many_images",
+            )
+        languages = self._languages(body.languages)
+        pages = await asyncio.to_thread(decode_inputs, body.images, body.document, self.limits)
+        results = await self.recognise(pages, languages)
+        data = [self._result(page, lines, body.return_boxes) for page, lines in zip(pages, results, strict=True)]
+        return {
+            "object": "list",
+            "model": self.name,
+            "data": data,
+            "usage": {"images": len(body.images or []) or 1, "pages": len(pages)},
+        }
+
+    def _decode_instance(self, value: Any, position: int) -> list[Page]:
+        field = f"instances[{position}]"
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{field}: must be a base64 image or PDF string", param=field)
+        data = decode_base64(value, field, self.limits.max_image_bytes)
+        if is_pdf(data):
+            return render_pdf(data, position, field, self.limits)
+        return open_image(data, position, field, self.limits)
+
+    async def infer(self, instances: list[Any]) -> list[Any]:
+        """KServe v1/v2: each instance a base64 image or PDF -> {text, confidence[, pages]}."""
+        if len(instances) > self.engine_args.max_images:
+            raise RequestTooLarge(
+                f"instances: {len(instances)} inputs; the limit max_images is {self.engine_args.max_images}",
+                param="instances",
+            )
+        decoded = await asyncio.gather(
+            *(asyncio.to_thread(self._decode_instance, value, i) for i, value in enumerate(instances))
+        )
+        flat = [page for pages in decoded for page in pages]
+        results = iter(await self.recognise(flat, tuple(self.default_languages)))
+        outputs: list[Any] = []
+        for pages in decoded:
+            items = [self._result(page, next(results), False) for page in pages]
+            if len(items) == 1 and items[0].get("page") is None:
+                outputs.append({"text": items[0]["text"], "confidence": items[0]["confidence"]})
+            else:
+                text = "\n\f\n".join(item["text"] for item in items)  # form feed between pages, as Tesseract
+                confidence = sum(item["confidence"] for item in items) / len(items)
+                outputs.append({"text": text, "confidence": round(confidence, 4), "pages": items})
+        return outputs
+
+    def add_routes(self, router: APIRouter) -> None:
+        @self.route("ocr")
+        async def ocr(request: Request) -> Response:
+            body = await parse_json(request, OcrRequest, self.engine_args.max_body_bytes)
+            self.check_model(body.model)
+            self.require_ready()
+            return JSONResponse(await self.ocr_request(body))
+
+        router.add_api_route("/v1/ocr", ocr, methods=["POST"])
