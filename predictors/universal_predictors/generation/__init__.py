@@ -1,0 +1,1 @@
+"""Text generation: one OpenAI layer over interchangeable engines (transformers, llama.cpp, vLLM)."""

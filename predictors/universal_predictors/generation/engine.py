@@ -1,0 +1,276 @@
+"""The engine interface: what the OpenAI layer needs from transformers, llama.cpp or vLLM.
+
+An engine turns token ids into a stream of generated tokens. Everything OpenAI-specific (chat
+templating policy, stop strings, ``n``, usage, tool calls, SSE) lives in :mod:`.service`, once, so the
+three engines only differ where they really do:
+
+* tokenizer and chat template: :meth:`Engine.tokenize`, :meth:`Engine.detokenize`,
+  :attr:`Engine.chat_template` (rendered by :func:`render_chat_template` unless an engine overrides
+  :meth:`Engine.apply_chat_template`), :attr:`Engine.context_length`, :attr:`Engine.eos_token_ids`;
+* generation: :meth:`Engine.generate` takes a :class:`GenerationRequest` (prompt ids, a
+  :class:`SamplingParams`, an optional :class:`JSONSchemaConstraint`) and yields
+  :class:`GenerationChunk` objects. Closing the iterator (``aclose()``, or cancelling the task that
+  drives it) must stop that sequence promptly and free its slot: that is how a client disconnect or
+  a matched stop string ends generation;
+* what it can do: :attr:`Engine.capabilities` (penalties, logprobs, constraints); the OpenAI layer
+  answers 400 for what an engine cannot do, before calling it.
+
+Engines are registered in :mod:`.engines` and chosen by ``--backend`` (``auto`` resolves there).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from universal_predictors.config import Backend, PredictorConfig
+
+FinishReason = Literal["stop", "length"]
+
+
+class NoChatTemplate(Exception):
+    """The model carries no chat template; chat requests get a 400 saying so."""
+
+
+class EngineNoArgs(BaseModel):
+    """An engine without engine arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine honours; the OpenAI layer rejects (400) what is not here."""
+
+    penalties: bool = False  # presence_penalty / frequency_penalty
+    logprobs: bool = False
+    max_top_logprobs: int = 0  # the largest top_logprobs (0: only the chosen token's logprob)
+    constraints: bool = True  # JSONSchemaConstraint (response_format, forced tool calls)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one sequence. ``max_tokens`` is already clipped to the context.
+
+    ``temperature == 0`` means greedy. ``seed`` makes sampling reproducible for that sequence alone,
+    whatever else is batched with it. Generation ends with ``finish_reason="stop"`` on any of the
+    engine's EOS ids or ``stop_token_ids`` (unless ``ignore_eos``), and ``"length"`` after
+    ``max_tokens``. Stop *strings* are matched by the OpenAI layer, which closes the stream.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens.
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class JSONSchemaConstraint:
+    """Constrained decoding: the output must be one JSON value matching ``schema``.
+
+    ``schema=None`` means any JSON object (``response_format: json_object``). Each engine realises it
+    its own way (transformers: a token filter over the vocabulary; llama.cpp: ``LlamaGrammar
+    .from_json_schema``; vLLM: structured outputs). Once the value is complete the engine must end the
+    sequence with ``finish_reason="stop"``.
+    """
+
+    schema: Mapping[str, Any] | None = None
+
+    def schema_json(self) -> str:
+        return json.dumps(self.schema if self.schema is not None else {"type": "object"})
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate (``n`` choices are ``n`` requests)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    constraint: JSONSchemaConstraint | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's logprob and, when asked, the most likely alternatives (best first)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of one sequence.
+
+    ``token_ids`` counts every generated token (an EOS that ended the sequence included, so usage is
+    the tokenizer's true count); ``text`` is the decoded text they add (EOS and stop tokens add none;
+    an incomplete UTF-8 sequence is held back until it completes); ``logprobs`` has one entry per token
+    in ``token_ids`` when asked for; ``finish_reason`` is set on the last chunk only.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Engine(ABC):
+    """A loaded model that generates. Subclasses set ``backend``, ``EngineArgs``, ``capabilities``."""
+
+    backend: ClassVar[Backend]
+    #: Engine arguments (``--engine-arg k=v``), validated at start-up; unknown keys stop the process.
+    EngineArgs: ClassVar[type[BaseModel]] = EngineNoArgs
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+
+    def __init__(self, config: PredictorConfig, args: BaseModel) -> None:
+        self.config = config
+        self.args = args
+
+    @classmethod
+    def supports(cls, config: PredictorConfig) -> bool:
+        """Whether ``auto`` may pick this engine for ``config`` (architecture, hardware)."""
+        return True
+
+    # -- lifecycle (blocking; called from a worker thread) --------------------------------------------
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load weights and tokenizer; afterwards every property below is usable."""
+
+    @abstractmethod
+    def unload(self) -> None:
+        """Stop generating, drop the model, give memory back (``torch.cuda.empty_cache()`` on CUDA)."""
+
+    # -- tokenizer ------------------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def context_length(self) -> int:
+        """The most tokens (prompt + output) one sequence may hold."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sequence."""
+
+    @abstractmethod
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Text to ids; ``add_special_tokens`` adds BOS as the model expects (completions: True;
+        a rendered chat template already contains its special tokens: False)."""
+
+    @abstractmethod
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Ids to text, special tokens skipped."""
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs."""
+        return self.detokenize([token_id])
+
+    @property
+    @abstractmethod
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template (tokenizer config or GGUF metadata), or None."""
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Names the chat template may use: ``bos_token``, ``eos_token``."""
+        return {}
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for ``messages`` with the generation prompt appended; NoChatTemplate if none."""
+        template = self.chat_template
+        if not template:
+            raise NoChatTemplate(f"the model {self.config.model_name!r} has no chat template")
+        return render_chat_template(template, messages, tools, self.special_tokens)
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the sequence's tokens. Must not block the event loop. Closing the iterator stops the
+        sequence. Raises ValueError for a request the engine cannot take (it becomes a 400)."""
+
+    def check_capacity(self, sequences: int = 1) -> None:
+        """Raise ``errors.Unavailable`` (503 with Retry-After) when ``sequences`` more cannot be queued.
+
+        The OpenAI layer calls it before answering, so even a streamed request gets a real 503 rather
+        than an error event after a 200; ``generate`` may still refuse (the same error) in a race.
+        The default accepts everything (engines without a bounded queue)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Extra fields for ``/openai/v1/models`` (the OpenAI layer adds ``context_length``)."""
+        return {}
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 (byte-level BPE
+    splits characters across tokens). Decodes only the last few tokens each step, not the sequence."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the already-emitted context decoded alongside the new ids
+        self._read = 0  # ids before this are emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self.engine.detokenize(self.ids[self._prefix : self._read])
+        after = self.engine.detokenize(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing printable yet, or the rest of a character is still to come
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character at the end), as decoded."""
+        before = self.engine.detokenize(self.ids[self._prefix : self._read])
+        after = self.engine.detokenize(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :] if len(after) > len(before) else ""
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    special_tokens: Mapping[str, str],
+) -> str:
+    """Render a Hugging Face-style chat template in a sandbox (as transformers does)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, **special_tokens
+        )
+    except TemplateError as exc:
+        raise ValueError(f"the chat template rejected the messages: {exc}") from None

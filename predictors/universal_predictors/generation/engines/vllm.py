@@ -1,0 +1,314 @@
+"""The vLLM engine: vLLM's ``AsyncLLM`` in this process, its engine core in vLLM's own worker process.
+
+Continuous batching, paged KV cache, seeded sampling, penalties, logprobs and structured outputs
+(``StructuredOutputsParams(json=...)``, xgrammar by default) are vLLM's own machinery; this module only
+translates the engine interface to vLLM's and back. Every vLLM engine argument is an ``--engine-arg``:
+keys are checked against :class:`vllm.engine.arg_utils.AsyncEngineArgs` when the predictor starts (an
+unknown key stops it with one line naming the key) and values are parsed by vLLM's own command-line
+parser, so ``max_model_len=4k`` or ``enforce_eager=true`` mean exactly what they mean to ``vllm serve``.
+
+Closing a :meth:`VllmEngine.generate` iterator (a client disconnect, a matched stop string) aborts the
+vLLM request, which frees its KV-cache blocks at the next scheduler step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, create_model, field_validator
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+from universal_predictors import metrics
+from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.devices import release_memory
+from universal_predictors.generation.engine import (
+    Engine,
+    EngineCapabilities,
+    GenerationChunk,
+    GenerationRequest,
+    TokenLogprob,
+    TopLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+#: AsyncEngineArgs fields that are not engine arguments here: the model is the predictor's source.
+_NOT_ARGS = frozenset({"model"})
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class _ArgError(ValueError):
+    pass
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """vLLM's own ``vllm serve`` engine-argument parser, raising instead of exiting."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):  # type: ignore[misc]  # vllm is untyped here
+        def error(self, message: str) -> Any:
+            raise _ArgError(message)
+
+    parser: argparse.ArgumentParser = AsyncEngineArgs.add_cli_args(Parser(exit_on_error=False))
+    return parser
+
+
+@functools.cache
+def _actions() -> dict[str, argparse.Action]:
+    return {action.dest: action for action in _parser()._actions}
+
+
+def _argv(key: str, value: Any) -> list[str]:
+    """``key=value`` as vLLM's command line (``--max-model-len 512``, ``--enforce-eager``)."""
+    action = _actions()[key]
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction):
+        flag = text.strip().lower()
+        if flag not in _TRUE | _FALSE:
+            raise _ArgError(f"expected true or false, got {text!r}")
+        if flag in _TRUE:
+            return [option]
+        return [f"--no-{option[2:]}"] if isinstance(action, argparse.BooleanOptionalAction) else []
+    if action.nargs in ("+", "*"):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            items = None
+        values = [str(i) for i in items] if isinstance(items, list) else [v for v in text.split(",") if v]
+        return [option, *values]
+    return [f"{option}={text}"]  # one token, so a value starting with "-" is not taken for a flag
+
+
+def _check_value(value: Any, info: ValidationInfo) -> Any:
+    """Parse one value the way ``vllm serve`` would; a bad one names its key at start-up."""
+    if value is None:
+        return value
+    key = info.field_name
+    assert key is not None
+    try:
+        _parser().parse_args(_argv(key, value))
+    except (_ArgError, argparse.ArgumentError, ValueError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _engine_arg_names() -> list[str]:
+    # Only what ``vllm serve`` exposes (a few internal fields have no flag).
+    fields = [f.name for f in dataclasses.fields(AsyncEngineArgs)]
+    known = set(_actions())
+    return [name for name in fields if name in known and name not in _NOT_ARGS]
+
+
+#: ``--engine-arg`` keys of the vLLM engine: every ``AsyncEngineArgs`` field, values as strings.
+VllmArgs: type[BaseModel] = create_model(
+    "VllmArgs",
+    __config__=ConfigDict(extra="forbid"),
+    __validators__={"_check": field_validator("*")(_check_value)},
+    **{name: (Any, None) for name in _engine_arg_names()},
+)
+
+
+def build_engine_args(source: str, args: BaseModel) -> AsyncEngineArgs:
+    """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``."""
+    argv: list[str] = []
+    for key, value in args.model_dump(exclude_none=True).items():
+        argv += _argv(key, value)
+    namespace = _parser().parse_args(argv)
+    namespace.model = source
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+class VllmEngine(Engine):
+    """A Hugging Face model directory served by vLLM's async engine."""
+
+    backend = Backend.VLLM
+    EngineArgs = VllmArgs
+    capabilities = EngineCapabilities(penalties=True, logprobs=True, max_top_logprobs=20, constraints=True)
+
+    def __init__(self, config: PredictorConfig, args: BaseModel) -> None:
+        super().__init__(config, args)
+        self._ids = itertools.count()
+        self._llm: Any = None
+        self.device = "cpu"
+
+    @classmethod
+    def supports(cls, config: PredictorConfig) -> bool:
+        """A local model directory whose architecture vLLM implements for text generation."""
+        config_file = Path(config.source) / "config.json"
+        try:
+            architectures = json.loads(config_file.read_text()).get("architectures") or []
+        except (OSError, ValueError):
+            return False
+        from vllm.model_executor.models import ModelRegistry
+
+        supported = ModelRegistry.get_supported_archs()
+        return any(arch in supported for arch in architectures)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = build_engine_args(self.config.source, self.args)
+        # Built off the event loop (this is a worker thread): AsyncLLM starts its output handler on
+        # the serving loop at the first request.
+        self._llm = AsyncLLM.from_engine_args(engine_args)
+        self.device = str(current_platform.device_type)
+        self.tokenizer = self._llm.get_tokenizer()
+        model_config = self._llm.model_config
+        self._context = int(model_config.max_model_len)
+        eos: set[int] = set()
+        ids = model_config.try_get_generation_config().get("eos_token_id")
+        eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self._eos = frozenset(eos)
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        logger.info("vllm engine on %s (%s), context %d", self.device, model_config.dtype, self._context)
+
+    def unload(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        for name in ("tokenizer", "_token_text"):
+            if hasattr(self, name):
+                delattr(self, name)
+        release_memory(self.device)  # torch.cuda.empty_cache() on CUDA
+
+    # -- tokenizer ------------------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self._context
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def _decode_one(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self._token_text(token_id))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default")
+        return template if isinstance(template, str) and template else None
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        return {"bos_token": self.tokenizer.bos_token or "", "eos_token": self.tokenizer.eos_token or ""}
+
+    def describe(self) -> dict[str, Any]:
+        set_args = self.args.model_dump(exclude_none=True)
+        return {"device": self.device, "max_model_len": self._context, "engine_args": set_args}
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        p = request.params
+        structured = None
+        if request.constraint is not None:
+            schema = request.constraint.schema
+            structured = (StructuredOutputsParams(json=dict(schema)) if schema is not None
+                          else StructuredOutputsParams(json_object=True))  # fmt: skip
+        return SamplingParams(
+            n=1,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            logprobs=p.logprobs,
+            structured_outputs=structured,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        from vllm.exceptions import VLLMClientError
+
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        try:
+            params = self._sampling_params(request)
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise ValueError(str(exc)) from None
+        # n choices share the layer's request id; vLLM needs one id per sequence.
+        request_id = f"{request.request_id}-{next(self._ids)}"
+        stream = self._llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request_id)
+        want_logprobs = request.params.logprobs is not None
+        top_k = request.params.logprobs or 0
+        model = self.config.model_name
+        finished = False
+        first = True
+        try:
+            while True:
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except (ValueError, VLLMClientError) as exc:  # a request vLLM refuses (schema, limits)
+                    raise ValueError(str(exc)) from None
+                if first:
+                    metrics.PROMPT_TOKENS.labels(model).inc(len(request.prompt_ids))
+                    first = False
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else None
+                logprobs = None
+                if want_logprobs:
+                    logprobs = [
+                        self._logprob(t, lp, top_k) for t, lp in zip(ids, completion.logprobs or (), strict=False)
+                    ]
+                if ids:
+                    metrics.TOKENS_GENERATED.labels(model).inc(len(ids))
+                finished = out.finished
+                if finished and finish is None:
+                    raise RuntimeError(f"vLLM ended the sequence: {completion.finish_reason}")
+                if ids or completion.text or finish is not None:
+                    yield GenerationChunk(ids, completion.text, logprobs, finish)
+                if finished:
+                    return
+        finally:
+            await stream.aclose()  # vLLM's generator aborts an unfinished request when closed
+            if not finished and self._llm is not None:
+                await self._llm.abort(request_id)
+
+    def _logprob(self, token_id: int, entries: Any, top_k: int) -> TokenLogprob:
+        chosen = entries.get(token_id)
+        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= top_k),
+                     key=lambda item: item[1].rank)  # fmt: skip
+        return TokenLogprob(
+            token_id,
+            self.token_text(token_id),
+            float(chosen.logprob) if chosen is not None else float("-inf"),
+            tuple(TopLogprob(t, self.token_text(t), float(e.logprob)) for t, e in top),
+        )

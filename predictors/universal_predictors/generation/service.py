@@ -1,0 +1,624 @@
+"""The OpenAI layer over any :class:`~universal_predictors.generation.engine.Engine`.
+
+Everything here is engine-independent: prompts (chat templates, token-id prompts), context checks,
+stop strings matched across token boundaries (held back until they cannot be a stop, never emitted),
+``n`` and per-choice seeds, JSON-schema constraints for ``response_format`` and forced tools, tool-call
+parsing, usage from the tokenizer's own counts, SSE streaming, and cancellation when the client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from universal_predictors import metrics
+from universal_predictors.errors import APIError, InternalError, InvalidRequest
+from universal_predictors.generation.engine import (
+    Engine,
+    GenerationRequest,
+    JSONSchemaConstraint,
+    NoChatTemplate,
+    SamplingParams,
+    TokenLogprob,
+)
+from universal_predictors.generation.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+)
+
+logger = logging.getLogger(__name__)
+
+#: ``max_tokens`` when a completions request names none (OpenAI's legacy default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Choice:
+    """What one choice produced, as it streams and at the end."""
+
+    index: int
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Delta:
+    """A piece of one choice's output for streaming."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Plan:
+    """A validated request, ready to run: one entry per choice."""
+
+    prompts: list[list[int]]  # per prompt
+    jobs: list[tuple[int, GenerationRequest]]  # (prompt index, request) per choice
+    stops: list[str]
+    prompt_tokens: int
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text across token boundaries; holds back a possible prefix."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was found (emission ends there)."""
+        if not self.stops:
+            return text, False
+        buffer = self.held + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buffer[: min(hits)], True
+        keep = 0
+        for stop in self.stops:  # the longest buffer suffix that could still grow into a stop string
+            for size in range(min(len(stop) - 1, len(buffer)), 0, -1):
+                if buffer.endswith(stop[:size]):
+                    keep = max(keep, size)
+                    break
+        self.held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def _context_error(context: int, prompt: int, requested: int | None) -> InvalidRequest:
+    asked = f" and {requested} tokens requested for the completion" if requested else ""
+    return InvalidRequest(
+        f"This model's maximum context length is {context} tokens. However, the prompt is {prompt} tokens{asked}; "
+        f"at least one token must remain for the completion. Shorten the prompt.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+class GenerationService:
+    """The OpenAI chat/completions behaviour of one served model."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    # -- validation and planning ----------------------------------------------------------------------
+
+    def _check_capabilities(self, body: SamplingFields, logprobs: int | None) -> None:
+        caps = self.engine.capabilities
+        backend = self.engine.backend.value
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) and not caps.penalties:
+                raise InvalidRequest(f"{name}: the {backend} backend does not support penalties", param=name)
+        if logprobs is not None:
+            if not caps.logprobs:
+                raise InvalidRequest(f"logprobs: the {backend} backend does not return logprobs", param="logprobs")
+            if logprobs > caps.max_top_logprobs:
+                raise InvalidRequest(
+                    f"top_logprobs: at most {caps.max_top_logprobs} on the {backend} backend", param="top_logprobs"
+                )
+
+    def _params(
+        self, body: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, choice: int
+    ) -> SamplingParams:
+        context = self.engine.context_length
+        if prompt_len >= context:
+            raise _context_error(context, prompt_len, max_tokens)
+        remaining = context - prompt_len
+        seed = body.seed + choice if body.seed is not None else None
+        return SamplingParams(
+            max_tokens=min(max_tokens, remaining) if max_tokens is not None else remaining,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+        )
+
+    def _plan(
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: JSONSchemaConstraint | None,
+    ) -> Plan:
+        if constraint is not None and not self.engine.capabilities.constraints:
+            raise InvalidRequest(
+                f"response_format: the {self.engine.backend.value} backend cannot constrain output",
+                param="response_format",
+            )
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for i in range(body.n):
+                params = self._params(body, len(ids), max_tokens, logprobs, i)
+                jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint)))
+        self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
+        return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for m in body.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            messages.append(message)
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        try:
+            text = self.engine.apply_chat_template(messages, tools)
+        except NoChatTemplate as exc:
+            raise InvalidRequest(
+                f"{exc}; use /v1/completions with a prompt instead", param="messages", code="chat_template_missing"
+            ) from None
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    @staticmethod
+    def _tool_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint | None, str | None]:
+        """The constraint a forced tool choice needs, and the forced function's name (named choice)."""
+        choice = body.tool_choice
+        if choice is None or choice in ("auto", "none"):
+            return None, None
+        if not body.tools:
+            raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            for tool in body.tools:
+                if tool.function.name == choice.function.name:
+                    return JSONSchemaConstraint(tool.function.parameters), tool.function.name
+            raise InvalidRequest(f"tool_choice: no tool named {choice.function.name!r}", param="tool_choice")
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "arguments": t.function.parameters,
+                },
+                "required": ["name", "arguments"],
+            }
+            for t in body.tools
+        ]
+        return JSONSchemaConstraint(options[0] if len(options) == 1 else {"anyOf": options}), None
+
+    def plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, str | None]:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self._check_capabilities(body, logprobs)
+        constraint, forced = self._tool_constraint(body)
+        if constraint is None and body.response_format is not None:
+            if body.response_format.type == "json_object":
+                constraint = JSONSchemaConstraint(None)
+            elif body.response_format.type == "json_schema":
+                assert body.response_format.json_schema is not None
+                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        ids = self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return self._plan(body, [ids], max_tokens, logprobs, constraint), forced
+
+    def plan_completion(self, body: CompletionRequest) -> Plan:
+        self._check_capabilities(body, body.logprobs)
+        if body.suffix:
+            raise InvalidRequest("suffix: not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequest("best_of: only best_of == n is supported", param="best_of")
+        if isinstance(body.prompt, str):
+            prompts = [self.engine.tokenize(body.prompt, add_special_tokens=True)]
+        elif body.prompt and isinstance(body.prompt[0], int):
+            prompts = [[int(t) for t in body.prompt]]
+        else:
+            prompts = [self.engine.tokenize(str(p), add_special_tokens=True) for p in body.prompt]
+        if any(not ids for ids in prompts):
+            raise InvalidRequest("prompt: must not be empty", param="prompt")
+        vocab = getattr(self.engine, "_vocab", None)
+        if vocab and any(t < 0 or t >= vocab for ids in prompts for t in ids):
+            raise InvalidRequest("prompt: a token id is outside the vocabulary", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._plan(body, prompts, max_tokens, body.logprobs, None)
+
+    # -- running --------------------------------------------------------------------------------------
+
+    async def run_choice(
+        self, index: int, request: GenerationRequest, stops: Sequence[str], emit: Callable[[Delta], Awaitable[None]]
+    ) -> Choice:
+        """Generate one choice, calling ``emit`` with each piece of text that is final."""
+        choice = Choice(index)
+        matcher = StopMatcher(stops)
+        started = last = time.perf_counter()
+        stream = self.engine.generate(request)
+        try:
+            try:
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if choice.tokens == 0:
+                        metrics.TIME_TO_FIRST_TOKEN.labels(self.model_name).observe(now - started)
+                    else:
+                        metrics.INTER_TOKEN_LATENCY.labels(self.model_name).observe(now - last)
+                    last = now
+                    choice.tokens += len(chunk.token_ids)
+                    text, stopped = matcher.push(chunk.text)
+                    if chunk.finish_reason is not None and not stopped:
+                        text += matcher.flush()
+                    logprobs = chunk.logprobs or []
+                    choice.text += text
+                    choice.logprobs += logprobs
+                    if stopped or chunk.finish_reason is not None:
+                        choice.finish_reason = "stop" if stopped else chunk.finish_reason
+                    if text or logprobs or choice.finish_reason:
+                        await emit(Delta(index, text, logprobs, choice.finish_reason))
+                    if stopped:
+                        break
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]  # async generators have aclose()
+        if choice.finish_reason is None:  # the engine ended without saying why
+            choice.finish_reason = "stop"
+        return choice
+
+    async def run_all(self, plan: Plan, emit: Callable[[Delta], Awaitable[None]]) -> list[Choice]:
+        """All choices concurrently (they batch together in the engine)."""
+        tasks = [
+            asyncio.ensure_future(self.run_choice(i, req, plan.stops, emit)) for i, (_, req) in enumerate(plan.jobs)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _until_disconnect(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def run_unary(self, request: Request, plan: Plan) -> list[Choice] | None:
+        """Run to the end; None (and a counted cancellation) if the client goes away first."""
+
+        async def ignore(_: Delta) -> None:
+            return None
+
+        work = asyncio.ensure_future(self.run_all(plan, ignore))
+        watcher = asyncio.ensure_future(self._until_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            metrics.CANCELLED.labels(self.model_name).inc()
+            return None
+        finally:
+            for task in (work, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    def stream(
+        self,
+        plan: Plan,
+        render: Callable[[Delta], dict[str, Any] | None],
+        first: list[dict[str, Any]],
+        final: Callable[[list[Choice]], list[dict[str, Any]]],
+    ) -> Response:
+        """An SSE response: ``first`` events, one per rendered delta, ``final(choices)`` events, [DONE]."""
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+
+        async def emit(delta: Delta) -> None:
+            await queue.put(delta)
+
+        async def events() -> AsyncIterator[str]:
+            for event in first:
+                yield f"data: {json.dumps(event)}\n\n"
+            work = asyncio.ensure_future(self.run_all(plan, emit))
+            work.add_done_callback(lambda _: queue.put_nowait(None))
+            completed = False
+            try:
+                while True:
+                    delta = await queue.get()
+                    if delta is None:
+                        break
+                    rendered = render(delta)
+                    if rendered is not None:
+                        yield f"data: {json.dumps(rendered)}\n\n"
+                try:
+                    choices = work.result()
+                except APIError as error:
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    completed = True
+                    return
+                except Exception:
+                    logger.exception("streamed generation failed")
+                    yield f"data: {json.dumps(InternalError().body())}\n\n"
+                    completed = True
+                    return
+                for event in final(choices):
+                    yield f"data: {json.dumps(event)}\n\n"
+                yield "data: [DONE]\n\n"
+                completed = True
+            finally:
+                if not completed:  # the client went away mid-stream
+                    metrics.CANCELLED.labels(self.model_name).inc()
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    # -- OpenAI responses -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _usage(plan: Plan, choices: Sequence[Choice]) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        return {
+            "prompt_tokens": plan.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": plan.prompt_tokens + completion,
+        }
+
+    @staticmethod
+    def _chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
+                for lp in logprobs
+            ]
+        }
+
+    @staticmethod
+    def _completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+        offsets = []
+        for lp in logprobs:
+            offsets.append(offset)
+            offset += len(lp.token)
+        return {
+            "tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _tool_message(self, body: ChatCompletionRequest, choice: Choice, forced: str | None) -> dict[str, Any]:
+        """The assistant message for a finished choice, with tool calls parsed out when tools apply."""
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if not body.tools or body.tool_choice == "none":
+            return message
+        calls = _parse_tool_calls(choice.text, forced)
+        if calls and choice.finish_reason != "length":
+            known = {t.function.name for t in body.tools}
+            calls = [c for c in calls if c["function"]["name"] in known]
+        if calls and choice.finish_reason != "length":
+            message["content"] = None
+            message["tool_calls"] = calls
+            choice.finish_reason = "tool_calls"
+        return message
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        plan, forced = self.plan_chat(body)
+        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        tools_active = bool(body.tools) and body.tool_choice != "none"
+
+        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+            event = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if body.stream_options and body.stream_options.include_usage:
+                event["usage"] = usage
+            return event
+
+        if not body.stream:
+            choices = await self.run_unary(request, plan)
+            if choices is None:
+                return Response(status_code=499)  # nobody is listening; the status is for the logs
+            out = []
+            for c in choices:
+                message = self._tool_message(body, c, forced)
+                entry: dict[str, Any] = {
+                    "index": c.index,
+                    "message": message,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
+                }
+                out.append(entry)
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": out,
+                    "usage": self._usage(plan, choices),
+                }
+            )
+
+        def render(delta: Delta) -> dict[str, Any] | None:
+            if tools_active:
+                return None  # a tool call is only known at the end: sent whole by final()
+            entry: dict[str, Any] = {
+                "index": delta.index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "finish_reason": delta.finish_reason,
+                "logprobs": self._chat_logprobs(delta.logprobs) if body.logprobs else None,
+            }
+            return chunk([entry])
+
+        def final(choices: list[Choice]) -> list[dict[str, Any]]:
+            events = []
+            if tools_active:
+                for c in choices:
+                    message = self._tool_message(body, c, forced)
+                    delta: dict[str, Any] = {}
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                    elif message["content"]:
+                        delta["content"] = message["content"]
+                    events.append(
+                        chunk([{"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": None}])
+                    )
+            if body.stream_options and body.stream_options.include_usage:
+                events.append(chunk([], self._usage(plan, choices)))
+            return events
+
+        first = [
+            chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
+            )
+            for i in range(len(plan.jobs))
+        ]
+        return self.stream(plan, render, first, final)
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        plan = self.plan_completion(body)
+        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        echoes = [self.engine.detokenize(ids) if body.echo else "" for ids in plan.prompts]
+
+        def event(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+            out = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if body.stream_options and body.stream_options.include_usage:
+                out["usage"] = usage
+            return out
+
+        if not body.stream:
+            choices = await self.run_unary(request, plan)
+            if choices is None:
+                return Response(status_code=499)  # nobody is listening; the status is for the logs
+            out = []
+            for c in choices:
+                echo = echoes[plan.jobs[c.index][0]]
+                logprobs = self._completion_logprobs(c.logprobs, len(echo)) if body.logprobs is not None else None
+                out.append(
+                    {"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+                )
+            return JSONResponse({**event(out), "usage": self._usage(plan, choices)})
+
+        def render(delta: Delta) -> dict[str, Any] | None:
+            logprobs = self._completion_logprobs(delta.logprobs, 0) if body.logprobs is not None else None
+            return event(
+                [{"index": delta.index, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": logprobs}]
+            )
+
+        def final(choices: list[Choice]) -> list[dict[str, Any]]:
+            if body.stream_options and body.stream_options.include_usage:
+                return [event([], self._usage(plan, choices))]
+            return []
+
+        first = [
+            event([{"index": i, "text": echoes[p], "finish_reason": None, "logprobs": None}])
+            for i, (p, _) in enumerate(plan.jobs)
+            if echoes[p]
+        ]
+        return self.stream(plan, render, first, final)
+
+    async def complete_text(self, prompt: str, max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> str:
+        """Greedy text for one prompt (KServe v1/v2 text in, text out)."""
+        ids = self.engine.tokenize(prompt, add_special_tokens=True)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.engine.context_length:
+            raise _context_error(self.engine.context_length, len(ids), max_tokens)
+        params = SamplingParams(max_tokens=min(max_tokens, self.engine.context_length - len(ids)), temperature=0.0)
+
+        async def ignore(_: Delta) -> None:
+            return None
+
+        choice = await self.run_choice(0, GenerationRequest(uuid.uuid4().hex, ids, params), [], ignore)
+        return choice.text
+
+
+def _parse_tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
+    """Tool calls in a model's output: the forced function's bare arguments, ``<tool_call>{...}</tool_call>``
+    blocks, or a whole-output ``{"name", "arguments"}`` object."""
+
+    def call(name: str, arguments: Any) -> dict[str, Any]:
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": args},
+        }
+
+    def load(fragment: str) -> Any:
+        with contextlib.suppress(ValueError):
+            return json.loads(fragment)
+        return None
+
+    stripped = text.strip()
+    if forced is not None:
+        value = load(stripped)
+        return [call(forced, json.dumps(value))] if isinstance(value, dict) else []
+    candidates = []
+    rest = stripped
+    while "<tool_call>" in rest:
+        _, _, after = rest.partition("<tool_call>")
+        inner, _, rest = after.partition("</tool_call>")
+        candidates.append(inner.strip())
+    if not candidates:
+        candidates = [stripped]
+    calls = []
+    for fragment in candidates:
+        value = load(fragment)
+        if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+            calls.append(
+                call(
+                    value["name"],
+                    value["arguments"] if isinstance(value["arguments"], str) else json.dumps(value["arguments"]),
+                )
+            )
+    return calls

@@ -1,0 +1,98 @@
+"""``task: generate``: OpenAI chat/completions (and KServe v1/v2 text in, text out) over one engine.
+
+The backend (``auto`` resolved in :mod:`universal_predictors.generation.engines`) picks the engine; the
+engine's own ``EngineArgs`` validate ``--engine-arg`` keys at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
+
+from universal_predictors.base import StartupError, UniversalPredictor, parse_engine_args
+from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
+from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
+from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
+from universal_predictors.http import parse_json
+
+
+class _DeferredArgs(BaseModel):
+    """Accepts anything: the chosen engine's own model validates the keys in ``__init__``."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class GeneratePredictor(UniversalPredictor):
+    """One text-generation model behind the OpenAI chat/completions API."""
+
+    task = Task.GENERATE
+    EngineArgs = _DeferredArgs
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__(config)
+        self.backend = resolve_backend(config)
+        try:
+            cls = engine_class(self.backend)
+        except EngineUnavailable as exc:
+            raise StartupError(str(exc)) from None
+        args = parse_engine_args(
+            cls.EngineArgs, config.engine_args, f"the {self.backend.value} backend of task {self.task.value}"
+        )
+        self.engine_impl = cls(config, args)
+        self.service = GenerationService(self.engine_impl, config.model_name)
+
+    def load(self) -> bool:
+        self.engine_impl.load()
+        return True
+
+    def unload(self) -> None:
+        self.engine_impl.unload()
+
+    def describe(self) -> dict[str, Any]:
+        if not self.ready:
+            return {}
+        return {
+            "context_length": self.engine_impl.context_length,
+            "max_model_len": self.engine_impl.context_length,
+            **self.engine_impl.describe(),
+        }
+
+    async def infer(self, instances: list[Any]) -> list[Any]:
+        """Each instance is a prompt string, or ``{"prompt": ..., "max_tokens": ...}``; greedy text back."""
+        outputs = []
+        for index, item in enumerate(instances):
+            if isinstance(item, dict):
+                prompt, max_tokens = item.get("prompt"), item.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+            else:
+                prompt, max_tokens = item, COMPLETIONS_DEFAULT_MAX_TOKENS
+            if not isinstance(prompt, str) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise InvalidRequest(
+                    f'instances[{index}]: expected a prompt string or {{"prompt": str, "max_tokens": int >= 1}}',
+                    param=f"instances[{index}]",
+                )
+            outputs.append(self.service.complete_text(prompt, max_tokens))
+        return list(await asyncio.gather(*outputs))
+
+    def add_routes(self, router: APIRouter) -> None:
+        @self.route("chat_completions")
+        async def chat_completions(request: Request) -> Response:
+            body = await parse_json(request, ChatCompletionRequest)
+            self.check_model(body.model)
+            self.require_ready()
+            return await self.service.chat(request, body)
+
+        @self.route("completions")
+        async def completions(request: Request) -> Response:
+            body = await parse_json(request, CompletionRequest)
+            self.check_model(body.model)
+            self.require_ready()
+            return await self.service.completions(request, body)
+
+        router.add_api_route("/openai/v1/chat/completions", chat_completions, methods=["POST"])
+        router.add_api_route("/openai/v1/completions", completions, methods=["POST"])

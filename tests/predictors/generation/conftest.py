@@ -1,0 +1,66 @@
+"""Session fixtures for generation: the tiny models (built once) and one predictor per engine."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.predictors.generation.tiny_llama import build_llama, without_chat_template, write_gguf
+from tests.predictors.harness import PredictorProcess, running_predictor
+from universal_predictors.config import Backend, PredictorConfig, Task
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One engine the conformance suite runs against: its backend, the package it needs, its source."""
+
+    backend: Backend
+    package: str
+    gguf: bool = False  # serve the GGUF file instead of the Hugging Face directory
+    engine_args: tuple[tuple[str, str], ...] = ()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("tiny-llama") / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny-llama-f32.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_no_template(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return without_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-plain") / "hf")
+
+
+def start_engine(
+    case: EngineCase, source: Path, log_dir: Path, name: str = "tiny-llama"
+) -> contextlib.AbstractContextManager[PredictorProcess]:
+    if importlib.util.find_spec(case.package) is None:
+        pytest.skip(f"the {case.backend.value} engine needs the {case.package!r} package, which is not installed")
+    config = PredictorConfig(
+        model_name=name,
+        task=Task.GENERATE,
+        backend=case.backend,
+        source=str(source),
+        engine_args=dict(case.engine_args),
+    )
+    return running_predictor(config, log_dir)
+
+
+@pytest.fixture(scope="session")
+def generate_predictor(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PredictorProcess]:
+    """One predictor per engine case for the whole session (parametrised indirectly by the suite)."""
+    case: EngineCase = request.param
+    source = request.getfixturevalue("tiny_llama_gguf") if case.gguf else tiny_llama_dir
+    with start_engine(case, source, tmp_path_factory.mktemp(f"generate-{case.backend.value}")) as predictor:
+        yield predictor

@@ -1,0 +1,475 @@
+"""The OpenAI chat/completions contract, pinned on a real predictor process per engine with the real
+``openai`` client. Adding an engine is one entry in ``ENGINES``; an engine whose package is missing is
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.predictors.generation.conftest import EngineCase, start_engine
+from tests.predictors.generation.tiny_llama import write_gguf
+from tests.predictors.harness import PredictorProcess
+from universal_predictors.config import Backend
+
+ENGINES = [
+    EngineCase(Backend.TRANSFORMERS, "transformers"),
+    EngineCase(Backend.LLAMACPP, "llama_cpp", gguf=True),
+    # fp32 (vLLM downcasts to bf16 on CPU) so batched and solo greedy outputs agree; a small KV cache.
+    EngineCase(
+        Backend.VLLM,
+        "vllm",
+        engine_args=(("dtype", "float32"), ("enforce_eager", "true"), ("kv_cache_memory_bytes", "256M")),
+    ),
+]
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=lambda case: case.backend.value)
+def engine_case(request: pytest.FixtureRequest) -> EngineCase:
+    case: EngineCase = request.param
+    return case
+
+
+@pytest.fixture(scope="module")
+def predictor(
+    engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PredictorProcess]:
+    source = request.getfixturevalue("tiny_llama_gguf" if engine_case.gguf else "tiny_llama_dir")
+    with start_engine(engine_case, source, tmp_path_factory.mktemp(f"gen-{engine_case.backend.value}")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(predictor: PredictorProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def metric(predictor: PredictorProcess, name: str) -> float:
+    text = httpx.get(f"{predictor.url}/metrics", timeout=10).text
+    match = re.search(rf'^{name}\{{model="{MODEL}"\}} ([0-9.e+]+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def chat(client: openai.OpenAI, content: str, **kwargs: object) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)  # type: ignore[call-overload,no-any-return]
+
+
+# -- basics -----------------------------------------------------------------------------------------
+
+
+def test_models_list_reports_the_resolved_backend_and_context(
+    predictor: PredictorProcess, engine_case: EngineCase
+) -> None:
+    [card] = httpx.get(f"{predictor.openai_url}/models").json()["data"]
+    assert card["id"] == MODEL
+    assert card["backend"] == engine_case.backend.value
+    assert card["context_length"] == 512
+
+
+def test_chat_returns_text_with_the_tokenizers_true_usage(client: openai.OpenAI, tokenizer: object) -> None:
+    response = chat(client, "Hello there", max_tokens=7, temperature=0)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}],
+        add_generation_prompt=True,  # type: ignore[attr-defined]
+        tokenize=False,
+    )
+    prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    [choice] = response.choices
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 7
+    assert response.usage.total_tokens == prompt_tokens + 7
+
+
+def test_streamed_chat_equals_the_unary_answer_and_reports_usage_last(client: openai.OpenAI) -> None:
+    unary = chat(client, "Tell me about Oslo", max_tokens=12, temperature=0)
+    stream = chat(
+        client, "Tell me about Oslo", max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == unary.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_unary_and_streamed_agree(client: openai.OpenAI) -> None:
+    unary = client.completions.create(model=MODEL, prompt="The river in Paris", max_tokens=10, temperature=0)
+    streamed = client.completions.create(
+        model=MODEL, prompt="The river in Paris", max_tokens=10, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].text for c in streamed)
+    assert text == unary.choices[0].text
+    assert unary.choices[0].finish_reason == "length"
+    assert unary.usage is not None
+    assert unary.usage.completion_tokens == 10
+
+
+def test_completions_take_a_list_of_prompts_each_with_n_choices(client: openai.OpenAI) -> None:
+    response = client.completions.create(model=MODEL, prompt=["one", "two three"], max_tokens=3, n=2, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: both choices of a prompt agree
+    assert response.usage is not None
+    assert response.usage.completion_tokens == 12
+
+
+# -- stops, lengths, seeds ---------------------------------------------------------------------------
+
+
+def test_a_stop_string_split_across_tokens_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="Numbers: 1 2 3", max_tokens=24, temperature=0, logprobs=0)
+    tokens = full.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    text = full.choices[0].text
+    assert "".join(tokens) == text
+    # A stop made of the end of one token and the start of the next, first occurring at that boundary.
+    for i in range(2, len(tokens) - 1):
+        left, right = tokens[i], tokens[i + 1]
+        if left.isprintable() and right.isprintable() and left.strip() and right.strip():
+            stop = left[-1] + right[0]
+            boundary = len("".join(tokens[: i + 1]))
+            if text.find(stop) == boundary - 1:
+                break
+    else:
+        pytest.fail(f"no usable token boundary in {tokens!r}")
+    stopped = client.completions.create(model=MODEL, prompt="Numbers: 1 2 3", max_tokens=24, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[: boundary - 1]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop not in stopped.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL, prompt="Numbers: 1 2 3", max_tokens=24, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text[: boundary - 1]
+
+
+def test_max_tokens_beyond_the_context_is_clipped_and_reported_as_length(
+    client: openai.OpenAI, tokenizer: object
+) -> None:
+    prompt = " river" * 500
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])  # type: ignore[operator]
+    assert prompt_tokens < 512
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=400, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 512 - prompt_tokens
+
+
+def test_a_prompt_over_the_context_is_a_400_with_the_numbers(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, "river " * 700, max_tokens=5)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["code"] == "context_length_exceeded"
+    assert "512" in error["message"]
+
+
+def test_the_same_seed_gives_the_same_sample_and_another_seed_another(client: openai.OpenAI) -> None:
+    first = chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=7).choices[0].message.content
+    again = chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=7).choices[0].message.content
+    other = chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=8).choices[0].message.content
+    assert first == again
+    assert first != other
+
+
+def test_n_gives_independent_choices(client: openai.OpenAI) -> None:
+    response = chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=3, n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].message.content != response.choices[1].message.content
+    assert response.usage is not None
+    assert response.usage.completion_tokens == 32
+
+
+# -- structured output and tools ---------------------------------------------------------------------
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "open": {"type": "boolean"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "open", "unit"],
+}
+
+
+def test_json_schema_output_parses_and_validates(client: openai.OpenAI) -> None:
+    response = chat(
+        client,
+        "Describe a city as JSON",
+        max_tokens=300,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content or ""), CITY_SCHEMA)
+
+
+def test_json_object_output_is_a_json_object(client: openai.OpenAI) -> None:
+    response = chat(
+        client, "Anything as JSON", max_tokens=120, temperature=1.0, seed=1, response_format={"type": "json_object"}
+    )
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
+    else:  # an unbounded object may run out of tokens: then it says so
+        assert response.choices[0].finish_reason == "length"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY_SCHEMA},
+}
+
+
+def test_a_forced_tool_call_returns_arguments_that_validate(client: openai.OpenAI) -> None:
+    response = chat(
+        client,
+        "Weather in Paris?",
+        max_tokens=300,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)  # type: ignore[union-attr]
+
+
+def test_tool_choice_required_picks_one_of_the_tools(client: openai.OpenAI) -> None:
+    response = chat(
+        client,
+        "Weather in Lima?",
+        max_tokens=300,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        stream=True,
+    )
+    chunks = list(response)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(calls[0].function.arguments or ""), CITY_SCHEMA)  # type: ignore[union-attr]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_logprobs_and_top_logprobs_come_per_token(client: openai.OpenAI) -> None:
+    response = chat(client, "Hi", max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("chat/completions", b"{nope", None),
+        ("chat/completions", b'{"model": "tiny-llama"}', "messages"),
+        ("chat/completions", b'{"model": "tiny-llama", "messages": []}', "messages"),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}',
+            "messages[0].role",
+        ),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "temperature": 9}',
+            "temperature",
+        ),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+            "max_tokens",
+        ),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+            b'"response_format": {"type": "json_schema"}}',
+            "response_format",
+        ),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+            "tool_choice",
+        ),
+        (
+            "chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+            b'"tools": [{"type": "function", "function": {"name": "f"}}], '
+            b'"tool_choice": {"type": "function", "function": {"name": "g"}}}',
+            "tool_choice",
+        ),
+        ("completions", b'{"model": "tiny-llama", "prompt": 5}', "prompt"),
+        ("completions", b'{"model": "tiny-llama", "prompt": [99999]}', "prompt"),
+        ("completions", b'{"model": "tiny-llama", "prompt": "x", "n": 0}', "n"),
+    ],
+)
+def test_malformed_bodies_are_400s_naming_the_field(
+    predictor: PredictorProcess, path: str, body: bytes, param: str | None
+) -> None:
+    response = httpx.post(
+        f"{predictor.openai_url}/{path}", content=body, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_unknown_extension_fields_are_ignored(predictor: PredictorProcess) -> None:
+    response = httpx.post(
+        f"{predictor.openai_url}/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "top_k": 5,
+            "repetition_penalty": 1.1,
+            "some_vendor_field": {"a": 1},
+        },
+    )
+    assert response.status_code == 200
+
+
+def test_penalties_are_honoured_or_refused_by_name(client: openai.OpenAI, engine_case: EngineCase) -> None:
+    response = httpx.post(
+        f"{client.base_url}chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "presence_penalty": 1.5,
+            "frequency_penalty": 1.0,
+        },
+    )
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] in ("presence_penalty", "frequency_penalty")
+    else:
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_model_without_a_chat_template_refuses_chat_but_completes(
+    engine_case: EngineCase, tiny_llama_no_template: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    source = tiny_llama_no_template
+    if engine_case.gguf:
+        source = write_gguf(tiny_llama_no_template, tmp_path_factory.mktemp("plain-gguf") / "plain.gguf")
+    with start_engine(engine_case, source, tmp_path_factory.mktemp("plain")) as plain:
+        plain_client = openai.OpenAI(base_url=plain.openai_url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(plain_client, "Hi", max_tokens=2)
+        assert isinstance(caught.value.body, dict)
+        assert caught.value.body["code"] == "chat_template_missing"
+        assert plain_client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_kserve_v1_and_v2_take_text_and_return_text(predictor: PredictorProcess, client: openai.OpenAI) -> None:
+    expected = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0).choices[0].text
+    v1 = httpx.post(
+        f"{predictor.url}/v1/models/{MODEL}:predict",
+        timeout=60,
+        json={"instances": ["Hello", {"prompt": "Hello", "max_tokens": 5}]},
+    )
+    v2 = httpx.post(
+        f"{predictor.url}/v2/models/{MODEL}/infer",
+        timeout=60,
+        json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["Hello"]}]},
+    )
+    assert v1.status_code == 200, v1.text
+    assert v1.json()["predictions"][1] == expected
+    assert v2.status_code == 200, v2.text
+    assert isinstance(v2.json()["outputs"][0]["data"][0], str)
+
+
+# -- concurrency and cancellation --------------------------------------------------------------------
+
+
+def test_32_concurrent_streams_match_their_solo_greedy_outputs(
+    predictor: PredictorProcess, client: openai.OpenAI
+) -> None:
+    places = [
+        (w, c)
+        for w in ("river", "market", "museum", "garden")
+        for c in ("Paris", "Oslo", "Lima", "Cairo", "Quito", "Seoul", "Dakar", "Hanoi")
+    ]
+    prompts = [f"Request {i}: the {w} in {c}" for i, (w, c) in enumerate(places)]
+    assert len(prompts) == 32
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+    ]
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0) as aclient:
+
+            async def one(prompt: str) -> str:
+                stream = await aclient.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+                )
+                return "".join([c.choices[0].text async for c in stream if c.choices])
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    assert asyncio.run(together()) == alone
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(
+    predictor: PredictorProcess, client: openai.OpenAI
+) -> None:
+    cancelled = metric(predictor, "universal_predictor_cancelled_total")
+    generated = metric(predictor, "universal_predictor_generated_tokens_total")
+    stream = client.completions.create(model=MODEL, prompt="Go on", max_tokens=480, temperature=0, stream=True)
+    for seen, _ in enumerate(stream):
+        if seen == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while metric(predictor, "universal_predictor_cancelled_total") <= cancelled:
+        assert time.monotonic() < deadline, "the disconnect was never counted"
+        time.sleep(0.05)
+    # The sequence left the batch: a later request completes and the total never reaches the 480 asked.
+    chat(client, "after", max_tokens=2)
+    assert metric(predictor, "universal_predictor_generated_tokens_total") - generated < 480
