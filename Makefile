@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv system-deps test lint format typecheck layering unit crd crd-check demo operator bench clean
+.PHONY: help venv system-deps serve test lint format typecheck layering unit crd crd-check demo operator bench clean
 
 help:
+	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
 	@echo "make test       create .venv, install everything, run lint, types, layering and all tests (CI)"
 	@echo "make demo       run the operator against a simulated cluster and apply examples/cluster/"
 	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
@@ -51,6 +52,9 @@ crd-check: venv
 
 unit: venv
 	$(PY) -m pytest
+
+serve: venv
+	$(VENV)/bin/universal-runtime serve $(MANIFESTS)
 
 demo: venv
 	$(PY) e2e/simulated_cluster.py

