@@ -42,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 #: AsyncEngineArgs fields that are not engine arguments here: the model is the predictor's source.
 _NOT_ARGS = frozenset({"model"})
+#: Where our defaults differ from vLLM's (an ``--engine-arg`` with the same key replaces them): compact JSON
+#: under constraints (vLLM only allows that with an explicit backend; xgrammar is what `auto` picks first),
+#: since free whitespace is where a weak model stalls until max_tokens.
+_DEFAULTS: dict[str, Any] = {
+    "structured_outputs_config": json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
+}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -121,8 +127,9 @@ VllmArgs: type[BaseModel] = create_model(
 
 def build_engine_args(source: str, args: BaseModel) -> AsyncEngineArgs:
     """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``."""
+    given = args.model_dump(exclude_none=True)
     argv: list[str] = []
-    for key, value in args.model_dump(exclude_none=True).items():
+    for key, value in {**_DEFAULTS, **given}.items():
         argv += _argv(key, value)
     namespace = _parser().parse_args(argv)
     namespace.model = source
@@ -169,6 +176,7 @@ class VllmEngine(Engine):
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
         self._context = int(model_config.max_model_len)
+        self._vocab = int(model_config.get_vocab_size())  # the OpenAI layer checks prompt token ids against it
         eos: set[int] = set()
         ids = model_config.try_get_generation_config().get("eos_token_id")
         eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
