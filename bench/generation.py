@@ -134,8 +134,11 @@ def compare_llamacpp(model_dir: Path, args: argparse.Namespace, log_dir: Path) -
 
 
 def compare_vllm(model_dir: Path, args: argparse.Namespace, log_dir: Path) -> None:
-    """Slot: our vllm backend vs ``vllm serve`` on the same model."""
-    print("vllm vs vLLM's OpenAI server: not measured here yet (slot for the vLLM engine)")
+    """Our vllm backend vs ``python -m vllm.entrypoints.openai.api_server`` on the same model (c=1 and c=8),
+    same engine args, alternating best-of rounds (run it from ``.venv-vllm``)."""
+    from bench.generation_vllm import compare_vllm as run
+
+    run(model_dir, args, log_dir, measure, prompt_of)
 
 
 def main() -> None:

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     """vLLM's own ``vllm serve`` engine-argument parser, raising instead of exiting."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    class Parser(FlexibleArgumentParser):  # type: ignore[misc]  # vllm is untyped here
+    class Parser(FlexibleArgumentParser):
         def error(self, message: str) -> Any:
             raise _ArgError(message)
 
@@ -117,11 +117,12 @@ def _engine_arg_names() -> list[str]:
 
 
 #: ``--engine-arg`` keys of the vLLM engine: every ``AsyncEngineArgs`` field, values as strings.
+_FIELDS: dict[str, Any] = {name: (Any, None) for name in _engine_arg_names()}
 VllmArgs: type[BaseModel] = create_model(
     "VllmArgs",
     __config__=ConfigDict(extra="forbid"),
     __validators__={"_check": field_validator("*")(_check_value)},
-    **{name: (Any, None) for name in _engine_arg_names()},
+    **_FIELDS,
 )
 
 
@@ -262,6 +263,7 @@ class VllmEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineGenerateError
 
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -274,7 +276,8 @@ class VllmEngine(Engine):
         stream = self._llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request_id)
         want_logprobs = request.params.logprobs is not None
         top_k = request.params.logprobs or 0
-        model = self.config.model_name
+        prompt_metric = metrics.PROMPT_TOKENS.labels(self.config.model_name)
+        tokens_metric = metrics.TOKENS_GENERATED.labels(self.config.model_name)
         finished = False
         first = True
         try:
@@ -285,8 +288,12 @@ class VllmEngine(Engine):
                     return
                 except (ValueError, VLLMClientError) as exc:  # a request vLLM refuses (schema, limits)
                     raise ValueError(str(exc)) from None
+                except EngineGenerateError as exc:  # vLLM wraps what its input processing rejects
+                    if isinstance(exc.__cause__, ValueError | TypeError | VLLMClientError):
+                        raise ValueError(str(exc.__cause__)) from None
+                    raise
                 if first:
-                    metrics.PROMPT_TOKENS.labels(model).inc(len(request.prompt_ids))
+                    prompt_metric.inc(len(request.prompt_ids))
                     first = False
                 completion = out.outputs[0]
                 ids = list(completion.token_ids)
@@ -297,7 +304,7 @@ class VllmEngine(Engine):
                         self._logprob(t, lp, top_k) for t, lp in zip(ids, completion.logprobs or (), strict=False)
                     ]
                 if ids:
-                    metrics.TOKENS_GENERATED.labels(model).inc(len(ids))
+                    tokens_metric.inc(len(ids))
                 finished = out.finished
                 if finished and finish is None:
                     raise RuntimeError(f"vLLM ended the sequence: {completion.finish_reason}")

