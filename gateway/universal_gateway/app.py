@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from universal_gateway.auth import ApiKeys
 from universal_gateway.backends import Backends, ModelState
+from universal_gateway.openapi import openapi_document
 from universal_predictors.config import Task
 from universal_predictors.errors import (
     APIError,
@@ -149,6 +150,7 @@ class Gateway:
             app.router.add_get(f"{prefix}/models/{{name:.+}}", self._get_model)
             app.router.add_get(f"{prefix}/anomaly/detectors", self._anomaly_passthrough)
             app.router.add_delete(f"{prefix}/anomaly/detectors/{{detector}}", self._anomaly_passthrough)
+        app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -195,6 +197,9 @@ class Gateway:
         return response
 
     # -- plain routes ------------------------------------------------------------------------------
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(self.backends.models()))
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -263,7 +268,10 @@ class Gateway:
     async def _model_name(self, request: web.Request, body: bytes) -> str:
         content_type = request.content_type
         if content_type.startswith("multipart/"):
-            form = await request.post()
+            try:
+                form = await request.post()
+            except (ValueError, AssertionError, aiohttp.ClientError) as exc:
+                raise InvalidRequest(f"The multipart body cannot be parsed: {exc}", code="invalid_body") from None
             value = form.get("model")
             if not isinstance(value, str) or not value:
                 raise InvalidRequest("model: the multipart form needs a 'model' field", param="model")

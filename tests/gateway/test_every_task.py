@@ -147,9 +147,7 @@ def test_ocr_reads_rendered_text(client: OpenAI) -> None:
 
 def test_anomaly_fit_and_detect(client: OpenAI) -> None:
     rows = [[0.1 * (i % 10), 0.2 * (i % 7)] for i in range(200)]
-    fitted = _post(
-        client, "/anomaly/fit", {"model": "anomaly", "detector": "gw", "algorithm": "iforest", "data": rows}
-    )
+    fitted = _post(client, "/anomaly/fit", {"model": "anomaly", "detector": "gw", "algorithm": "iforest", "data": rows})
     assert fitted["n_samples"] == 200
     detected = _post(client, "/anomaly/detect", {"model": "anomaly", "detector": "gw", "data": [[0.5, 0.6], [90, -90]]})
     flags = [row["is_anomaly"] for row in detected["data"]]
@@ -159,8 +157,7 @@ def test_anomaly_fit_and_detect(client: OpenAI) -> None:
 def test_64_concurrent_streams_complete_with_their_own_content(client: OpenAI) -> None:
     prompts = [f"Story number {i} about the river" for i in range(8)]
     expected = {
-        p: client.completions.create(model=CHAT, prompt=p, max_tokens=8, temperature=0).choices[0].text
-        for p in prompts
+        p: client.completions.create(model=CHAT, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
     }
 
     def stream(i: int) -> tuple[str, str]:
