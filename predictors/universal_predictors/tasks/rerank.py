@@ -1,0 +1,284 @@
+"""``task: rerank``: ``POST /openai/v1/rerank`` and ``POST /v1/rerank`` (Cohere/Jina-shaped), micro-batched.
+
+A model whose ``config.json`` names a ``*ForSequenceClassification`` architecture is a cross-encoder:
+each (query, document) pair is scored by the head, pairs of concurrent requests sharing forward passes
+(sorted by length, up to ``max_batch_size`` pairs and ``max_batch_tokens`` tokens). Scores are the
+sigmoid of a single logit, or the softmax probability of label 1 for a two-label head.
+
+Any other model is an embedding model used as a bi-encoder: the query and documents are embedded (the
+embed task's engine and batcher) and scored by cosine similarity. ``/openai/v1/models`` says which
+(``rerank_mode``). Documents longer than the model's limit are truncated (that is what rerankers do);
+a query that leaves no room for a document is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from universal_predictors.base import UniversalPredictor
+from universal_predictors.batching import BatchPolicy, MicroBatcher
+from universal_predictors.config import Backend, Task
+from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.http import parse_json, validation_error
+from universal_predictors.tasks.embed import EmbeddingService, EmbedEngineArgs, TransformersEncoder
+
+RerankMode = Literal["cross-encoder", "bi-encoder"]
+
+
+class RerankEngineArgs(BaseModel):
+    """Engine arguments of the rerank predictor (``--engine-arg key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["auto", "cross-encoder", "bi-encoder"] = "auto"
+    max_batch_size: int = Field(default=32, ge=1, le=1024, description="Pairs (or texts) per forward pass.")
+    max_wait_ms: float = Field(default=5.0, ge=0, le=1000)
+    max_batch_tokens: int = Field(default=16384, ge=1, description="Token budget of one forward pass.")
+    max_documents: int = Field(default=1000, ge=1, description="Documents one request may rank.")
+    max_input_tokens: int | None = Field(default=None, ge=8, description="Cap below the model's own limit.")
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """Cohere/Jina rerank request; ``top_k`` is accepted for ``top_n``; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str | Document] = Field(min_length=1)
+    top_n: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> RerankRequest:
+        if self.top_n is not None and self.top_k is not None and self.top_n != self.top_k:
+            raise ValueError("top_k is another name for top_n; send one of them")
+        return self
+
+    @property
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    @property
+    def limit(self) -> int | None:
+        return self.top_n if self.top_n is not None else self.top_k
+
+
+def is_cross_encoder(source: str) -> bool:
+    """A sequence-classification head in ``config.json`` makes a cross-encoder."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+Pair = tuple[list[int], list[int]]  # input ids, token type ids
+
+
+class CrossEncoder:
+    """A sequence-classification model scoring (query, document) pairs."""
+
+    def __init__(self, source: str, args: RerankEngineArgs) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.device = detect_device(args.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        dtype = dtype_for(self.device, args.dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(source, local_files_only=True, dtype=dtype)
+        self.model = model.to(self.device).eval()
+        labels = int(model.config.num_labels)
+        if labels not in (1, 2):
+            raise ValueError(f"a reranker needs a 1- or 2-label head; {source} has {labels} labels")
+        self.labels = labels
+        positions = int(getattr(model.config, "max_position_embeddings", 512) or 512)
+        limit = min(int(self.tokenizer.model_max_length or positions), positions)
+        self.max_tokens = min(limit, args.max_input_tokens) if args.max_input_tokens else limit
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.input_names = set(self.tokenizer.model_input_names)
+        self.pair_specials = int(self.tokenizer.num_special_tokens_to_add(pair=True))
+        self._torch = torch
+
+    def query_tokens(self, query: str) -> int:
+        return len(self.tokenizer(query, add_special_tokens=False)["input_ids"])
+
+    def pairs(self, query: str, documents: Sequence[str]) -> list[Pair]:
+        encoded = self.tokenizer(
+            [query] * len(documents),
+            list(documents),
+            truncation="only_second",
+            max_length=self.max_tokens,
+            return_attention_mask=False,
+        )
+        types = encoded.get("token_type_ids") or [[0] * len(ids) for ids in encoded["input_ids"]]
+        return [(list(ids), list(tt)) for ids, tt in zip(encoded["input_ids"], types, strict=True)]
+
+    def score(self, batch: Sequence[Pair]) -> list[float]:
+        torch = self._torch
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        types = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (seq, tt) in enumerate(batch):
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            types[row, : len(tt)] = torch.tensor(tt, dtype=torch.long)
+            mask[row, : len(seq)] = 1
+        features = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if "token_type_ids" in self.input_names:
+            features["token_type_ids"] = types.to(self.device)
+        with torch.inference_mode():
+            logits = self.model(**features).logits.float()
+            scores = torch.sigmoid(logits[:, 0]) if self.labels == 1 else torch.softmax(logits, dim=-1)[:, 1]
+        return [float(s) for s in scores.cpu()]
+
+    def close(self) -> None:
+        del self.model
+        release_memory(self.device)
+
+
+class RerankPredictor(UniversalPredictor):
+    """One reranking model: a cross-encoder, or an embedding model as a bi-encoder."""
+
+    task = Task.RERANK
+    EngineArgs = RerankEngineArgs
+
+    def load(self) -> bool:
+        args: RerankEngineArgs = self.engine_args
+        mode = args.mode
+        if mode == "auto":
+            mode = "cross-encoder" if is_cross_encoder(self.config.source) else "bi-encoder"
+        self.mode: RerankMode = mode
+        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+                             max_batch_cost=args.max_batch_tokens)  # fmt: skip
+        if mode == "cross-encoder":
+            self.cross = CrossEncoder(self.config.source, args)
+            self.batcher: MicroBatcher[Pair, float] = MicroBatcher(
+                self.cross.score, model_name=self.name, policy=policy, cost=lambda pair: len(pair[0])
+            )
+            self.max_tokens = self.cross.max_tokens
+        else:
+            embed_args = EmbedEngineArgs(
+                max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+                max_batch_tokens=args.max_batch_tokens, device=args.device, dtype=args.dtype,
+                max_input_tokens=args.max_input_tokens,
+            )  # fmt: skip
+            self.embedder = EmbeddingService(TransformersEncoder(self.config.source, embed_args), self.name, embed_args)
+            self.max_tokens = self.embedder.encoder.max_tokens
+        self.backend = Backend.TRANSFORMERS
+        return True
+
+    def unload(self) -> None:
+        if getattr(self, "cross", None) is not None:
+            self.cross.close()
+            del self.cross
+        if getattr(self, "embedder", None) is not None:
+            self.embedder.encoder.close()
+            del self.embedder
+
+    def describe(self) -> dict[str, Any]:
+        if not self.ready:
+            return {}
+        return {"rerank_mode": self.mode, "max_input_tokens": self.max_tokens}
+
+    async def scores(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        """Relevance of each document to the query, and the tokens processed."""
+        if self.mode == "cross-encoder":
+            cross = self.cross
+            room = self.max_tokens - cross.pair_specials - cross.query_tokens(query)
+            if room < 1:
+                raise InvalidRequest(
+                    f"query is {cross.query_tokens(query)} tokens long and leaves no room for a document in this "
+                    f"model's {self.max_tokens} tokens",
+                    param="query",
+                    code="context_length_exceeded",
+                )
+            if len(query) * len(documents) + sum(len(d) for d in documents) <= 16_384:
+                pairs = cross.pairs(query, documents)
+            else:  # a big request is tokenized off the event loop
+                pairs = await asyncio.to_thread(cross.pairs, query, documents)
+            values = await self.batcher.submit_many(pairs)
+            return values, sum(len(ids) for ids, _ in pairs)
+        service = self.embedder
+        [query_ids] = await service.tokenize([query], truncate=False)
+        service.check_lengths([query_ids], "query", "Shorten the query.")
+        doc_ids = await service.tokenize(documents, truncate=True)
+        vectors = await service.embed_ids([query_ids, *doc_ids])
+        matrix = np.stack(vectors[1:])
+        norms = np.linalg.norm(matrix, axis=1) * max(float(np.linalg.norm(vectors[0])), 1e-12)
+        cosine = (matrix @ vectors[0]) / np.maximum(norms, 1e-12)
+        return [float(c) for c in cosine], len(query_ids) + sum(len(ids) for ids in doc_ids)
+
+    async def rerank(self, body: RerankRequest) -> dict[str, Any]:
+        max_docs = self.engine_args.max_documents
+        if len(body.documents) > max_docs:
+            raise InvalidRequest(
+                f"documents: at most {max_docs} documents per request, got {len(body.documents)}", param="documents"
+            )
+        texts = body.texts
+        empty = next((i for i, t in enumerate(texts) if not t), None)
+        if empty is not None:
+            raise InvalidRequest(f"documents[{empty}]: must not be empty", param=f"documents[{empty}]")
+        values, tokens = await self.scores(body.query, texts)
+        order = sorted(range(len(values)), key=lambda i: -values[i])  # stable: ties keep document order
+        if body.limit is not None:
+            order = order[: body.limit]
+        results = []
+        for i in order:
+            result: dict[str, Any] = {"index": i, "relevance_score": values[i]}
+            if body.return_documents:
+                result["document"] = {"text": texts[i]}
+            results.append(result)
+        return {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "object": "rerank",
+            "model": self.name,
+            "created": int(time.time()),
+            "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    async def infer(self, instances: list[Any]) -> list[Any]:
+        """KServe v1/v2: each instance is a rerank request object (or its JSON text)."""
+        out = []
+        for index, instance in enumerate(instances):
+            try:
+                raw = json.loads(instance) if isinstance(instance, str) else instance
+                body = RerankRequest.model_validate(raw)
+            except ValueError as exc:
+                detail = validation_error(exc).message if isinstance(exc, ValidationError) else "not valid JSON"
+                raise InvalidRequest(f"instances[{index}]: {detail}", param=f"instances[{index}]") from None
+            out.append((await self.rerank(body))["results"])
+        return out
+
+    def add_routes(self, router: APIRouter) -> None:
+        @self.route("rerank")
+        async def rerank(request: Request) -> Response:
+            body = await parse_json(request, RerankRequest)
+            self.check_model(body.model)
+            self.require_ready()
+            return JSONResponse(await self.rerank(body))
+
+        router.add_api_route("/openai/v1/rerank", rerank, methods=["POST"])
+        router.add_api_route("/v1/rerank", rerank, methods=["POST"])
