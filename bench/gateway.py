@@ -150,9 +150,10 @@ async def cold_start(tmp: Path) -> str:
     started = time.perf_counter()
     config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
     with running_predictor(config, tmp / "anchor", ready_within=300) as predictor:
-        async with aiohttp.ClientSession() as session, session.post(
-            f"{predictor.url}/openai/v1/embeddings", json=BODY
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{predictor.url}/openai/v1/embeddings", json=BODY) as r,
+        ):
             await r.read()
     anchor = time.perf_counter() - started
 
