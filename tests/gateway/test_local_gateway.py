@@ -222,3 +222,50 @@ def test_a_bad_manifest_names_file_document_and_field(tmp_path: Path) -> None:
     assert str(bad) in line
     assert "document 2" in line
     assert "spec.scaling" in line
+
+
+def test_an_unreachable_hub_model_fails_alone_and_the_rest_keep_serving(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder)
+    (folder / "hub.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: hub}\n"
+        'spec: {task: generate, source: {uri: "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF", file: "*q4_k_m.gguf"}}\n'
+    )
+    # The tests run offline (HF_HUB_OFFLINE=1): the hub model cannot be fetched.
+    with running_gateway([folder], tmp_path / "gw", env={"HF_HOME": str(tmp_path / "hf-home")}) as gateway:
+        response = httpx.post(
+            f"{gateway.base_url}/completions", json={"model": "hub", "prompt": "hi", "max_tokens": 2}, timeout=60
+        )
+        assert response.status_code == 503
+        assert "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF" in response.json()["error"]["message"]
+        card = gateway.models()["hub"]
+        assert card["state"] == "failed"
+        assert "cannot fetch" in card["message"]
+        result = OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="still here")
+        assert len(result.data[0].embedding) == 384
+
+
+def test_ps_prints_a_table_of_models(gateway: GatewayProcess) -> None:
+    OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="counted")
+    result = subprocess.run(
+        [sys.executable, "-m", "universal_gateway.cli", "ps", "--url", gateway.url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "TASK", "BACKEND", "STATE", "PORT", "LAST", "USED", "REQUESTS", "P50"]
+    [row] = [r for r in rows if r.startswith(EMBED)]
+    cells = row.split()
+    assert cells[1:4] == ["embed", "transformers", "ready"]
+    assert int(cells[4]) == int(gateway.models()[EMBED]["endpoint"].rsplit(":", 1)[1])
+    assert cells[-1].endswith("ms")
+
+
+def test_ps_without_a_gateway_says_so_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "universal_gateway.cli", "ps", "--url", "http://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "no gateway answers" in line
