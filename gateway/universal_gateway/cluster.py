@@ -196,6 +196,9 @@ class KubernetesBackends(Backends):
             for m in self._models.values()
         ]
 
+    def find(self, name: str) -> ModelView | None:
+        return next((v for v in self.models() if v.name == name), None) if name in self._models else None
+
     def upstream_timeout(self, name: str) -> float | None:
         model = self._models.get(name)
         return model.startup_timeout if model is not None else None

@@ -138,6 +138,10 @@ class LocalSupervisor(Backends):
     def models(self) -> list[ModelView]:
         return [self._view(m) for m in self._models.values()]
 
+    def find(self, name: str) -> ModelView | None:
+        model = self._models.get(name)  # one view, not all of them: this is on every request's path
+        return self._view(model) if model is not None else None
+
     def model(self, name: str) -> LocalModel | None:
         return self._models.get(name)
 
