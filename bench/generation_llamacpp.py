@@ -15,32 +15,18 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from bench.anchors import wait_for_openai_server
 
 from tests.predictors.generation.tiny_llama import write_gguf
 from tests.predictors.harness import free_port, running_predictor, stop
 from universal_predictors.config import Backend, PredictorConfig, Task
 
 ROUNDS = 2
-
-
-def _wait(url: str, process: subprocess.Popen[bytes], log: Path, within: float = 300) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("llama_cpp.server did not start")
 
 
 def compare_llamacpp(
@@ -65,7 +51,7 @@ def compare_llamacpp(
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
         try:
             theirs_url = f"http://127.0.0.1:{port}/v1"
-            _wait(theirs_url, server, theirs_log)
+            wait_for_openai_server(theirs_url, server, theirs_log, "llama_cpp.server", within=300, interval=0.2)
             urls = {"ours": predictor.openai_url, "theirs": theirs_url}
             for url in urls.values():
                 asyncio.run(measure(url, "bench", prompt, 1, 2, 8))  # warm-up

@@ -15,12 +15,11 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+from bench.anchors import wait_for_openai_server
 
 from tests.predictors.harness import OFFLINE_ENV, free_port, running_predictor, stop
 from universal_predictors.config import Backend, PredictorConfig, Task
@@ -29,20 +28,6 @@ ROUNDS = 2
 ENGINE_ARGS = {"max_model_len": "1024", "enforce_eager": "true", "kv_cache_memory_bytes": "1G"}
 #: vLLM's engine-core queues bind to the host's address unless told otherwise: keep them on loopback.
 ENV = {**OFFLINE_ENV, "VLLM_HOST_IP": "127.0.0.1"}
-
-
-def _wait(url: str, process: subprocess.Popen[bytes], log: Path, within: float = 600) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("vLLM's server did not start")
 
 
 def compare_vllm(
@@ -64,7 +49,7 @@ def compare_vllm(
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
         try:
             theirs_url = f"http://127.0.0.1:{port}/v1"
-            _wait(theirs_url, server, theirs_log)
+            wait_for_openai_server(theirs_url, server, theirs_log, "vLLM's server", within=600, interval=0.5)
             urls = {"ours": predictor.openai_url, "theirs": theirs_url}
             for url in urls.values():
                 asyncio.run(measure(url, "bench", prompt, 1, 2, 8))  # warm-up
