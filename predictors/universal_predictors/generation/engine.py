@@ -6,7 +6,8 @@ three engines only differ where they really do:
 
 * tokenizer and chat template: :meth:`Engine.tokenize`, :meth:`Engine.detokenize`,
   :attr:`Engine.chat_template` (rendered by :func:`render_chat_template` unless an engine overrides
-  :meth:`Engine.apply_chat_template`), :attr:`Engine.context_length`, :attr:`Engine.eos_token_ids`;
+  :meth:`Engine.apply_chat_template`), :attr:`Engine.context_length`, :attr:`Engine.vocab_size`,
+  :attr:`Engine.eos_token_ids`;
 * generation: :meth:`Engine.generate` takes a :class:`GenerationRequest` (prompt ids, a
   :class:`SamplingParams`, an optional :class:`JSONSchemaConstraint`) and yields
   :class:`GenerationChunk` objects. Closing the iterator (``aclose()``, or cancelling the task that
@@ -170,6 +171,12 @@ class Engine(ABC):
 
     @property
     @abstractmethod
+    def vocab_size(self) -> int:
+        """How many token ids the model has (valid ids are ``0 .. vocab_size - 1``); prompts given as
+        token ids are checked against it."""
+
+    @property
+    @abstractmethod
     def eos_token_ids(self) -> frozenset[int]:
         """Token ids that end a sequence."""
 
@@ -215,9 +222,11 @@ class Engine(ABC):
     def check_capacity(self, sequences: int = 1) -> None:
         """Raise ``errors.Unavailable`` (503 with Retry-After) when ``sequences`` more cannot be queued.
 
-        The OpenAI layer calls it before answering, so even a streamed request gets a real 503 rather
-        than an error event after a 200; ``generate`` may still refuse (the same error) in a race.
-        The default accepts everything (engines without a bounded queue)."""
+        The OpenAI layer calls it while planning; an engine with a bounded queue must also check and
+        count a sequence in ``generate`` before its first ``await`` (the OpenAI layer starts a stream's
+        sequences, and sends the 200, only once each has passed that point), so concurrent requests get
+        a real 503 rather than an error event after a 200. The default accepts everything (engines
+        without a bounded queue)."""
         return None
 
     def describe(self) -> dict[str, Any]:

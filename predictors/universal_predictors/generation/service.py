@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -253,24 +254,35 @@ class GenerationService:
             prompts = [self.engine.tokenize(str(p), add_special_tokens=True) for p in body.prompt]
         if any(not ids for ids in prompts):
             raise InvalidRequest("prompt: must not be empty", param="prompt")
-        vocab = getattr(self.engine, "_vocab", None)
-        if vocab and any(t < 0 or t >= vocab for ids in prompts for t in ids):
-            raise InvalidRequest("prompt: a token id is outside the vocabulary", param="prompt")
+        vocab = self.engine.vocab_size
+        if any(t < 0 or t >= vocab for ids in prompts for t in ids):
+            raise InvalidRequest(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         return self._plan(body, prompts, max_tokens, body.logprobs, None)
 
     # -- running --------------------------------------------------------------------------------------
 
     async def run_choice(
-        self, index: int, request: GenerationRequest, stops: Sequence[str], emit: Callable[[Delta], Awaitable[None]]
+        self,
+        index: int,
+        request: GenerationRequest,
+        stops: Sequence[str],
+        emit: Callable[[Delta], Awaitable[None]],
+        entered: asyncio.Event | None = None,
     ) -> Choice:
-        """Generate one choice, calling ``emit`` with each piece of text that is final."""
+        """Generate one choice, calling ``emit`` with each piece of text that is final.
+
+        ``entered`` is set in the same task step that enters the engine's ``generate``, which decides
+        admission before its first await: once a waiter sees it set, the engine has taken or refused
+        the sequence."""
         choice = Choice(index)
         matcher = StopMatcher(stops)
         started = last = time.perf_counter()
         stream = self.engine.generate(request)
         try:
             try:
+                if entered is not None:
+                    entered.set()
                 async for chunk in stream:
                     now = time.perf_counter()
                     if choice.tokens == 0:
@@ -299,11 +311,22 @@ class GenerationService:
             choice.finish_reason = "stop"
         return choice
 
-    async def run_all(self, plan: Plan, emit: Callable[[Delta], Awaitable[None]]) -> list[Choice]:
-        """All choices concurrently (they batch together in the engine)."""
-        tasks = [
-            asyncio.ensure_future(self.run_choice(i, req, plan.stops, emit)) for i, (_, req) in enumerate(plan.jobs)
+    def start_all(
+        self, plan: Plan, emit: Callable[[Delta], Awaitable[None]], entered: Sequence[asyncio.Event] | None = None
+    ) -> list[asyncio.Future[Choice]]:
+        return [
+            asyncio.ensure_future(self.run_choice(i, req, plan.stops, emit, entered[i] if entered else None))
+            for i, (_, req) in enumerate(plan.jobs)
         ]
+
+    async def run_all(
+        self,
+        plan: Plan,
+        emit: Callable[[Delta], Awaitable[None]],
+        started: list[asyncio.Future[Choice]] | None = None,
+    ) -> list[Choice]:
+        """All choices concurrently (they batch together in the engine)."""
+        tasks = started if started is not None else self.start_all(plan, emit)
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -336,10 +359,30 @@ class GenerationService:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    def stream(
+    async def _admitted(self, plan: Plan, emit: Callable[[Delta], Awaitable[None]]) -> list[asyncio.Future[Choice]]:
+        """Start every choice and wait until the engine has admitted them all, so that an overloaded
+        engine's refusal (or any error before generation) is the response's status, not an event after
+        a 200. Raises that error, with every choice stopped."""
+        entered = [asyncio.Event() for _ in plan.jobs]
+        tasks = self.start_all(plan, emit, entered)
+        for event, task in zip(entered, tasks, strict=True):  # each decides admission in its first step
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(event.wait())
+            await asyncio.wait({waiter, cast("asyncio.Future[Any]", task)}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            error = failed[0].exception()
+            assert error is not None
+            raise error
+        return tasks
+
+    async def stream(
         self,
         plan: Plan,
-        render: Callable[[Delta], dict[str, Any] | None],
+        render: Callable[[Delta], list[dict[str, Any]]],
         first: list[dict[str, Any]],
         final: Callable[[list[Choice]], list[dict[str, Any]]],
     ) -> Response:
@@ -349,10 +392,12 @@ class GenerationService:
         async def emit(delta: Delta) -> None:
             await queue.put(delta)
 
+        started = await self._admitted(plan, emit)
+
         async def events() -> AsyncIterator[str]:
             for event in first:
                 yield f"data: {json.dumps(event)}\n\n"
-            work = asyncio.ensure_future(self.run_all(plan, emit))
+            work = asyncio.ensure_future(self.run_all(plan, emit, started))
             work.add_done_callback(lambda _: queue.put_nowait(None))
             completed = False
             try:
@@ -360,8 +405,7 @@ class GenerationService:
                     delta = await queue.get()
                     if delta is None:
                         break
-                    rendered = render(delta)
-                    if rendered is not None:
+                    for rendered in render(delta):
                         yield f"data: {json.dumps(rendered)}\n\n"
                 try:
                     choices = work.result()
@@ -435,7 +479,8 @@ class GenerationService:
             known = {t.function.name for t in body.tools}
             calls = [c for c in calls if c["function"]["name"] in known]
         if calls and choice.finish_reason != "length":
-            message["content"] = None
+            before = choice.text.partition(_TOOL_OPEN)[0].strip() if forced is None else ""
+            message["content"] = before or None  # text before the first call block, as a stream sends it
             message["tool_calls"] = calls
             choice.finish_reason = "tool_calls"
         return message
@@ -482,30 +527,38 @@ class GenerationService:
                 }
             )
 
-        def render(delta: Delta) -> dict[str, Any] | None:
-            if tools_active:
-                return None  # a tool call is only known at the end: sent whole by final()
+        known = {t.function.name for t in body.tools or []}
+        streamers = [ToolCallStreamer(forced, body.tool_choice == "required", known) for _ in plan.jobs]
+
+        def render(delta: Delta) -> list[dict[str, Any]]:
+            if tools_active:  # the finish comes from final(), once the whole output is parsed
+                pieces = streamers[delta.index].push(delta.text)
+                return [
+                    chunk([{"index": delta.index, "delta": piece, "finish_reason": None, "logprobs": None}])
+                    for piece in pieces
+                ]
             entry: dict[str, Any] = {
                 "index": delta.index,
                 "delta": {"content": delta.text} if delta.text else {},
                 "finish_reason": delta.finish_reason,
                 "logprobs": self._chat_logprobs(delta.logprobs) if body.logprobs else None,
             }
-            return chunk([entry])
+            return [chunk([entry])]
 
         def final(choices: list[Choice]) -> list[dict[str, Any]]:
             events = []
             if tools_active:
                 for c in choices:
+                    streamer = streamers[c.index]
                     message = self._tool_message(body, c, forced)
-                    delta: dict[str, Any] = {}
-                    if message.get("tool_calls"):
-                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    elif message["content"]:
-                        delta["content"] = message["content"]
-                    events.append(
-                        chunk([{"index": c.index, "delta": delta, "finish_reason": c.finish_reason, "logprobs": None}])
-                    )
+                    if streamer.calls and c.finish_reason == "stop":
+                        c.finish_reason = "tool_calls"
+                    pieces = streamer.finish(message) or [{}]
+                    for n, piece in enumerate(pieces):
+                        finish = c.finish_reason if n == len(pieces) - 1 else None
+                        events.append(
+                            chunk([{"index": c.index, "delta": piece, "finish_reason": finish, "logprobs": None}])
+                        )
             if body.stream_options and body.stream_options.include_usage:
                 events.append(chunk([], self._usage(plan, choices)))
             return events
@@ -516,7 +569,7 @@ class GenerationService:
             )
             for i in range(len(plan.jobs))
         ]
-        return self.stream(plan, render, first, final)
+        return await self.stream(plan, render, first, final)
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         plan = self.plan_completion(body)
@@ -548,11 +601,20 @@ class GenerationService:
                 )
             return JSONResponse({**event(out), "usage": self._usage(plan, choices)})
 
-        def render(delta: Delta) -> dict[str, Any] | None:
+        def render(delta: Delta) -> list[dict[str, Any]]:
             logprobs = self._completion_logprobs(delta.logprobs, 0) if body.logprobs is not None else None
-            return event(
-                [{"index": delta.index, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": logprobs}]
-            )
+            return [
+                event(
+                    [
+                        {
+                            "index": delta.index,
+                            "text": delta.text,
+                            "finish_reason": delta.finish_reason,
+                            "logprobs": logprobs,
+                        }
+                    ]
+                )
+            ]
 
         def final(choices: list[Choice]) -> list[dict[str, Any]]:
             if body.stream_options and body.stream_options.include_usage:
@@ -564,7 +626,7 @@ class GenerationService:
             for i, (p, _) in enumerate(plan.jobs)
             if echoes[p]
         ]
-        return self.stream(plan, render, first, final)
+        return await self.stream(plan, render, first, final)
 
     async def complete_text(self, prompt: str, max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> str:
         """Greedy text for one prompt (KServe v1/v2 text in, text out)."""
@@ -602,7 +664,7 @@ def _parse_tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
     stripped = text.strip()
     if forced is not None:
         value = load(stripped)
-        return [call(forced, json.dumps(value))] if isinstance(value, dict) else []
+        return [call(forced, stripped)] if isinstance(value, dict) else []  # as generated, like a stream
     candidates = []
     rest = stripped
     while "<tool_call>" in rest:
@@ -613,6 +675,10 @@ def _parse_tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
         candidates = [stripped]
     calls = []
     for fragment in candidates:
+        split = _split_call(fragment)
+        if split is not None:
+            calls.append(call(*split))
+            continue
         value = load(fragment)
         if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
             calls.append(
@@ -622,3 +688,192 @@ def _parse_tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
                 )
             )
     return calls
+
+
+#: The head of a call object up to where its arguments start: ``{"name": ..., "arguments": `` or, as a
+#: constraint may allow, ``{"arguments": `` with the name after them (``_CALL_TAIL``).
+_CALL_HEAD = re.compile(r'\s*\{\s*(?:"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*)?"arguments"\s*:\s*')
+_NAME_AFTER = re.compile(r'\s*,\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_TAIL = re.compile(r'\s*(?:,\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*)?\}\s*')
+_TOOL_OPEN, _TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _json_value_end(text: str) -> int | None:
+    """Where the JSON object/array starting ``text`` ends (exclusive), or None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _split_call(fragment: str) -> tuple[str, str] | None:
+    """A call object's name and its arguments as the model wrote them (so a streamed call and a unary
+    one carry the same text), or None when ``fragment`` is not such an object."""
+    head = _CALL_HEAD.match(fragment)
+    if head is None:
+        return None
+    rest = fragment[head.end() :]
+    end = _json_value_end(rest) if rest[:1] == "{" else None
+    tail = _CALL_TAIL.fullmatch(rest[end:]) if end is not None else None
+    if end is None or tail is None or (head.group(1) is None) == (tail.group(1) is None):
+        return None  # not a call, or the name missing or given twice
+    try:
+        name, args = json.loads(f'"{head.group(1) or tail.group(1)}"'), json.loads(rest[:end])
+    except ValueError:
+        return None
+    return (name, rest[:end]) if isinstance(name, str) and isinstance(args, dict) else None
+
+
+class ToolCallStreamer:
+    """Turns one choice's streamed text into chat deltas when tools apply: content while the output
+    cannot (yet) be a tool call, then OpenAI-style ``tool_calls`` deltas (a first one with index, id,
+    type and name; then pieces of ``arguments`` as they are generated).
+
+    A forced named function's output is its bare arguments; ``required`` and ``auto`` calls are
+    ``{"name", "arguments"}`` objects (for ``auto`` inside ``<tool_call>`` blocks, or the whole output);
+    what cannot be streamed safely (a whole-output object under ``auto``) is sent at the end.
+    """
+
+    def __init__(self, forced: str | None, required: bool, known: set[str]) -> None:
+        self.forced, self.required, self.known = forced, required, known
+        self.text = ""  # everything generated so far
+        self.pos = 0  # text before this is handled (emitted or deliberately dropped)
+        self.mode = "args" if forced else "call" if required else "undecided"
+        self.calls = 0  # tool calls started
+        self.pending_ws = ""  # whitespace inside arguments held until something follows it
+        self.args_start = 0  # where the current call's arguments object starts in ``text``
+
+    def _start_call(self, name: str) -> dict[str, Any]:
+        self.calls += 1
+        return {
+            "tool_calls": [
+                {
+                    "index": self.calls - 1,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            ]
+        }
+
+    def _args(self, piece: str) -> list[dict[str, Any]]:
+        piece = self.pending_ws + piece
+        stripped = piece.rstrip()
+        self.pending_ws = piece[len(stripped) :]
+        if not stripped:
+            return []
+        return [{"tool_calls": [{"index": self.calls - 1, "function": {"arguments": stripped}}]}]
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self.text += text
+        out: list[dict[str, Any]] = []
+        while True:
+            rest = self.text[self.pos :]
+            if self.mode == "args":  # a forced function's bare arguments
+                if self.calls == 0:
+                    if not rest.strip():
+                        return out
+                    assert self.forced is not None
+                    out.append(self._start_call(self.forced))
+                    self.pos += len(rest) - len(rest.lstrip())
+                    continue
+                out += self._args(rest)
+                self.pos = len(self.text)
+                return out
+            if self.mode == "undecided":
+                body = rest.lstrip()
+                if not body or (len(body) < len(_TOOL_OPEN) and _TOOL_OPEN.startswith(body)):
+                    return out  # could still become a tool call: hold it
+                if body.startswith(_TOOL_OPEN):
+                    self.pos += len(rest) - len(body) + len(_TOOL_OPEN)
+                    self.mode = "call"
+                    continue
+                if body.startswith("{"):
+                    self.mode = "whole"  # maybe a whole-output call object: only the end can tell
+                    return out
+                self.mode = "content"
+                continue
+            if self.mode == "content":  # plain text; a <tool_call> may still follow it
+                at = rest.find(_TOOL_OPEN)
+                if at >= 0:
+                    if rest[:at]:
+                        out.append({"content": rest[:at]})
+                    self.pos += at + len(_TOOL_OPEN)
+                    self.mode = "call"
+                    continue
+                keep = next((n for n in range(min(len(_TOOL_OPEN) - 1, len(rest)), 0, -1)
+                             if rest.endswith(_TOOL_OPEN[:n])), 0)  # fmt: skip
+                if rest[: len(rest) - keep]:
+                    out.append({"content": rest[: len(rest) - keep]})
+                self.pos += len(rest) - keep
+                return out
+            if self.mode == "call":  # waiting for the head of a call object
+                head = _CALL_HEAD.match(rest)
+                if head is None or not rest[head.end() :]:
+                    return out
+                # The name comes first, or is the only tool's (required); else only the end can tell.
+                only = next(iter(self.known)) if self.required and len(self.known) == 1 else None
+                name = json.loads(f'"{head.group(1)}"') if head.group(1) is not None else only
+                if name is None and rest[head.end()] == "{":  # the name follows the arguments: wait for it
+                    end = _json_value_end(rest[head.end() :])
+                    after = _NAME_AFTER.match(rest, head.end() + end) if end is not None else None
+                    if after is None:
+                        return out
+                    name = json.loads(f'"{after.group(1)}"')
+                if rest[head.end()] != "{" or name not in self.known:
+                    self.mode = "whole"  # not a call we can stream: decided at the end
+                    return out
+                out.append(self._start_call(name))
+                self.pos += head.end()
+                self.args_start = self.pos
+                self.mode = "call_args"
+                continue
+            if self.mode == "call_args":  # the arguments object of a call, until it closes
+                end = _json_value_end(self.text[self.args_start :])
+                if end is None:
+                    out += self._args(rest)
+                    self.pos = len(self.text)
+                    return out
+                out += self._args(self.text[self.pos : self.args_start + end])
+                self.pending_ws = ""
+                self.pos = self.args_start + end
+                self.mode = "after_call" if self.forced is None and not self.required else "between"
+                continue
+            if self.mode == "after_call":  # the call object's "}" and the block's end: dropped
+                close = rest.find(_TOOL_CLOSE)
+                if close < 0:
+                    return out
+                self.pos += close + len(_TOOL_CLOSE)
+                self.mode = "between"
+                continue
+            if self.mode == "between":  # after a <tool_call> block only another block counts
+                body = rest.lstrip()
+                if body.startswith(_TOOL_OPEN):
+                    self.pos += len(rest) - len(body) + len(_TOOL_OPEN)
+                    self.mode = "call"
+                    continue
+                return out
+            return out  # "whole": everything waits for the end
+
+    def finish(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """The last deltas, given the unary message for the whole text (from ``_tool_message``)."""
+        if self.calls:
+            return []  # the calls were streamed; what is left is their closing syntax
+        if message.get("tool_calls"):  # a call only the whole output could reveal
+            return [{"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}]
+        rest = self.text[self.pos :]
+        return [{"content": rest}] if rest else []

@@ -277,9 +277,52 @@ def test_tool_choice_required_picks_one_of_the_tools(client: openai.OpenAI) -> N
     )
     chunks = list(response)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
-    jsonschema.validate(json.loads(calls[0].function.arguments or ""), CITY_SCHEMA)  # type: ignore[union-attr]
+    # The first piece names the call; later pieces carry only more of its arguments.
+    assert [c.function.name for c in calls if c.function and c.function.name] == ["get_weather"]
+    arguments = "".join(c.function.arguments or "" for c in calls if c.function)
+    jsonschema.validate(json.loads(arguments), CITY_SCHEMA)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
+)
+def test_a_streamed_tool_call_arrives_in_pieces_and_assembles_to_the_unary_call(
+    client: openai.OpenAI, tool_choice: object
+) -> None:
+    kwargs: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": tool_choice,
+    }
+    unary = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    [unary_call] = unary.choices[0].message.tool_calls or []
+    with client.chat.completions.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        pieces = [
+            call
+            for event in stream
+            if event.type == "chunk" and event.chunk.choices
+            for call in event.chunk.choices[0].delta.tool_calls or []
+        ]
+        final = stream.get_final_completion()
+    # The first piece names the call as soon as it is known; the arguments follow in later pieces
+    # (as many as the engine's chunks: a fast engine may deliver them in one) that name nothing.
+    head, *rest = pieces
+    assert head.id
+    assert head.type == "function"
+    assert head.function is not None
+    assert (head.function.name, head.function.arguments) == ("get_weather", "")
+    assert rest
+    assert all(p.id is None and p.function is not None and p.function.name is None for p in rest)
+    assert all(p.index == 0 for p in pieces)
+    [streamed_call] = final.choices[0].message.tool_calls or []
+    assert final.choices[0].finish_reason == unary.choices[0].finish_reason == "tool_calls"
+    assert streamed_call.function.name == unary_call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert streamed_call.function.arguments == unary_call.function.arguments  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(streamed_call.function.arguments), CITY_SCHEMA)  # type: ignore[union-attr]
 
 
 def test_logprobs_and_top_logprobs_come_per_token(client: openai.OpenAI) -> None:
@@ -354,6 +397,19 @@ def test_malformed_bodies_are_400s_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param
     assert "Traceback" not in response.text
+
+
+def test_token_id_prompts_are_checked_against_the_engines_vocabulary_size(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    ok = client.completions.create(model=MODEL, prompt=[1, vocab - 1], max_tokens=1, temperature=0)
+    assert ok.usage is not None
+    assert ok.usage.prompt_tokens == 2
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1, vocab], max_tokens=1)
+    assert info.value.body["param"] == "prompt"  # type: ignore[index]
+    assert f"(0..{vocab - 1})" in info.value.body["message"]  # type: ignore[index]
 
 
 def test_unknown_extension_fields_are_ignored(predictor: PredictorProcess) -> None:

@@ -6,6 +6,7 @@ the bounded queue.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,13 @@ def test_llamacpp_schema_grammar_yields_valid_json_and_ends_with_eos(llama_engin
     assert finish == "stop"
     assert ids[-1] in llama_engine.eos_token_ids
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_both_engines_report_the_models_vocabulary_size(
+    llama_engine: LlamaCppEngine, hf_engine: Engine, tiny_llama_dir: Path
+) -> None:
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    assert llama_engine.vocab_size == hf_engine.vocab_size == vocab
 
 
 def test_llamacpp_rejects_out_of_vocabulary_prompt_ids(llama_engine: LlamaCppEngine) -> None:

@@ -321,7 +321,6 @@ class LlamaCppEngine(Engine):
         )
         llm = self._llm
         self._n_vocab = int(llm.n_vocab())
-        self._vocab = self._n_vocab  # the OpenAI layer checks prompt token ids against it
         self._vocab_ptr = llm._model.vocab
         self._eos = frozenset(t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab_ptr, t))
         if not self._eos and llm.token_eos() >= 0:
@@ -358,6 +357,10 @@ class LlamaCppEngine(Engine):
     @property
     def context_length(self) -> int:
         return self.n_ctx
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

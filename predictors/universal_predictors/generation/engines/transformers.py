@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.errors import Unavailable
 from universal_predictors.generation.constraints import JsonConstraintFactory, JsonEnforcer
 from universal_predictors.generation.engine import (
     Engine,
@@ -50,6 +51,8 @@ class TransformersArgs(BaseModel):
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = Field(default=32, ge=1, le=1024)
+    #: Sequences that may wait beyond the ``max_batch_size`` running ones; more get 503 ``overloaded``.
+    max_queue: int = Field(default=64, ge=0, le=100_000)
     #: How long the first request of an idle engine waits for others to share its prefill.
     batch_wait_ms: float = Field(default=2.0, ge=0, le=1000)
     max_model_len: int | None = Field(default=None, ge=16)
@@ -91,6 +94,8 @@ class TransformersEngine(Engine):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.device = "cpu"
+        #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
+        self._outstanding = 0
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -166,8 +171,19 @@ class TransformersEngine(Engine):
     def special_tokens(self) -> dict[str, str]:
         return {"bos_token": self.tokenizer.bos_token or "", "eos_token": self.tokenizer.eos_token or ""}
 
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
     def describe(self) -> dict[str, Any]:
-        return {"device": self.device, "max_batch_size": self.targs.max_batch_size}
+        return {"device": self.device, "max_batch_size": self.targs.max_batch_size, "max_queue": self.targs.max_queue}
+
+    def check_capacity(self, sequences: int = 1) -> None:
+        if self._outstanding + sequences > self.targs.max_batch_size + self.targs.max_queue:
+            waiting = max(0, self._outstanding - self.targs.max_batch_size)
+            raise Unavailable(
+                f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
+            )
 
     # -- requests (event loop side) -------------------------------------------------------------------
 
@@ -181,13 +197,20 @@ class TransformersEngine(Engine):
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) "
                 f"exceeds the context ({self._context})"
             )
-        enforcer = None
-        if request.constraint is not None:
-            enforcer = await asyncio.to_thread(self.constraints.enforcer, request.constraint)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
-        seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), enforcer, generator)
-        self._incoming.put(seq)
+        # Admit before the first await, so that concurrent requests cannot all pass the check at once.
+        self.check_capacity(1)
+        self._outstanding += 1
+        try:
+            enforcer = None
+            if request.constraint is not None:
+                enforcer = await asyncio.to_thread(self.constraints.enforcer, request.constraint)
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
+            seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), enforcer, generator)
+            self._incoming.put(seq)
+        except BaseException:
+            self._outstanding -= 1
+            raise
         detok = IncrementalDetokenizer(self)
         want_logprobs = request.params.logprobs is not None
         try:
@@ -220,6 +243,7 @@ class TransformersEngine(Engine):
                     return
         finally:
             seq.abandoned = True  # the engine thread drops it at its next step
+            self._outstanding -= 1
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))

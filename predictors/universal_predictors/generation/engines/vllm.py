@@ -177,7 +177,7 @@ class VllmEngine(Engine):
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
         self._context = int(model_config.max_model_len)
-        self._vocab = int(model_config.get_vocab_size())  # the OpenAI layer checks prompt token ids against it
+        self._vocab = int(model_config.get_vocab_size())
         eos: set[int] = set()
         ids = model_config.try_get_generation_config().get("eos_token_id")
         eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -201,6 +201,10 @@ class VllmEngine(Engine):
     @property
     def context_length(self) -> int:
         return self._context
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
