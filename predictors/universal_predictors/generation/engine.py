@@ -261,6 +261,19 @@ class IncrementalDetokenizer:
         return after[len(before) :] if len(after) > len(before) else ""
 
 
+def tokenizer_chat_template(tokenizer: Any) -> str | None:
+    """A Hugging Face tokenizer's chat template (the default one when it names several), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def tokenizer_special_tokens(tokenizer: Any) -> dict[str, str]:
+    """The BOS/EOS text a chat template may refer to, from a Hugging Face tokenizer."""
+    return {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],

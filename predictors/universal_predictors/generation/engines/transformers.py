@@ -38,6 +38,8 @@ from universal_predictors.generation.engine import (
     IncrementalDetokenizer,
     TokenLogprob,
     TopLogprob,
+    tokenizer_chat_template,
+    tokenizer_special_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,14 +164,11 @@ class TransformersEngine(Engine):
 
     @property
     def chat_template(self) -> str | None:
-        template = getattr(self.tokenizer, "chat_template", None)
-        if isinstance(template, dict):  # several named templates: the default one
-            template = template.get("default")
-        return template if isinstance(template, str) and template else None
+        return tokenizer_chat_template(self.tokenizer)
 
     @property
     def special_tokens(self) -> dict[str, str]:
-        return {"bos_token": self.tokenizer.bos_token or "", "eos_token": self.tokenizer.eos_token or ""}
+        return tokenizer_special_tokens(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
