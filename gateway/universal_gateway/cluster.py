@@ -37,6 +37,32 @@ logger = logging.getLogger(__name__)
 STOP_ANNOTATION = "serving.kserve.io/stop"
 FIELD_MANAGER = "universal-runtime-gateway"
 
+
+def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
+    """The RBAC rules the gateway's ServiceAccount needs, and nothing more.
+
+    Watching UniversalModels is all a Knative-only gateway does; ``patch`` on InferenceServices is for the
+    Standard-mode TTL (the stop annotation). A Role per watched namespace or one ClusterRole grants these;
+    the tests hold the gateway to exactly this list.
+    """
+    rules = [
+        {
+            "apiGroups": [UniversalModelResource._api_info.resource.group],
+            "resources": [UniversalModelResource._api_info.plural],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    if standard_mode:
+        rules.append(
+            {
+                "apiGroups": [InferenceService._api_info.resource.group],
+                "resources": [InferenceService._api_info.plural],
+                "verbs": ["patch"],
+            }
+        )
+    return rules
+
+
 _PHASES = {
     "Ready": ModelState.READY,
     "Idle": ModelState.IDLE,

@@ -18,9 +18,9 @@ from openai import AsyncOpenAI
 
 from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
-from tests.support.kube_emulator import ServedEmulator
+from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator
 from universal_gateway.app import Gateway
-from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends
+from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends, rbac_rules
 from universal_predictors.config import PredictorConfig, Task
 
 UM = "universalmodels"
@@ -65,8 +65,21 @@ def model_manifest(mode: str = "Knative", idle: str = "5m") -> dict[str, Any]:
 
 async def create(cluster: ServedEmulator, plural: str, body: dict[str, Any]) -> None:
     emulator = cluster.emulator
-    async with emulator.post(emulator.url_for(plural, "default"), json=body) as response:
+    # Marked as the harness's own write: the RBAC checks look at the gateway's requests alone.
+    headers = {HARNESS_HEADER: "true"}
+    async with emulator.post(emulator.url_for(plural, "default"), json=body, headers=headers) as response:
         assert response.status == 201, await response.text()
+
+
+def assert_within_rbac(cluster: ServedEmulator, *, standard_mode: bool) -> set[tuple[str, str]]:
+    """Every request the gateway made is one ``rbac_rules`` grants; returns the (verb, plural) pairs used."""
+    rules = rbac_rules(standard_mode=standard_mode)
+    used = {(a.verb, a.group, a.plural, a.subresource) for a in cluster.emulator.access_log}
+    for verb, group, plural, subresource in used:
+        granted = any(group in r["apiGroups"] and plural in r["resources"] and verb in r["verbs"] for r in rules)
+        assert subresource is None, f"the gateway did {verb} {plural}/{subresource}: no rule grants a subresource"
+        assert granted, f"the gateway did {verb} {plural}, outside {rules}"
+    return {(verb, plural) for verb, _, plural, _ in used}
 
 
 def status(phase: str, address: str | None) -> dict[str, Any]:
@@ -100,6 +113,8 @@ async def test_models_follow_status_and_requests_reach_the_address(
         response = await http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"})
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "model_failed"
+    # A Knative-only gateway reads UniversalModels and touches nothing else.
+    assert {plural for _, plural in assert_within_rbac(cluster, standard_mode=False)} == {UM}
 
 
 async def test_standard_mode_stops_idle_models_and_wakes_them_once(
@@ -139,3 +154,4 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
     assert all(len(r.data[0].embedding) == 384 for r in results)
     # Five concurrent requests, one wake.
     assert cluster.emulator.write_count(ISVC, "default", "embedder") == 1
+    assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)

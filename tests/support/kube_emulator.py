@@ -158,6 +158,28 @@ class WriteKey(NamedTuple):
     subresource: str | None
 
 
+class Access(NamedTuple):
+    """One client request in RBAC's terms: what a Role would have to grant for it."""
+
+    verb: str
+    group: str
+    plural: str
+    subresource: str | None
+    namespace: str | None
+
+
+def rbac_verb(method: str, name: str | None, params: Mapping[str, str], subresource: str | None) -> str:
+    """The RBAC verb the API server checks for a request (``watch`` for ``?watch=true`` and ``/watch/``)."""
+    if method == "GET":
+        if subresource == "watch" or params.get("watch") in ("true", "1"):
+            return "watch"
+        return "get" if name else "list"
+    verbs = {"POST": "create", "PUT": "update", "PATCH": "patch"}
+    if method in verbs:
+        return verbs[method]
+    return "delete" if name else "deletecollection"
+
+
 @dataclass(frozen=True)
 class WriteRecord:
     """One write request as the emulator saw it (``status`` is the HTTP status answered)."""
@@ -511,6 +533,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     writes: Counter[WriteKey] = attrs.field(factory=Counter, init=False)
     writes_by_method: Counter[str] = attrs.field(factory=Counter, init=False)
     write_log: list[WriteRecord] = attrs.field(factory=list, init=False)
+    access_log: list[Access] = attrs.field(factory=list, init=False)  # every non-harness resource request
 
     # ---------------------------------------------------------------- registration & public helpers
 
@@ -768,6 +791,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         method = str(request.method.value).upper()
         key = WriteKey(res.plural, request.namespace, request.name or self._body_name(request), request.subresource)
         harness = bool(self._header(request, HARNESS_HEADER))
+        if not harness:
+            verb = rbac_verb(method, request.name, request.params, request.subresource)
+            sub = None if request.subresource == "watch" else request.subresource
+            self.access_log.append(Access(verb, res.group or "", res.plural, sub, request.namespace))
         try:
             if spec is None:
                 if res not in self.resources:
