@@ -246,6 +246,23 @@ class EncoderTaskPredictor(UniversalPredictor):
                 raise InvalidRequest(f"instances[{i}]: must be a string", param=f"instances[{i}]")
         return list(instances)
 
+    def list_response(self, items: list[Encoded], entries: list[dict[str, Any]], truncate: bool) -> JSONResponse:
+        """The OpenAI-style list body shared by /v1/classify and /v1/ner: one entry per input, in order."""
+        data = []
+        for index, (item, entry) in enumerate(zip(items, entries, strict=True)):
+            if truncate:
+                entry = {**entry, "truncated": item.truncated}
+            data.append({"index": index, **entry})
+        tokens = sum(len(item.ids) for item in items)
+        return JSONResponse(
+            {
+                "object": "list",
+                "model": self.name,
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
 
 # -- classify ---------------------------------------------------------------------------------------
 
@@ -344,20 +361,7 @@ class ClassifyPredictor(EncoderTaskPredictor):
             self.require_ready()
             items = await self.encode(body.text_list(), body.truncate)
             outputs = await self.run(items)
-            data = []
-            for index, (item, logits) in enumerate(zip(items, outputs, strict=True)):
-                entry = {"index": index, **self.result(logits, body.top_k, body.threshold)}
-                if body.truncate:
-                    entry["truncated"] = item.truncated
-                data.append(entry)
-            tokens = sum(len(item.ids) for item in items)
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "model": self.name,
-                    "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                }
-            )
+            entries = [self.result(logits, body.top_k, body.threshold) for logits in outputs]
+            return self.list_response(items, entries, body.truncate)
 
         router.add_api_route("/v1/classify", classify, methods=["POST"])

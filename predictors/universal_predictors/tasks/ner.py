@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field
 
 from universal_predictors.config import Task
@@ -188,20 +188,6 @@ class NerPredictor(EncoderTaskPredictor):
             self.check_model(body.model)
             self.require_ready()
             items, found = await self.entities(body.text_list(), body.aggregation_strategy, body.truncate)
-            data = []
-            for index, (item, entities) in enumerate(zip(items, found, strict=True)):
-                entry: dict[str, Any] = {"index": index, "entities": entities}
-                if body.truncate:
-                    entry["truncated"] = item.truncated
-                data.append(entry)
-            tokens = sum(len(item.ids) for item in items)
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "model": self.name,
-                    "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                }
-            )
+            return self.list_response(items, [{"entities": entities} for entities in found], body.truncate)
 
         router.add_api_route("/v1/ner", ner, methods=["POST"])
