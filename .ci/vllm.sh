@@ -30,5 +30,5 @@ fi
 # Small KV caches (vLLM on CPU otherwise sizes it from host memory) and engine-core queues on loopback.
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_HOST_IP=127.0.0.1
-"$VENV/bin/python" -m pytest -q -k vllm tests/predictors/generation/test_conformance.py
+"$VENV/bin/python" -m pytest -q -k vllm tests/predictors/generation/test_conformance.py tests/predictors/generation/test_admission.py
 "$VENV/bin/python" -m pytest -q tests/predictors/generation/test_vllm.py

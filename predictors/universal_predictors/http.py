@@ -94,6 +94,8 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
 
 
+#: nginx's status for "the client closed the connection first": what a handler answers nobody.
+CLIENT_CLOSED = 499
 _OUTCOMES = {400: "invalid", 404: "not_found", 413: "too_large", 429: "overloaded", 503: "unavailable"}
 
 
@@ -110,9 +112,12 @@ def endpoint(
             metrics.IN_FLIGHT.labels(name).inc()
             outcome = "ok"
             try:
-                return await handler(*args, **kwargs)
+                response = await handler(*args, **kwargs)
+                if response.status_code == CLIENT_CLOSED:
+                    outcome = "cancelled"
+                return response
             except APIError as error:
-                outcome = _OUTCOMES.get(error.status_code, "error")
+                outcome = "overloaded" if error.code == "overloaded" else _OUTCOMES.get(error.status_code, "error")
                 return error_response(error)
             except Exception:
                 outcome = "error"

@@ -87,6 +87,8 @@ class JSONSchemaConstraint:
     """
 
     schema: Mapping[str, Any] | None = None
+    #: The request field the schema came from, named in the 400 when an engine cannot enforce it.
+    param: str = "response_format"
 
     def schema_json(self) -> str:
         return json.dumps(self.schema if self.schema is not None else {"type": "object"})
@@ -226,7 +228,8 @@ class Engine(ABC):
         count a sequence in ``generate`` before its first ``await`` (the OpenAI layer starts a stream's
         sequences, and sends the 200, only once each has passed that point), so concurrent requests get
         a real 503 rather than an error event after a 200. The default accepts everything (engines
-        without a bounded queue)."""
+        without a bounded queue). Such an engine also keeps ``metrics.QUEUE_DEPTH`` at the number of
+        admitted sequences still waiting for the model."""
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from universal_predictors import metrics
 from universal_predictors.errors import APIError, InternalError, InvalidRequest
@@ -38,6 +39,7 @@ from universal_predictors.generation.protocol import (
     NamedToolChoice,
     SamplingFields,
 )
+from universal_predictors.http import CLIENT_CLOSED
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,19 @@ class Plan:
     jobs: list[tuple[int, GenerationRequest]]  # (prompt index, request) per choice
     stops: list[str]
     prompt_tokens: int
+
+
+@dataclass
+class _Shape:
+    """What distinguishes chat from completions responses; the rest of serving them is shared."""
+
+    id_prefix: str  # "chatcmpl" / "cmpl"
+    unary_object: str
+    chunk_object: str
+    unary_choice: Callable[[Choice], dict[str, Any]]  # a finished choice in the unary response
+    opening: list[dict[str, Any]]  # choice entries streamed first, one event each
+    delta: Callable[[Delta], list[dict[str, Any]]]  # choice entries for one delta, one event each
+    closing: Callable[[list[Choice]], list[dict[str, Any]]]  # choice entries after the last delta
 
 
 class StopMatcher:
@@ -114,6 +129,48 @@ def _context_error(context: int, prompt: int, requested: int | None) -> InvalidR
         param="messages",
         code="context_length_exceeded",
     )
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (the request body is already read: nothing else can arrive)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _GenerationStream(StreamingResponse):
+    """An SSE response that watches its client and always runs ``close`` (which stops the generation).
+
+    Starlette's own disconnect watch depends on the ASGI server's spec version (from 2.4 on, a gone
+    client is noticed only when a write fails, so a sequence still queued or in prefill would run on),
+    and when the client left before the body started, the body iterator never runs at all, so neither
+    can be what stops a generation."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        close: Callable[[], Awaitable[None]],
+        *,
+        media_type: str,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = asyncio.ensure_future(super().__call__(scope, receive, send))
+        gone = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if body.done():
+                body.result()  # what the server should see (a failed write)
+        finally:
+            for task in (body, gone):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self._close()
 
 
 class GenerationService:
@@ -167,9 +224,16 @@ class GenerationService:
     ) -> Plan:
         if constraint is not None and not self.engine.capabilities.constraints:
             raise InvalidRequest(
-                f"response_format: the {self.engine.backend.value} backend cannot constrain output",
-                param="response_format",
+                f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
+                param=constraint.param,
             )
+        if constraint is not None and constraint.schema is not None:
+            from universal_predictors.generation.constraints import check_schema
+
+            try:  # one verdict on every engine (vLLM's own backend would silently ignore what it lacks)
+                check_schema(constraint.schema)
+            except ValueError as exc:
+                raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
         jobs = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
@@ -211,7 +275,7 @@ class GenerationService:
         if isinstance(choice, NamedToolChoice):
             for tool in body.tools:
                 if tool.function.name == choice.function.name:
-                    return JSONSchemaConstraint(tool.function.parameters), tool.function.name
+                    return JSONSchemaConstraint(tool.function.parameters, param="tools"), tool.function.name
             raise InvalidRequest(f"tool_choice: no tool named {choice.function.name!r}", param="tool_choice")
         options = [
             {
@@ -224,7 +288,7 @@ class GenerationService:
             }
             for t in body.tools
         ]
-        return JSONSchemaConstraint(options[0] if len(options) == 1 else {"anyOf": options}), None
+        return JSONSchemaConstraint(options[0] if len(options) == 1 else {"anyOf": options}, param="tools"), None
 
     def plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, str | None]:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -303,8 +367,9 @@ class GenerationService:
                         await emit(Delta(index, text, logprobs, choice.finish_reason))
                     if stopped:
                         break
-            except ValueError as exc:
-                raise InvalidRequest(str(exc)) from None
+            except ValueError as exc:  # a request the engine cannot take; with a schema, most likely the schema
+                param = request.constraint.param if request.constraint is not None else None
+                raise InvalidRequest(str(exc), param=param) from None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]  # async generators have aclose()
         if choice.finish_reason is None:  # the engine ended without saying why
@@ -325,28 +390,26 @@ class GenerationService:
         emit: Callable[[Delta], Awaitable[None]],
         started: list[asyncio.Future[Choice]] | None = None,
     ) -> list[Choice]:
-        """All choices concurrently (they batch together in the engine)."""
+        """All choices concurrently (they batch together in the engine). However this ends (done, an
+        error, cancelled), every choice has left its engine's ``generate`` when it returns."""
         tasks = started if started is not None else self.start_all(plan, emit)
         try:
             return list(await asyncio.gather(*tasks))
         finally:
             for task in tasks:
                 task.cancel()
-
-    async def _until_disconnect(self, request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
+            if tasks:
+                await asyncio.wait(tasks)  # their engine-side cleanup (abort, slot freed) has run
 
     async def run_unary(self, request: Request, plan: Plan) -> list[Choice] | None:
-        """Run to the end; None (and a counted cancellation) if the client goes away first."""
+        """Run to the end; None (and a counted cancellation) if the client goes away first, whether
+        before its first token or after."""
 
         async def ignore(_: Delta) -> None:
             return None
 
         work = asyncio.ensure_future(self.run_all(plan, ignore))
-        watcher = asyncio.ensure_future(self._until_disconnect(request))
+        watcher = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:
@@ -386,51 +449,63 @@ class GenerationService:
         first: list[dict[str, Any]],
         final: Callable[[list[Choice]], list[dict[str, Any]]],
     ) -> Response:
-        """An SSE response: ``first`` events, one per rendered delta, ``final(choices)`` events, [DONE]."""
+        """An SSE response: ``first`` events, one per rendered delta, ``final(choices)`` events, [DONE].
+
+        Generation runs from admission on, owned by the response: however the response ends (all sent,
+        the client gone before the first token or mid-stream, the body never started), its choices are
+        stopped, a cancellation is counted unless everything was sent, and the request leaves
+        ``universal_predictor_in_flight`` (where it stays, unlike the handler, until then)."""
         queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
         async def emit(delta: Delta) -> None:
             await queue.put(delta)
 
         started = await self._admitted(plan, emit)
+        work = asyncio.ensure_future(self.run_all(plan, emit, started))
+        work.add_done_callback(lambda _: queue.put_nowait(None))
+        in_flight = metrics.IN_FLIGHT.labels(self.model_name)
+        in_flight.inc()
+        completed = False
 
         async def events() -> AsyncIterator[str]:
+            nonlocal completed
             for event in first:
                 yield f"data: {json.dumps(event)}\n\n"
-            work = asyncio.ensure_future(self.run_all(plan, emit, started))
-            work.add_done_callback(lambda _: queue.put_nowait(None))
-            completed = False
+            while True:
+                delta = await queue.get()
+                if delta is None:
+                    break
+                for rendered in render(delta):
+                    yield f"data: {json.dumps(rendered)}\n\n"
             try:
-                while True:
-                    delta = await queue.get()
-                    if delta is None:
-                        break
-                    for rendered in render(delta):
-                        yield f"data: {json.dumps(rendered)}\n\n"
-                try:
-                    choices = work.result()
-                except APIError as error:
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    completed = True
-                    return
-                except Exception:
-                    logger.exception("streamed generation failed")
-                    yield f"data: {json.dumps(InternalError().body())}\n\n"
-                    completed = True
-                    return
-                for event in final(choices):
-                    yield f"data: {json.dumps(event)}\n\n"
-                yield "data: [DONE]\n\n"
+                choices = work.result()
+            except APIError as error:
+                yield f"data: {json.dumps(error.body())}\n\n"
                 completed = True
-            finally:
-                if not completed:  # the client went away mid-stream
-                    metrics.CANCELLED.labels(self.model_name).inc()
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
+                return
+            except Exception:
+                logger.exception("streamed generation failed")
+                yield f"data: {json.dumps(InternalError().body())}\n\n"
+                completed = True
+                return
+            for event in final(choices):
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+            completed = True
 
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        async def close() -> None:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            if not completed:  # the client went away: before the first token, mid-stream, or before the body
+                metrics.CANCELLED.labels(self.model_name).inc()
+            in_flight.dec()
+
+        return _GenerationStream(
+            events(),
+            close,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     # -- OpenAI responses -----------------------------------------------------------------------------
@@ -485,41 +560,20 @@ class GenerationService:
             choice.finish_reason = "tool_calls"
         return message
 
-    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        plan, forced = self.plan_chat(body)
-        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        tools_active = bool(body.tools) and body.tool_choice != "none"
-
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
-            event = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if body.stream_options and body.stream_options.include_usage:
-                event["usage"] = usage
-            return event
+    async def _respond(self, request: Request, body: SamplingFields, plan: Plan, shape: _Shape) -> Response:
+        """The unary JSON response or the SSE stream for ``plan``, in ``shape``'s form."""
+        created, rid = int(time.time()), f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         if not body.stream:
             choices = await self.run_unary(request, plan)
             if choices is None:
-                return Response(status_code=499)  # nobody is listening; the status is for the logs
-            out = []
-            for c in choices:
-                message = self._tool_message(body, c, forced)
-                entry: dict[str, Any] = {
-                    "index": c.index,
-                    "message": message,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
-                }
-                out.append(entry)
+                return Response(status_code=CLIENT_CLOSED)  # nobody is listening; the status is for logs and metrics
+            out = [shape.unary_choice(c) for c in choices]
             return JSONResponse(
                 {
                     "id": rid,
-                    "object": "chat.completion",
+                    "object": shape.unary_object,
                     "created": created,
                     "model": self.model_name,
                     "choices": out,
@@ -527,106 +581,99 @@ class GenerationService:
                 }
             )
 
-        known = {t.function.name for t in body.tools or []}
-        streamers = [ToolCallStreamer(forced, body.tool_choice == "required", known) for _ in plan.jobs]
-
-        def render(delta: Delta) -> list[dict[str, Any]]:
-            if tools_active:  # the finish comes from final(), once the whole output is parsed
-                pieces = streamers[delta.index].push(delta.text)
-                return [
-                    chunk([{"index": delta.index, "delta": piece, "finish_reason": None, "logprobs": None}])
-                    for piece in pieces
-                ]
-            entry: dict[str, Any] = {
-                "index": delta.index,
-                "delta": {"content": delta.text} if delta.text else {},
-                "finish_reason": delta.finish_reason,
-                "logprobs": self._chat_logprobs(delta.logprobs) if body.logprobs else None,
-            }
-            return [chunk([entry])]
-
-        def final(choices: list[Choice]) -> list[dict[str, Any]]:
-            events = []
-            if tools_active:
-                for c in choices:
-                    streamer = streamers[c.index]
-                    message = self._tool_message(body, c, forced)
-                    if streamer.calls and c.finish_reason == "stop":
-                        c.finish_reason = "tool_calls"
-                    pieces = streamer.finish(message) or [{}]
-                    for n, piece in enumerate(pieces):
-                        finish = c.finish_reason if n == len(pieces) - 1 else None
-                        events.append(
-                            chunk([{"index": c.index, "delta": piece, "finish_reason": finish, "logprobs": None}])
-                        )
-            if body.stream_options and body.stream_options.include_usage:
-                events.append(chunk([], self._usage(plan, choices)))
-            return events
-
-        first = [
-            chunk(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
-            )
-            for i in range(len(plan.jobs))
-        ]
-        return await self.stream(plan, render, first, final)
-
-    async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        plan = self.plan_completion(body)
-        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-        echoes = [self.engine.detokenize(ids) if body.echo else "" for ids in plan.prompts]
-
         def event(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
             out = {
                 "id": rid,
-                "object": "text_completion",
+                "object": shape.chunk_object,
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
             }
-            if body.stream_options and body.stream_options.include_usage:
+            if include_usage:
                 out["usage"] = usage
             return out
 
-        if not body.stream:
-            choices = await self.run_unary(request, plan)
-            if choices is None:
-                return Response(status_code=499)  # nobody is listening; the status is for the logs
-            out = []
-            for c in choices:
-                echo = echoes[plan.jobs[c.index][0]]
-                logprobs = self._completion_logprobs(c.logprobs, len(echo)) if body.logprobs is not None else None
-                out.append(
-                    {"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
-                )
-            return JSONResponse({**event(out), "usage": self._usage(plan, choices)})
-
         def render(delta: Delta) -> list[dict[str, Any]]:
-            logprobs = self._completion_logprobs(delta.logprobs, 0) if body.logprobs is not None else None
-            return [
-                event(
-                    [
-                        {
-                            "index": delta.index,
-                            "text": delta.text,
-                            "finish_reason": delta.finish_reason,
-                            "logprobs": logprobs,
-                        }
-                    ]
-                )
-            ]
+            return [event([entry]) for entry in shape.delta(delta)]
 
         def final(choices: list[Choice]) -> list[dict[str, Any]]:
-            if body.stream_options and body.stream_options.include_usage:
-                return [event([], self._usage(plan, choices))]
-            return []
+            events = [event([entry]) for entry in shape.closing(choices)]
+            if include_usage:
+                events.append(event([], self._usage(plan, choices)))
+            return events
 
-        first = [
-            event([{"index": i, "text": echoes[p], "finish_reason": None, "logprobs": None}])
+        return await self.stream(plan, render, [event([entry]) for entry in shape.opening], final)
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        plan, forced = self.plan_chat(body)
+        tools_active = bool(body.tools) and body.tool_choice != "none"
+        known = {t.function.name for t in body.tools or []}
+        streamers = [ToolCallStreamer(forced, body.tool_choice == "required", known) for _ in plan.jobs]
+
+        def unary_choice(c: Choice) -> dict[str, Any]:
+            message = self._tool_message(body, c, forced)  # sets finish_reason "tool_calls" for a call
+            return {
+                "index": c.index,
+                "message": message,
+                "finish_reason": c.finish_reason,
+                "logprobs": self._chat_logprobs(c.logprobs) if body.logprobs else None,
+            }
+
+        def delta(d: Delta) -> list[dict[str, Any]]:
+            if tools_active:  # the finish comes from closing(), once the whole output is parsed
+                pieces = streamers[d.index].push(d.text)
+                return [{"index": d.index, "delta": piece, "finish_reason": None, "logprobs": None} for piece in pieces]
+            return [
+                {
+                    "index": d.index,
+                    "delta": {"content": d.text} if d.text else {},
+                    "finish_reason": d.finish_reason,
+                    "logprobs": self._chat_logprobs(d.logprobs) if body.logprobs else None,
+                }
+            ]
+
+        def closing(choices: list[Choice]) -> list[dict[str, Any]]:
+            entries: list[dict[str, Any]] = []
+            if not tools_active:
+                return entries
+            for c in choices:
+                streamer = streamers[c.index]
+                message = self._tool_message(body, c, forced)
+                if streamer.calls and c.finish_reason == "stop":
+                    c.finish_reason = "tool_calls"
+                pieces = streamer.finish(message) or [{}]
+                for n, piece in enumerate(pieces):
+                    finish = c.finish_reason if n == len(pieces) - 1 else None
+                    entries.append({"index": c.index, "delta": piece, "finish_reason": finish, "logprobs": None})
+            return entries
+
+        opening = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            for i in range(len(plan.jobs))
+        ]
+        shape = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk", unary_choice, opening, delta, closing)
+        return await self._respond(request, body, plan, shape)
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        plan = self.plan_completion(body)
+        echoes = [self.engine.detokenize(ids) if body.echo else "" for ids in plan.prompts]
+
+        def unary_choice(c: Choice) -> dict[str, Any]:
+            echo = echoes[plan.jobs[c.index][0]]
+            logprobs = self._completion_logprobs(c.logprobs, len(echo)) if body.logprobs is not None else None
+            return {"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+        def delta(d: Delta) -> list[dict[str, Any]]:
+            logprobs = self._completion_logprobs(d.logprobs, 0) if body.logprobs is not None else None
+            return [{"index": d.index, "text": d.text, "finish_reason": d.finish_reason, "logprobs": logprobs}]
+
+        opening = [
+            {"index": i, "text": echoes[p], "finish_reason": None, "logprobs": None}
             for i, (p, _) in enumerate(plan.jobs)
             if echoes[p]
         ]
-        return await self.stream(plan, render, first, final)
+        shape = _Shape("cmpl", "text_completion", "text_completion", unary_choice, opening, delta, lambda _: [])
+        return await self._respond(request, body, plan, shape)
 
     async def complete_text(self, prompt: str, max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> str:
         """Greedy text for one prompt (KServe v1/v2 text in, text out)."""

@@ -325,6 +325,125 @@ def test_a_streamed_tool_call_arrives_in_pieces_and_assembles_to_the_unary_call(
     jsonschema.validate(json.loads(streamed_call.function.arguments), CITY_SCHEMA)  # type: ignore[union-attr]
 
 
+# Every bound constrained decoding must enforce, at once. The model has random weights (the weakest
+# model there is) and samples at temperature 1.0: a valid answer comes from the constraint, never luck.
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "minLength": 2, "maxLength": 5},
+        "count": {"type": "integer", "minimum": 3, "maximum": 7},
+        "ratio": {"type": "number", "exclusiveMinimum": 0.5, "maximum": 9},
+        "color": {"enum": ["red", "green", "blue"]},
+        "grid": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+            },
+        },
+    },
+    "required": ["code", "count", "ratio", "color", "grid"],
+    "additionalProperties": False,
+}
+
+BOUNDED_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book_trip",
+        "description": "Book a trip",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 6},
+                "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+                "budget": {"type": "number", "exclusiveMinimum": 0, "maximum": 500},
+            },
+            "required": ["city", "nights", "budget"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def load_constrained(text: str, engine_case: EngineCase) -> object:
+    """Constrained output as JSON. vLLM's default backend (xgrammar) lets raw control characters (a tab)
+    into strings, which JSON forbids: there, and only there, they are tolerated; every bound still holds."""
+    return json.loads(text, strict=engine_case.backend is not Backend.VLLM)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_bounds_hold_for_a_random_model_sampling_freely(
+    client: openai.OpenAI, engine_case: EngineCase, seed: int
+) -> None:
+    response = chat(
+        client,
+        "Describe anything as JSON",
+        max_tokens=400,
+        temperature=1.0,
+        seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "bounded", "schema": BOUNDED_SCHEMA}},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(load_constrained(choice.message.content or "", engine_case), BOUNDED_SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("seed", "tool_choice"),
+    [(1, {"type": "function", "function": {"name": "book_trip"}}), (2, "required"), (3, "required")],
+    ids=["named", "required-2", "required-3"],
+)
+def test_a_forced_tool_calls_arguments_keep_the_tools_bounds(
+    client: openai.OpenAI, engine_case: EngineCase, seed: int, tool_choice: object
+) -> None:
+    response = chat(
+        client,
+        "Book me a trip",
+        max_tokens=300,
+        temperature=1.0,
+        seed=seed,
+        tools=[BOUNDED_TOOL],
+        tool_choice=tool_choice,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "book_trip"  # type: ignore[union-attr]
+    arguments = load_constrained(call.function.arguments, engine_case)  # type: ignore[union-attr]
+    jsonschema.validate(arguments, BOUNDED_TOOL["function"]["parameters"])  # type: ignore[index]
+
+
+NOT_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+@pytest.mark.parametrize("param", ["response_format", "tools"])
+def test_a_schema_keyword_that_cannot_be_enforced_is_a_400_naming_it_and_the_param(
+    predictor: PredictorProcess, param: str, stream: bool
+) -> None:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 20,
+        "stream": stream,
+    }
+    if param == "response_format":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "neg", "schema": NOT_SCHEMA}}
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "neg", "parameters": NOT_SCHEMA}}]
+        body["tool_choice"] = {"type": "function", "function": {"name": "neg"}}
+    response = httpx.post(f"{predictor.openai_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text  # the status itself, not an error event after a 200
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert "'not'" in error["message"]
+
+
 def test_logprobs_and_top_logprobs_come_per_token(client: openai.OpenAI) -> None:
     response = chat(client, "Hi", max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
     content = response.choices[0].logprobs.content  # type: ignore[union-attr]

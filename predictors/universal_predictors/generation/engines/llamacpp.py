@@ -4,8 +4,9 @@ llama-cpp-python's ``Llama`` holds one context with one KV cache, so the engine 
 sequence at a time, in arrival order; the KV cache of the previous sequence is kept and its longest
 common prefix with the next prompt is reused (chat turns and ``n`` choices share their prompt). The
 decode loop is ours rather than ``Llama.generate`` so that each sequence gets its own sampler chain
-(seed, penalties, grammar, ``ignore_eos``), logprobs come from the logits llama.cpp already computed,
-and an abandoned sequence (client gone, stop string matched) is dropped between two tokens.
+(seed, penalties, ``ignore_eos``), logprobs come from the logits llama.cpp already computed, a JSON
+schema constraint masks those logits in place (llguidance) before the sampler chain reads them, and an
+abandoned sequence (client gone, stop string matched) is dropped between two tokens.
 
 ``n_ctx`` is the GGUF's training context, capped by what the container's memory limit (cgroup, not
 the host's RAM) leaves for the KV cache once the weights are in: :func:`plan_context`.
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import ctypes
 import fnmatch
-import functools
 import gc
 import logging
 import math
@@ -39,16 +39,9 @@ from universal_predictors import metrics
 from universal_predictors.base import StartupError
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.errors import Unavailable
-from universal_predictors.generation.engine import (
-    Engine,
-    EngineCapabilities,
-    GenerationChunk,
-    GenerationRequest,
-    IncrementalDetokenizer,
-    JSONSchemaConstraint,
-    TokenLogprob,
-    TopLogprob,
-)
+from universal_predictors.generation import constraints
+from universal_predictors.generation.engine import Engine, EngineCapabilities, GenerationChunk, GenerationRequest
+from universal_predictors.generation.engines.common import drain_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -238,22 +231,12 @@ class _Seq:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
-    grammar: Any  # LlamaGrammar | None
+    grammar: str | None  # llguidance grammar of the constraint, checked before admission
     abandoned: bool = False  # set from the event loop: the consumer went away
 
     def send(self, item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-
-
-@functools.lru_cache(maxsize=64)
-def _grammar(schema_json: str) -> Any:
-    from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
-
-    # llama-cpp-python's converter lets control characters into strings (llama.cpp's own excludes them),
-    # which JSON forbids: exclude them here.
-    gbnf = json_schema_to_gbnf(schema_json).replace('[^"\\\\]', '[^"\\\\\\x7F\\x00-\\x1F]')
-    return LlamaGrammar.from_string(gbnf, verbose=False)
 
 
 class LlamaCppEngine(Engine):
@@ -289,7 +272,6 @@ class LlamaCppEngine(Engine):
         #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
         self._outstanding = 0
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})  # token bytes, without / with specials
-        self._fragments: dict[int, float] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._llm: Any = None
@@ -325,6 +307,11 @@ class LlamaCppEngine(Engine):
         self._eos = frozenset(t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab_ptr, t))
         if not self._eos and llm.token_eos() >= 0:
             self._eos = frozenset({int(llm.token_eos())})
+        self._lltokenizer: Any = None
+        try:
+            self._lltokenizer = constraints.llamacpp_tokenizer(self._vocab_ptr, self._n_vocab, sorted(self._eos))
+        except ValueError as exc:  # a vocabulary llguidance cannot read: constrained requests get a 400
+            logger.warning("constrained decoding unavailable for this vocabulary: %s", exc)
         bos, eos = int(llm.token_bos()), int(llm.token_eos())
         self._special = {
             "bos_token": self.token_text(bos) if bos >= 0 else "",
@@ -393,20 +380,6 @@ class LlamaCppEngine(Engine):
             cache[token_id] = piece
         return piece
 
-    def _fragment_bias(self) -> dict[int, float]:
-        """A ban on tokens that are only part of a UTF-8 character. llama.cpp's grammar lets such a token
-        end a string (the character never completes), so constrained output could hold invalid text;
-        the transformers engine's constraint excludes the same tokens."""
-        if self._fragments is None:
-            banned = {}
-            for token_id in range(self._n_vocab):
-                try:
-                    self._piece(token_id, False).decode("utf-8")
-                except UnicodeDecodeError:
-                    banned[token_id] = -math.inf
-            self._fragments = banned
-        return self._fragments
-
     @property
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template") or None
@@ -445,46 +418,24 @@ class LlamaCppEngine(Engine):
                              f"exceeds the context ({self.n_ctx})")  # fmt: skip
         if any(not 0 <= t < self._n_vocab for t in request.prompt_ids):
             raise ValueError(f"prompt: a token id is outside the vocabulary (0..{self._n_vocab - 1})")
-        grammar = self._grammar_for(request.constraint) if request.constraint is not None else None
+        grammar = None
+        if request.constraint is not None:
+            if self._lltokenizer is None:
+                raise ValueError("this model's vocabulary cannot be read for constrained decoding")
+            # Before the first await: an unenforceable schema is the response's 400, streamed or not.
+            grammar = constraints.grammar_for(request.constraint)
         self.check_capacity(1)
         seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar)
         self._outstanding += 1
         self._queue.put(seq)
         metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._queue.qsize())
-        detok = IncrementalDetokenizer(self)
-        want_logprobs = params.logprobs is not None
         try:
-            while True:
-                items = [await seq.out.get()]
-                while not seq.out.empty():  # a slow consumer gets the backlog as one chunk
-                    items.append(seq.out.get_nowait())
-                ids: list[int] = []
-                logprobs: list[TokenLogprob] = []
-                finish = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    token_id, lp, top, finish = item
-                    ids.append(token_id)
-                    if want_logprobs:
-                        alternatives = tuple(TopLogprob(t, self.token_text(t), v) for t, v in top)
-                        logprobs.append(TokenLogprob(token_id, self.token_text(token_id), lp, alternatives))
-                text = detok.push(ids)
-                if finish is not None:
-                    text += detok.flush()
-                yield GenerationChunk(ids, text, logprobs if want_logprobs else None, finish)
-                if finish is not None:
-                    return
+            async with contextlib.aclosing(drain_tokens(self, seq.out, params.logprobs is not None)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             seq.abandoned = True  # the engine thread stops it before its next token
             self._outstanding -= 1
-
-    @staticmethod
-    def _grammar_for(constraint: JSONSchemaConstraint) -> Any:
-        try:
-            return _grammar(constraint.schema_json())
-        except Exception as exc:  # the converter raises plain exceptions for schema features it lacks
-            raise ValueError(f"the JSON schema cannot be enforced: {exc}") from None
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -515,15 +466,11 @@ class LlamaCppEngine(Engine):
         params = seq.request.params
         sampler = llama_internals.LlamaSampler()
         bias = {t: -math.inf for t in self._eos} if params.ignore_eos else {}
-        if seq.grammar is not None:
-            bias.update(self._fragment_bias())
         if bias:
             sampler.add_logit_bias(self._n_vocab, bias)
         if params.presence_penalty or params.frequency_penalty:
             # OpenAI's penalties count every generated token: a window the size of the context.
             sampler.add_penalties(self._n_vocab, self.n_ctx, 1.0, params.frequency_penalty, params.presence_penalty)
-        if seq.grammar is not None:
-            sampler.add_grammar(self._llm._model, seq.grammar)
         if params.temperature <= 1e-5:
             sampler.add_greedy()
         else:
@@ -561,16 +508,34 @@ class LlamaCppEngine(Engine):
         model = self.config.model_name
         pending = prompt[kept:]
         metrics.PROMPT_TOKENS.labels(model).inc(len(pending))
+        matcher = constraints.matcher(self._lltokenizer, seq.grammar) if seq.grammar is not None else None
+        masks = constraints.allocate_masks(1, self._n_vocab) if matcher is not None else None
         generated = 0
         try:
             while not (seq.abandoned or self._stopping):
                 llm.eval(pending)
+                # The model's logprobs, before the constraint masks the logits in place for the sampler.
+                logprobs = self._log_softmax(self._logits()) if params.logprobs is not None else None
+                if matcher is not None and masks is not None:
+                    if matcher.is_error():
+                        raise RuntimeError(f"constrained decoding failed: {matcher.get_error()}")
+                    allowed = constraints.unpack_masks(constraints.fill_masks([matcher], masks), self._n_vocab)
+                    self._logits()[~allowed[0]] = -np.inf
                 token = int(sampler.sample(llm._ctx, -1))
                 lp, top = 0.0, list[tuple[int, float]]()
-                if params.logprobs is not None:
-                    lp, top = self._logprobs(token, params.logprobs)
+                if logprobs is not None and params.logprobs is not None:
+                    lp, top = self._chosen_and_top(logprobs, token, params.logprobs)
                 generated += 1
-                finish = "stop" if token in stops else "length" if generated >= params.max_tokens else None
+                complete = False
+                if matcher is not None:
+                    matcher.consume_token(token)
+                    complete = matcher.is_stopped()
+                # A complete value ends at the EOS its mask now forces, or here when no EOS may or can follow.
+                finish: str | None = None
+                if token in stops or (complete and (params.ignore_eos or generated >= params.max_tokens)):
+                    finish = "stop"
+                elif generated >= params.max_tokens:
+                    finish = "length"
                 metrics.TOKENS_GENERATED.labels(model).inc()
                 seq.send((token, lp, top, finish))
                 if finish is not None:
@@ -579,11 +544,22 @@ class LlamaCppEngine(Engine):
         finally:
             sampler.close()
 
-    def _logprobs(self, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    def _logits(self) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """The last position's logits: a view of llama.cpp's buffer, which the sampler reads."""
         pointer = llama_cpp.llama_get_logits_ith(self._llm._ctx.ctx, -1)
-        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)).astype(np.float64)
-        logits -= logits.max()
-        logprobs = logits - np.log(np.exp(logits).sum())
+        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+
+    @staticmethod
+    def _log_softmax(logits: np.ndarray[Any, np.dtype[np.float32]]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        shifted = logits.astype(np.float64)
+        shifted -= shifted.max()
+        result: np.ndarray[Any, np.dtype[np.float64]] = shifted - np.log(np.exp(shifted).sum())
+        return result
+
+    @staticmethod
+    def _chosen_and_top(
+        logprobs: np.ndarray[Any, np.dtype[np.float64]], token: int, k: int
+    ) -> tuple[float, list[tuple[int, float]]]:
         top: list[tuple[int, float]] = []
         if k > 0:
             best = np.argpartition(-logprobs, k - 1)[:k]

@@ -29,18 +29,16 @@ from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.devices import detect_device, dtype_for, release_memory
 from universal_predictors.errors import Unavailable
-from universal_predictors.generation.constraints import JsonConstraintFactory, JsonEnforcer
+from universal_predictors.generation import constraints
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
-    IncrementalDetokenizer,
-    TokenLogprob,
-    TopLogprob,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
+from universal_predictors.generation.engines.common import drain_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +66,9 @@ class _Seq:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
-    enforcer: JsonEnforcer | None
+    grammar: str | None  # llguidance grammar of the constraint, checked before admission
     generator: Any  # torch.Generator
+    matcher: Any = None  # llguidance.LLMatcher, made on the engine thread when the sequence arrives
     generated: list[int] = field(default_factory=list)
     counts: Any = None  # per-token counts for penalties (a tensor), lazily
     next_token: int | None = None  # sampled, not yet in the KV cache
@@ -125,9 +124,13 @@ class TransformersEngine(Engine):
         limits = [getattr(self.model.config, "max_position_embeddings", None), self.targs.max_model_len]
         self._context = min(x for x in limits if x) if any(limits) else 2048
         self._vocab = int(self.model.config.vocab_size)
-        self.constraints = JsonConstraintFactory(
-            self.detokenize, min(self._vocab, len(self.tokenizer)), self.tokenizer.all_special_ids, self._eos
-        )
+        # The logits width (config.vocab_size) may exceed the tokenizer's: llguidance masks the rest.
+        self._lltokenizer: Any = None
+        try:
+            self._lltokenizer = constraints.hf_tokenizer(self.tokenizer, self._vocab, sorted(self._eos))
+        except ValueError as exc:  # a slow (Python) tokenizer: constrained requests get a 400
+            logger.warning("constrained decoding unavailable for this tokenizer: %s", exc)
+        self._masks = constraints.allocate_masks(self.targs.max_batch_size, self._vocab)
         self._torch = torch
         # transformers renamed ``past_key_values`` to ``cache``; pass whichever this version takes.
         params = inspect.signature(self.model.forward).parameters
@@ -196,50 +199,27 @@ class TransformersEngine(Engine):
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) "
                 f"exceeds the context ({self._context})"
             )
+        grammar = None
+        if request.constraint is not None:
+            if self._lltokenizer is None:
+                raise ValueError("this model's tokenizer is not a fast tokenizer: output cannot be constrained")
+            # Before the first await: an unenforceable schema is the response's 400, streamed or not.
+            grammar = constraints.grammar_for(request.constraint)
         # Admit before the first await, so that concurrent requests cannot all pass the check at once.
         self.check_capacity(1)
         self._outstanding += 1
         try:
-            enforcer = None
-            if request.constraint is not None:
-                enforcer = await asyncio.to_thread(self.constraints.enforcer, request.constraint)
             generator = torch.Generator(device="cpu")
             generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
-            seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), enforcer, generator)
+            seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar, generator)
             self._incoming.put(seq)
         except BaseException:
             self._outstanding -= 1
             raise
-        detok = IncrementalDetokenizer(self)
-        want_logprobs = request.params.logprobs is not None
         try:
-            while True:
-                items = [await seq.out.get()]
-                while not seq.out.empty():  # a slow consumer gets the backlog as one chunk
-                    items.append(seq.out.get_nowait())
-                ids: list[int] = []
-                logprobs: list[TokenLogprob] = []
-                finish = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    token_id, lp, top, finish = item
-                    ids.append(token_id)
-                    if want_logprobs:
-                        logprobs.append(
-                            TokenLogprob(
-                                token_id,
-                                self.token_text(token_id),
-                                lp,
-                                tuple(TopLogprob(t, self.token_text(t), v) for t, v in top),
-                            )
-                        )
-                text = detok.push(ids)
-                if finish is not None:
-                    text += detok.flush()
-                yield GenerationChunk(ids, text, logprobs if want_logprobs else None, finish)
-                if finish is not None:
-                    return
+            async with contextlib.aclosing(drain_tokens(self, seq.out, request.params.logprobs is not None)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         finally:
             seq.abandoned = True  # the engine thread drops it at its next step
             self._outstanding -= 1
@@ -273,7 +253,7 @@ class TransformersEngine(Engine):
                         self._stopping = True
                         break
                     arrivals.append(item)
-                arrivals = [s for s in arrivals if not s.abandoned]
+                arrivals = [s for s in arrivals if not s.abandoned and self._start_matcher(s)]
                 metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._incoming.qsize())
                 try:
                     if arrivals:
@@ -294,6 +274,16 @@ class TransformersEngine(Engine):
                     active, cache, mask = [], None, None
         for seq in active:
             seq.send(RuntimeError("the engine is shutting down"))
+
+    def _start_matcher(self, seq: _Seq) -> bool:
+        """Give a constrained sequence its matcher; False (the sequence failed alone) if it cannot start."""
+        if seq.grammar is not None:
+            try:
+                seq.matcher = constraints.matcher(self._lltokenizer, seq.grammar)
+            except RuntimeError as exc:
+                seq.send(exc)
+                return False
+        return True
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[Any, Any]:
         torch = self._torch
@@ -335,7 +325,12 @@ class TransformersEngine(Engine):
         logits = logits.float()
         raw_logprobs = None
         if any(s.request.params.logprobs is not None for s in seqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1).cpu()
+            raw_logprobs = torch.log_softmax(logits, dim=-1).cpu()  # the model's, before any constraint
+        constrained = [row for row, s in enumerate(seqs) if s.matcher is not None and not (s.abandoned or s.finished)]
+        if constrained:
+            # One bitmask for every constrained row of this step, applied to the logits in one operation.
+            masks = constraints.fill_masks([seqs[row].matcher for row in constrained], self._masks)
+            constraints.apply_masks(logits, constrained, masks)
         for row, seq in enumerate(seqs):
             if seq.abandoned or seq.finished:
                 seq.finished = True
@@ -349,17 +344,18 @@ class TransformersEngine(Engine):
             if params.ignore_eos:
                 for eos in self._eos:
                     scores[eos] = float("-inf")
-            if seq.enforcer is not None:
-                allowed = seq.enforcer.allowed()
-                keep = torch.full_like(scores, float("-inf"))
-                keep[torch.tensor(allowed, dtype=torch.long, device=scores.device)] = 0.0
-                scores = scores + keep
+            if seq.matcher is not None and seq.matcher.is_error():
+                seq.finished = True
+                seq.send(RuntimeError(f"constrained decoding failed: {seq.matcher.get_error()}"))
+                continue
             token = self._pick(scores, params.temperature, params.top_p, seq.generator)
             seq.generated.append(token)
             if seq.counts is not None:
                 seq.counts[token] += 1
-            if seq.enforcer is not None:
-                seq.enforcer.advance(token)
+            complete = False
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token)
+                complete = seq.matcher.is_stopped()
             lp, top = 0.0, []
             if raw_logprobs is not None and params.logprobs is not None:
                 lp = float(raw_logprobs[row, token])
@@ -368,7 +364,8 @@ class TransformersEngine(Engine):
                     top = list(zip(indices.tolist(), values.tolist(), strict=True))
             finish = None
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
-            if token in stops:
+            # A complete value ends at the EOS its mask now forces, or here when no EOS may or can follow.
+            if token in stops or (complete and (params.ignore_eos or len(seq.generated) >= params.max_tokens)):
                 finish = "stop"
             elif len(seq.generated) >= params.max_tokens:
                 finish = "length"

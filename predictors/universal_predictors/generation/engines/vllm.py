@@ -7,6 +7,10 @@ keys are checked against :class:`vllm.engine.arg_utils.AsyncEngineArgs` when the
 unknown key stops it with one line naming the key) and values are parsed by vLLM's own command-line
 parser, so ``max_model_len=4k`` or ``enforce_eager=true`` mean exactly what they mean to ``vllm serve``.
 
+One engine argument is ours, not vLLM's: ``max_queue``. vLLM's ``AsyncLLM`` takes any number of requests
+and queues them in its scheduler; we admit at most ``max_num_seqs`` running + ``max_queue`` waiting
+sequences and refuse more with 503 ``overloaded`` before a stream's 200, as the other engines do.
+
 Closing a :meth:`VllmEngine.generate` iterator (a client disconnect, a matched stop string) aborts the
 vLLM request, which frees its KV-cache blocks at the next scheduler step.
 """
@@ -23,12 +27,13 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.devices import release_memory
+from universal_predictors.errors import Unavailable
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -118,19 +123,30 @@ def _engine_arg_names() -> list[str]:
     return [name for name in fields if name in known and name not in _NOT_ARGS]
 
 
-#: ``--engine-arg`` keys of the vLLM engine: every ``AsyncEngineArgs`` field, values as strings.
-_FIELDS: dict[str, Any] = {name: (Any, None) for name in _engine_arg_names()}
+class _OwnArgs(BaseModel):
+    """The vLLM engine's ``--engine-arg`` keys that are ours, not vLLM's (not passed to vLLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Sequences that may wait beyond vLLM's ``max_num_seqs`` running ones; more get 503 ``overloaded``.
+    max_queue: int = Field(default=64, ge=0, le=100_000)
+
+
+_OWN_ARGS = frozenset(_OwnArgs.model_fields)
+#: ``--engine-arg`` keys of the vLLM engine: ours, and every ``AsyncEngineArgs`` field (values as strings,
+#: parsed by vLLM's own parser).
+_FIELDS: dict[str, Any] = {name: (Any, None) for name in _engine_arg_names() if name not in _OWN_ARGS}
 VllmArgs: type[BaseModel] = create_model(
     "VllmArgs",
-    __config__=ConfigDict(extra="forbid"),
-    __validators__={"_check": field_validator("*")(_check_value)},
+    __base__=_OwnArgs,
+    __validators__={"_check": field_validator(*_FIELDS)(_check_value)},
     **_FIELDS,
 )
 
 
 def build_engine_args(source: str, args: BaseModel) -> AsyncEngineArgs:
     """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``."""
-    given = args.model_dump(exclude_none=True)
+    given = args.model_dump(exclude_none=True, exclude=set(_OWN_ARGS))
     argv: list[str] = []
     for key, value in {**_DEFAULTS, **given}.items():
         argv += _argv(key, value)
@@ -151,6 +167,16 @@ class VllmEngine(Engine):
         self._ids = itertools.count()
         self._llm: Any = None
         self.device = "cpu"
+        assert isinstance(args, _OwnArgs)
+        self._max_queue = args.max_queue
+        self._running = 1  # vLLM's max_num_seqs, known once loaded
+        #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
+        self._outstanding = 0
+        #: Admitted sequences without a first output yet: the queue-depth gauge. Our own count rather than
+        #: vLLM's scheduler stats (``num_waiting_reqs``): those only reach this process with engine-core
+        #: outputs (through a stat logger), so they go stale when the engine idles, e.g. after a waiting
+        #: request is aborted; this count also includes a sequence in prefill, which has not streamed yet.
+        self._waiting = 0
 
     @classmethod
     def supports(cls, config: PredictorConfig) -> bool:
@@ -179,6 +205,7 @@ class VllmEngine(Engine):
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
         self._context = int(model_config.max_model_len)
+        self._running = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
         self._vocab = int(model_config.get_vocab_size())
         eos: set[int] = set()
         ids = model_config.try_get_generation_config().get("eos_token_id")
@@ -233,8 +260,31 @@ class VllmEngine(Engine):
         return tokenizer_special_tokens(self.tokenizer)
 
     def describe(self) -> dict[str, Any]:
-        set_args = self.args.model_dump(exclude_none=True)
-        return {"device": self.device, "max_model_len": self._context, "engine_args": set_args}
+        set_args = self.args.model_dump(exclude_none=True, exclude=set(_OWN_ARGS))
+        return {
+            "device": self.device,
+            "max_model_len": self._context,
+            "max_num_seqs": self._running,
+            "max_queue": self._max_queue,
+            "engine_args": set_args,
+        }
+
+    def check_capacity(self, sequences: int = 1) -> None:
+        if self._outstanding + sequences > self._running + self._max_queue:
+            waiting = max(0, self._outstanding - self._running)
+            raise Unavailable(
+                f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
+            )
+        from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+
+        try:  # vLLM's own limits (max_num_queued_reqs, max_num_queued_tokens) when they are set
+            self._llm.check_admission(sequences)
+        except (QueueOverflowError, MaxQueuedTokensError):
+            raise Unavailable("The model is overloaded; retry shortly.", code="overloaded") from None
+
+    def _set_waiting(self, change: int) -> None:
+        self._waiting += change
+        metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._waiting)
 
     # -- generation -----------------------------------------------------------------------------------
 
@@ -265,7 +315,7 @@ class VllmEngine(Engine):
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
         from vllm.v1.engine.exceptions import EngineGenerateError
 
         if not request.prompt_ids:
@@ -274,30 +324,37 @@ class VllmEngine(Engine):
             params = self._sampling_params(request)
         except (ValueError, TypeError, VLLMClientError) as exc:
             raise ValueError(str(exc)) from None
+        # Admit before the first await, so that concurrent requests cannot all pass the check at once.
+        self.check_capacity(1)
         # n choices share the layer's request id; vLLM needs one id per sequence.
         request_id = f"{request.request_id}-{next(self._ids)}"
         stream = self._llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request_id)
+        self._outstanding += 1
+        self._set_waiting(1)
+        waiting = True
         want_logprobs = request.params.logprobs is not None
         top_k = request.params.logprobs or 0
         prompt_metric = metrics.PROMPT_TOKENS.labels(self.config.model_name)
         tokens_metric = metrics.TOKENS_GENERATED.labels(self.config.model_name)
         finished = False
-        first = True
         try:
             while True:
                 try:
                     out = await anext(stream)
                 except StopAsyncIteration:
                     return
+                except (QueueOverflowError, MaxQueuedTokensError):  # vLLM's own limits, when set
+                    raise Unavailable("The model is overloaded; retry shortly.", code="overloaded") from None
                 except (ValueError, VLLMClientError) as exc:  # a request vLLM refuses (schema, limits)
                     raise ValueError(str(exc)) from None
                 except EngineGenerateError as exc:  # vLLM wraps what its input processing rejects
                     if isinstance(exc.__cause__, ValueError | TypeError | VLLMClientError):
                         raise ValueError(str(exc.__cause__)) from None
                     raise
-                if first:
+                if waiting:  # the first output: prefill is done
+                    waiting = False
+                    self._set_waiting(-1)
                     prompt_metric.inc(len(request.prompt_ids))
-                    first = False
                 completion = out.outputs[0]
                 ids = list(completion.token_ids)
                 finish = completion.finish_reason if completion.finish_reason in ("stop", "length") else None
@@ -316,6 +373,9 @@ class VllmEngine(Engine):
                 if finished:
                     return
         finally:
+            if waiting:
+                self._set_waiting(-1)
+            self._outstanding -= 1
             await stream.aclose()  # vLLM's generator aborts an unfinished request when closed
             if not finished and self._llm is not None:
                 await self._llm.abort(request_id)
