@@ -8,19 +8,24 @@ predictor stops generating. Errors are OpenAI-shaped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
+import httptools
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from yarl import URL
 
 from universal_gateway.auth import ApiKeys
-from universal_gateway.backends import Backends, ModelState
+from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_predictors.config import Task
 from universal_predictors.errors import (
@@ -48,10 +53,17 @@ ROUTES: dict[str, tuple[str, frozenset[Task]]] = {
     "anomaly/detect": ("/v1/anomaly/detect", frozenset({Task.ANOMALY})),
 }
 #: Hop-by-hop headers and ones the gateway owns; never forwarded.
-_DROPPED_HEADERS = {
+_DROPPED_HEADERS = frozenset({
     "host", "connection", "keep-alive", "proxy-authorization", "te", "trailers", "transfer-encoding",
-    "upgrade", "content-length", "authorization",
-}  # fmt: skip
+    "upgrade", "content-length", "authorization", "expect",
+})  # fmt: skip
+#: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
+#: as the upstream encoded it (for a client that asked for that encoding).
+_DROPPED_RESPONSE_HEADERS = _DROPPED_HEADERS | {"server", "date"}
+#: Bodies at least this big are routed by a leading ``{"model": "..."`` without a full parse (an OCR
+#: image as base64 is megabytes); the predictor validates the whole body anyway.
+_FAST_MODEL_BYTES = 64 * 1024
+_LEADING_MODEL = re.compile(rb'\A\s*\{\s*"model"\s*:\s*"([^"\\]{1,512})"')
 
 
 @dataclass
@@ -116,6 +128,28 @@ class _ModelGate:
         self._semaphore.release()
 
 
+class _ModelRoute:
+    """Per-model state the proxy path reuses: its gate and its metric children (``labels()`` takes a
+    lock and builds a key on every call, five times a request otherwise)."""
+
+    __slots__ = ("_metrics", "_name", "_requests", "gate", "in_flight", "latency", "ttfb")
+
+    def __init__(self, name: str, metrics: GatewayMetrics, limits: GatewayLimits) -> None:
+        self._name = name
+        self._metrics = metrics
+        self.gate = _ModelGate(limits.max_concurrency_per_model, limits.max_queue_per_model)
+        self.in_flight = metrics.in_flight.labels(name)
+        self.latency = metrics.latency.labels(name)
+        self.ttfb = metrics.ttfb.labels(name)
+        self._requests: dict[int, Any] = {}
+
+    def count(self, status: int) -> None:
+        counter = self._requests.get(status)
+        if counter is None:
+            counter = self._requests[status] = self._metrics.requests.labels(self._name, str(status))
+        counter.inc()
+
+
 def error_response(error: APIError) -> web.Response:
     return web.json_response(error.body(), status=error.status_code, headers=error.headers())
 
@@ -136,8 +170,8 @@ class Gateway:
         self.limits = limits or GatewayLimits()
         self.cors_origins = cors_origins or []
         self.metrics = GatewayMetrics()
-        self._gates: dict[str, _ModelGate] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._routes: dict[str, _ModelRoute] = {}
+        self._upstreams = _UpstreamPool()
 
     # -- application -------------------------------------------------------------------------------
 
@@ -159,16 +193,11 @@ class Gateway:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self.limits.connect_timeout, sock_read=self.limits.read_timeout
-        )
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         await self.backends.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await self.backends.close()
-        if self._session is not None:
-            await self._session.close()
+        self._upstreams.close()
 
     @web.middleware
     async def _errors(
@@ -251,7 +280,7 @@ class Gateway:
                     param="model",
                 )
             name = anomaly[0]
-        path = request.path
+        path = request.rel_url.raw_path  # as the client encoded it: the detector name stays one segment
         for prefix in PREFIXES:
             if path.startswith(prefix + "/anomaly/"):
                 path = "/v1" + path[len(prefix) :]
@@ -276,9 +305,14 @@ class Gateway:
             if not isinstance(value, str) or not value:
                 raise InvalidRequest("model: the multipart form needs a 'model' field", param="model")
             return value
+        if len(body) >= _FAST_MODEL_BYTES:
+            leading = _LEADING_MODEL.match(body, 0, 1024)
+            if leading is not None:
+                with contextlib.suppress(UnicodeDecodeError):
+                    return leading.group(1).decode()
         try:
-            data = json.loads(body) if body else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = orjson.loads(body) if body else None
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
             raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise InvalidRequest("The request body must be a JSON object with a 'model' field.", code="invalid_json")
@@ -287,17 +321,17 @@ class Gateway:
             raise InvalidRequest("model: required (a string naming the model)", param="model")
         return model
 
-    def _gate(self, name: str) -> _ModelGate:
-        gate = self._gates.get(name)
-        if gate is None:
-            gate = _ModelGate(self.limits.max_concurrency_per_model, self.limits.max_queue_per_model)
-            self._gates[name] = gate
-        return gate
+    def _route(self, name: str) -> _ModelRoute:
+        route = self._routes.get(name)
+        if route is None:
+            route = self._routes[name] = _ModelRoute(name, self.metrics, self.limits)
+        return route
 
     async def _forward(
         self, request: web.Request, name: str, path: str, tasks: frozenset[Task], body: bytes
     ) -> web.StreamResponse:
-        self.keys.authorize(request.headers.get("Authorization"), name)
+        if self.keys.enabled:
+            self.keys.authorize(request.headers.get("Authorization"), name)
         view = self.backends.find(name)
         if view is None:
             raise self._unknown(name)
@@ -307,87 +341,370 @@ class Gateway:
                 f"The model {name!r} does {view.task.value}; {request.path} needs a {wanted} model.", param="model"
             )
         started = time.monotonic()
+        route = self._route(name)
         status = 500
-        self.metrics.in_flight.labels(name).inc()
+        route.in_flight.inc()
         try:
-            async with self._gate(name):
+            async with route.gate:
                 woke = view.state is not ModelState.READY
                 async with self.backends.lease(name) as upstream:
                     if woke:
                         self.metrics.cold_starts.labels(name).inc()
                         self.metrics.wake.labels(name).observe(time.monotonic() - started)
-                    response = await self._relay(request, name, upstream + path, body, started)
+                    response = await self._relay(request, view, route, upstream, path, body, started)
                     status = response.status
                     return response
         except APIError as error:
             status = error.status_code
             raise
         finally:
-            self.metrics.in_flight.labels(name).dec()
-            self.metrics.requests.labels(name, str(status)).inc()
-            self.metrics.latency.labels(name).observe(time.monotonic() - started)
+            route.in_flight.dec()
+            route.count(status)
+            route.latency.observe(time.monotonic() - started)
 
     async def _relay(
-        self, request: web.Request, name: str, url: str, body: bytes, started: float
+        self,
+        request: web.Request,
+        view: ModelView,
+        route: _ModelRoute,
+        base: str,
+        path: str,
+        body: bytes,
+        started: float,
     ) -> web.StreamResponse:
-        assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout, sock_read=read_timeout)
+        origin = self._upstreams.origin(base)
+        head = origin.head(request, path, len(body))
         attempt = 0
         while True:
             try:
-                upstream = await self._session.request(
-                    request.method, url, data=body or None, headers=headers, params=request.query, timeout=timeout
-                )
+                upstream = await self._upstreams.acquire(origin, self.limits.connect_timeout)
                 break
-            except aiohttp.ClientConnectorError as exc:
+            except _Unreachable as exc:
                 # Nothing was sent yet: one retry is safe (the process may have just restarted).
                 attempt += 1
                 if attempt > 1:
                     raise APIError(
-                        f"The model {name!r} is unreachable: {exc.os_error or exc}", status_code=502,
-                        code="upstream_unreachable",
-                    ) from None  # fmt: skip
+                        f"The model {name!r} is unreachable: {exc}", status_code=502, code="upstream_unreachable"
+                    ) from None
                 await asyncio.sleep(0.2)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+        # Any way out but a whole answer (an error, the client leaving) closes the connection, which
+        # tells the predictor to stop; only a connection whose answer was read to the end is reused.
+        whole = False
+        try:
+            upstream.send(head, body, request)
+            try:
+                await upstream.headers_received(read_timeout)
+            except (TimeoutError, _UpstreamError) as exc:
                 raise APIError(
                     f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
                 ) from None
-        async with upstream:
-            content_type = upstream.headers.get("Content-Type", "")
-            passed = {
-                k: v for k, v in upstream.headers.items()
-                if k.lower() not in _DROPPED_HEADERS and k.lower() not in ("content-encoding", "server", "date")
-            }  # fmt: skip
-            if not content_type.startswith("text/event-stream"):
+            passed = {k: v for k, v in upstream.headers if k.lower() not in _DROPPED_RESPONSE_HEADERS}
+            if not upstream.content_type.startswith("text/event-stream"):
                 try:
-                    payload = await upstream.read()
-                except (TimeoutError, aiohttp.ClientError):
+                    payload = await upstream.read_all(read_timeout)
+                except (TimeoutError, _UpstreamError):
                     raise APIError(
                         f"The model {name!r} failed while answering.", status_code=502, code="upstream_error"
                     ) from None
-                self.metrics.ttfb.labels(name).observe(time.monotonic() - started)
+                whole = True
+                route.ttfb.observe(time.monotonic() - started)
                 return web.Response(body=payload, status=upstream.status, headers=passed)
             response = web.StreamResponse(status=upstream.status, headers=passed)
             await response.prepare(request)
             first = True
             try:
-                async for chunk in upstream.content.iter_any():
+                while chunk := await upstream.read_some(read_timeout):
                     if first:
-                        self.metrics.ttfb.labels(name).observe(time.monotonic() - started)
+                        route.ttfb.observe(time.monotonic() - started)
                         first = False
                     await response.write(chunk)  # waits for the client: backpressure
-            except (ConnectionResetError, asyncio.CancelledError):
-                # The client went away: leaving the block closes the upstream request, which stops generation.
-                upstream.close()
-                raise
-            except (TimeoutError, aiohttp.ClientError):
+                whole = True
+            except (TimeoutError, _UpstreamError):
                 error = APIError(f"The model {name!r} failed mid-stream.", status_code=502, code="upstream_error")
                 await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
             await response.write_eof()
             return response
+        finally:
+            self._upstreams.release(upstream, whole)
+
+
+# -- the upstream client ---------------------------------------------------------------------------
+# A small HTTP/1.1 client on asyncio's transports and llhttp (httptools): per proxied request it costs
+# a fraction of aiohttp.ClientSession's CPU, and on a machine the gateway shares with its predictors
+# that CPU is taken from inference. One request at a time per connection; no pipelining.
+
+#: Unrelayed upstream body beyond which the upstream socket stops being read (backpressure).
+_HIGH_WATER = 256 * 1024
+#: While the upstream is silent, how often to look whether the client is still there (the gateway
+#: otherwise notices a client that left only at its next write, and the predictor keeps working).
+_CLIENT_CHECK_S = 1.0
+#: Idle connections close after this, before a uvicorn predictor's 5 s keep-alive can close one under
+#: a request being sent (a POST cannot be retried once sent).
+_KEEPALIVE_S = 4.0
+
+
+class _UpstreamError(Exception):
+    """The upstream connection broke, or what came back was not HTTP."""
+
+
+class _Unreachable(_UpstreamError):
+    """No connection could be made: nothing was sent."""
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class _Origin:
+    """One upstream base URL, parsed once: where to connect and what the request line carries."""
+
+    __slots__ = ("host", "host_header", "key", "port", "prefix", "ssl")
+
+    def __init__(self, base: str) -> None:
+        url = URL(base)
+        if url.scheme not in ("http", "https") or not url.raw_host or url.port is None:
+            raise APIError(f"The upstream address {base!r} is not an http(s) URL.", status_code=502,
+                           code="upstream_unreachable")  # fmt: skip
+        self.key = base
+        self.host = url.raw_host
+        self.port = url.port
+        self.ssl = url.scheme == "https"
+        self.host_header = url.host_port_subcomponent or self.host
+        self.prefix = url.raw_path.rstrip("/")
+
+    def head(self, request: web.Request, path: str, length: int) -> bytes:
+        """The request line and headers: the caller's, less hop-by-hop and the gateway's own."""
+        query = request.rel_url.raw_query_string
+        lines = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
+                 f"Host: {self.host_header}\r\n"]  # fmt: skip
+        for key, value in request.headers.items():
+            if key.lower() not in _DROPPED_HEADERS:
+                lines.append(f"{key}: {value}\r\n")
+        if length or request.method == "POST":
+            lines.append(f"Content-Length: {length}\r\n")
+        lines.append("\r\n")
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives the same bytes back.
+        return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+class _Upstream(asyncio.Protocol):
+    """One HTTP/1.1 connection to an upstream, carrying one request at a time."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.closed = False
+        self.idle_since = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._begin()
+
+    def _begin(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.content_type = ""
+        self.reusable = False
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._headers_done = False
+        self._complete = False
+        self._until_close = False
+        self._error: _UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._client: web.BaseRequest | None = None
+
+    # -- the caller's side
+
+    def send(self, head: bytes, body: bytes, client: web.BaseRequest) -> None:
+        assert self._transport is not None
+        self._begin()
+        self._client = client
+        if not self.open:  # connection_lost has come and gone: nothing would ever wake the reader
+            self._error = _UpstreamError("the upstream closed the connection")
+            return
+        if body:
+            self._transport.writelines((head, body))  # no copy of a large body into one buffer
+        else:
+            self._transport.write(head)
+
+    # ``idle_s`` bounds each silence, not the whole answer (a stream may last hours): not asyncio.timeout.
+
+    async def headers_received(self, idle_s: float) -> None:
+        while not self._headers_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait(idle_s)
+
+    async def read_some(self, idle_s: float) -> bytes:
+        """Body bytes as they arrive; b"" once the answer is complete."""
+        while True:
+            if self._chunks:
+                chunks, self._chunks, self._buffered = self._chunks, [], 0
+                if self._paused and self._transport is not None:
+                    self._paused = False
+                    self._transport.resume_reading()
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            await self._wait(idle_s)
+
+    async def read_all(self, idle_s: float) -> bytes:
+        parts = []
+        while chunk := await self.read_some(idle_s):
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @property
+    def open(self) -> bool:
+        return not self.closed and self._transport is not None and not self._transport.is_closing()
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self, idle_s: float) -> None:
+        """Until the parser has more for the caller; TimeoutError after ``idle_s`` of silence, and
+        ConnectionResetError once the client has gone (so the caller closes this connection)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + idle_s
+        while True:
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_at(min(deadline, loop.time() + _CLIENT_CHECK_S), _expire, waiter)
+            try:
+                await waiter
+                return
+            except TimeoutError:
+                client = self._client.transport if self._client is not None else None
+                if self._client is not None and (client is None or client.is_closing()):
+                    raise ConnectionResetError("the client went away") from None
+                if loop.time() >= deadline:
+                    raise
+            finally:
+                timer.cancel()
+                self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's is one without subclassing asyncio.Transport).
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._error = self._error or _UpstreamError(f"invalid HTTP from the upstream: {exc}")
+            self.close()
+            self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._headers_done and self._until_close and not self._complete and self._error is None:
+            self._complete = True  # a body without a length ends with the connection
+        elif not self._complete and self._error is None:
+            self._error = _UpstreamError(str(exc) if exc else "the upstream closed the connection")
+        self._wake()
+
+    # -- httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        delimited = False
+        for key, value in self.headers:
+            lowered = key.lower()
+            if lowered == "content-type":
+                self.content_type = value
+            elif lowered in ("content-length", "transfer-encoding"):
+                delimited = True
+        self._until_close = not delimited
+        if self.status >= 200:  # an interim 1xx answer is followed by the real one
+            self._headers_done = True
+            self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            self.headers, self.content_type = [], ""
+            return
+        self._complete = True
+        self.reusable = self._parser.should_keep_alive()
+        self._wake()
+
+
+class _UpstreamPool:
+    """Keep-alive connections per upstream base URL; no overall cap (the per-model gates bound them)."""
+
+    def __init__(self) -> None:
+        self._origins: dict[str, _Origin] = {}
+        self._idle: dict[str, list[_Upstream]] = {}
+
+    def origin(self, base: str) -> _Origin:
+        origin = self._origins.get(base)
+        if origin is None:
+            if len(self._origins) > 1024:  # addresses change (restarts, rescheduling): stay bounded
+                self._origins.clear()
+                self.close()
+            origin = self._origins[base] = _Origin(base)
+        return origin
+
+    async def acquire(self, origin: _Origin, connect_timeout: float) -> _Upstream:
+        idle = self._idle.get(origin.key)
+        if idle:
+            now = time.monotonic()
+            while idle:
+                upstream = idle.pop()
+                if upstream.open and now - upstream.idle_since < _KEEPALIVE_S:
+                    return upstream
+                upstream.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, upstream = await loop.create_connection(
+                    lambda: _Upstream(origin.key),
+                    origin.host,
+                    origin.port,
+                    ssl=True if origin.ssl else None,
+                    server_hostname=origin.host if origin.ssl else None,
+                )
+        except TimeoutError:
+            raise _Unreachable(f"no connection within {connect_timeout:g} s") from None
+        except OSError as exc:
+            raise _Unreachable(str(exc)) from None
+        return upstream
+
+    def release(self, upstream: _Upstream, whole: bool) -> None:
+        if whole and upstream.reusable and upstream.open:
+            upstream.idle_since = time.monotonic()
+            self._idle.setdefault(upstream.key, []).append(upstream)
+        else:
+            upstream.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for upstream in idle:
+                upstream.close()
+        self._idle.clear()
 
 
 def pretty_models(models: list[dict[str, Any]]) -> str:

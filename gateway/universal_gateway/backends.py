@@ -12,7 +12,6 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -43,14 +42,14 @@ class UsageStats:
         self.requests += 1
         self.in_flight += 1
         self.last_used = time.time()
-        self.last_used_monotonic = time.monotonic()
-        return time.monotonic()
+        now = self.last_used_monotonic = time.monotonic()
+        return now
 
     def end(self, started: float) -> None:
         self.in_flight -= 1
-        self.latencies.append(time.monotonic() - started)
+        now = self.last_used_monotonic = time.monotonic()
+        self.latencies.append(now - started)
         self.last_used = time.time()
-        self.last_used_monotonic = time.monotonic()
 
     @property
     def p50_ms(self) -> float | None:
@@ -134,11 +133,19 @@ class Backends(ABC):
         """A ready upstream base URL for one request (waking the model if needed)."""
 
 
-@contextlib.asynccontextmanager
-async def counted(stats: UsageStats) -> AsyncIterator[None]:
-    """Count one request in flight for its whole duration."""
-    started = stats.begin()
-    try:
-        yield
-    finally:
-        stats.end(started)
+class counted:
+    """Count one request in flight for its whole duration.
+
+    A class, not an ``asynccontextmanager`` generator: it runs on every proxied request."""
+
+    __slots__ = ("_started", "_stats")
+
+    def __init__(self, stats: UsageStats) -> None:
+        self._stats = stats
+        self._started = 0.0
+
+    async def __aenter__(self) -> None:
+        self._started = self._stats.begin()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stats.end(self._started)
