@@ -60,6 +60,16 @@ def start_engine(
     return running_predictor(config, log_dir)
 
 
+@contextlib.contextmanager
+def case_predictor(
+    case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, label: str
+) -> Iterator[PredictorProcess]:
+    """A predictor for ``case`` on the tiny model (its GGUF for llama.cpp), logging under ``label``."""
+    source = request.getfixturevalue("tiny_llama_gguf" if case.gguf else "tiny_llama_dir")
+    with start_engine(case, source, tmp_path_factory.mktemp(f"{label}-{case.backend.value}")) as running:
+        yield running
+
+
 @pytest.fixture(scope="session")
 def generate_predictor(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory

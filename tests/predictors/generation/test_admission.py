@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, start_engine
+from tests.predictors.generation.conftest import EngineCase, case_predictor
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command
 from universal_predictors.config import Backend, PredictorConfig, Task
 
@@ -53,9 +53,7 @@ def engine_case(request: pytest.FixtureRequest) -> EngineCase:
 def predictor(
     engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PredictorProcess]:
-    source = request.getfixturevalue("tiny_llama_gguf" if engine_case.gguf else "tiny_llama_dir")
-    log_dir = tmp_path_factory.mktemp(f"admission-{engine_case.backend.value}")
-    with start_engine(engine_case, source, log_dir) as running:
+    with case_predictor(engine_case, request, tmp_path_factory, "admission") as running:
         yield running
 
 

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, start_engine
+from tests.predictors.generation.conftest import EngineCase, case_predictor, start_engine
 from tests.predictors.generation.tiny_llama import write_gguf
 from tests.predictors.harness import PredictorProcess
 from universal_predictors.config import Backend
@@ -46,8 +46,7 @@ def engine_case(request: pytest.FixtureRequest) -> EngineCase:
 def predictor(
     engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PredictorProcess]:
-    source = request.getfixturevalue("tiny_llama_gguf" if engine_case.gguf else "tiny_llama_dir")
-    with start_engine(engine_case, source, tmp_path_factory.mktemp(f"gen-{engine_case.backend.value}")) as running:
+    with case_predictor(engine_case, request, tmp_path_factory, "gen") as running:
         yield running
 
 
