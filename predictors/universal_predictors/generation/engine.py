@@ -80,10 +80,11 @@ class SamplingParams:
 class JSONSchemaConstraint:
     """Constrained decoding: the output must be one JSON value matching ``schema``.
 
-    ``schema=None`` means any JSON object (``response_format: json_object``). Each engine realises it
-    its own way (transformers: a token filter over the vocabulary; llama.cpp: ``LlamaGrammar
-    .from_json_schema``; vLLM: structured outputs). Once the value is complete the engine must end the
-    sequence with ``finish_reason="stop"``.
+    ``schema=None`` means any JSON object (``response_format: json_object``). The OpenAI layer checks
+    the schema once with llguidance (``constraints.check_schema``: a schema no engine can enforce exactly
+    is a 400 on every engine); transformers and llama.cpp then mask each step's logits with llguidance,
+    vLLM uses its own structured outputs. Once the value is complete the engine must end the sequence
+    with ``finish_reason="stop"``.
     """
 
     schema: Mapping[str, Any] | None = None
