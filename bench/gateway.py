@@ -49,7 +49,7 @@ from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_predictors.config import PredictorConfig, Task, resolve_source  # noqa: E402
 
 MODEL = "bench-embed"
-ROUNDS = 4  # direct and through-the-gateway runs alternate in this many rounds each
+ROUNDS = 4  # direct, gateway and relay runs alternate in this many rounds each
 BODY = {"model": MODEL, "input": ["the gateway should add almost nothing", "a second sentence"]}
 
 
@@ -100,7 +100,7 @@ def trivial_app() -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def server_process(*role: str) -> AsyncIterator[tuple[str, int]]:
+async def server_process(*role: str, ready_path: str = "/healthz") -> AsyncIterator[tuple[str, int]]:
     """This script in another process serving ``role`` (see main); its URL and pid."""
     port = free_port()
     process = await asyncio.create_subprocess_exec(
@@ -114,7 +114,7 @@ async def server_process(*role: str) -> AsyncIterator[tuple[str, int]]:
                 if process.returncode is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{' '.join(role)} did not start")
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{url}/healthz") as ready:
+                    async with session.get(f"{url}{ready_path}") as ready:
                         if ready.status == 200:
                             break
                 await asyncio.sleep(0.05)
@@ -123,6 +123,30 @@ async def server_process(*role: str) -> AsyncIterator[tuple[str, int]]:
         if process.returncode is None:
             process.terminate()
             await process.wait()
+
+
+async def relay(upstream: str, port: int) -> None:
+    """Bytes both ways between each client connection and one to ``upstream``, nothing parsed: the
+    floor of any extra process in the path, the anchor for what the gateway's HTTP work costs."""
+    host, upstream_port = upstream.removeprefix("http://").split(":")
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(upstream_port))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(connection, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -177,18 +201,24 @@ def pct(values: list[float], q: float) -> float:
 
 async def overhead(predictor_url: str, requests: int) -> list[str]:
     lines = []
-    async with server_process("--serve-gateway", predictor_url) as (gateway_url, _):
+    async with (
+        server_process("--serve-gateway", predictor_url) as (gateway_url, _),
+        server_process("--serve-relay", predictor_url, ready_path="/v2/health/live") as (relay_url, _),
+    ):
         for concurrency in (1, 32):
             # Interleaved rounds (direct, gateway, gateway, direct, ...): load from other processes on a
             # shared machine drifts, and drift then falls on both sides alike.
             direct_s = ours_s = 0.0
             direct: list[float] = []
             through: list[float] = []
+            relayed: list[float] = []
+            relay_s = 0.0
             halves: tuple[list[float], list[float]] = ([], [])  # direct rounds, even vs odd: the A/A noise
             for round_ in range(ROUNDS):
                 sides = [
                     ("direct", f"{predictor_url}/openai/v1/embeddings"),
                     ("gateway", f"{gateway_url}/v1/embeddings"),
+                    ("relay", f"{relay_url}/openai/v1/embeddings"),
                 ]
                 for side, url in sides if round_ % 2 == 0 else reversed(sides):
                     seconds, latencies = await load(url, requests // ROUNDS, concurrency)
@@ -196,6 +226,9 @@ async def overhead(predictor_url: str, requests: int) -> list[str]:
                         direct_s += seconds
                         direct += latencies
                         halves[round_ % 2].extend(latencies)
+                    elif side == "relay":
+                        relay_s += seconds
+                        relayed += latencies
                     else:
                         ours_s += seconds
                         through += latencies
@@ -206,7 +239,10 @@ async def overhead(predictor_url: str, requests: int) -> list[str]:
                 f"throughput {requests_done / ours_s:.0f} vs direct {requests_done / direct_s:.0f} rps, "
                 f"ratio {direct_s / ours_s:.2f}x (goal: <= 1 ms p50, <= 3 ms p99, >= 0.95x); "
                 f"noise, direct vs direct: p50 {pct(halves[1], 50) - pct(halves[0], 50):+.2f} ms, "
-                f"p99 {pct(halves[1], 99) - pct(halves[0], 99):+.2f} ms"
+                f"p99 {pct(halves[1], 99) - pct(halves[0], 99):+.2f} ms; "
+                f"a byte relay in its place (the floor of any extra hop): "
+                f"p50 {pct(relayed, 50) - pct(direct, 50):+.2f} ms, "
+                f"ratio {direct_s / relay_s:.2f}x"
             )
     return lines
 
@@ -328,8 +364,13 @@ def main() -> None:
     # The bench's own server processes:
     parser.add_argument("--serve-gateway", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_relay:
+        loop = new_event_loop()
+        loop.run_until_complete(relay(args.serve_relay, args.port))
+        return
     if args.serve_gateway or args.serve_trivial:
         app = Gateway(StaticBackends({MODEL: args.serve_gateway})).app() if args.serve_gateway else trivial_app()
         loop = new_event_loop()  # the loop `universal-runtime serve` and `gateway` run on
