@@ -155,18 +155,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@contextlib.asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
 async def load(url: str, requests: int, concurrency: int) -> tuple[float, list[float]]:
     """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency."""
     latencies: list[float] = []
@@ -306,7 +294,7 @@ spec: {{task: embed, servedName: {MODEL}, source: {{uri: "package://gt_all_minil
 """
     manifests = parse_documents(manifest, tmp / "cold.yaml")
     gateway = Gateway(LocalSupervisor(manifests, state_root=tmp / "state"))
-    async with serve(gateway.app()) as gateway_url, aiohttp.ClientSession() as session:
+    async with gateway.serving() as gateway_url, aiohttp.ClientSession() as session:
         started = time.perf_counter()
         async with session.post(f"{gateway_url}/v1/embeddings", json=BODY) as r:
             await r.content.read(1)
@@ -371,11 +359,21 @@ def main() -> None:
         loop = new_event_loop()
         loop.run_until_complete(relay(args.serve_relay, args.port))
         return
-    if args.serve_gateway or args.serve_trivial:
-        app = Gateway(StaticBackends({MODEL: args.serve_gateway})).app() if args.serve_gateway else trivial_app()
-        loop = new_event_loop()  # the loop `universal-runtime serve` and `gateway` run on
+    if args.serve_gateway:
+        gateway = Gateway(StaticBackends({MODEL: args.serve_gateway}))
+
+        async def run_gateway() -> None:
+            await gateway.start("127.0.0.1", args.port)
+            await asyncio.Event().wait()  # until terminated
+
+        # On the loop `universal-runtime serve` and `gateway` run on.
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(run_gateway())
+        return
+    if args.serve_trivial:
+        loop = new_event_loop()
         asyncio.set_event_loop(loop)
-        web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
+        web.run_app(trivial_app(), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
         return
     if len(os.sched_getaffinity(0)) < 2 and args.layout != "shared":
         parser.error("--layout split needs at least 2 CPUs")

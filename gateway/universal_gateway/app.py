@@ -13,29 +13,25 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import aiohttp
 import httptools
 import orjson
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
 from universal_gateway.auth import ApiKeys
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
+from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_predictors.config import Task
-from universal_predictors.errors import (
-    APIError,
-    InvalidRequest,
-    ModelNotFound,
-    RequestTooLarge,
-)
+from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound
 
 logger = logging.getLogger(__name__)
+
+_Handler = Callable[[Request], Awaitable["Response | StreamedResponse"]]
 
 PREFIXES = ("/v1", "/openai/v1")
 
@@ -60,6 +56,7 @@ _DROPPED_HEADERS = frozenset({
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).
 _DROPPED_RESPONSE_HEADERS = _DROPPED_HEADERS | {"server", "date"}
+_DROPPED_HEADER_BYTES = frozenset(name.encode() for name in _DROPPED_HEADERS)
 #: Bodies at least this big are routed by a leading ``{"model": "..."`` without a full parse (an OCR
 #: image as base64 is megabytes); the predictor validates the whole body anyway.
 _FAST_MODEL_BYTES = 64 * 1024
@@ -150,12 +147,8 @@ class _ModelRoute:
         counter.inc()
 
 
-def error_response(error: APIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status_code, headers=error.headers())
-
-
 class Gateway:
-    """The aiohttp application and its request path."""
+    """The routes and the request path, served by :class:`HttpServer`."""
 
     def __init__(
         self,
@@ -172,85 +165,116 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._routes: dict[str, _ModelRoute] = {}
         self._upstreams = _UpstreamPool()
-
-    # -- application -------------------------------------------------------------------------------
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors])
+        self._server: HttpServer | None = None
+        self._table: dict[str, dict[str, _Handler]] = {}
         for prefix in PREFIXES:
-            for route in ROUTES:
-                app.router.add_post(f"{prefix}/{route}", self._proxy_route(route))
-            app.router.add_get(f"{prefix}/models", self._list_models)
-            app.router.add_get(f"{prefix}/models/{{name:.+}}", self._get_model)
-            app.router.add_get(f"{prefix}/anomaly/detectors", self._anomaly_passthrough)
-            app.router.add_delete(f"{prefix}/anomaly/detectors/{{detector}}", self._anomaly_passthrough)
-        app.router.add_get("/openapi.json", self._openapi)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/metrics", self._metrics)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
+            for route, (upstream_path, tasks) in ROUTES.items():
+                self._table[f"{prefix}/{route}"] = {"POST": self._proxy_route(upstream_path, tasks)}
+            self._table[f"{prefix}/models"] = {"GET": self._list_models}
+            self._table[f"{prefix}/anomaly/detectors"] = {"GET": self._anomaly_passthrough}
+        self._table["/openapi.json"] = {"GET": self._openapi}
+        self._table["/healthz"] = {"GET": self._healthz}
+        self._table["/readyz"] = {"GET": self._readyz}
+        self._table["/metrics"] = {"GET": self._metrics}
 
-    async def _on_startup(self, app: web.Application) -> None:
+    # -- serving -----------------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> HttpServer:
+        """Start the backends, then listen (``port`` 0: any free port, see ``server.port``)."""
         await self.backends.start()
+        server = HttpServer(
+            self.handle,
+            max_body_bytes=self.limits.max_body_bytes,
+            extra_headers=self._cors if self.cors_origins else None,
+        )
+        await server.start(host, port)
+        self._server = server
+        return server
 
-    async def _on_cleanup(self, app: web.Application) -> None:
+    async def close(self) -> None:
+        """Stop listening, let requests in flight finish, then stop the backends (and every predictor)."""
+        if self._server is not None:
+            await self._server.close()
         await self.backends.close()
         self._upstreams.close()
 
-    @web.middleware
-    async def _errors(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
+    @contextlib.asynccontextmanager
+    async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+        """Serve for the block; its base URL (``http://host:port``)."""
+        server = await self.start(host, port)
         try:
-            response = await handler(request)
+            yield f"http://{host}:{server.port}"
+        finally:
+            await self.close()
+
+    async def handle(self, request: Request) -> Response | StreamedResponse:
+        try:
+            methods = self._table.get(request.path) or self._pattern(request.path)
+            if methods is None:
+                raise APIError(f"Nothing is served at {request.path}; the API is under /v1 (see /openapi.json).",
+                               status_code=404, code="not_found")  # fmt: skip
+            handler = methods.get(request.method)
+            if handler is None:
+                if request.method == "OPTIONS" and self._cors(request):
+                    return self._preflight(request, methods)
+                error = APIError(f"{request.path} does not take {request.method}; it takes {', '.join(methods)}.",
+                                 status_code=405, code="method_not_allowed")  # fmt: skip
+                return Response.error(error, headers=[("Allow", ", ".join(methods))])
+            return await handler(request)
         except APIError as error:
-            response = error_response(error)
-        except web.HTTPRequestEntityTooLarge:
-            response = error_response(RequestTooLarge(f"The request body is over the limit of "
-                                                      f"{self.limits.max_body_bytes} bytes."))  # fmt: skip
-        except web.HTTPException as exc:
-            if exc.status >= 400:
-                kind = APIError(
-                    exc.reason or "error", status_code=exc.status, code=exc.reason.lower().replace(" ", "_")
-                )
-                response = error_response(kind)
-            else:
-                raise
-        if self.cors_origins:
-            origin = request.headers.get("Origin")
-            if origin and ("*" in self.cors_origins or origin in self.cors_origins):
-                response.headers["Access-Control-Allow-Origin"] = origin
-                response.headers["Vary"] = "Origin"
-        return response
+            return Response.error(error)
+
+    def _pattern(self, path: str) -> dict[str, _Handler] | None:
+        for prefix in PREFIXES:
+            if path.startswith(prefix):
+                rest = path[len(prefix) :]
+                if rest.startswith("/models/") and len(rest) > len("/models/"):
+                    return {"GET": self._get_model}
+                detector = rest.removeprefix("/anomaly/detectors/")
+                if detector != rest and detector and "/" not in detector:
+                    return {"DELETE": self._anomaly_passthrough}
+        return None
+
+    def _cors(self, request: Request) -> Headers:
+        origin = request.headers.get("origin")
+        if origin and ("*" in self.cors_origins or origin in self.cors_origins):
+            return [("Access-Control-Allow-Origin", origin), ("Vary", "Origin")]
+        return []
+
+    def _preflight(self, request: Request, methods: dict[str, _Handler]) -> Response:
+        asked = request.headers.get("access-control-request-headers", "Authorization, Content-Type")
+        return Response(status=204, headers=[
+            ("Access-Control-Allow-Methods", ", ".join(methods)),
+            ("Access-Control-Allow-Headers", asked),
+            ("Access-Control-Max-Age", "600"),
+        ])  # fmt: skip
 
     # -- plain routes ------------------------------------------------------------------------------
 
-    async def _openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.backends.models()))
+    async def _openapi(self, request: Request) -> Response:
+        return Response.json(openapi_document(self.backends.models()))
 
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def _healthz(self, request: Request) -> Response:
+        return Response.json({"status": "ok"})
 
-    async def _readyz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ready", "models": len(self.backends.models())})
+    async def _readyz(self, request: Request) -> Response:
+        return Response.json({"status": "ready", "models": len(self.backends.models())})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), headers=[("Content-Type", CONTENT_TYPE_LATEST)])
 
-    async def _list_models(self, request: web.Request) -> web.Response:
-        allowed = self.keys.authorize(request.headers.get("Authorization"), None)
+    async def _list_models(self, request: Request) -> Response:
+        allowed = self.keys.authorize(request.headers.get("authorization"), None)
         cards = [v.card() for v in self.backends.models() if allowed is None or v.name in allowed]
-        return web.json_response({"object": "list", "data": cards})
+        return Response.json({"object": "list", "data": cards})
 
-    async def _get_model(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        self.keys.authorize(request.headers.get("Authorization"), name)
+    async def _get_model(self, request: Request) -> Response:
+        name = request.path.split("/models/", 1)[1]
+        self.keys.authorize(request.headers.get("authorization"), name)
         view = self.backends.find(name)
         if view is None:
             raise self._unknown(name)
-        return web.json_response(view.card())
+        return Response.json(view.card())
 
     # -- proxying ----------------------------------------------------------------------------------
 
@@ -260,17 +284,14 @@ class Gateway:
         error.message = f"The model {name!r} does not exist; available models: {available}."
         return error
 
-    def _proxy_route(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        upstream_path, tasks = ROUTES[route]
-
-        async def handler(request: web.Request) -> web.StreamResponse:
-            body = await self._read_body(request)
-            name = await self._model_name(request, body)
-            return await self._forward(request, name, upstream_path, tasks, body)
+    def _proxy_route(self, upstream_path: str, tasks: frozenset[Task]) -> _Handler:
+        async def handler(request: Request) -> Response | StreamedResponse:
+            name = self._model_name(request)
+            return await self._forward(request, name, upstream_path, tasks, request.body)
 
         return handler
 
-    async def _anomaly_passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def _anomaly_passthrough(self, request: Request) -> Response | StreamedResponse:
         name = request.query.get("model")
         if name is None:
             anomaly = [v.name for v in self.backends.models() if v.task is Task.ANOMALY]
@@ -280,31 +301,16 @@ class Gateway:
                     param="model",
                 )
             name = anomaly[0]
-        path = request.rel_url.raw_path  # as the client encoded it: the detector name stays one segment
+        path = request.raw_path  # as the client encoded it: the detector name stays one segment
         for prefix in PREFIXES:
             if path.startswith(prefix + "/anomaly/"):
                 path = "/v1" + path[len(prefix) :]
         return await self._forward(request, name, path, frozenset({Task.ANOMALY}), b"")
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        declared = request.content_length
-        if declared is not None and declared > self.limits.max_body_bytes:
-            raise RequestTooLarge(
-                f"The request body is {declared} bytes; the limit is {self.limits.max_body_bytes} bytes."
-            )
-        return await request.read()
-
-    async def _model_name(self, request: web.Request, body: bytes) -> str:
-        content_type = request.content_type
-        if content_type.startswith("multipart/"):
-            try:
-                form = await request.post()
-            except (ValueError, AssertionError, aiohttp.ClientError) as exc:
-                raise InvalidRequest(f"The multipart body cannot be parsed: {exc}", code="invalid_body") from None
-            value = form.get("model")
-            if not isinstance(value, str) or not value:
-                raise InvalidRequest("model: the multipart form needs a 'model' field", param="model")
-            return value
+    def _model_name(self, request: Request) -> str:
+        body = request.body
+        if request.content_type.startswith("multipart/"):
+            return multipart_model(request.headers.get("content-type", ""), body)
         if len(body) >= _FAST_MODEL_BYTES:
             leading = _LEADING_MODEL.match(body, 0, 1024)
             if leading is not None:
@@ -328,10 +334,10 @@ class Gateway:
         return route
 
     async def _forward(
-        self, request: web.Request, name: str, path: str, tasks: frozenset[Task], body: bytes
-    ) -> web.StreamResponse:
+        self, request: Request, name: str, path: str, tasks: frozenset[Task], body: bytes
+    ) -> Response | StreamedResponse:
         if self.keys.enabled:
-            self.keys.authorize(request.headers.get("Authorization"), name)
+            self.keys.authorize(request.headers.get("authorization"), name)
         view = self.backends.find(name)
         if view is None:
             raise self._unknown(name)
@@ -364,14 +370,14 @@ class Gateway:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: Request,
         view: ModelView,
         route: _ModelRoute,
         base: str,
         path: str,
         body: bytes,
         started: float,
-    ) -> web.StreamResponse:
+    ) -> Response | StreamedResponse:
         name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
@@ -401,7 +407,7 @@ class Gateway:
                 raise APIError(
                     f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
                 ) from None
-            passed = {k: v for k, v in upstream.headers if k.lower() not in _DROPPED_RESPONSE_HEADERS}
+            passed = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_RESPONSE_HEADERS]
             if not upstream.content_type.startswith("text/event-stream"):
                 try:
                     payload = await upstream.read_all(read_timeout)
@@ -411,9 +417,8 @@ class Gateway:
                     ) from None
                 whole = True
                 route.ttfb.observe(time.monotonic() - started)
-                return web.Response(body=payload, status=upstream.status, headers=passed)
-            response = web.StreamResponse(status=upstream.status, headers=passed)
-            await response.prepare(request)
+                return Response(payload, status=upstream.status, headers=passed)
+            response = await request.stream(upstream.status, passed)
             first = True
             try:
                 while chunk := await upstream.read_some(read_timeout):
@@ -424,11 +429,55 @@ class Gateway:
                 whole = True
             except (TimeoutError, _UpstreamError):
                 error = APIError(f"The model {name!r} failed mid-stream.", status_code=502, code="upstream_error")
-                await response.write(f"data: {json.dumps(error.body())}\n\n".encode())
-            await response.write_eof()
+                await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            await response.end()
             return response
         finally:
             self._upstreams.release(upstream, whole)
+
+
+_BOUNDARY = re.compile(r'boundary=(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE)
+_FIELD_NAME = re.compile(rb';\s*name="([^"]*)"|;\s*name=([^;\s]+)', re.IGNORECASE)
+
+
+def multipart_model(content_type: str, body: bytes) -> str:
+    """The ``model`` field of a multipart/form-data body, found without copying the other parts (an
+    uploaded image or PDF is megabytes; the predictor parses the whole form anyway)."""
+
+    def unparsable(why: str) -> InvalidRequest:
+        return InvalidRequest(f"The multipart body cannot be parsed: {why}.", code="invalid_body")
+
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        raise unparsable("its Content-Type names no boundary")
+    delimiter = b"--" + (found.group(1) or found.group(2)).encode("latin-1")
+    position = body.find(delimiter)
+    if position < 0:
+        raise unparsable("the boundary named in Content-Type never occurs")
+    while True:
+        start = position + len(delimiter)
+        if body.startswith(b"--", start):
+            break  # the closing delimiter
+        end = body.find(b"\r\n" + delimiter, start)
+        if end < 0:
+            raise unparsable("a part is not closed by the boundary")
+        head_end = body.find(b"\r\n\r\n", start, end + 2)
+        if head_end < 0:
+            raise unparsable("a part has no header block")
+        for line in body[start:head_end].split(b"\r\n"):
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == b"content-disposition" and b"filename" not in value.lower():
+                name = _FIELD_NAME.search(value)
+                if name is not None and (name.group(1) or name.group(2)) == b"model":
+                    try:
+                        model = body[head_end + 4 : end].decode()
+                    except UnicodeDecodeError:
+                        raise unparsable("the 'model' field is not UTF-8") from None
+                    if not model:
+                        break
+                    return model
+        position = end + 2
+    raise InvalidRequest("model: the multipart form needs a 'model' field", param="model")
 
 
 # -- the upstream client ---------------------------------------------------------------------------
@@ -438,9 +487,6 @@ class Gateway:
 
 #: Unrelayed upstream body beyond which the upstream socket stops being read (backpressure).
 _HIGH_WATER = 256 * 1024
-#: While the upstream is silent, how often to look whether the client is still there (the gateway
-#: otherwise notices a client that left only at its next write, and the predictor keeps working).
-_CLIENT_CHECK_S = 1.0
 #: Idle connections close after this, before a uvicorn predictor's 5 s keep-alive can close one under
 #: a request being sent (a POST cannot be retried once sent).
 _KEEPALIVE_S = 4.0
@@ -448,6 +494,10 @@ _KEEPALIVE_S = 4.0
 
 class _UpstreamError(Exception):
     """The upstream connection broke, or what came back was not HTTP."""
+
+
+class _ClientGone(ConnectionResetError):
+    """The client the answer was for went away."""
 
 
 class _Unreachable(_UpstreamError):
@@ -476,19 +526,18 @@ class _Origin:
         self.host_header = url.host_port_subcomponent or self.host
         self.prefix = url.raw_path.rstrip("/")
 
-    def head(self, request: web.Request, path: str, length: int) -> bytes:
-        """The request line and headers: the caller's, less hop-by-hop and the gateway's own."""
-        query = request.rel_url.raw_query_string
-        lines = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
-                 f"Host: {self.host_header}\r\n"]  # fmt: skip
-        for key, value in request.headers.items():
-            if key.lower() not in _DROPPED_HEADERS:
-                lines.append(f"{key}: {value}\r\n")
+    def head(self, request: Request, path: str, length: int) -> bytes:
+        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own."""
+        query = request.query_string
+        parts = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
+                 f"Host: {self.host_header}\r\n".encode("latin-1")]  # fmt: skip
+        for key, value in request.raw_headers:
+            if key.lower() not in _DROPPED_HEADER_BYTES:
+                parts += (key, b": ", value, b"\r\n")
         if length or request.method == "POST":
-            lines.append(f"Content-Length: {length}\r\n")
-        lines.append("\r\n")
-        # aiohttp decodes header bytes as UTF-8 with surrogateescape: this gives the same bytes back.
-        return "".join(lines).encode("utf-8", "surrogateescape")
+            parts.append(b"Content-Length: %d\r\n" % length)
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
 
 class _Upstream(asyncio.Protocol):
@@ -513,23 +562,29 @@ class _Upstream(asyncio.Protocol):
         self._headers_done = False
         self._complete = False
         self._until_close = False
-        self._error: _UpstreamError | None = None
+        self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._client: web.BaseRequest | None = None
 
     # -- the caller's side
 
-    def send(self, head: bytes, body: bytes, client: web.BaseRequest) -> None:
+    def send(self, head: bytes, body: bytes, client: Request) -> None:
         assert self._transport is not None
         self._begin()
-        self._client = client
         if not self.open:  # connection_lost has come and gone: nothing would ever wake the reader
             self._error = _UpstreamError("the upstream closed the connection")
             return
+        client.on_gone = self._client_left
         if body:
             self._transport.writelines((head, body))  # no copy of a large body into one buffer
         else:
             self._transport.write(head)
+
+    def _client_left(self) -> None:
+        """The client went away: the caller's next wait raises, and it closes this connection, which
+        tells the predictor to stop (a model may be silent for minutes before its first token)."""
+        if self._error is None:
+            self._error = _ClientGone("the client went away")
+        self._wake()
 
     # ``idle_s`` bounds each silence, not the whole answer (a stream may last hours): not asyncio.timeout.
 
@@ -570,25 +625,15 @@ class _Upstream(asyncio.Protocol):
             self._transport.close()
 
     async def _wait(self, idle_s: float) -> None:
-        """Until the parser has more for the caller; TimeoutError after ``idle_s`` of silence, and
-        ConnectionResetError once the client has gone (so the caller closes this connection)."""
+        """Until the parser has more for the caller; TimeoutError after ``idle_s`` of silence."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + idle_s
-        while True:
-            waiter = self._waiter = loop.create_future()
-            timer = loop.call_at(min(deadline, loop.time() + _CLIENT_CHECK_S), _expire, waiter)
-            try:
-                await waiter
-                return
-            except TimeoutError:
-                client = self._client.transport if self._client is not None else None
-                if self._client is not None and (client is None or client.is_closing()):
-                    raise ConnectionResetError("the client went away") from None
-                if loop.time() >= deadline:
-                    raise
-            finally:
-                timer.cancel()
-                self._waiter = None
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(idle_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -16,8 +16,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from universal_operator import cli as operator_cli
+
+if TYPE_CHECKING:
+    from universal_gateway.app import Gateway
 
 PROG = "universal-runtime"
 DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
@@ -39,8 +43,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from universal_gateway.app import Gateway, GatewayLimits
     from universal_gateway.auth import ApiKeys
     from universal_gateway.local import LocalSupervisor
@@ -66,26 +68,10 @@ def _serve(args: argparse.Namespace) -> int:
     names = ", ".join(m.model.served_name for m in manifests)
     print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
 
-    async def run() -> None:
-        runner = web.AppRunner(gateway.app(), handle_signals=False, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()  # stops every predictor: no orphans
-
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        runner.run(run())
-    return 0
+    return _run_gateway(gateway, args, "serve")
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from universal_gateway.app import Gateway, GatewayLimits
     from universal_gateway.auth import ApiKeys
     from universal_gateway.cluster import KubernetesBackends
@@ -105,10 +91,28 @@ def _gateway(args: argparse.Namespace) -> int:
         max_queue_per_model=args.max_queue,
     )
     gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin)
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    web.run_app(gateway.app(), host=args.host, port=args.port, access_log=None, print=None, loop=loop)
-    return 0
+    return _run_gateway(gateway, args, "gateway")
+
+
+def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> int:
+    """Serve until SIGINT or SIGTERM; then requests in flight finish and every predictor stops."""
+
+    async def run() -> int:
+        try:
+            await gateway.start(args.host, args.port)
+        except OSError as exc:
+            await gateway.close()
+            return _fail(command, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await gateway.close()  # stops every predictor: no orphans
+        return 0
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(run())
 
 
 def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
 
 from tests.conftest import eventually
@@ -41,12 +40,8 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProc
 @pytest.fixture
 async def gateway(cluster: ServedEmulator) -> AsyncIterator[tuple[str, KubernetesBackends]]:
     backends = KubernetesBackends(["default"], reap_interval=0.2)
-    server = TestServer(Gateway(backends).app())
-    await server.start_server()
-    try:
-        yield str(server.make_url("/v1")), backends
-    finally:
-        await server.close()
+    async with Gateway(backends).serving() as url:
+        yield f"{url}/v1", backends
 
 
 def model_manifest(mode: str = "Knative", idle: str = "5m") -> dict[str, Any]:

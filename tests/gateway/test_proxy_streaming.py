@@ -127,12 +127,10 @@ async def proxied() -> AsyncIterator[tuple[str, Upstream]]:
     upstream = TestServer(await upstream_app(state))
     await upstream.start_server(keepalive_timeout=0.3)
     state.server = upstream
-    gateway = TestServer(Gateway(OneUpstream(str(upstream.make_url("")).rstrip("/"))).app())
-    await gateway.start_server()
     try:
-        yield str(gateway.make_url("/v1/chat/completions")), state
+        async with Gateway(OneUpstream(str(upstream.make_url("")).rstrip("/"))).serving() as gateway:
+            yield f"{gateway}/v1/chat/completions", state
     finally:
-        await gateway.close()
         await upstream.close()
 
 
@@ -219,17 +217,13 @@ async def test_an_unreachable_upstream_is_a_502() -> None:
     await dead.start_server()
     address = str(dead.make_url("")).rstrip("/")
     await dead.close()  # nothing listens there now
-    gateway = TestServer(Gateway(OneUpstream(address)).app())
-    await gateway.start_server()
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(gateway.make_url("/v1/chat/completions"), json=chat("plain")) as response,
-        ):
-            assert response.status == 502
-            assert (await response.json())["error"]["code"] == "upstream_unreachable"
-    finally:
-        await gateway.close()
+    async with (
+        Gateway(OneUpstream(address)).serving() as gateway,
+        aiohttp.ClientSession() as session,
+        session.post(f"{gateway}/v1/chat/completions", json=chat("plain")) as response,
+    ):
+        assert response.status == 502
+        assert (await response.json())["error"]["code"] == "upstream_unreachable"
 
 
 async def test_a_connection_the_upstream_closed_while_idle_is_not_used_again(proxied: tuple[str, Upstream]) -> None:

@@ -1,0 +1,502 @@
+"""The gateway's HTTP/1.1 server: asyncio transports and llhttp (httptools), little Python per request.
+
+Every request the gateway proxies crosses this code twice (in and out), right after the predictor
+has run for milliseconds with the CPU's caches to itself; what the gateway adds at concurrency 1 is
+mostly how much code that is. aiohttp's web server (request objects, multidicts, routing, middleware,
+a task per handler) took about twice this server's time per request in `bench/gateway.py`.
+
+What it does: keep-alive and pipelined requests (answered in order), ``Expect: 100-continue``, a body
+limit checked against the declared length before the body is read and while a chunked body arrives
+(413), a bound on the request line and headers (431), fixed-length and chunked answers, backpressure
+on streamed answers (a write waits while the client's socket buffer is full), a callback the moment
+the client goes away, idle keep-alive connections closed after ``keepalive_s``, and a close that
+lets requests in flight finish. Not here: TLS (the ingress terminates it), HTTP/2, upgrades.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import email.utils
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from http import HTTPStatus
+from typing import Any, cast
+from urllib.parse import parse_qsl, unquote
+
+import httptools
+import orjson
+
+from universal_predictors.errors import APIError, RequestTooLarge
+
+logger = logging.getLogger(__name__)
+
+Headers = list[tuple[str, str]]
+
+#: The request line and headers together may be at most this big (aiohttp allows 8 KiB per line).
+MAX_HEAD_BYTES = 64 * 1024
+#: Complete requests waiting on one connection before it stops being read (pipelining's bound).
+_PIPELINE_DEPTH = 8
+#: After refusing a body, how long its remaining bytes are read and dropped before the connection
+#: closes (closing at once can reset the connection before the client reads the answer).
+_LINGER_S = 10.0
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class Response:
+    """A whole answer. ``headers`` without Content-Length, Date or Connection: the server adds them."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, body: bytes = b"", *, status: int = 200, headers: Headers | None = None) -> None:
+        self.body = body
+        self.status = status
+        self.headers = headers if headers is not None else []
+
+    @classmethod
+    def json(cls, payload: Any, *, status: int = 200, headers: Iterable[tuple[str, str]] = ()) -> Response:
+        return cls(orjson.dumps(payload), status=status, headers=[("Content-Type", "application/json"), *headers])
+
+    @classmethod
+    def error(cls, error: APIError, headers: Iterable[tuple[str, str]] = ()) -> Response:
+        return cls.json(error.body(), status=error.status_code, headers=[*error.headers().items(), *headers])
+
+
+class Request:
+    """One parsed request. ``path`` is percent-decoded; ``raw_path`` and ``query_string`` are as sent."""
+
+    __slots__ = (
+        "_connection", "body", "headers", "http_11", "keep_alive", "method", "on_gone", "path", "query_string",
+        "raw_headers", "raw_path", "refusal",
+    )  # fmt: skip
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection = connection
+        self.method = ""
+        self.raw_path = ""
+        self.path = ""
+        self.query_string = ""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        #: Lower-case names; repeated headers joined with ", ".
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.keep_alive = True
+        self.http_11 = True
+        self.refusal: APIError | None = None
+        #: Called once if the client goes away before the answer is complete.
+        self.on_gone: Callable[[], None] | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self._connection.gone
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+    @property
+    def query(self) -> dict[str, str]:
+        return dict(parse_qsl(self.query_string, keep_blank_values=True))
+
+    async def stream(self, status: int, headers: Headers) -> StreamedResponse:
+        """Start an answer whose body comes in parts (chunked; to an HTTP/1.0 client, until close)."""
+        return self._connection.start_stream(self, status, headers)
+
+
+class StreamedResponse:
+    """An answer being written: ``write`` waits while the client's buffer is full."""
+
+    __slots__ = ("_chunked", "_connection", "finished", "status")
+
+    def __init__(self, connection: _Connection, status: int, chunked: bool) -> None:
+        self._connection = connection
+        self._chunked = chunked
+        self.status = status
+        self.finished = False
+
+    async def write(self, data: bytes) -> None:
+        connection = self._connection
+        if connection.gone:
+            raise ConnectionResetError("the client went away")
+        if not data:
+            return
+        transport = connection.transport
+        if self._chunked:
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            transport.write(data)
+        if connection.writable is not None:
+            await connection.drain()
+
+    async def end(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked and not self._connection.gone:
+            self._connection.transport.write(b"0\r\n\r\n")
+
+
+Handler = Callable[[Request], Awaitable["Response | StreamedResponse"]]
+ExtraHeaders = Callable[[Request], Headers]
+
+
+class HttpServer:
+    """Serves ``handler`` on one listening socket.
+
+    ``extra_headers`` (CORS, for one) is asked for headers to add to every answer, errors included.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int,
+        extra_headers: ExtraHeaders | None = None,
+        keepalive_s: float = 75.0,
+    ) -> None:
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.extra_headers = extra_headers
+        self.keepalive_s = keepalive_s
+        self.connections: set[_Connection] = set()
+        self.closing = False
+        #: Set once the server is closing and its last connection has closed.
+        self.drained = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._date = (0, b"")
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True,
+                                                backlog=1024)  # fmt: skip
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        assert self._server.sockets
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self, grace_s: float = 30.0) -> None:
+        """Stop accepting; let requests in flight finish (up to ``grace_s``); close every connection."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.close_when_idle()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await self.drained.wait()
+        for connection in list(self.connections):
+            connection.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def date(self) -> bytes:
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, email.utils.formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them in order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
+        self.gone = False
+        #: Set while the client's socket buffer is full; done when it drains (or the client leaves).
+        self.writable: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._queue: collections.deque[Request] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._current: Request | None = None  # being answered
+        self._reading = True
+        self._idle: asyncio.TimerHandle | None = None
+        self._close_after_answer = False
+        self._streaming = False
+        # The message being parsed:
+        self._request: Request | None = None
+        self._url = b""
+        self._body: list[bytes] = []
+        self._size = 0
+        self._head_size = 0
+        self._discarding = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.server.connections.add(self)
+        if self.server.closing:
+            self.transport.close()
+            return
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrades (websocket, h2c) are not spoken here: a request that finished parsing is answered
+            # as plain HTTP/1.1, and the connection closes after the answers.
+            self._close_after_answer = True
+            self._stop_reading()
+            if not self._queue and self._task is None:
+                self.transport.close()
+        except httptools.HttpParserError as exc:
+            self._stop_reading()
+            self._close_after_answer = True
+            error = APIError(f"The request is not valid HTTP/1.1: {exc}", status_code=400, code="bad_request")
+            self._refuse(error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self.server.connections.discard(self)
+        if self.server.closing and not self.server.connections:
+            self.server.drained.set()
+        if self._idle is not None:
+            self._idle.cancel()
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+        current = self._current
+        if current is not None and current.on_gone is not None:
+            callback, current.on_gone = current.on_gone, None
+            callback()
+
+    def pause_writing(self) -> None:
+        if self.writable is None:
+            self.writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None:
+            if not self.writable.done():
+                self.writable.set_result(None)
+            self.writable = None
+
+    async def drain(self) -> None:
+        if self.writable is not None:
+            await self.writable
+        if self.gone:
+            raise ConnectionResetError("the client went away")
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self._request = Request(self)
+        self._url = b""
+        self._body = []
+        self._size = 0
+        self._head_size = 0
+        self._discarding = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        request = self._request
+        assert request is not None
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD_BYTES:
+            return  # refused at the end of the head
+        request.raw_headers.append((name, value))
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        known = request.headers.get(key)
+        request.headers[key] = text if known is None else f"{known}, {text}"
+
+    def on_headers_complete(self) -> None:
+        request = self._request
+        assert request is not None
+        parser = self._parser
+        request.method = parser.get_method().decode("latin-1")
+        request.http_11 = parser.get_http_version() == "1.1"
+        request.keep_alive = parser.should_keep_alive()
+        target = self._url
+        if not target.startswith(b"/"):  # absolute form: http://host/path?query
+            parsed = httptools.parse_url(target)
+            target = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+        raw_path, _, query = target.decode("latin-1").partition("?")
+        request.raw_path = raw_path
+        request.path = unquote(raw_path) if "%" in raw_path else raw_path
+        request.query_string = query
+        if self._head_size > MAX_HEAD_BYTES:
+            self._refuse_body(APIError(f"The request line and headers are over {MAX_HEAD_BYTES} bytes.",
+                                       status_code=431, code="headers_too_large"))  # fmt: skip
+            return
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.server.max_body_bytes):
+            self._refuse_body(RequestTooLarge(f"The request body is {declared} bytes; the limit is "
+                                              f"{self.server.max_body_bytes} bytes."))  # fmt: skip
+            return
+        expect = request.headers.get("expect")
+        if expect is not None and expect.lower() == "100-continue" and self._task is None and not self._queue:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._discarding:
+            return
+        self._size += len(body)
+        if self._size > self.server.max_body_bytes:
+            self._body = []
+            self._refuse_body(RequestTooLarge(f"The request body is over the limit of "
+                                              f"{self.server.max_body_bytes} bytes."))  # fmt: skip
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        request = self._request
+        self._request = None
+        if self._discarding:
+            # The refusal is queued already; the rest of the connection is not trusted.
+            self._stop_reading()
+            if not self._queue and self._task is None:
+                self.transport.close()
+            return
+        assert request is not None
+        body = self._body
+        request.body = body[0] if len(body) == 1 else b"".join(body)
+        self._enqueue(request)
+
+    # -- answering
+
+    def _refuse_body(self, error: APIError) -> None:
+        """Answer ``error`` in its turn, drop the body still coming, then close the connection."""
+        request = self._request
+        assert request is not None
+        request.refusal = error
+        request.keep_alive = False
+        self._discarding = True
+        self._close_after_answer = True
+        self._enqueue(request)
+        asyncio.get_running_loop().call_later(_LINGER_S, self.transport.close)
+
+    def _refuse(self, error: APIError) -> None:
+        request = self._request or Request(self)
+        request.refusal = error
+        request.keep_alive = False
+        self._request = None
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        self._queue.append(request)
+        if len(self._queue) >= _PIPELINE_DEPTH:
+            self._stop_reading()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._answer_all())
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self.transport.pause_reading()
+
+    async def _answer_all(self) -> None:
+        try:
+            while self._queue and not self.gone:
+                request = self._queue.popleft()
+                if not self._reading and not self._close_after_answer and len(self._queue) < _PIPELINE_DEPTH // 2:
+                    self._reading = True
+                    self.transport.resume_reading()
+                await self._answer(request)
+                if not request.keep_alive or self.server.closing:
+                    if request.refusal is not None and self._discarding and self._request is not None:
+                        return  # its body is still arriving: closed once it ends (or the linger is over)
+                    self.transport.close()
+                    return
+            if self._close_after_answer and not self._discarding:
+                self.transport.close()
+        finally:
+            self._task = None
+        if not self.gone:
+            self._arm_idle()
+
+    async def _answer(self, request: Request) -> None:
+        self._current = request
+        self._streaming = False
+        try:
+            if request.refusal is not None:
+                self._write(request, Response.error(request.refusal))
+                return
+            try:
+                answer = await self.server.handler(request)
+            except Exception as exc:
+                if self.gone:
+                    logger.debug("%s %s: the client went away (%s)", request.method, request.raw_path, exc)
+                    return
+                logger.exception("%s %s failed", request.method, request.raw_path)
+                if self._streaming:  # the head is out: closing is the only way left to say it failed
+                    request.keep_alive = False
+                    return
+                answer = Response.error(APIError("The gateway failed to handle this request; see its log.",
+                                                 status_code=500, code="internal_error"))  # fmt: skip
+            if isinstance(answer, StreamedResponse):
+                await answer.end()
+                if not request.http_11:
+                    request.keep_alive = False  # an HTTP/1.0 stream ends with the connection
+            elif not self.gone:
+                self._write(request, answer)
+        finally:
+            self._current = None
+            request.on_gone = None
+
+    def _head(self, request: Request, status: int, headers: Headers) -> list[bytes]:
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
+                 b"Date: " + self.server.date() + b"\r\n"]  # fmt: skip
+        extra = self.server.extra_headers
+        if extra is not None:
+            headers = [*headers, *extra(request)]
+        for key, value in headers:
+            lines.append(f"{key}: {value}\r\n".encode("latin-1", "replace"))
+        if not request.keep_alive or self.server.closing:
+            lines.append(b"Connection: close\r\n")
+        return lines
+
+    def _write(self, request: Request, response: Response) -> None:
+        lines = self._head(request, response.status, response.headers)
+        if response.status in _NO_BODY_STATUSES:
+            lines.append(b"\r\n")
+            self.transport.writelines(lines)
+            return
+        lines.append(b"Content-Length: %d\r\n\r\n" % len(response.body))
+        if response.body:
+            lines.append(response.body)
+        self.transport.writelines(lines)
+
+    def start_stream(self, request: Request, status: int, headers: Headers) -> StreamedResponse:
+        if self.gone:
+            raise ConnectionResetError("the client went away")
+        lines = self._head(request, status, headers)
+        chunked = request.http_11
+        if chunked:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+        elif request.keep_alive:
+            request.keep_alive = False
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        self.transport.writelines(lines)
+        self._streaming = True
+        return StreamedResponse(self, status, chunked)
+
+    # -- idle connections
+
+    def _arm_idle(self) -> None:
+        if self._idle is None and not self.gone:
+            self._idle = asyncio.get_running_loop().call_later(self.server.keepalive_s, self._close_idle)
+
+    def _close_idle(self) -> None:
+        self._idle = None
+        if self._task is None and self._request is None:
+            self.transport.close()
+
+    def close_when_idle(self) -> None:
+        """For shutdown: close now if nothing is being answered, else after the current answer."""
+        self._close_after_answer = True
+        if self._task is None and self._request is None:
+            self.transport.close()
