@@ -31,6 +31,9 @@ from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound
 
 logger = logging.getLogger(__name__)
 
+#: What the metrics count for a request whose client left first (nginx's code; the predictors use it too).
+CLIENT_CLOSED = 499
+
 _Handler = Callable[[Request], Awaitable["Response | StreamedResponse"]]
 
 PREFIXES = ("/v1", "/openai/v1")
@@ -362,6 +365,9 @@ class Gateway:
                     return response
         except APIError as error:
             status = error.status_code
+            raise
+        except ConnectionResetError:
+            status = CLIENT_CLOSED  # the client left before its answer was complete
             raise
         finally:
             route.in_flight.dec()

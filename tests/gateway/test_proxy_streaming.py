@@ -162,6 +162,12 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_request(proxi
     await eventually(lambda: state.client_gone, within=10)
     assert not state.finished
 
+    async def counted_as_client_closed() -> bool:  # 499, as the predictors count it; not a 5xx
+        async with aiohttp.ClientSession() as session, session.get(url.split("/v1/")[0] + "/metrics") as metrics:
+            return f'universal_gateway_requests_total{{model="{MODEL}",status="499"}} 1.0' in await metrics.text()
+
+    await eventually(counted_as_client_closed, within=10)
+
 
 async def test_a_client_that_does_not_read_holds_the_upstream_back(proxied: tuple[str, Upstream]) -> None:
     url, state = proxied
