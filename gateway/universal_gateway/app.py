@@ -217,6 +217,8 @@ class Gateway:
                 raise APIError(f"Nothing is served at {request.path}; the API is under /v1 (see /openapi.json).",
                                status_code=404, code="not_found")  # fmt: skip
             handler = methods.get(request.method)
+            if handler is None and request.method == "HEAD":
+                handler = methods.get("GET")  # the server sends the head of the GET answer only
             if handler is None:
                 if request.method == "OPTIONS" and self._cors(request):
                     return self._preflight(request, methods)

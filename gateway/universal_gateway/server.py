@@ -202,6 +202,11 @@ class HttpServer:
         return self._date[1]
 
 
+def _head_too_large() -> APIError:
+    return APIError(f"The request line and headers are over {MAX_HEAD_BYTES} bytes.", status_code=431,
+                    code="headers_too_large")  # fmt: skip
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, answers them in order."""
 
@@ -221,11 +226,15 @@ class _Connection(asyncio.Protocol):
         self._streaming = False
         # The message being parsed:
         self._request: Request | None = None
-        self._url = b""
+        self._url: list[bytes] = []
         self._body: list[bytes] = []
         self._size = 0
-        self._head_size = 0
+        self._head_size = 0  # of the head parsed so far (request line and complete headers)
+        self._head_open = False  # a message has begun and its head has not ended
+        self._head_received = 0  # bytes received since then: a header value httptools still holds counts
         self._discarding = False
+        self._linger = True  # after a refusal, read and drop the rest of the body before closing
+        self._completed = False  # a message ended during the current data_received
 
     # -- asyncio.Protocol
 
@@ -238,6 +247,10 @@ class _Connection(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        was_open = self._head_open
+        if was_open:
+            self._head_received += len(data)
+        self._completed = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -245,13 +258,24 @@ class _Connection(asyncio.Protocol):
             # as plain HTTP/1.1, and the connection closes after the answers.
             self._close_after_answer = True
             self._stop_reading()
-            if not self._queue and self._task is None:
+            if not self._queue and self._task is None and self._current is None:
                 self.transport.close()
+            return
         except httptools.HttpParserError as exc:
             self._stop_reading()
             self._close_after_answer = True
             error = APIError(f"The request is not valid HTTP/1.1: {exc}", status_code=400, code="bad_request")
             self._refuse(error)
+            return
+        if self._head_open and not was_open and not self._completed:
+            self._head_received += len(data)  # the head began in this chunk, and nothing else is in it
+        if self._head_open and self._head_size + self._head_received > MAX_HEAD_BYTES:
+            # A head that has not ended yet is over the bound (one endless line, say): refuse it now
+            # rather than keep what arrives.
+            self._stop_reading()
+            self._close_after_answer = True
+            self._head_open = False
+            self._refuse(_head_too_large())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
@@ -290,15 +314,19 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         self._request = Request(self)
-        self._url = b""
+        self._url = []
         self._body = []
         self._size = 0
         self._head_size = 0
+        self._head_open = True
+        self._head_received = 0
         self._discarding = False
+        self._linger = True
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
         self._head_size += len(url)
+        if self._head_size <= MAX_HEAD_BYTES:
+            self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         request = self._request
@@ -315,11 +343,15 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         request = self._request
         assert request is not None
+        self._head_open = False
         parser = self._parser
         request.method = parser.get_method().decode("latin-1")
         request.http_11 = parser.get_http_version() == "1.1"
         request.keep_alive = parser.should_keep_alive()
-        target = self._url
+        if self._head_size > MAX_HEAD_BYTES:
+            self._refuse_body(_head_too_large())
+            return
+        target = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         if not target.startswith(b"/"):  # absolute form: http://host/path?query
             parsed = httptools.parse_url(target)
             target = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
@@ -327,17 +359,14 @@ class _Connection(asyncio.Protocol):
         request.raw_path = raw_path
         request.path = unquote(raw_path) if "%" in raw_path else raw_path
         request.query_string = query
-        if self._head_size > MAX_HEAD_BYTES:
-            self._refuse_body(APIError(f"The request line and headers are over {MAX_HEAD_BYTES} bytes.",
-                                       status_code=431, code="headers_too_large"))  # fmt: skip
-            return
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.server.max_body_bytes):
+            # A client waiting for "100 Continue" will not send the body: nothing to read and drop.
+            self._linger = not self._expects_continue(request)
             self._refuse_body(RequestTooLarge(f"The request body is {declared} bytes; the limit is "
                                               f"{self.server.max_body_bytes} bytes."))  # fmt: skip
             return
-        expect = request.headers.get("expect")
-        if expect is not None and expect.lower() == "100-continue" and self._task is None and not self._queue:
+        if self._expects_continue(request) and self._task is None and not self._queue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -352,6 +381,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._completed = True
         request = self._request
         self._request = None
         if self._discarding:
@@ -365,6 +395,11 @@ class _Connection(asyncio.Protocol):
         request.body = body[0] if len(body) == 1 else b"".join(body)
         self._enqueue(request)
 
+    @staticmethod
+    def _expects_continue(request: Request) -> bool:
+        expect = request.headers.get("expect")
+        return request.http_11 and expect is not None and expect.lower() == "100-continue"
+
     # -- answering
 
     def _refuse_body(self, error: APIError) -> None:
@@ -376,7 +411,6 @@ class _Connection(asyncio.Protocol):
         self._discarding = True
         self._close_after_answer = True
         self._enqueue(request)
-        asyncio.get_running_loop().call_later(_LINGER_S, self.transport.close)
 
     def _refuse(self, error: APIError) -> None:
         request = self._request or Request(self)
@@ -406,8 +440,10 @@ class _Connection(asyncio.Protocol):
                     self.transport.resume_reading()
                 await self._answer(request)
                 if not request.keep_alive or self.server.closing:
-                    if request.refusal is not None and self._discarding and self._request is not None:
-                        return  # its body is still arriving: closed once it ends (or the linger is over)
+                    if request.refusal is not None and self._discarding and self._request is not None and self._linger:
+                        # Its body is still arriving: closed once it ends, or when the linger is over.
+                        asyncio.get_running_loop().call_later(_LINGER_S, self.transport.close)
+                        return
                     self.transport.close()
                     return
             if self._close_after_answer and not self._discarding:
@@ -454,8 +490,10 @@ class _Connection(asyncio.Protocol):
             headers = [*headers, *extra(request)]
         for key, value in headers:
             lines.append(f"{key}: {value}\r\n".encode("latin-1", "replace"))
-        if not request.keep_alive or self.server.closing:
+        if not request.keep_alive or self.server.closing or self._close_after_answer:
             lines.append(b"Connection: close\r\n")
+        elif not request.http_11:
+            lines.append(b"Connection: keep-alive\r\n")  # an HTTP/1.0 client asked for it: say it holds
         return lines
 
     def _write(self, request: Request, response: Response) -> None:
@@ -465,20 +503,19 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines(lines)
             return
         lines.append(b"Content-Length: %d\r\n\r\n" % len(response.body))
-        if response.body:
+        if response.body and request.method != "HEAD":  # HEAD: the length a GET would have, no body
             lines.append(response.body)
         self.transport.writelines(lines)
 
     def start_stream(self, request: Request, status: int, headers: Headers) -> StreamedResponse:
         if self.gone:
             raise ConnectionResetError("the client went away")
-        lines = self._head(request, status, headers)
         chunked = request.http_11
+        if not chunked:
+            request.keep_alive = False  # to HTTP/1.0, a body of unknown length ends with the connection
+        lines = self._head(request, status, headers)
         if chunked:
             lines.append(b"Transfer-Encoding: chunked\r\n")
-        elif request.keep_alive:
-            request.keep_alive = False
-            lines.append(b"Connection: close\r\n")
         lines.append(b"\r\n")
         self.transport.writelines(lines)
         self._streaming = True

@@ -162,3 +162,13 @@ async def test_cors_answers_a_preflight_and_marks_answers_for_an_allowed_origin_
             assert "Access-Control-Allow-Origin" not in response.headers
         async with session.options(f"{gateway}/v1/chat/completions", headers=other) as response:
             assert response.status == 405
+
+
+async def test_head_is_answered_for_every_get_route_without_a_body(gateway: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.head(f"{gateway}/healthz") as response:
+            assert response.status == 200
+            assert int(response.headers["Content-Length"]) > 0  # the length the GET answer has
+            assert await response.read() == b""
+        async with session.get(f"{gateway}/healthz") as response:  # the same connection is still in step
+            assert (await response.json())["status"] == "ok"
