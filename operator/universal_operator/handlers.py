@@ -159,8 +159,10 @@ async def reconcile_model(
                 f"applying the InferenceService failed ({code}): {exc}", delay=RETRY_DELAY
             ) from exc
         if actual is None:
-            kopf.info(
+            # kopf.event, not kopf.info: posting.level (WARNING, below) would drop a Normal one.
+            kopf.event(
                 cast(kopf.Body, plain),
+                type="Normal",
                 reason="InferenceServiceApplied",
                 message=f"Applied InferenceService {key[1]} ({reason}).",
             )
@@ -190,8 +192,12 @@ def _index_value(index: Mapping[Key, Any] | None, key: Key) -> dict[str, Any] | 
     return _plain(values[-1]) if values else None
 
 
-def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
-    """Every handler, registered on a fresh registry with this configuration's settings."""
+def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.OperatorRegistry:
+    """Every handler, registered on a fresh registry with this configuration's settings.
+
+    ``namespaced``: the operator watches named namespaces only, and may hold nothing cluster-scoped
+    (the chart's namespaced RBAC), so kopf must not list namespaces or watch CRDs cluster-wide.
+    """
     registry = kopf.OperatorRegistry()
     um = (GROUP, VERSION, PLURAL)
     isvc = (ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL)
@@ -215,6 +221,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         settings.watching.connect_timeout = 30
         settings.networking.request_timeout = 60
         settings.execution.max_workers = 8
+        # Without it kopf retries its cluster-wide scans on 403 for about a minute before it settles
+        # for the named namespaces, and reconciles nothing meanwhile.
+        settings.scanning.disabled = namespaced
         if "state" not in memo:
             memo["state"] = OperatorState(config=config, api=KubeApi())
 

@@ -27,7 +27,7 @@ def run(
     """Run the operator until a signal stops it (one replica, standalone: kopf peering is not election)."""
     clusterwide, watched = _scope(config, namespaces)
     kopf.run(
-        registry=build_registry(config),
+        registry=build_registry(config, namespaced=not clusterwide),
         standalone=True,
         clusterwide=clusterwide,
         namespaces=watched,
@@ -47,7 +47,7 @@ async def run_embedded(
     """Run the operator inside the current event loop until ``stop_flag`` is set."""
     clusterwide, watched = _scope(config, namespaces)
     await kopf.operator(
-        registry=build_registry(config),
+        registry=build_registry(config, namespaced=not clusterwide),
         standalone=True,
         clusterwide=clusterwide,
         namespaces=watched,

@@ -1,0 +1,130 @@
+{{/* The chart name, possibly overridden. */}}
+{{- define "universal-runtime.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The base name of every object; leaves room for the "-operator"/"-gateway" suffixes. */}}
+{{- define "universal-runtime.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 54 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "universal-runtime.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object; call with (dict "root" $ "component" "operator"). */}}
+{{- define "universal-runtime.labels" -}}
+helm.sh/chart: {{ include "universal-runtime.chart" .root }}
+{{ include "universal-runtime.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: universal-runtime
+{{- end }}
+
+{{- define "universal-runtime.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "universal-runtime.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "universal-runtime.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "universal-runtime.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (printf "%s-operator" (include "universal-runtime.fullname" .)) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "universal-runtime.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create }}
+{{- default (printf "%s-gateway" (include "universal-runtime.fullname" .)) .Values.gateway.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Pod scheduling and pull secrets shared by both Deployments; call with (dict "root" $ "part" .Values.operator). */}}
+{{- define "universal-runtime.podScheduling" -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .part.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .part.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .part.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .part.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The operator's config.yaml: operator.config without its null entries. */}}
+{{- define "universal-runtime.operator.config" -}}
+{{- $config := dict }}
+{{- range $key, $value := .Values.operator.config }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $config $key $value }}
+{{- end }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+The operator's rules inside a namespace (a Role's, or the namespaced part of its ClusterRole):
+- universalmodels: kopf lists and watches them and merge-patches its annotations and finalizer;
+- universalmodels/status: the operator's status writes;
+- inferenceservices: the children, watched (kopf index and event handler), read before taking a
+  name over, server-side applied (patch; create when the apply creates the child);
+- events: kopf posts Warning Events (InvalidSpec) on the models.
+*/}}
+{{- define "universal-runtime.operator.rules" -}}
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodels]
+  verbs: [list, watch, patch]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodels/status]
+  verbs: [patch]
+- apiGroups: [serving.kserve.io]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
+{{/*
+The gateway's rules: exactly universal_gateway.cluster.rbac_rules(standard_mode=...), which the
+chart tests hold it to. It watches UniversalModels (routes come from their status); with
+Standard-mode models it also patches InferenceServices (the serving.kserve.io/stop annotation).
+*/}}
+{{- define "universal-runtime.gateway.rules" -}}
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodels]
+  verbs: [get, list, watch]
+{{- if .Values.gateway.standardMode }}
+- apiGroups: [serving.kserve.io]
+  resources: [inferenceservices]
+  verbs: [patch]
+{{- end }}
+{{- end }}

@@ -1,0 +1,280 @@
+"""The chart's RBAC: the gateway's is exactly ``rbac_rules``; the operator's is enough and not more.
+
+"Enough" is checked by running the real operator against an API emulator that enforces the chart's
+rendered rules (403 for anything else) through a model's whole life: created, its child applied and
+mirrored, an invalid one reported with an Event, deleted (kopf releases its finalizer). "Not more":
+every verb on every resource the chart grants was used on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+from lightkube import AsyncClient, KubeConfig
+from lightkube.core.exceptions import ApiError
+
+from tests.chart.rendering import GATEWAY, NAMESPACE, OPERATOR, Rendered, load_operator_config, render
+from tests.conftest import eventually, load_manifest
+from tests.support.kserve_standin import ready_status
+from tests.support.kube_emulator import HARNESS_HEADER, Access, ServedEmulator, serve_emulator
+from tests.support.rbac import Grant, RbacEmulator, allows, grants_for, rule_grants
+from universal_gateway.cluster import KubernetesBackends, rbac_rules
+from universal_operator.config import OperatorConfig
+from universal_operator.handlers import OperatorState
+from universal_operator.kube import InferenceService
+
+UM, ISVC = "universalmodels", "inferenceservices"
+CLUSTER_WIDE: dict[str, Any] = {}
+NAMESPACED: dict[str, Any] = {"watchNamespaces": ["default", "team-b"]}
+SCOPES = {"cluster-wide": CLUSTER_WIDE, "namespaced": NAMESPACED}
+
+
+def rbac_objects(rendered: Rendered, name: str) -> list[dict[str, Any]]:
+    return [
+        o for o in rendered.objects if o["kind"].endswith(("Role", "RoleBinding")) and o["metadata"]["name"] == name
+    ]
+
+
+def service_account(rendered: Rendered, deployment: str) -> str:
+    return str(rendered.pod_spec(deployment)["serviceAccountName"])
+
+
+# --------------------------------------------------------------------------------------------------
+# the matching helper itself
+
+
+def test_rule_matching_covers_verbs_groups_subresources_and_wildcards() -> None:
+    status = Access("patch", "g", "things", "status", "ns")
+    assert rule_grants({"apiGroups": ["g"], "resources": ["things/status"], "verbs": ["patch"]}, status)
+    assert not rule_grants({"apiGroups": ["g"], "resources": ["things"], "verbs": ["patch"]}, status)
+    assert rule_grants({"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"]}, status)
+    assert rule_grants({"apiGroups": ["g"], "resources": ["*/status"], "verbs": ["patch"]}, status)
+    assert not rule_grants({"apiGroups": [""], "resources": ["things/status"], "verbs": ["patch"]}, status)
+    assert not rule_grants({"apiGroups": ["g"], "resources": ["things/status"], "verbs": ["get"]}, status)
+    with pytest.raises(ValueError, match="resourceNames"):
+        rule_grants({"apiGroups": ["g"], "resources": ["things"], "verbs": ["get"], "resourceNames": ["a"]}, status)
+
+
+def test_a_role_binding_grants_only_inside_its_namespace() -> None:
+    rule = {"apiGroups": [""], "resources": ["events", "namespaces"], "verbs": ["create", "list"]}
+    in_ns = Grant(rules=(rule,), namespace="ns")
+    assert allows([in_ns], Access("create", "", "events", None, "ns"))
+    assert not allows([in_ns], Access("create", "", "events", None, "other"))
+    assert not allows([in_ns], Access("list", "", "events", None, None))  # across all namespaces
+    assert not allows([in_ns], Access("list", "", "namespaces", None, None))  # cluster-scoped
+    assert allows([Grant(rules=(rule,))], Access("list", "", "namespaces", None, None))
+
+
+# --------------------------------------------------------------------------------------------------
+# the gateway: exactly rbac_rules(standard_mode=...)
+
+
+@pytest.mark.parametrize("scope", SCOPES.values(), ids=SCOPES.keys())
+@pytest.mark.parametrize("standard_mode", [False, True], ids=["knative-only", "standard-mode"])
+def test_gateway_rules_are_exactly_rbac_rules_for_the_standard_mode_switch(
+    chart: helm.Chart, scope: dict[str, Any], standard_mode: bool
+) -> None:
+    rendered = render(chart, {**scope, "gateway": {"standardMode": standard_mode}})
+    roles = [o for o in rbac_objects(rendered, GATEWAY) if o["kind"] in ("Role", "ClusterRole")]
+    assert roles, "no gateway role rendered"
+    for role in roles:
+        assert role["rules"] == rbac_rules(standard_mode=standard_mode)
+
+
+def test_gateway_standard_mode_is_off_by_default(chart: helm.Chart) -> None:
+    [role] = [o for o in rbac_objects(render(chart), GATEWAY) if o["kind"] == "ClusterRole"]
+    assert role["rules"] == rbac_rules(standard_mode=False)
+
+
+@pytest.mark.parametrize("scope", SCOPES.values(), ids=SCOPES.keys())
+def test_gateway_bindings_give_its_service_account_the_rules_where_it_watches(
+    chart: helm.Chart, scope: dict[str, Any]
+) -> None:
+    rendered = render(chart, scope)
+    grants = grants_for(rendered.objects, service_account(rendered, GATEWAY), NAMESPACE)
+    namespaces = scope.get("watchNamespaces") or [None]
+    assert sorted(g.namespace or "" for g in grants) == sorted(ns or "" for ns in namespaces)
+    assert all(list(g.rules) == rbac_rules(standard_mode=False) for g in grants)
+    # The gateway's account gets nothing of the operator's.
+    assert not allows(grants, Access("patch", "serving.universal-runtime.dev", UM, "status", "default"))
+
+
+@pytest.mark.parametrize("scope", SCOPES.values(), ids=SCOPES.keys())
+def test_namespaced_mode_renders_a_role_per_namespace_and_no_cluster_role(
+    chart: helm.Chart, scope: dict[str, Any]
+) -> None:
+    rendered = render(chart, scope)
+    namespaces = scope.get("watchNamespaces")
+    for name in (OPERATOR, GATEWAY):
+        objects = rbac_objects(rendered, name)
+        kinds = sorted(o["kind"] for o in objects)
+        if namespaces:
+            assert kinds == sorted(["Role", "RoleBinding"] * len(namespaces))
+            assert sorted(o["metadata"]["namespace"] for o in objects) == sorted(namespaces * 2)
+        else:
+            assert kinds == ["ClusterRole", "ClusterRoleBinding"]
+    if namespaces:
+        assert not rendered.kinds() & {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_rbac_can_be_left_to_the_platform(chart: helm.Chart) -> None:
+    rendered = render(chart, {"operator": {"rbac": {"create": False}}, "gateway": {"rbac": {"create": False}}})
+    assert not rendered.kinds() & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+
+
+async def test_the_gateway_under_the_charts_rbac_sees_models_in_the_namespaces_it_watches(
+    chart: helm.Chart, tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered = render(chart, NAMESPACED)
+    emulator = RbacEmulator(grants=grants_for(rendered.objects, service_account(rendered, GATEWAY), NAMESPACE))
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        for namespace in ("default", "team-b", "elsewhere"):
+            manifest = load_manifest("cluster/minilm-embed.yaml")
+            manifest["spec"]["servedName"] = f"minilm-{namespace}"  # the gateway routes by served name
+            await harness_create(cluster, UM, namespace, manifest)
+        backends = KubernetesBackends(rendered.args(GATEWAY).namespace)
+        await backends.start()
+        try:
+            await backends.wait_synced()
+            await eventually(lambda: {m.name for m in backends.models()} == {"minilm-default", "minilm-team-b"})
+        finally:
+            await backends.close()
+    assert emulator.denied == []
+    # It watched UniversalModels in the two namespaces and nothing else (lightkube watches without a list).
+    assert {(a.verb, a.plural, a.namespace) for a in emulator.allowed} == {
+        ("watch", UM, "default"),
+        ("watch", UM, "team-b"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the operator: enough and not more, under enforcement
+
+
+@pytest.fixture(params=[CLUSTER_WIDE, NAMESPACED], ids=["cluster-wide", "namespaced"])
+def release(request: pytest.FixtureRequest, chart: helm.Chart) -> Rendered:
+    return render(chart, request.param)
+
+
+@pytest.fixture
+async def cluster(
+    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch, release: Rendered
+) -> AsyncIterator[ServedEmulator]:
+    """The API emulator (overriding the shared fixture) enforcing the chart's operator RBAC."""
+    account = service_account(release, OPERATOR)
+    emulator = RbacEmulator(
+        grants=grants_for(release.objects, account, NAMESPACE), user=f"system:serviceaccount:{NAMESPACE}:{account}"
+    )
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as served:
+        monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
+        yield served
+
+
+@pytest.fixture
+def operator_config(release: Rendered, tmp_path: Path) -> OperatorConfig:
+    """The config the chart's operator pod starts with: its ConfigMap, and its --namespace flags."""
+    config = load_operator_config(release, tmp_path)
+    return config.model_copy(update={"namespaces": release.args(OPERATOR).namespace})
+
+
+async def harness_create(cluster: ServedEmulator, plural: str, namespace: str, body: dict[str, Any]) -> None:
+    """Create as the test (exempt from RBAC and not in the logs): the operator's requests alone are judged."""
+    emulator = cluster.emulator
+    url = emulator.url_for(plural, namespace)
+    body = {**body, "metadata": {**body["metadata"], "namespace": namespace}}
+    async with emulator.post(url, json=body, headers={HARNESS_HEADER: "true"}) as response:
+        assert response.status == 201, await response.text()
+
+
+async def harness_delete(cluster: ServedEmulator, plural: str, namespace: str, name: str) -> None:
+    emulator = cluster.emulator
+    async with emulator.delete(emulator.url_for(plural, namespace, name), headers={HARNESS_HEADER: "true"}) as response:
+        assert response.status == 200, await response.text()
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return str(cond["status"])
+    return None
+
+
+def granted_pairs(grants: list[Grant]) -> set[tuple[str, str, str]]:
+    """Every (verb, apiGroup, resource) the grants name, wildcards excluded by construction."""
+    return {
+        (verb, group, resource)
+        for grant in grants
+        for rule in grant.rules
+        for verb in rule["verbs"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+
+
+def used_pairs(accesses: list[Access]) -> set[tuple[str, str, str]]:
+    return {(a.verb, a.group, f"{a.plural}/{a.subresource}" if a.subresource else a.plural) for a in accesses}
+
+
+async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
+    cluster: ServedEmulator, operator: OperatorState, release: Rendered
+) -> None:
+    emulator = cluster.emulator
+    assert isinstance(emulator, RbacEmulator)
+    grants = emulator.grants
+    assert grants, "the chart binds nothing to the operator's service account"
+
+    # A valid model: the child is applied (created by server-side apply), KServe reports it up, the
+    # status follows.
+    await harness_create(cluster, UM, "default", load_manifest("cluster/minilm-embed.yaml"))
+    child = await eventually(lambda: emulator.get_object(ISVC, "default", "minilm"))
+    await emulator.put_status(ISVC, "default", "minilm", ready_status(child))
+    await eventually(lambda: condition(emulator.get_object(UM, "default", "minilm"), "Ready") == "True")
+
+    def applied_events() -> list[str]:  # kopf posts Events from its own queue: poll for it
+        return [
+            e["type"] for e in emulator.list_objects("events", "default") if e["reason"] == "InferenceServiceApplied"
+        ]
+
+    assert await eventually(applied_events) == ["Normal"]  # one, when the child was created
+
+    # An invalid one: SpecValid=False and a Warning Event.
+    await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))
+    await eventually(lambda: condition(emulator.get_object(UM, "default", "needs-h100"), "SpecValid") == "False")
+    await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in emulator.list_objects("events", "default")))
+
+    # Deleted: kopf releases its finalizer, and the model goes.
+    assert emulator.get_object(UM, "default", "minilm")["metadata"]["finalizers"]  # type: ignore[index]
+    await harness_delete(cluster, UM, "default", "minilm")
+    await eventually(lambda: emulator.get_object(UM, "default", "minilm") is None)
+
+    # Enough: nothing refused (namespaced, the operator turns kopf's cluster-wide scans off).
+    assert emulator.denied == []
+    # Not more: every verb on every resource granted was needed (kopf's CRD watch runs on its own
+    # schedule, so wait for it rather than assume it).
+    await eventually(lambda: granted_pairs(grants) <= used_pairs(emulator.allowed))
+    assert granted_pairs(grants) == used_pairs(emulator.allowed)
+
+
+async def test_the_enforcing_emulator_refuses_an_apply_that_creates_without_create_but_not_one_that_updates(
+    tmp_path: Path, crd: dict[str, Any]
+) -> None:
+    patch_only = {"apiGroups": ["serving.kserve.io"], "resources": [ISVC], "verbs": ["patch"]}
+    emulator = RbacEmulator(grants=[Grant(rules=(patch_only,), namespace="default")])
+    body = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+            "metadata": {"name": "m", "namespace": "default"}, "spec": {"predictor": {}}}  # fmt: skip
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as cluster:
+        client = AsyncClient(KubeConfig.from_file(cluster.kubeconfig), field_manager="test")
+        try:
+            with pytest.raises(ApiError) as refused:
+                await client.apply(InferenceService.from_dict(body))
+            assert refused.value.status.code == 403
+            assert emulator.denied == [Access("create", "serving.kserve.io", ISVC, None, "default")]
+            await harness_create(cluster, ISVC, "default", body)
+            await client.apply(InferenceService.from_dict(body))  # the object exists: patch suffices
+        finally:
+            await client.close()
