@@ -13,7 +13,7 @@ help:
 	@echo "make test       create .venv, install everything, run lint, types, layering and all tests (CI)"
 	@echo "make demo       run the operator against a simulated cluster and apply examples/cluster/"
 	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
-	@echo "make crd        regenerate crds/universalmodels.yaml from the spec models"
+	@echo "make crd        regenerate crds/universalmodels.yaml (and the chart's copy) from the spec models"
 	@echo "make bench      operator scale benchmark (100 and 1000 models)"
 
 venv: $(STAMP)
@@ -50,6 +50,7 @@ layering: venv
 
 crd: venv
 	$(VENV)/bin/universal-runtime crd -o crds/universalmodels.yaml
+	cp crds/universalmodels.yaml charts/universal-runtime/crds/universalmodels.yaml
 
 crd-check: venv
 	$(VENV)/bin/universal-runtime crd --check crds/universalmodels.yaml
