@@ -9,6 +9,7 @@ predictor: an unknown key stops the process at start-up with one line naming it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -108,12 +109,19 @@ class UniversalPredictor(kserve.Model):
             print(f"universal_predictors: error: loading {self.name!r} failed: {exc}", file=sys.stderr, flush=True)
             # Exit so Kubernetes (or the local supervisor) sees the failure and its last log lines.
             os._exit(1)
+        # What loading made (hundreds of thousands of objects: modules, tokenizer tables, tensor
+        # wrappers) lives as long as the model: frozen, a full collection no longer walks it. Measured
+        # with all-MiniLM-L6-v2: 250 ms full collections, every request in flight held, every few
+        # thousand requests.
+        gc.collect()
+        gc.freeze()
         self.loaded_at = time.time()
         self.ready = True
         logger.info("%s is ready (backend %s, %.1fs)", self.name, self.backend.value, time.monotonic() - started)
 
     def stop(self) -> None:
         self.ready = False
+        gc.unfreeze()  # what unloading lets go of may hold cycles: back within the collector's reach
         self.unload()
 
     def stop_engine(self) -> None:
