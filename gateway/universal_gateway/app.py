@@ -27,7 +27,7 @@ from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_predictors.config import Task
-from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound
+from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +263,9 @@ class Gateway:
         return Response.json({"status": "ok"})
 
     async def _readyz(self, request: Request) -> Response:
+        reason = self.backends.readiness()
+        if reason is not None:  # e.g. the cluster's models not listed yet: routing now would 404 them
+            raise Unavailable(reason, code="not_ready", retry_after=5)
         return Response.json({"status": "ready", "models": len(self.backends.models())})
 
     async def _metrics(self, request: Request) -> Response:

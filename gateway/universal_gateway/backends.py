@@ -128,6 +128,10 @@ class Backends(ABC):
         """How long an upstream may take to answer (a scale-from-zero included); None: the default."""
         return None
 
+    def readiness(self) -> str | None:
+        """None when the gateway can route every model it should know of; else why not (``/readyz``)."""
+        return None
+
     @abstractmethod
     def lease(self, name: str) -> contextlib.AbstractAsyncContextManager[str]:
         """A ready upstream base URL for one request (waking the model if needed)."""

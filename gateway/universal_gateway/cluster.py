@@ -5,11 +5,15 @@ to ``status.address``. Knative-mode models need nothing more: Knative's activato
 while a replica starts, so the gateway only waits long enough (the model's ``startupTimeout``).
 
 Standard-mode models have no activator, so their TTL is ours: the gateway owns the
-``serving.kserve.io/stop`` annotation on the InferenceService. It alone sees the traffic, and
-server-side apply keeps the operator's field manager off an annotation it never sets, so the two never
-fight. Idle past ``idleTimeout`` -> ``stop: "true"``; a request for a stopped model removes it and is held
-until the model reports Ready (bounded by ``startupTimeout``, then 503); concurrent requests share one
-wake.
+``serving.kserve.io/stop`` annotation on the InferenceService. Server-side apply keeps the operator's
+field manager off an annotation it never sets, so the two never fight. Idle past ``idleTimeout`` ->
+``stop: "true"``; a request for a stopped model removes it and is held until the model reports Ready
+(bounded by ``startupTimeout``, then 503); concurrent requests share one wake.
+
+A gateway replica sees only its own traffic, so before stopping a model it asks the model itself
+(its ``/metrics``: requests in flight and the time of the latest one). Asking the model costs no RBAC
+and no writes; recording use on the InferenceService would (and KServe copies its annotations onto the
+pods, so every write would roll them).
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.types import PatchType
+from prometheus_client.parser import text_string_to_metric_families
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_operator.kube import InferenceService, UniversalModelResource
@@ -36,6 +42,23 @@ logger = logging.getLogger(__name__)
 
 STOP_ANNOTATION = "serving.kserve.io/stop"
 FIELD_MANAGER = "universal-runtime-gateway"
+
+#: The predictor's series the reaper reads (universal_predictors.metrics; names only: no import).
+IN_FLIGHT_METRIC = "universal_predictor_in_flight"
+LAST_REQUEST_METRIC = "universal_predictor_last_request_timestamp_seconds"
+#: How long the reaper waits for a model's /metrics before stopping it anyway.
+METRICS_TIMEOUT_S = 2.0
+#: A failed stop is retried after 5 s, 10 s, 20 s... at most every 5 minutes.
+STOP_RETRY_FIRST_S = 5.0
+STOP_RETRY_MAX_S = 300.0
+#: A failed list or watch is retried at once, then after 1 s, 2 s... at most every 30 s.
+WATCH_RETRY_MAX_S = 30.0
+
+STANDARD_MODE_HINT = (
+    "the gateway needs `patch` on inferenceservices.serving.kserve.io to stop idle Standard-mode models: "
+    "install the Helm chart with gateway.standardMode=true (the rules of "
+    "universal_gateway.cluster.rbac_rules(standard_mode=True))"
+)
 
 
 def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
@@ -71,6 +94,8 @@ _PHASES = {
     "Failed": ModelState.FAILED,
 }
 
+Key = tuple[str, str]  # (namespace, name)
+
 
 @dataclass
 class ClusterModel:
@@ -83,6 +108,21 @@ class ClusterModel:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     waking: asyncio.Task[None] | None = None
     stop_requested: bool = False
+    #: Latest use another gateway replica served, as the model reported it (monotonic seconds).
+    used_elsewhere: float = 0.0
+    #: Consecutive failed stop patches, and when the next may be tried (monotonic seconds).
+    stop_failures: int = 0
+    stop_retry_at: float = 0.0
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @property
+    def precedence(self) -> tuple[str, str, str]:
+        """Who serves a name several models claim: the oldest, then by namespace/name (RFC 3339 sorts)."""
+        created = str((self.body.get("metadata") or {}).get("creationTimestamp") or "")
+        return (created, self.namespace, self.name)
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -125,6 +165,25 @@ class ClusterModel:
     def startup_timeout(self) -> float:
         return self._duration("startupTimeout", "20m")
 
+    @property
+    def last_used(self) -> float:
+        """The latest use any gateway replica is known to have served (monotonic seconds)."""
+        return max(self.stats.last_used_monotonic, self.used_elsewhere)
+
+
+@dataclass
+class _WatchHealth:
+    """One namespace's watch, for readiness: listed once yet, and the error since the last good list."""
+
+    listed: bool = False
+    error: str | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiError):  # its str() is the message alone; the code says more to an operator
+        return f"{exc.status.code} {exc.status.reason}: {exc.status.message}"
+    return str(exc) or type(exc).__name__
+
 
 class KubernetesBackends(Backends):
     """UniversalModels in the cluster as the gateway's backends."""
@@ -135,13 +194,19 @@ class KubernetesBackends(Backends):
         *,
         client: AsyncClient | None = None,
         reap_interval: float = 1.0,
+        watch_timeout: int | None = None,
     ) -> None:
         self._namespaces = list(namespaces) or ["*"]
         self._client = client
-        self._models: dict[str, ClusterModel] = {}  # served name -> model
+        self._all: dict[Key, ClusterModel] = {}
+        self._models: dict[str, ClusterModel] = {}  # served name -> the model serving it
+        self._shadowed: dict[Key, Key] = {}  # a model not routed -> the one serving its name
         self._tasks: list[asyncio.Task[None]] = []
         self._reap_interval = reap_interval
+        self._watch_timeout = watch_timeout  # the API server ends each watch after this (None: its default)
+        self._health = {namespace: _WatchHealth() for namespace in self._namespaces}
         self._synced = asyncio.Event()
+        self._http: aiohttp.ClientSession | None = None
 
     @property
     def client(self) -> AsyncClient:
@@ -160,46 +225,124 @@ class KubernetesBackends(Backends):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._http is not None:
+            await self._http.close()
         if self._client is not None:
             await self._client.close()
 
     async def wait_synced(self, within: float = 30.0) -> None:
+        """Return once every watched namespace has been listed."""
         await asyncio.wait_for(self._synced.wait(), within)
+
+    def readiness(self) -> str | None:
+        for namespace, health in self._health.items():
+            where = "all namespaces" if namespace == "*" else f"namespace {namespace!r}"
+            if not health.listed:
+                detail = f" (last error: {health.error})" if health.error else ""
+                return f"UniversalModels in {where} are not listed yet{detail}; routes are incomplete."
+            if health.error is not None:
+                return f"Watching UniversalModels in {where} fails ({health.error}); routes may be stale."
+        return None
 
     # -- watching ----------------------------------------------------------------------------------
 
     async def _watch(self, namespace: str) -> None:
+        """List, then watch from the list's resourceVersion; on any failure, list again.
+
+        The list is how the gateway knows it has seen every model (a watch on an empty namespace says
+        nothing), and listing again after a failure drops models deleted while the watch was down."""
+        health = self._health[namespace]
+        failures = 0
         while True:
             try:
-                async for kind, obj in self.client.watch(UniversalModelResource, namespace=namespace):
+                listing = self.client.list(UniversalModelResource, namespace=namespace)
+                items: list[Any] = [item async for item in listing]
+                bodies = [item.to_dict() for item in items]
+                self._replace(namespace, bodies)
+                health.listed, health.error, failures = True, None, 0
+                if all(h.listed for h in self._health.values()):
+                    self._synced.set()
+                async for kind, obj in self.client.watch(
+                    UniversalModelResource,
+                    namespace=namespace,
+                    resource_version=listing.resourceVersion,
+                    server_timeout=self._watch_timeout,
+                ):
                     raw: Any = obj
                     self._observe(kind, raw.to_dict())
-                    self._synced.set()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a dropped watch: resume, as any controller does
-                logger.warning("watching UniversalModels in %s failed (%s); retrying", namespace, exc)
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # a dropped watch: list and resume, as any controller does
+                health.error = _describe(exc)
+                delay = min(WATCH_RETRY_MAX_S, 2.0 ** (failures - 1)) if failures else 0.0
+                failures += 1
+                # 410 Gone: the resourceVersion left the server's window, which is routine; list again.
+                gone = getattr(getattr(exc, "response", None), "status_code", None) == 410
+                logger.log(logging.INFO if gone else logging.WARNING,
+                           "watching UniversalModels in %s failed (%s); retrying", namespace, health.error)  # fmt: skip
+                await asyncio.sleep(delay)
+
+    def _replace(self, namespace: str, bodies: Iterable[dict[str, Any]]) -> None:
+        """Make a namespace's models (all of them for ``*``) those of a fresh list."""
+        listed = {self._upsert(body) for body in bodies}
+        for key in [k for k in self._all if namespace in ("*", k[0]) and k not in listed]:
+            del self._all[key]
+        self._route()
 
     def _observe(self, kind: str, body: dict[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace") or "default"), str(meta.get("name")))
-        current = next((m for m in self._models.values() if (m.namespace, m.name) == key), None)
         if kind == "DELETED":
-            if current is not None:
-                self._models.pop(current.served_name, None)
-            return
-        if current is None:
-            current = ClusterModel(namespace=key[0], name=key[1], body=body)
+            self._all.pop(self._key(body), None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self._upsert(body)
+        self._route()
+
+    @staticmethod
+    def _key(body: dict[str, Any]) -> Key:
+        meta = body.get("metadata") or {}
+        return (str(meta.get("namespace") or "default"), str(meta.get("name")))
+
+    def _upsert(self, body: dict[str, Any]) -> Key:
+        key = self._key(body)
+        model = self._all.get(key)
+        if model is None:
+            model = self._all[key] = ClusterModel(namespace=key[0], name=key[1], body=body)
         else:
-            self._models.pop(current.served_name, None)
-            current.body = body
-        self._models[current.served_name] = current
-        if current.state is ModelState.READY:
-            current.ready.set()
-            current.stop_requested = False
+            model.body = body
+        if model.state is ModelState.READY:
+            if not model.ready.is_set():
+                # Just up: whichever replica woke it holds a request that has not reached it yet, so
+                # the model's own metrics cannot show that use; count it as used now.
+                model.used_elsewhere = max(model.used_elsewhere, time.monotonic())
+            model.ready.set()
+            model.stop_requested = False
         else:
-            current.ready.clear()
+            model.ready.clear()
+        return key
+
+    def _route(self) -> None:
+        """Served name -> model. Two models claiming one name: the oldest serves it, deterministically
+        (whichever event came last must not decide), and the other is reported once."""
+        claims: dict[str, list[ClusterModel]] = {}
+        for model in self._all.values():
+            claims.setdefault(model.served_name, []).append(model)
+        routes: dict[str, ClusterModel] = {}
+        shadowed: dict[Key, Key] = {}
+        for name, models in claims.items():
+            winner, *others = sorted(models, key=lambda m: m.precedence)
+            routes[name] = winner
+            if winner.key in self._shadowed:
+                logger.info("%s/%s now serves %r", winner.namespace, winner.name, name)
+            for other in others:
+                shadowed[other.key] = winner.key
+                if self._shadowed.get(other.key) != winner.key:
+                    logger.warning(
+                        "UniversalModels %s/%s and %s/%s both serve %r: %s/%s is older and serves it; "
+                        "%s/%s is not routed until the other is gone or renamed",
+                        winner.namespace, winner.name, other.namespace, other.name, name,
+                        winner.namespace, winner.name, other.namespace, other.name,
+                    )  # fmt: skip
+        self._models = routes
+        self._shadowed = shadowed
 
     # -- Backends ----------------------------------------------------------------------------------
 
@@ -255,7 +398,12 @@ class KubernetesBackends(Backends):
 
     async def _unstop(self, model: ClusterModel) -> None:
         logger.info("waking %s/%s (removing %s)", model.namespace, model.name, STOP_ANNOTATION)
-        await self._patch_stop(model, None)
+        try:
+            await self._patch_stop(model, None)
+        except ApiError as exc:
+            hint = f"; {STANDARD_MODE_HINT}" if exc.status.code == 403 else ""
+            message = f"Could not change {model.name}'s stop annotation: {_describe(exc)}{hint}"
+            raise Unavailable(message, retry_after=5) from None
 
     async def _wait_ready(self, model: ClusterModel, within: float) -> None:
         try:
@@ -269,31 +417,85 @@ class KubernetesBackends(Backends):
 
     async def _patch_stop(self, model: ClusterModel, value: str | None) -> None:
         patch = {"metadata": {"annotations": {STOP_ANNOTATION: value}}}
-        try:
-            await self.client.patch(
-                InferenceService, model.name, patch, namespace=model.namespace, patch_type=PatchType.MERGE
-            )
-        except ApiError as exc:
-            raise Unavailable(f"Could not change {model.name}'s stop annotation: {exc}", retry_after=5) from None
+        await self.client.patch(
+            InferenceService, model.name, patch, namespace=model.namespace, patch_type=PatchType.MERGE
+        )
+
+    # -- Standard mode's TTL -----------------------------------------------------------------------
+
+    def _stoppable(self, model: ClusterModel, now: float) -> bool:
+        """Idle past its idleTimeout as far as this replica knows, and not backing off a failed stop."""
+        return (
+            model.standard_mode
+            and model.state is ModelState.READY
+            and not model.stop_requested
+            and model.stats.in_flight == 0
+            and (model.spec.get("scaling") or {}).get("minReplicas", 0) == 0
+            and now - model.last_used >= model.idle_timeout
+            and now >= model.stop_retry_at
+        )
 
     async def _reap_idle(self) -> None:
-        """Standard mode's TTL: stop models idle past their idleTimeout."""
+        """Stop models idle past their idleTimeout, unless the model says another replica used it."""
         while True:
             await asyncio.sleep(self._reap_interval)
-            now = time.monotonic()
             for model in list(self._models.values()):
-                if (
-                    model.standard_mode
-                    and model.state is ModelState.READY
-                    and not model.stop_requested
-                    and model.stats.in_flight == 0
-                    and (model.spec.get("scaling") or {}).get("minReplicas", 0) == 0
-                    and now - model.stats.last_used_monotonic >= model.idle_timeout
-                ):
-                    model.stop_requested = True
-                    logger.info("stopping idle %s/%s", model.namespace, model.name)
-                    try:
-                        await self._patch_stop(model, "true")
-                    except Unavailable as exc:
-                        model.stop_requested = False
-                        logger.warning("%s", exc)
+                if not self._stoppable(model, time.monotonic()):
+                    continue
+                used = await self._used_upstream(model)
+                if used is not None and time.monotonic() - used < model.idle_timeout:
+                    model.used_elsewhere = max(model.used_elsewhere, used)  # check again once that use is old
+                    continue
+                if self._models.get(model.served_name) is model and self._stoppable(model, time.monotonic()):
+                    await self._stop(model)
+
+    async def _used_upstream(self, model: ClusterModel) -> float | None:
+        """When the model last served a request through any gateway (monotonic; now if one is in flight).
+
+        None when it cannot say. Stopping it is then fine: a predictor that does not answer /metrics in
+        METRICS_TIMEOUT_S is gone or not up (so it serves no one), and a stopped model wakes on the next
+        request anyway."""
+        if model.address is None:
+            return None
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S))
+        try:
+            async with self._http.get(f"{model.address}/metrics") as response:
+                response.raise_for_status()
+                text = await response.text()
+            in_flight = last = 0.0
+            for family in text_string_to_metric_families(text):
+                # One model per predictor process: its series are this model's, whatever their label.
+                for sample in family.samples:
+                    if sample.name == IN_FLIGHT_METRIC:
+                        in_flight = max(in_flight, sample.value)
+                    elif sample.name == LAST_REQUEST_METRIC:
+                        last = max(last, sample.value)
+        except Exception as exc:  # unreachable, timed out, not Prometheus text
+            logger.info("no metrics from %s/%s (%s); stopping it", model.namespace, model.name, _describe(exc))
+            return None
+        now = time.monotonic()
+        if in_flight > 0:
+            return now
+        if last <= 0:
+            return None
+        return now - max(0.0, time.time() - last)  # the model's clock ahead of ours: used just now
+
+    async def _stop(self, model: ClusterModel) -> None:
+        model.stop_requested = True
+        logger.info("stopping idle %s/%s", model.namespace, model.name)
+        try:
+            await self._patch_stop(model, "true")
+        except Exception as exc:  # refused, or the API server unreachable: the reaper must live on
+            model.stop_requested = False
+            # Back off: a refusal (403 without the Standard-mode RBAC) does not go away by itself.
+            model.stop_failures += 1
+            delay = min(STOP_RETRY_MAX_S, STOP_RETRY_FIRST_S * 2 ** (model.stop_failures - 1))
+            model.stop_retry_at = time.monotonic() + delay
+            refused = isinstance(exc, ApiError) and exc.status.code == 403
+            hint = f"; {STANDARD_MODE_HINT}" if refused and model.stop_failures == 1 else ""
+            logger.warning("could not stop idle %s/%s: %s%s; retrying in %.0fs",
+                           model.namespace, model.name, _describe(exc), hint, delay)  # fmt: skip
+        else:
+            model.stop_failures = 0
+            model.stop_retry_at = 0.0

@@ -110,6 +110,7 @@ def endpoint(
             name = model_name()
             started = time.perf_counter()
             metrics.IN_FLIGHT.labels(name).inc()
+            metrics.LAST_REQUEST.labels(name).set_to_current_time()
             outcome = "ok"
             try:
                 response = await handler(*args, **kwargs)
@@ -125,6 +126,7 @@ def endpoint(
                 return error_response(InternalError())
             finally:
                 metrics.IN_FLIGHT.labels(name).dec()
+                metrics.LAST_REQUEST.labels(name).set_to_current_time()
                 metrics.REQUESTS.labels(name, route, outcome).inc()
                 metrics.LATENCY.labels(name, route).observe(time.perf_counter() - started)
 

@@ -20,6 +20,10 @@ LATENCY = Histogram(
     buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
 IN_FLIGHT = Gauge("universal_predictor_in_flight", "Requests being processed now.", ["model"])
+# The gateway's Standard-mode TTL reads this (with IN_FLIGHT): each gateway replica sees only its own traffic.
+LAST_REQUEST = Gauge(
+    "universal_predictor_last_request_timestamp_seconds", "Unix time of the latest request start or end.", ["model"]
+)
 QUEUE_DEPTH = Gauge("universal_predictor_queue_depth", "Items waiting for the model.", ["model"])
 BATCH_SIZE = Histogram("universal_predictor_batch_size", "Items per forward pass.", ["model"], buckets=_BATCH_BUCKETS)
 ITEMS = Counter("universal_predictor_items_total", "Items processed (sentences, pairs, images, rows).", ["model"])

@@ -7,6 +7,7 @@ statuses (and, in Standard mode, reacting to the stop annotation the gateway own
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from openai import AsyncOpenAI
 
 from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
-from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator
+from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
+from tests.support.rbac import Grant, RbacEmulator, allows
 from universal_gateway.app import Gateway
+from universal_gateway.backends import ModelState
 from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends, rbac_rules
 from universal_predictors.config import PredictorConfig, Task
 
@@ -44,11 +47,11 @@ async def gateway(cluster: ServedEmulator) -> AsyncIterator[tuple[str, Kubernete
         yield f"{url}/v1", backends
 
 
-def model_manifest(mode: str = "Knative", idle: str = "5m") -> dict[str, Any]:
+def model_manifest(mode: str = "Knative", idle: str = "5m", namespace: str = "default") -> dict[str, Any]:
     return {
         "apiVersion": "serving.universal-runtime.dev/v1alpha1",
         "kind": "UniversalModel",
-        "metadata": {"name": "embedder", "namespace": "default"},
+        "metadata": {"name": "embedder", "namespace": namespace},
         "spec": {
             "task": "embed",
             "servedName": SERVED,
@@ -58,27 +61,46 @@ def model_manifest(mode: str = "Knative", idle: str = "5m") -> dict[str, Any]:
     }
 
 
+ISVC_MANIFEST = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+                 "metadata": {"name": "embedder", "namespace": "default"}, "spec": {"predictor": {}}}  # fmt: skip
+
+
 async def create(cluster: ServedEmulator, plural: str, body: dict[str, Any]) -> None:
     emulator = cluster.emulator
     # Marked as the harness's own write: the RBAC checks look at the gateway's requests alone.
     headers = {HARNESS_HEADER: "true"}
-    async with emulator.post(emulator.url_for(plural, "default"), json=body, headers=headers) as response:
+    url = emulator.url_for(plural, body["metadata"]["namespace"])
+    async with emulator.post(url, json=body, headers=headers) as response:
         assert response.status == 201, await response.text()
+
+
+async def delete(cluster: ServedEmulator, plural: str, namespace: str, name: str) -> None:
+    emulator = cluster.emulator
+    url = emulator.url_for(plural, namespace, name)
+    async with emulator.delete(url, headers={HARNESS_HEADER: "true"}) as response:
+        assert response.status == 200, await response.text()
 
 
 def assert_within_rbac(cluster: ServedEmulator, *, standard_mode: bool) -> set[tuple[str, str]]:
     """Every request the gateway made is one ``rbac_rules`` grants; returns the (verb, plural) pairs used."""
-    rules = rbac_rules(standard_mode=standard_mode)
-    used = {(a.verb, a.group, a.plural, a.subresource) for a in cluster.emulator.access_log}
-    for verb, group, plural, subresource in used:
-        granted = any(group in r["apiGroups"] and plural in r["resources"] and verb in r["verbs"] for r in rules)
-        assert subresource is None, f"the gateway did {verb} {plural}/{subresource}: no rule grants a subresource"
-        assert granted, f"the gateway did {verb} {plural}, outside {rules}"
-    return {(verb, plural) for verb, _, plural, _ in used}
+    grants = [Grant(rules=tuple(rbac_rules(standard_mode=standard_mode)))]
+    outside = [access for access in cluster.emulator.access_log if not allows(grants, access)]
+    assert outside == [], f"the gateway did what {rbac_rules(standard_mode=standard_mode)} does not grant"
+    return {(access.verb, access.plural) for access in cluster.emulator.access_log}
 
 
-def status(phase: str, address: str | None) -> dict[str, Any]:
-    return {"phase": phase, "servedName": SERVED, "backend": "transformers", "address": address}
+def status(phase: str, address: str | None, **extra: Any) -> dict[str, Any]:
+    return {"phase": phase, "servedName": SERVED, "backend": "transformers", "address": address, **extra}
+
+
+def annotations(cluster: ServedEmulator) -> dict[str, str]:
+    isvc = cluster.emulator.get_object(ISVC, "default", "embedder") or {}
+    return dict(isvc.get("metadata", {}).get("annotations") or {})
+
+
+def state(backends: KubernetesBackends) -> ModelState | None:
+    view = backends.find(SERVED)
+    return view.state if view is not None else None
 
 
 async def test_models_follow_status_and_requests_reach_the_address(
@@ -89,21 +111,23 @@ async def test_models_follow_status_and_requests_reach_the_address(
     await backends.wait_synced()
     client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
 
-    listed = await client.models.list()
-    assert [m.id for m in listed.data] == [SERVED]
-    assert listed.data[0].model_dump()["state"] == "loading"
+    async def listed() -> list[dict[str, Any]]:
+        return [m.model_dump() for m in (await client.models.list()).data]
+
+    [card] = await eventually(listed)
+    assert (card["id"], card["state"]) == (SERVED, "loading")
 
     await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
 
     async def ready() -> bool:
-        return (await client.models.list()).data[0].model_dump()["state"] == "ready"
+        return (await listed())[0]["state"] == "ready"
 
     await eventually(ready)
     result = await client.embeddings.create(model=SERVED, input="routed through the cluster gateway")
     assert len(result.data[0].embedding) == 384
 
     await cluster.emulator.put_status(UM, "default", "embedder", status("Failed", upstream.url))
-    await eventually(lambda: backends.find(SERVED) and backends.find(SERVED).state.value == "failed")  # type: ignore[union-attr]
+    await eventually(lambda: state(backends) is ModelState.FAILED)
     async with httpx.AsyncClient() as http:
         response = await http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"})
     assert response.status_code == 503
@@ -117,27 +141,18 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
 ) -> None:
     base_url, backends = gateway
     await create(cluster, UM, model_manifest(mode="Standard", idle="1s"))
-    await create(
-        cluster,
-        ISVC,
-        {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
-         "metadata": {"name": "embedder", "namespace": "default"}, "spec": {"predictor": {}}},
-    )  # fmt: skip
+    await create(cluster, ISVC, ISVC_MANIFEST)
     await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
     await backends.wait_synced()
 
-    def annotations() -> dict[str, str]:
-        isvc = cluster.emulator.get_object(ISVC, "default", "embedder") or {}
-        return dict(isvc.get("metadata", {}).get("annotations") or {})
-
     # Idle past idleTimeout: the gateway stops it.
-    await eventually(lambda: annotations().get(STOP_ANNOTATION) == "true", within=15)
+    await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=15)
     await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url))
-    await eventually(lambda: backends.find(SERVED).state.value == "idle")  # type: ignore[union-attr]
+    await eventually(lambda: state(backends) is ModelState.IDLE)
 
     # Play KServe + operator: once the stop annotation is gone, the model comes back Ready.
     async def kserve() -> None:
-        await eventually(lambda: STOP_ANNOTATION not in annotations(), within=30)
+        await eventually(lambda: STOP_ANNOTATION not in annotations(cluster), within=30)
         await asyncio.sleep(0.3)  # a model takes a moment to come up; requests must be held meanwhile
         await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
 
@@ -150,3 +165,144 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
     # Five concurrent requests, one wake.
     assert cluster.emulator.write_count(ISVC, "default", "embedder") == 1
     assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)
+
+
+async def test_a_gateway_replica_without_traffic_does_not_stop_a_model_another_replica_is_serving(
+    cluster: ServedEmulator, upstream: PredictorProcess
+) -> None:
+    idle = 2.0
+    await create(cluster, UM, model_manifest(mode="Standard", idle=f"{idle:.0f}s"))
+    await create(cluster, ISVC, ISVC_MANIFEST)
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    quiet = KubernetesBackends(["default"], reap_interval=0.2)  # replica A: no request reaches it
+    busy = KubernetesBackends(["default"], reap_interval=0.2)  # replica B: every request
+    async with Gateway(quiet).serving(), Gateway(busy).serving() as busy_url:
+        await eventually(lambda: state(quiet) is state(busy) is ModelState.READY)
+        client = AsyncOpenAI(base_url=f"{busy_url}/v1", api_key="x", max_retries=0)
+        loop = asyncio.get_running_loop()
+        for window in range(3):
+            # Requests through B for one whole idleTimeout: A sees none of them.
+            until = loop.time() + idle
+            while loop.time() < until:
+                await client.embeddings.create(model=SERVED, input=f"window {window}")
+                await asyncio.sleep(0.2)
+            assert STOP_ANNOTATION not in annotations(cluster), f"stopped while in use (window {window})"
+        # No more requests: idle on every replica, so it is stopped.
+        await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=20)
+    assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)
+
+
+@pytest.fixture
+async def knative_only_cluster(
+    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[ServedEmulator]:
+    """The emulator enforcing the rules the chart grants with ``gateway.standardMode: false``."""
+    emulator = RbacEmulator(grants=[Grant(rules=tuple(rbac_rules(standard_mode=False)))])
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as served:
+        monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
+        yield served
+
+
+async def test_a_refused_stop_backs_off_and_its_first_warning_says_which_rbac_is_missing(
+    knative_only_cluster: ServedEmulator, upstream: PredictorProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster, reap_interval = knative_only_cluster, 0.1
+    emulator = cluster.emulator
+    assert isinstance(emulator, RbacEmulator)
+    await create(cluster, UM, model_manifest(mode="Standard", idle="1s"))
+    await create(cluster, ISVC, ISVC_MANIFEST)
+    await emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+
+    def refused_stops() -> int:
+        return sum(1 for access in emulator.denied if (access.verb, access.plural) == ("patch", ISVC))
+
+    backends = KubernetesBackends(["default"], reap_interval=reap_interval)
+    caplog.set_level(logging.WARNING, logger="universal_gateway.cluster")
+    await backends.start()
+    try:
+        await eventually(lambda: refused_stops() >= 1, within=15)
+        await asyncio.sleep(20 * reap_interval)  # twenty reaper ticks
+        assert refused_stops() == 1  # not once a tick
+    finally:
+        await backends.close()
+    [warning] = [r.getMessage() for r in caplog.records if "could not stop" in r.getMessage()]
+    assert "403" in warning
+    assert "gateway.standardMode=true" in warning
+    assert "patch" in warning
+
+
+async def test_two_models_serving_one_name_route_to_the_oldest_and_hand_over_when_it_goes(
+    cluster: ServedEmulator, upstream: PredictorProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    emulator = cluster.emulator
+    # The older one sorts after the younger by namespace: only its age can make it win.
+    await create(cluster, UM, model_manifest(namespace="team-b"))
+    older = (emulator.get_object(UM, "team-b", "embedder") or {})["metadata"]["creationTimestamp"]
+    await eventually(lambda: rfc3339() > older, within=5)  # creationTimestamp has one-second resolution
+    await create(cluster, UM, model_manifest(namespace="default"))
+    await emulator.put_status(UM, "team-b", "embedder", status("Ready", upstream.url))
+    await emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    caplog.set_level(logging.INFO, logger="universal_gateway.cluster")
+
+    def serving() -> tuple[str, str] | None:
+        view = backends.find(SERVED)
+        return (view.extra["namespace"], view.message) if view is not None else None
+
+    def conflict_warnings() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "both serve" in r.getMessage()
+        ]
+
+    backends = KubernetesBackends()  # all namespaces: one watch, so events arrive in the order written
+    async with Gateway(backends).serving() as url:
+        await backends.wait_synced()
+        assert serving() == ("team-b", "")
+        assert [v.name for v in backends.models()] == [SERVED]
+
+        # The older one changes, then the younger: the last event does not move the name. A third model
+        # showing up proves both changes were seen.
+        await emulator.put_status(UM, "team-b", "embedder", status("Ready", upstream.url, message="older"))
+        await emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url, message="younger"))
+        marker = model_manifest()
+        marker["metadata"]["name"] = marker["spec"]["servedName"] = "marker"
+        await create(cluster, UM, marker)
+        await eventually(lambda: backends.find("marker") is not None)
+        assert serving() == ("team-b", "older")
+        [warning] = conflict_warnings()
+        assert "team-b/embedder" in warning
+        assert "default/embedder" in warning
+
+        # The older one goes: the other serves the name, and requests reach it.
+        await delete(cluster, UM, "team-b", "embedder")
+        await eventually(lambda: serving() == ("default", "younger"))
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        result = await client.embeddings.create(model=SERVED, input="served by the one left")
+        assert len(result.data[0].embedding) == 384
+    assert len(conflict_warnings()) == 1
+
+
+async def test_readyz_is_503_until_models_are_listed_and_while_the_watch_fails(cluster: ServedEmulator) -> None:
+    emulator = cluster.emulator
+    refusal = emulator.inject_failures(403, times=1_000_000, methods=["GET"], resource=UM)
+    # The emulator ends each watch after a second: resuming it meets the next injected failure.
+    backends = KubernetesBackends(["default"], watch_timeout=1)
+    async with Gateway(backends).serving() as url, httpx.AsyncClient() as http:
+
+        async def readyz(expected: int, saying: str = "") -> httpx.Response | None:
+            response = await http.get(f"{url}/readyz")
+            return response if response.status_code == expected and saying in response.text else None
+
+        # Never listed: not ready, and the reason names the failure.
+        response = await eventually(lambda: readyz(503, "403"))
+        error = response.json()["error"]
+        assert (error["code"], error["type"]) == ("not_ready", "server_error")
+        assert "not listed yet" in error["message"]
+
+        refusal.remaining = 0
+        await eventually(lambda: readyz(200))
+
+        # Listed once, then the watch fails: not ready until a list succeeds again.
+        refusal = emulator.inject_failures(403, times=1_000_000, methods=["GET"], resource=UM)
+        await eventually(lambda: readyz(503, "fails"))
+        refusal.remaining = 0
+        await eventually(lambda: readyz(200))

@@ -500,6 +500,7 @@ class GenerationService:
             if not completed:  # the client went away: before the first token, mid-stream, or before the body
                 metrics.CANCELLED.labels(self.model_name).inc()
             in_flight.dec()
+            metrics.LAST_REQUEST.labels(self.model_name).set_to_current_time()  # the stream's end is a use too
 
         return _GenerationStream(
             events(),
