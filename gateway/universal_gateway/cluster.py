@@ -106,6 +106,8 @@ class ClusterModel:
     body: dict[str, Any]
     stats: UsageStats = field(default_factory=UsageStats)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set while the model is Ready or Failed: what a request held for it waits on.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
     waking: asyncio.Task[None] | None = None
     stop_requested: bool = False
     #: Latest use another gateway replica served, as the model reported it (monotonic seconds).
@@ -317,6 +319,10 @@ class KubernetesBackends(Backends):
             model.stop_requested = False
         else:
             model.ready.clear()
+        if model.state in (ModelState.READY, ModelState.FAILED):
+            model.settled.set()
+        else:
+            model.settled.clear()
         return key
 
     def _route(self) -> None:
@@ -374,13 +380,14 @@ class KubernetesBackends(Backends):
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[str]:
-        model = self._models[name]
+        model = self._models.get(name)
+        if model is None:  # deleted between the gateway's lookup and now
+            raise Unavailable(f"The model {name!r} is being removed.", code="model_not_found", retry_after=5)
         async with counted(model.stats):
+            self._raise_if_failed(model)  # a failed model is not woken: it answers 503 at once
             if model.standard_mode and model.state is not ModelState.READY:
                 await self._wake(model)
-            if model.state is ModelState.FAILED:
-                raise Unavailable(f"The model {name!r} has failed: {model.status.get('message', '')}",
-                                  code="model_failed", retry_after=30)  # fmt: skip
+            self._raise_if_failed(model)
             if model.address is None:
                 if not model.standard_mode:
                     await self._wait_ready(model, model.startup_timeout)
@@ -405,9 +412,17 @@ class KubernetesBackends(Backends):
             message = f"Could not change {model.name}'s stop annotation: {_describe(exc)}{hint}"
             raise Unavailable(message, retry_after=5) from None
 
+    @staticmethod
+    def _raise_if_failed(model: ClusterModel) -> None:
+        if model.state is ModelState.FAILED:
+            raise Unavailable(f"The model {model.served_name!r} has failed: {model.status.get('message', '')}",
+                              code="model_failed", retry_after=30)  # fmt: skip
+
     async def _wait_ready(self, model: ClusterModel, within: float) -> None:
+        """Until the model is Ready; 503 as soon as it fails instead (not at the end of ``within``)."""
         try:
-            await asyncio.wait_for(model.ready.wait(), within)
+            await asyncio.wait_for(model.settled.wait(), within)
+            self._raise_if_failed(model)
         except TimeoutError:
             raise Unavailable(
                 f"The model {model.served_name!r} did not become ready within its startupTimeout.",

