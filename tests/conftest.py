@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,21 +87,22 @@ async def cluster(
         yield served
 
 
-@pytest.fixture
-async def operator(cluster: ServedEmulator, operator_config: OperatorConfig) -> AsyncIterator[OperatorState]:
-    """The real kopf operator, in a thread with its own event loop (as in its own process), watching the emulator.
+@contextlib.asynccontextmanager
+async def embedded_operator(config: OperatorConfig) -> AsyncIterator[OperatorState]:
+    """The real kopf operator, in a thread with its own event loop (as in its own process), watching the
+    cluster $KUBECONFIG names.
 
     Its own loop matters: on stop, kopf waits for every task of its loop, which would include the
     emulator's open watch streams if they shared one.
     """
-    state = OperatorState(config=operator_config, api=KubeApi())
+    state = OperatorState(config=config, api=KubeApi())
     stop, ready = threading.Event(), threading.Event()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            asyncio.run(run_embedded(operator_config, stop_flag=stop, ready_flag=ready, state=state))
-        except BaseException as exc:  # reported to the test below
+            asyncio.run(run_embedded(config, stop_flag=stop, ready_flag=ready, state=state))
+        except BaseException as exc:  # reported to the caller below
             failure.append(exc)
             ready.set()
 
@@ -115,3 +117,10 @@ async def operator(cluster: ServedEmulator, operator_config: OperatorConfig) -> 
         stop.set()
         await asyncio.to_thread(thread.join, 30)
         assert not thread.is_alive(), "the operator did not stop within 30s"
+
+
+@pytest.fixture
+async def operator(cluster: ServedEmulator, operator_config: OperatorConfig) -> AsyncIterator[OperatorState]:
+    """The real operator watching the emulator (see :func:`embedded_operator`)."""
+    async with embedded_operator(operator_config) as state:
+        yield state

@@ -10,10 +10,8 @@ behaviour under test allows.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ import yaml
 from lightkube import AsyncClient
 from openai import AsyncOpenAI
 
-from tests.conftest import TEST_OPERATOR_CONFIG, eventually, load_manifest
+from tests.conftest import TEST_OPERATOR_CONFIG, embedded_operator, eventually, load_manifest
 from tests.support.kserve_processes import (
     DEFAULT_SOURCES,
     STOP_ANNOTATION,
@@ -36,10 +34,7 @@ from tests.support.kserve_processes import (
 from tests.support.kube_emulator import ServedEmulator, serve_emulator
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
-from universal_operator.config import OperatorConfig, parse_config
-from universal_operator.handlers import OperatorState
-from universal_operator.kube import KubeApi
-from universal_operator.runner import run_embedded
+from universal_operator.config import parse_config
 
 pytestmark = [pytest.mark.operator, pytest.mark.asyncio(loop_scope="module")]
 
@@ -83,32 +78,6 @@ class SimulatedCluster:
     async def embed(self, model: str, texts: list[str]) -> list[list[float]]:
         result = await self.openai.embeddings.create(model=model, input=texts)
         return [item.embedding for item in sorted(result.data, key=lambda d: d.index)]
-
-
-@contextlib.asynccontextmanager
-async def embedded_operator(config: OperatorConfig) -> AsyncIterator[None]:
-    """The real kopf operator in a thread with its own loop, as in its own process (see tests/conftest.py)."""
-    state = OperatorState(config=config, api=KubeApi())
-    stop, ready = threading.Event(), threading.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(run_embedded(config, stop_flag=stop, ready_flag=ready, state=state))
-        except BaseException as exc:  # reported below
-            failure.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=run, name="operator", daemon=True)
-    thread.start()
-    assert await asyncio.to_thread(ready.wait, 30), "the operator did not become ready within 30s"
-    if failure:
-        raise failure[0]
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 30)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

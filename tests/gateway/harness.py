@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 
 from tests.predictors.harness import OFFLINE_ENV, free_port
+from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_predictors.config import Task
 
 
 @dataclass
@@ -96,3 +98,26 @@ def wait_for(check: Any, within: float = 30.0, interval: float = 0.1) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {within}s")
         time.sleep(interval)
+
+
+class OneUpstream(Backends):
+    """One ready model at a fixed upstream URL: the proxy path without any supervision."""
+
+    def __init__(self, url: str, name: str, task: Task) -> None:
+        self.url = url
+        self.view = ModelView(name=name, task=task, backend="test", state=ModelState.READY)
+        self.stats = UsageStats()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def models(self) -> list[ModelView]:
+        return [self.view]
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[str]:
+        async with counted(self.stats):
+            yield self.url

@@ -3,7 +3,6 @@ methods it does not serve, and CORS. The upstream is a real HTTP server that ech
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -11,34 +10,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.gateway.harness import OneUpstream
 from universal_gateway.app import Gateway, multipart_model
-from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_predictors.config import Task
 from universal_predictors.errors import InvalidRequest
 
 FIELD = b"Content-Disposition: form-data; "
 OCR = "org/reader"  # a served name with a slash, as Hugging Face ids have
-
-
-class EchoBackends(Backends):
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.views = [ModelView(name=OCR, task=Task.OCR, backend="test", state=ModelState.READY)]
-        self.stats = UsageStats()
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def models(self) -> list[ModelView]:
-        return self.views
-
-    @contextlib.asynccontextmanager
-    async def lease(self, name: str) -> AsyncIterator[str]:
-        async with counted(self.stats):
-            yield self.url
 
 
 @pytest.fixture
@@ -53,7 +31,9 @@ async def gateway() -> AsyncIterator[str]:
     upstream = TestServer(app)
     await upstream.start_server()
     try:
-        gateway = Gateway(EchoBackends(str(upstream.make_url("")).rstrip("/")), cors_origins=["https://app.example"])
+        gateway = Gateway(
+            OneUpstream(str(upstream.make_url("")).rstrip("/"), OCR, Task.OCR), cors_origins=["https://app.example"]
+        )
         async with gateway.serving() as url:
             yield url
     finally:

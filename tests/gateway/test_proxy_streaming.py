@@ -8,7 +8,6 @@ upstream connection, a dying upstream is a 502 or an error event, and keep-alive
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 from collections.abc import AsyncIterator
@@ -20,32 +19,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import eventually
+from tests.gateway.harness import OneUpstream
 from universal_gateway.app import Gateway
-from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_predictors.config import Task
 
 MODEL = "stream-model"
-
-
-class OneUpstream(Backends):
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.view = ModelView(name=MODEL, task=Task.GENERATE, backend="test", state=ModelState.READY)
-        self.stats = UsageStats()
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def models(self) -> list[ModelView]:
-        return [self.view]
-
-    @contextlib.asynccontextmanager
-    async def lease(self, name: str) -> AsyncIterator[str]:
-        async with counted(self.stats):
-            yield self.url
 
 
 @dataclass
@@ -128,7 +106,8 @@ async def proxied() -> AsyncIterator[tuple[str, Upstream]]:
     await upstream.start_server(keepalive_timeout=0.3)
     state.server = upstream
     try:
-        async with Gateway(OneUpstream(str(upstream.make_url("")).rstrip("/"))).serving() as gateway:
+        backends = OneUpstream(str(upstream.make_url("")).rstrip("/"), MODEL, Task.GENERATE)
+        async with Gateway(backends).serving() as gateway:
             yield f"{gateway}/v1/chat/completions", state
     finally:
         await upstream.close()
@@ -224,7 +203,7 @@ async def test_an_unreachable_upstream_is_a_502() -> None:
     address = str(dead.make_url("")).rstrip("/")
     await dead.close()  # nothing listens there now
     async with (
-        Gateway(OneUpstream(address)).serving() as gateway,
+        Gateway(OneUpstream(address, MODEL, Task.GENERATE)).serving() as gateway,
         aiohttp.ClientSession() as session,
         session.post(f"{gateway}/v1/chat/completions", json=chat("plain")) as response,
     ):
