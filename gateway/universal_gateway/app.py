@@ -75,6 +75,8 @@ class GatewayLimits:
     max_queue_per_model: int = 256
     connect_timeout: float = 5.0
     read_timeout: float = 600.0
+    #: How long a client may pause while sending a request before it gets 408.
+    receive_timeout: float = 60.0
 
 
 @dataclass
@@ -189,6 +191,7 @@ class Gateway:
             self.handle,
             max_body_bytes=self.limits.max_body_bytes,
             extra_headers=self._cors if self.cors_origins else None,
+            receive_timeout_s=self.limits.receive_timeout,
         )
         await server.start(host, port)
         self._server = server

@@ -9,8 +9,9 @@ What it does: keep-alive and pipelined requests (answered in order), ``Expect: 1
 limit checked against the declared length before the body is read and while a chunked body arrives
 (413), a bound on the request line and headers (431), fixed-length and chunked answers, backpressure
 on streamed answers (a write waits while the client's socket buffer is full), a callback the moment
-the client goes away, idle keep-alive connections closed after ``keepalive_s``, and a close that
-lets requests in flight finish. Not here: TLS (the ingress terminates it), HTTP/2, upgrades.
+the client goes away, 408 for a request whose bytes stop arriving for ``receive_timeout_s``, idle
+keep-alive connections closed after ``keepalive_s``, and a close that lets requests in flight finish.
+Not here: TLS (the ingress terminates it), HTTP/2, upgrades.
 """
 
 from __future__ import annotations
@@ -156,11 +157,15 @@ class HttpServer:
         max_body_bytes: int,
         extra_headers: ExtraHeaders | None = None,
         keepalive_s: float = 75.0,
+        receive_timeout_s: float = 60.0,
     ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.extra_headers = extra_headers
         self.keepalive_s = keepalive_s
+        #: A request being received may go this long without a byte arriving (a stalled or trickling
+        #: client must not hold a connection and its buffers forever): then 408 and close.
+        self.receive_timeout_s = receive_timeout_s
         self.connections: set[_Connection] = set()
         self.closing = False
         #: Set once the server is closing and its last connection has closed.
@@ -235,6 +240,8 @@ class _Connection(asyncio.Protocol):
         self._discarding = False
         self._linger = True  # after a refusal, read and drop the rest of the body before closing
         self._completed = False  # a message ended during the current data_received
+        self._last_read = 0.0  # loop time of the latest bytes, for the receive timeout
+        self._receiving: asyncio.TimerHandle | None = None  # armed only while a message stays incomplete
 
     # -- asyncio.Protocol
 
@@ -276,10 +283,36 @@ class _Connection(asyncio.Protocol):
             self._close_after_answer = True
             self._head_open = False
             self._refuse(_head_too_large())
+            return
+        if self._request is not None and not self._discarding:
+            # A message is still incomplete after this chunk (a small request never gets here).
+            self._last_read = asyncio.get_running_loop().time()
+            if self._receiving is None:
+                self._receiving = asyncio.get_running_loop().call_later(
+                    self.server.receive_timeout_s, self._receive_timed_out
+                )
+
+    def _receive_timed_out(self) -> None:
+        self._receiving = None
+        if self._request is None or self._discarding or self.gone:
+            return
+        waited = asyncio.get_running_loop().time() - self._last_read
+        if waited < self.server.receive_timeout_s:  # bytes came meanwhile: wait out the rest
+            self._receiving = asyncio.get_running_loop().call_later(
+                self.server.receive_timeout_s - waited, self._receive_timed_out
+            )
+            return
+        self._stop_reading()
+        self._close_after_answer = True
+        self._head_open = False
+        self._refuse(APIError(f"Nothing of the request arrived for {self.server.receive_timeout_s:g} s; "
+                              "send it whole, or not at all.", status_code=408, code="request_timeout"))  # fmt: skip
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server.connections.discard(self)
+        if self._receiving is not None:
+            self._receiving.cancel()
         if self.server.closing and not self.server.connections:
             self.server.drained.set()
         if self._idle is not None:
@@ -382,6 +415,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._completed = True
+        if self._receiving is not None:
+            self._receiving.cancel()
+            self._receiving = None
         request = self._request
         self._request = None
         if self._discarding:

@@ -801,6 +801,38 @@ async def test_a_request_still_arriving_is_not_cut_off_by_the_idle_timer(harness
     assert (await slow.read_answer()).body == b"GET /second "
 
 
+@pytest.mark.parametrize(
+    "partial",
+    [b"GET /stalled HTTP/1.1\r\nHost: te", b"POST /up HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n\r\nabc"],
+    ids=["head", "body"],
+)
+async def test_a_request_that_stops_arriving_gets_408_and_the_connection_closes(
+    harness: Harness, partial: bytes
+) -> None:
+    recorder = Recorder()
+    server = await harness.serve(recorder, receive_timeout_s=0.2)
+    client = await harness.connect(server)
+    await client.send(partial)
+    answer = await client.read_answer()
+    assert answer.status == 408
+    assert answer.header("connection") == "close"
+    assert answer.error()["code"] == "request_timeout"
+    assert await client.at_eof()
+    assert recorder.requests == []
+
+
+async def test_a_slow_sender_whose_bytes_keep_coming_is_not_cut_off(harness: Harness) -> None:
+    server = await harness.serve(echo, receive_timeout_s=1.0)
+    client = await harness.connect(server)
+    await client.send(b"POST /slow HTTP/1.1\r\nHost: test\r\nContent-Length: 5\r\n\r\n")
+    for byte in b"hello":  # 1.5 s in all, more than the timeout, never 1 s without a byte
+        await asyncio.sleep(0.3)
+        await client.send(bytes([byte]))
+    answer = await client.read_answer()
+    assert answer.status == 200
+    assert answer.body == b"POST /slow hello"
+
+
 async def test_close_finishes_the_request_in_flight_closes_idle_connections_and_refuses_new_ones(
     harness: Harness,
 ) -> None:
