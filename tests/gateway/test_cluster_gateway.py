@@ -81,6 +81,13 @@ async def delete(cluster: ServedEmulator, plural: str, namespace: str, name: str
         assert response.status == 200, await response.text()
 
 
+async def standard_model(cluster: ServedEmulator, idle: str, phase: str, address: str) -> None:
+    """A Standard-mode UniversalModel, its InferenceService (the stop annotation's target) and a status."""
+    await create(cluster, UM, model_manifest(mode="Standard", idle=idle))
+    await create(cluster, ISVC, ISVC_MANIFEST)
+    await cluster.emulator.put_status(UM, "default", "embedder", status(phase, address))
+
+
 def assert_within_rbac(cluster: ServedEmulator, *, standard_mode: bool) -> set[tuple[str, str]]:
     """Every request the gateway made is one ``rbac_rules`` grants; returns the (verb, plural) pairs used."""
     grants = [Grant(rules=tuple(rbac_rules(standard_mode=standard_mode)))]
@@ -140,9 +147,7 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
     cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
 ) -> None:
     base_url, backends = gateway
-    await create(cluster, UM, model_manifest(mode="Standard", idle="1s"))
-    await create(cluster, ISVC, ISVC_MANIFEST)
-    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    await standard_model(cluster, "1s", "Ready", upstream.url)
     await backends.wait_synced()
 
     # Idle past idleTimeout: the gateway stops it.
@@ -171,9 +176,7 @@ async def test_a_failed_standard_mode_model_answers_503_at_once_and_is_not_woken
     cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
 ) -> None:
     base_url, backends = gateway
-    await create(cluster, UM, model_manifest(mode="Standard", idle="5m"))
-    await create(cluster, ISVC, ISVC_MANIFEST)
-    await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url))
+    await standard_model(cluster, "5m", "Idle", upstream.url)
     await backends.wait_synced()
     await eventually(lambda: state(backends) is ModelState.IDLE)
     cluster.emulator.reset_writes()
@@ -198,9 +201,7 @@ async def test_a_gateway_replica_without_traffic_does_not_stop_a_model_another_r
     cluster: ServedEmulator, upstream: PredictorProcess
 ) -> None:
     idle = 2.0
-    await create(cluster, UM, model_manifest(mode="Standard", idle=f"{idle:.0f}s"))
-    await create(cluster, ISVC, ISVC_MANIFEST)
-    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    await standard_model(cluster, f"{idle:.0f}s", "Ready", upstream.url)
     quiet = KubernetesBackends(["default"], reap_interval=0.2)  # replica A: no request reaches it
     busy = KubernetesBackends(["default"], reap_interval=0.2)  # replica B: every request
     async with Gateway(quiet).serving(), Gateway(busy).serving() as busy_url:
@@ -236,9 +237,7 @@ async def test_a_refused_stop_backs_off_and_its_first_warning_says_which_rbac_is
     cluster, reap_interval = knative_only_cluster, 0.1
     emulator = cluster.emulator
     assert isinstance(emulator, RbacEmulator)
-    await create(cluster, UM, model_manifest(mode="Standard", idle="1s"))
-    await create(cluster, ISVC, ISVC_MANIFEST)
-    await emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    await standard_model(cluster, "1s", "Ready", upstream.url)
 
     def refused_stops() -> int:
         return sum(1 for access in emulator.denied if (access.verb, access.plural) == ("patch", ISVC))
