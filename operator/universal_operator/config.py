@@ -56,10 +56,59 @@ class Profile(_Model):
     shm_size: str | None = Field(default=None, description="Size of a memory-backed /dev/shm (vLLM, NCCL).")
 
 
+#: KServe releases the operator renders for (major.minor[.patch]); see the README's support matrix.
+KSERVE_VERSION = r"^0\.(1[4-9]|[2-9][0-9])(\.[0-9]+)?$"
+DEFAULT_KSERVE_VERSION = "0.16.0"
+
+
+class KServeSettings(_Model):
+    """What the cluster's KServe is: what it accepts and reports differs between releases."""
+
+    version: str = Field(
+        default=DEFAULT_KSERVE_VERSION,
+        pattern=KSERVE_VERSION,
+        description="The KServe release installed in the cluster, e.g. 0.15.2 (0.14 or later).",
+    )
+
+    @property
+    def release(self) -> tuple[int, int, int]:
+        """The version as a comparable tuple (a missing patch counts as 0)."""
+        parts = [int(part) for part in self.version.split(".")]
+        return (parts[0], parts[1], parts[2] if len(parts) > 2 else 0)
+
+
+class KnativeSettings(_Model):
+    """What the cluster's Knative Serving admits beyond its defaults."""
+
+    features: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Knative config-features flags this cluster has set to Enabled, e.g. kubernetes.podspec-securitycontext; "
+            "empty: a default install."
+        ),
+    )
+    max_revision_timeout_seconds: int = Field(
+        default=600,
+        ge=1,
+        description="Knative's config-defaults max-revision-timeout-seconds (600 on a default install).",
+    )
+
+
+class PodSecurity(_Model):
+    """The predictor pods' identity; leave the IDs empty where the platform assigns them (OpenShift)."""
+
+    run_as_user: int | None = Field(default=1000, ge=0)
+    run_as_group: int | None = Field(default=1000, ge=0)
+    fs_group: int | None = Field(default=1000, ge=0)
+
+
 class OperatorConfig(_Model):
     """Everything the operator is told by its deployer."""
 
     images: Images = Field(default_factory=Images)
+    kserve: KServeSettings = Field(default_factory=KServeSettings)
+    knative: KnativeSettings = Field(default_factory=KnativeSettings)
+    pod_security: PodSecurity = Field(default_factory=PodSecurity)
     profiles: dict[str, Profile] = Field(default_factory=dict)
     default_profile: str | None = None
     namespaces: list[str] = Field(default_factory=list, description="Watched namespaces; empty: cluster-wide.")
