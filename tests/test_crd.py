@@ -268,6 +268,10 @@ INVALID = {
         {"spec": {"task": "ocr", "backend": "vllm", "source": {"uri": "/opt/ocr"}}},
         ".spec: backend does not serve this task",
     ),
+    "embed with vllm (no vLLM encoder: it would crash-loop)": (
+        {"spec": {"task": "embed", "backend": "vllm", "source": {"uri": "hf://BAAI/bge-m3"}}},
+        ".spec: backend does not serve this task",
+    ),
     "source.file on a rerank model": (
         {"spec": {"task": "rerank", "source": {"uri": "hf://BAAI/bge-reranker-base", "file": "*.gguf"}}},
         ".spec: source.file picks a GGUF file",

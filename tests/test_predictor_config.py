@@ -175,3 +175,56 @@ def test_file_patterns_apply_to_backends_that_serve_their_tasks() -> None:
 def test_values_starting_with_a_dash_survive_the_command_line(field: str) -> None:
     config = MINIMAL.model_copy(update={field: "-rc1"})
     assert PredictorConfig.from_args(config.to_args()) == config
+
+
+# --------------------------------------------------------------------------------------------------
+# GPUs: vLLM shards a model over every GPU the replica gets
+
+
+def _vllm_engine_args(resources: str, engine_args: str = "{}") -> dict[str, str]:
+    from tests.factories import model
+    from universal_operator.reconcile import predictor_config
+
+    manifest = f"""
+    metadata: {{name: llama}}
+    spec:
+      task: generate
+      backend: vllm
+      source: {{uri: 's3://models/llama-70b'}}
+      resources: {resources}
+      engineArgs: {engine_args}
+    """
+    return predictor_config(model(manifest)).engine_args
+
+
+def test_vllm_on_several_gpus_gets_tensor_parallel_size_equal_to_the_gpu_count() -> None:
+    assert _vllm_engine_args("{gpus: 4}", "{max_model_len: 8192}") == {
+        "max_model_len": "8192",
+        "tensor_parallel_size": "4",
+    }
+
+
+def test_a_users_tensor_parallel_size_is_kept() -> None:
+    assert _vllm_engine_args("{gpus: 4}", "{tensor_parallel_size: 2, pipeline_parallel_size: 2}") == {
+        "tensor_parallel_size": "2",
+        "pipeline_parallel_size": "2",
+    }
+
+
+def test_one_gpu_or_another_backend_gets_no_tensor_parallel_size() -> None:
+    assert _vllm_engine_args("{gpus: 1}") == {}  # vLLM's own default is one GPU
+
+
+def test_embed_on_vllm_is_refused_with_the_backends_that_serve_it() -> None:
+    from universal_operator.reconcile import SpecError, parse_model
+
+    with pytest.raises(SpecError) as refused:
+        parse_model(
+            {
+                "metadata": {"name": "bge"},
+                "spec": {"task": "embed", "backend": "vllm", "source": {"uri": "hf://BAAI/bge-m3"}},
+            }
+        )
+    assert refused.value.field == "spec.backend"
+    assert "'vllm' does not serve task 'embed'" in refused.value.message
+    assert "transformers, llamacpp" in refused.value.message

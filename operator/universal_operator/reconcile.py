@@ -51,6 +51,8 @@ ANNOTATION_RETENTION = "autoscaling.knative.dev/scale-to-zero-pod-retention-peri
 ANNOTATION_WINDOW = "autoscaling.knative.dev/window"
 ANNOTATION_PROGRESS_DEADLINE = "serving.knative.dev/progress-deadline"
 CONTAINER_NAME = "kserve-container"
+#: vLLM's engine argument that shards one model over several GPUs.
+TENSOR_PARALLEL_ARG = "tensor_parallel_size"
 CACHE_DIR = "/cache"
 #: Keys read from spec.source.credentialsSecret, each optional so one Secret serves every store.
 CREDENTIAL_KEYS = (
@@ -173,13 +175,19 @@ def predictor_config(
         source = MODEL_MOUNT_PATH if spec.source.is_remote else spec.source.uri.removeprefix("file://")
     if state_dir is None and spec.state is not None:
         state_dir = STATE_MOUNT_PATH
+    backend = resolved_backend(model)
+    engine_args = {k: render_engine_arg(v) for k, v in spec.engine_args.items()}
+    if backend is Backend.VLLM and spec.resources.gpus > 1:
+        # vLLM runs a model on one GPU unless told otherwise: spread it over every GPU the replica gets,
+        # unless the user chose a split (tensor_parallel_size x pipeline_parallel_size) themselves.
+        engine_args.setdefault(TENSOR_PARALLEL_ARG, str(spec.resources.gpus))
     return PredictorConfig(
         model_name=model.served_name,
         task=spec.task,
-        backend=resolved_backend(model),
+        backend=backend,
         source=source,
         source_file=spec.source.file,
-        engine_args={k: render_engine_arg(v) for k, v in spec.engine_args.items()},
+        engine_args=engine_args,
         http_port=http_port,
         state_dir=state_dir,
     )

@@ -361,8 +361,9 @@ class UniversalModelSpec(_Model):
             "x-kubernetes-validations": [
                 _cel(
                     _task_backend_rule(),
-                    "backend does not serve this task: generate and embed take transformers, llamacpp or vllm; "
-                    "rerank, classify and ner take transformers; ocr takes rapidocr or tesseract; "
+                    "backend does not serve this task: generate takes transformers, llamacpp or vllm; embed takes "
+                    "transformers or llamacpp (not vllm); rerank, classify and ner take transformers; ocr takes "
+                    "rapidocr or tesseract; "
                     "anomaly takes pyod; every task takes auto",
                     ".backend",
                 ),

@@ -52,10 +52,12 @@ class Backend(StrEnum):
 
 
 #: The engines each task can run on, ``auto`` always allowed. The CRD's CEL rule, the operator's
-#: validation and the predictor's dispatch all read this one table.
+#: validation and the predictor's dispatch all read this one table. vLLM generates only: the embedding
+#: predictor has no vLLM encoder (vLLM's pooling runner is not wired in), so ``embed`` on ``vllm`` is
+#: refused at admission rather than admitted to crash-loop.
 TASK_BACKENDS: Mapping[Task, tuple[Backend, ...]] = {
     Task.GENERATE: (Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
-    Task.EMBED: (Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
+    Task.EMBED: (Backend.TRANSFORMERS, Backend.LLAMACPP),
     Task.RERANK: (Backend.TRANSFORMERS,),
     Task.CLASSIFY: (Backend.TRANSFORMERS,),
     Task.NER: (Backend.TRANSFORMERS,),
