@@ -259,3 +259,55 @@ async def test_an_existing_child_of_this_model_is_adopted_without_a_write_when_u
     await reconcile_model(state, body, {}, reason="operator start")
 
     assert api.applied == []
+
+
+FORBIDDEN = (
+    'inferenceservices.serving.kserve.io "minilm" is forbidden: User "system:serviceaccount:ur:operator" cannot '
+    'patch resource "inferenceservices" in API group "serving.kserve.io" in the namespace "default"'
+)
+
+
+async def test_a_403_is_rbac_not_a_spec_error_it_names_the_permission_and_retries_with_back_off(
+    state: OperatorState, api: RecordingApi, events: asyncio.Queue[posting.K8sEvent]
+) -> None:
+    api.apply_error = ApiError(status=Status(code=403, reason="Forbidden", message=FORBIDDEN))
+
+    delays: list[float] = []
+    for retry in range(3):
+        with pytest.raises(kopf.TemporaryError) as retried:
+            await reconcile_model(state, _model(), {}, reason="created", retry=retry)
+        delays.append(retried.value.delay or 0.0)
+
+    assert 0 < delays[0] < delays[1] < delays[2]  # backs off
+    [(_, _, status)] = api.statuses  # one status write for three refusals
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["SpecValid"]["status"] == "True"
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "Forbidden")
+    assert status["phase"] == "Pending"
+    assert 'cannot patch resource "inferenceservices"' in status["message"]
+    assert "grant the operator's service account" in status["message"]
+    assert [(e.type, e.reason) for e in _drain(events)] == [("Warning", "Forbidden")]
+
+
+async def test_a_403_reading_an_existing_child_is_rbac_too(state: OperatorState, api: RecordingApi) -> None:
+    async def refuse(namespace: str, name: str) -> dict[str, Any] | None:
+        raise ApiError(status=Status(code=403, reason="Forbidden", message="cannot get inferenceservices"))
+
+    api.get_inference_service = refuse  # type: ignore[method-assign]
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile_model(state, _model(), {}, reason="created")
+    [(_, _, status)] = api.statuses
+    assert next(c for c in status["conditions"] if c["type"] == "SpecValid")["status"] == "True"
+    assert "cannot get inferenceservices" in status["message"]
+
+
+@pytest.mark.parametrize("code", [400, 422])
+async def test_a_webhook_denial_stays_a_spec_error(state: OperatorState, api: RecordingApi, code: int) -> None:
+    denial = 'admission webhook "inferenceservice.kserve-webhook-server.validator" denied the request: bad'
+    api.apply_error = ApiError(status=Status(code=code, message=denial))
+
+    await reconcile_model(state, _model(), {}, reason="created")
+
+    [(_, _, status)] = api.statuses
+    assert next(c for c in status["conditions"] if c["type"] == "SpecValid")["status"] == "False"
+    assert "denied the request" in status["message"]

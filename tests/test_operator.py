@@ -317,3 +317,23 @@ async def test_a_foreign_inference_service_with_the_same_name_is_left_alone(
     cond = await eventually(refused)
     assert "already exists" in cond["message"]
     assert _child(cluster, "minilm") == before
+
+
+async def test_a_403_from_the_api_server_is_reported_as_rbac_and_retried_never_as_an_invalid_spec(
+    cluster: ServedEmulator, operator: OperatorState
+) -> None:
+    refusal = cluster.emulator.inject_failures(status=403, times=1000, resource=ISVC, methods=["PATCH"])
+    await _apply(cluster, EXAMPLES / "cluster/bert-ner.yaml")
+
+    def refused() -> dict[str, Any]:
+        cond = _condition(_model(cluster, "bert-ner"), "Ready")
+        assert cond.get("reason") == "Forbidden"
+        return cond
+
+    cond = await eventually(refused)
+    assert "RBAC, not the spec" in cond["message"]
+    assert _condition(_model(cluster, "bert-ner"), "SpecValid")["status"] == "True"
+    assert _child(cluster, "bert-ner") is None
+    refusal.remaining = 0  # the grant arrives: a retry creates the child
+    await eventually(lambda: _child(cluster, "bert-ner"), within=30)
+    await eventually(lambda: _condition(_model(cluster, "bert-ner"), "Ready").get("reason") != "Forbidden")

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import kopf
 from lightkube.core.exceptions import ApiError
@@ -34,6 +34,8 @@ MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
 FINALIZER = f"{GROUP}/kopf-finalizer"
 #: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
 RETRY_DELAY = 2.0
+#: Retry delays while RBAC refuses the operator (403): doubling from the first to the last.
+FORBIDDEN_RETRY_FIRST, FORBIDDEN_RETRY_LAST = 5.0, 300.0
 
 Key = tuple[str, str]
 
@@ -111,8 +113,12 @@ async def reconcile_model(
     children: Mapping[Key, Any] | None = None,
     *,
     reason: str = "reconcile",
+    retry: int = 0,
 ) -> dict[str, Any] | None:
-    """Make the child match the spec and the status match the child. Returns the applied child if any."""
+    """Make the child match the spec and the status match the child. Returns the applied child if any.
+
+    ``retry`` is kopf's count of earlier failed attempts (it sets the back-off while RBAC refuses us).
+    """
     key = _key(body)
     plain = _plain(body)
     try:
@@ -128,6 +134,8 @@ async def reconcile_model(
         try:
             existing = await state.api.get_inference_service(*key)
         except ApiError as exc:
+            if api_error_code(exc) == 403:
+                await report_forbidden(state, plain, model, exc, retry)
             raise kopf.TemporaryError(f"reading the InferenceService failed: {exc}", delay=RETRY_DELAY) from exc
         if existing is not None and not _owned_by(existing, plain):
             await report_invalid_spec(
@@ -149,8 +157,11 @@ async def reconcile_model(
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:
             code = api_error_code(exc)
-            if code in (400, 403, 422):
-                # The API server (or KServe's webhook) refused the child: a spec problem, not a blip.
+            if code == 403:
+                # RBAC (or OwnerReferencesPermissionEnforcement): a missing grant, never the spec's fault.
+                await report_forbidden(state, plain, model, exc, retry)
+            if code in (400, 422):
+                # KServe's or Knative's admission webhook refused the child: a spec problem, not a blip.
                 await report_invalid_spec(
                     state, plain, reconcile.SpecError("spec", f"the InferenceService was rejected: {exc}")
                 )
@@ -183,6 +194,26 @@ async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error:
     if changed:
         kopf.warn(cast(kopf.Body, body), reason="InvalidSpec", message=str(error))
     logger.warning("UniversalModel %s/%s has an invalid spec: %s", key[0], key[1], error)
+
+
+def forbidden_retry_delay(retry: int) -> float:
+    """Seconds before the next attempt while the API server answers 403: doubling, capped."""
+    return float(min(FORBIDDEN_RETRY_FIRST * 2 ** min(retry, 16), FORBIDDEN_RETRY_LAST))
+
+
+async def report_forbidden(
+    state: OperatorState, body: dict[str, Any], model: UniversalModel, error: ApiError, retry: int
+) -> NoReturn:
+    """Say in the status which permission is missing (one Warning Event), then retry with back-off."""
+    key = _key(body)
+    status = reconcile.status_for_forbidden(model, str(error))
+    async with state.lock(key):
+        changed = await write_status(state, key, _plain(body.get("status") or {}), status)
+    if changed:
+        kopf.warn(cast(kopf.Body, body), reason="Forbidden", message=status["message"])
+    delay = forbidden_retry_delay(retry)
+    logger.warning("UniversalModel %s/%s: the API server refused the operator: %s", key[0], key[1], error)
+    raise kopf.TemporaryError(f"forbidden by the API server (RBAC), retrying in {delay:.0f}s: {error}", delay=delay)
 
 
 def _index_value(index: Mapping[Key, Any] | None, key: Key) -> dict[str, Any] | None:
@@ -249,19 +280,27 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
 
     @kopf.on.resume(*um, registry=registry, id="apply-on-resume")
     async def on_resume(**kw: Any) -> None:
-        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="operator start")
+        await reconcile_model(
+            kw["memo"]["state"], kw["body"], kw["children"], reason="operator start", retry=kw.get("retry", 0)
+        )
 
     @kopf.on.create(*um, registry=registry, id="apply-on-create")
     async def on_create(**kw: Any) -> None:
-        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="created")
+        await reconcile_model(
+            kw["memo"]["state"], kw["body"], kw["children"], reason="created", retry=kw.get("retry", 0)
+        )
 
     @kopf.on.update(*um, registry=registry, id="apply-on-update")
     async def on_update(**kw: Any) -> None:
-        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="spec changed")
+        await reconcile_model(
+            kw["memo"]["state"], kw["body"], kw["children"], reason="spec changed", retry=kw.get("retry", 0)
+        )
 
     @kopf.timer(*um, registry=registry, id="repair-child", interval=config.repair_interval_seconds)
     async def repair(**kw: Any) -> None:
-        await reconcile_model(kw["memo"]["state"], kw["body"], kw["children"], reason="drift repaired")
+        await reconcile_model(
+            kw["memo"]["state"], kw["body"], kw["children"], reason="drift repaired", retry=kw.get("retry", 0)
+        )
 
     @kopf.on.event(*isvc, registry=registry, labels=MANAGED, id="mirror-child-status")
     async def on_child_event(**kw: Any) -> None:

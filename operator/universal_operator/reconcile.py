@@ -649,6 +649,35 @@ def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetim
     }  # fmt: skip
 
 
+def status_for_forbidden(model: UniversalModel, refused: str, now: datetime | None = None) -> dict[str, Any]:
+    """The status while the API server refuses the operator a request: RBAC, never a spec error.
+
+    ``refused`` is the API server's 403 message, which names the user, verb, resource and namespace.
+    SpecValid stays True (nothing in the spec can fix it); the handler retries with a growing delay.
+    """
+    now = now or datetime.now(UTC)
+    generation = model.metadata.generation
+    message = (
+        f"The API server refused the operator: {refused}. This is RBAC, not the spec: grant the operator's "
+        "service account that permission (the Helm chart's operator role lists what it needs); the operator "
+        "retries meanwhile."
+    )
+    return {
+        "observedGeneration": generation,
+        "servedName": model.served_name,
+        "backend": resolved_backend(model).value,
+        "inferenceService": model.metadata.name,
+        "phase": Phase.PENDING.value,
+        "message": message,
+        "conditions": _conditions(
+            model.status.conditions, generation, now,
+            ("Ready", "False", "Forbidden", message),
+            ("SpecValid", "True", "Valid", "The spec is valid."),
+            ("InferenceServiceReady", "Unknown", "Forbidden", message),
+        ),
+    }  # fmt: skip
+
+
 def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     """Whether writing ``new`` would change what ``current`` says (None values mean absent)."""
     current = current or {}
