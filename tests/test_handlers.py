@@ -32,6 +32,19 @@ class RecordingApi:
         self.statuses: list[tuple[str, str, dict[str, Any]]] = []
         self.apply_error: ApiError | None = None
         self.existing: dict[tuple[str, str], dict[str, Any]] = {}
+        self.accounts: dict[tuple[str, str], dict[str, Any]] = {}
+        self.account_error: ApiError | None = None
+
+    async def get_service_account(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.accounts.get((namespace, name))
+
+    async def apply_service_account(self, desired: dict[str, Any]) -> dict[str, Any]:
+        if self.account_error is not None:
+            raise self.account_error
+        self.applied.append(desired)
+        meta = desired["metadata"]
+        self.accounts[(meta["namespace"], meta["name"])] = copy.deepcopy(desired)
+        return desired
 
     async def apply_inference_service(self, desired: dict[str, Any]) -> dict[str, Any]:
         if self.apply_error is not None:
@@ -311,3 +324,71 @@ async def test_a_webhook_denial_stays_a_spec_error(state: OperatorState, api: Re
     [(_, _, status)] = api.statuses
     assert next(c for c in status["conditions"] if c["type"] == "SpecValid")["status"] == "False"
     assert "denied the request" in status["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Credentials: the model's own ServiceAccount, applied before the InferenceService
+
+
+def _private_model() -> dict[str, Any]:
+    return _model(source={"uri": "hf://org/private-model", "credentialsSecret": "hub-token"})
+
+
+async def test_a_model_with_credentials_gets_its_service_account_before_its_inference_service(
+    state: OperatorState, api: RecordingApi
+) -> None:
+    await reconcile_model(state, _private_model(), {}, reason="created")
+
+    [account, child] = api.applied
+    assert (account["kind"], account["metadata"]["name"]) == ("ServiceAccount", "minilm-storage")
+    assert account["secrets"] == [{"name": "hub-token"}]
+    assert account["metadata"]["ownerReferences"][0]["uid"] == "model-uid"
+    assert child["kind"] == "InferenceService"
+    assert child["spec"]["predictor"]["serviceAccountName"] == "minilm-storage"
+
+
+async def test_an_intact_service_account_is_not_rewritten_a_changed_one_is_repaired(
+    state: OperatorState, api: RecordingApi
+) -> None:
+    body = _private_model()
+    await reconcile_model(state, body, {}, reason="created")
+    child = api.applied[-1]
+    api.applied.clear()
+    # Another writer added a secret of its own: still everything we want, nothing to write.
+    api.accounts[("default", "minilm-storage")]["secrets"].append({"name": "someone-elses"})
+    await reconcile_model(state, body, {("default", "minilm"): [child]}, reason="drift check")
+    assert api.applied == []
+
+    api.accounts[("default", "minilm-storage")]["secrets"] = [{"name": "someone-elses"}]
+    await reconcile_model(state, body, {("default", "minilm"): [child]}, reason="drift check")
+    [repaired] = api.applied
+    assert repaired["secrets"] == [{"name": "hub-token"}]
+
+
+async def test_a_service_account_of_someone_else_is_never_taken_over(
+    state: OperatorState, api: RecordingApi, events: asyncio.Queue[posting.K8sEvent]
+) -> None:
+    api.accounts[("default", "minilm-storage")] = {"metadata": {"name": "minilm-storage", "namespace": "default"}}
+
+    await reconcile_model(state, _private_model(), {}, reason="created")
+
+    assert api.applied == []
+    [(_, _, status)] = api.statuses
+    assert "spec.source.credentialsSecret" in status["message"]
+    assert "already exists" in status["message"]
+    assert [e.reason for e in _drain(events)] == ["InvalidSpec"]
+
+
+async def test_a_403_on_the_service_account_is_rbac_and_no_inference_service_is_applied(
+    state: OperatorState, api: RecordingApi
+) -> None:
+    message = 'serviceaccounts "minilm-storage" is forbidden: User "op" cannot patch resource "serviceaccounts"'
+    api.account_error = ApiError(status=Status(code=403, reason="Forbidden", message=message))
+
+    with pytest.raises(kopf.TemporaryError):
+        await reconcile_model(state, _private_model(), {}, reason="created")
+
+    assert api.applied == []
+    [(_, _, status)] = api.statuses
+    assert 'cannot patch resource "serviceaccounts"' in status["message"]
+    assert next(c for c in status["conditions"] if c["type"] == "SpecValid")["status"] == "True"

@@ -337,3 +337,30 @@ async def test_a_403_from_the_api_server_is_reported_as_rbac_and_retried_never_a
     refusal.remaining = 0  # the grant arrives: a retry creates the child
     await eventually(lambda: _child(cluster, "bert-ner"), within=30)
     await eventually(lambda: _condition(_model(cluster, "bert-ner"), "Ready").get("reason") != "Forbidden")
+
+
+async def test_credentials_reach_kserve_through_an_owned_service_account_repaired_and_collected_with_the_model(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    manifest = load_manifest("cluster/minilm-embed.yaml")
+    manifest["spec"]["source"]["credentialsSecret"] = "hub-token"
+    await _apply_text(cluster, manifest, tmp_path)
+
+    child = await eventually(lambda: _child(cluster, "minilm"))
+    account = cluster.emulator.get_object("serviceaccounts", "default", "minilm-storage")
+    assert account is not None
+    assert child["spec"]["predictor"]["serviceAccountName"] == "minilm-storage"
+    assert account["secrets"] == [{"name": "hub-token"}]
+    assert account["automountServiceAccountToken"] is False
+    [owner] = account["metadata"]["ownerReferences"]
+    assert owner["uid"] == _model(cluster, "minilm")["metadata"]["uid"]  # type: ignore[index]
+
+    # Deleted out of band: the repair timer puts it back.
+    result = await cluster.kubectl("delete", "serviceaccount", "minilm-storage")
+    assert result.returncode == 0, result.stderr
+    await eventually(lambda: cluster.emulator.get_object("serviceaccounts", "default", "minilm-storage"), within=10)
+
+    # It goes with its model (garbage collection).
+    result = await cluster.kubectl("delete", "um", "minilm", "--wait=false")
+    assert result.returncode == 0, result.stderr
+    await eventually(lambda: cluster.emulator.get_object("serviceaccounts", "default", "minilm-storage") is None)

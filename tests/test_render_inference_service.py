@@ -14,10 +14,10 @@ import pytest
 from tests.factories import CONFIG, at, is_label_value, load, model, pick, render
 from universal_operator.config import parse_config
 from universal_operator.reconcile import (
-    CREDENTIAL_KEYS,
     SpecError,
     check_servable,
     desired_inference_service,
+    desired_service_account,
     parse_model,
 )
 from universal_predictors.config import PredictorConfig
@@ -318,12 +318,11 @@ SOURCE_CASES = {
         source: /mnt/models
         """,
     ),
-    "remote GGUF with source.file: the storage initializer fetches only the matching files": (
+    "remote GGUF with source.file: the whole repo is fetched (no KServe passes patterns), the predictor picks": (
         with_spec("source: {uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF', file: '*q4_k_m.gguf'}\ntask: generate"),
         """
         env:
         - {name: STORAGE_URI, value: "hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF"}
-        - {name: STORAGE_ALLOW_PATTERNS, value: '["*q4_k_m.gguf"]'}
         - {name: HOME, value: /cache}
         - {name: XDG_CACHE_HOME, value: /cache}
         - {name: HF_HOME, value: /cache/huggingface}
@@ -375,45 +374,59 @@ def test_source_renders_to_env_and_source_argument(manifest_yaml: str, expected_
     assert f"--source={expected['source']}" in container["args"]
 
 
-def test_credentials_secret_enters_as_optional_secret_key_refs_for_every_credential_key() -> None:
-    env = at(render(with_spec("source: {uri: 's3://models/llama', credentialsSecret: model-store}")), "spec.predictor")
-    env = env["containers"][0]["env"]
-    expected = load(
+def test_credentials_reach_the_storage_initializer_through_the_models_own_service_account() -> None:
+    manifest = with_spec("source: {uri: 's3://models/llama', credentialsSecret: model-store}")
+    predictor = at(render(manifest), "spec.predictor")
+    # KServe's pod webhook gives the storage-initializer the secrets of the pod's ServiceAccount.
+    assert predictor["serviceAccountName"] == "minilm-storage"
+    assert desired_service_account(model(manifest, uid="model-uid")) == load(
         """
-        - {name: STORAGE_URI, value: "s3://models/llama"}
-        - {name: HOME, value: /cache}
-        - {name: XDG_CACHE_HOME, value: /cache}
-        - {name: HF_HOME, value: /cache/huggingface}
-        - {name: HF_HUB_OFFLINE, value: "1"}
-        - {name: HF_TOKEN, valueFrom: {secretKeyRef: {name: model-store, key: HF_TOKEN, optional: true}}}
-        - name: AWS_ACCESS_KEY_ID
-          valueFrom: {secretKeyRef: {name: model-store, key: AWS_ACCESS_KEY_ID, optional: true}}
-        - name: AWS_SECRET_ACCESS_KEY
-          valueFrom: {secretKeyRef: {name: model-store, key: AWS_SECRET_ACCESS_KEY, optional: true}}
-        - name: AWS_SESSION_TOKEN
-          valueFrom: {secretKeyRef: {name: model-store, key: AWS_SESSION_TOKEN, optional: true}}
-        - name: AWS_DEFAULT_REGION
-          valueFrom: {secretKeyRef: {name: model-store, key: AWS_DEFAULT_REGION, optional: true}}
-        - name: AWS_ENDPOINT_URL
-          valueFrom: {secretKeyRef: {name: model-store, key: AWS_ENDPOINT_URL, optional: true}}
-        - name: GOOGLE_APPLICATION_CREDENTIALS
-          valueFrom: {secretKeyRef: {name: model-store, key: GOOGLE_APPLICATION_CREDENTIALS, optional: true}}
+        apiVersion: v1
+        kind: ServiceAccount
+        metadata:
+          name: minilm-storage
+          namespace: models
+          labels:
+            app.kubernetes.io/managed-by: universal-runtime
+            app.kubernetes.io/part-of: universal-runtime
+            app.kubernetes.io/name: minilm
+            serving.universal-runtime.dev/model: minilm
+          ownerReferences:
+          - apiVersion: serving.universal-runtime.dev/v1alpha1
+            kind: UniversalModel
+            name: minilm
+            uid: model-uid
+            controller: true
+            blockOwnerDeletion: true
+        secrets:
+        - {name: model-store}
+        automountServiceAccountToken: false
         """
     )
-    assert env == expected
 
 
-def test_credential_variables_never_carry_a_literal_value_anywhere_in_the_child() -> None:
-    child = render(with_spec("source: {uri: 'hf://org/private', credentialsSecret: hub-token}"))
-    envs = [item for c in at(child, "spec.predictor.containers") for item in c["env"]]
-    credential_envs = [item for item in envs if item["name"] in CREDENTIAL_KEYS]
-    assert {item["name"] for item in credential_envs} == set(CREDENTIAL_KEYS)
-    assert all("value" not in item and "secretKeyRef" in item["valueFrom"] for item in credential_envs)
-    # The Secret is referenced by name only: nowhere else in the child, and never as a literal env value.
-    assert json.dumps(child).count('"hub-token"') == len(CREDENTIAL_KEYS)
+@pytest.mark.parametrize("uri", ["hf://org/private", "s3://models/llama", "gs://bucket/model", "https://x.test/m"])
+def test_the_predictor_container_gets_no_credentials_it_reads_the_fetched_files_offline(uri: str) -> None:
+    child = render(with_spec(f"source: {{uri: '{uri}', credentialsSecret: hub-token}}"))
+    env = at(child, "spec.predictor.containers[0].env")
+    assert [item["name"] for item in env] == ["STORAGE_URI", "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE"]
+    # GOOGLE_APPLICATION_CREDENTIALS is a file path KServe mounts for the initializer, never key contents here.
+    assert "hub-token" not in json.dumps(child)
 
 
-def test_user_env_can_point_a_credential_variable_at_another_secret() -> None:
+def test_without_credentials_there_is_no_service_account_and_the_configured_one_applies() -> None:
+    config = parse_config(load("serviceAccountName: predictors"))
+    assert desired_service_account(model(EMBED)) is None
+    assert at(desired_inference_service(model(EMBED), config), "spec.predictor.serviceAccountName") == "predictors"
+    assert "serviceAccountName" not in at(render(EMBED), "spec.predictor")
+    # With credentials the model's own account replaces the configured one (for this model only).
+    with_credentials = model(with_spec("source: {uri: 'hf://org/private', credentialsSecret: hub-token}"))
+    assert at(desired_inference_service(with_credentials, config), "spec.predictor.serviceAccountName") == (
+        "minilm-storage"
+    )
+
+
+def test_user_env_can_still_hand_the_predictor_a_secret() -> None:
     env = at(
         render(
             with_spec(
@@ -429,6 +442,17 @@ def test_user_env_can_point_a_credential_variable_at_another_secret() -> None:
     )
     hf_tokens = [item for item in env if item["name"] == "HF_TOKEN"]
     assert hf_tokens == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "other", "key": "token"}}}]
+
+
+@pytest.mark.parametrize("version", ["0.14.1", "0.15.2", "0.16.0", "0.20.0"])
+def test_no_kserve_release_gets_download_patterns_the_predictor_picks_the_gguf_file(version: str) -> None:
+    # KServe's initializer reads STORAGE_ALLOW_PATTERNS from v0.17.0 (python/storage/kserve_storage), but up to
+    # v0.20.0 the pod webhook builds its env from credentials only: env on kserve-container never reaches it.
+    config = parse_config({"kserve": {"version": version}})
+    gguf = with_spec("source: {uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF', file: '*q4_k_m.gguf'}\ntask: generate")
+    container = at(desired_inference_service(model(gguf), config), "spec.predictor.containers[0]")
+    assert "STORAGE_ALLOW_PATTERNS" not in [item["name"] for item in container["env"]]
+    assert "--source-file=*q4_k_m.gguf" in container["args"]
 
 
 def test_source_revision_of_a_hub_model_reaches_the_storage_initializer() -> None:

@@ -6,6 +6,8 @@ called as a plain function with an :class:`OperatorState`.
 
 Who writes what:
 - the child InferenceService: server-side apply, one field manager, only when it drifted or is missing;
+- the model's ServiceAccount (only with spec.source.credentialsSecret): read, then server-side applied
+  before the InferenceService when it drifted or is missing;
 - the parent's status: one merge patch to ``/status`` when what it says would change;
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
   timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
@@ -151,6 +153,8 @@ async def reconcile_model(
         actual = existing
     if actual is not None:
         state.latest_child[key] = _newer(state.latest_child.get(key), actual) or actual
+    if not await ensure_service_account(state, plain, model, retry):
+        return None
     applied: dict[str, Any] | None = None
     if reconcile.child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
         try:
@@ -183,6 +187,51 @@ async def reconcile_model(
         status = reconcile.status_from_inference_service(state.latest_child.get(key), model)
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
+
+
+async def ensure_service_account(state: OperatorState, body: dict[str, Any], model: UniversalModel, retry: int) -> bool:
+    """Apply the model's ServiceAccount (credentials for KServe's storage initializer) if it is missing or drifted.
+
+    Runs before the InferenceService is applied, so its pods never start under an account that is not
+    there yet. Returns False when the model cannot be served (the name is taken), which it reports.
+    """
+    desired = reconcile.desired_service_account(model)
+    if desired is None:
+        return True
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    try:
+        actual = await state.api.get_service_account(namespace, name)
+    except ApiError as exc:
+        if api_error_code(exc) == 403:
+            await report_forbidden(state, body, model, exc, retry)
+        raise kopf.TemporaryError(f"reading the ServiceAccount failed: {exc}", delay=RETRY_DELAY) from exc
+    if actual is not None and not reconcile.owned_by(actual, model):
+        await report_invalid_spec(
+            state,
+            body,
+            reconcile.SpecError(
+                "spec.source.credentialsSecret",
+                f"the ServiceAccount {name!r} that would carry the credentials already exists in {namespace!r} and "
+                "is not owned by this UniversalModel; rename the model or remove that ServiceAccount",
+            ),
+        )
+        return False
+    if not reconcile.service_account_drifted(desired, actual):
+        return True
+    try:
+        await state.api.apply_service_account(desired)
+    except ApiError as exc:
+        code = api_error_code(exc)
+        if code == 403:
+            await report_forbidden(state, body, model, exc, retry)
+        if code in (400, 422):
+            await report_invalid_spec(
+                state, body, reconcile.SpecError("spec.source", f"the ServiceAccount was rejected: {exc}")
+            )
+            return False
+        raise kopf.TemporaryError(f"applying the ServiceAccount failed ({code}): {exc}", delay=RETRY_DELAY) from exc
+    logger.info("applied ServiceAccount %s/%s for the storage initializer's credentials", namespace, name)
+    return True
 
 
 async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: reconcile.SpecError) -> None:

@@ -1,4 +1,4 @@
-"""The operator's own Kubernetes calls (kopf has no public client): apply the child, patch the parent's status.
+"""The operator's own Kubernetes calls (kopf has no public client): apply the children, patch the parent's status.
 
 lightkube's async client speaks server-side apply natively, so the child is written with one field
 manager and fields others own (KServe's defaults, the gateway's stop annotation) are left alone.
@@ -11,6 +11,7 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import ServiceAccount
 from lightkube.types import PatchType
 
 from universal_operator.spec import GROUP, KIND, PLURAL, VERSION
@@ -61,6 +62,22 @@ class KubeApi:
         """Server-side apply the child; returns the object as the API server stored it."""
         obj = InferenceService.from_dict(desired)
         result = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        return dict(result.to_dict())
+
+    async def get_service_account(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The ServiceAccount as stored, or None if there is none."""
+        try:
+            result: Any = await self.client.get(ServiceAccount, name, namespace=namespace)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                return None
+            raise
+        return dict(result.to_dict())
+
+    async def apply_service_account(self, desired: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply the model's ServiceAccount; returns it as the API server stored it."""
+        obj = ServiceAccount.from_dict(desired)
+        result: Any = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
         return dict(result.to_dict())
 
     async def patch_model_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

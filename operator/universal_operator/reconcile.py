@@ -6,7 +6,6 @@ Nothing here talks to Kubernetes. The handlers feed these functions plain dicts 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
@@ -54,16 +53,9 @@ CONTAINER_NAME = "kserve-container"
 #: vLLM's engine argument that shards one model over several GPUs.
 TENSOR_PARALLEL_ARG = "tensor_parallel_size"
 CACHE_DIR = "/cache"
-#: Keys read from spec.source.credentialsSecret, each optional so one Secret serves every store.
-CREDENTIAL_KEYS = (
-    "HF_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_ENDPOINT_URL",
-    "GOOGLE_APPLICATION_CREDENTIALS",
-)
+#: The per-model ServiceAccount that hands spec.source.credentialsSecret to KServe's storage initializer.
+STORAGE_ACCOUNT_SUFFIX = "-storage"
+SERVICE_ACCOUNT_API_VERSION = "v1"
 #: Knative's default stable window; an idle timeout shorter than it needs a shorter window.
 KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
 KNATIVE_MIN_WINDOW = timedelta(seconds=6)
@@ -200,13 +192,20 @@ def resolved_backend(model: UniversalModel) -> Backend:
 
 
 def _env(model: UniversalModel) -> list[dict[str, Any]]:
+    """The predictor container's environment.
+
+    Credentials are not here: the predictor reads the files the storage initializer fetched, offline
+    (HF_HUB_OFFLINE), and env on ``kserve-container`` never reaches the initializer (see
+    :func:`desired_service_account`). Nor are download patterns: no KServe release passes any to the
+    initializer of an InferenceService, so ``source.file`` is applied by the predictor (``--source-file``)
+    to the whole source the initializer fetched (operator/README.md, "Credentials and downloads").
+    """
     spec = model.spec
     env: list[dict[str, Any]] = []
     if spec.source.is_remote:
+        # KServe v0.16.0 pkg/apis/serving/v1beta1/predictor_custom.go (GetStorageUri): a custom container's
+        # STORAGE_URI is its storage URI; the pod webhook fetches it and rewrites the value to /mnt/models.
         env.append({"name": "STORAGE_URI", "value": spec.source.storage_uri})
-        if spec.source.file:
-            # KServe's storage initializer fetches only matching files: one quantisation, not the whole repo.
-            env.append({"name": "STORAGE_ALLOW_PATTERNS", "value": json.dumps([spec.source.file])})
     env += [
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -214,20 +213,87 @@ def _env(model: UniversalModel) -> list[dict[str, Any]]:
         # The storage initializer fetched the model; the predictor must not reach for the hub itself.
         {"name": "HF_HUB_OFFLINE", "value": "1" if spec.source.is_remote else "0"},
     ]
-    if spec.source.credentials_secret:
-        env += [
-            {
-                "name": key,
-                "valueFrom": {"secretKeyRef": {"name": spec.source.credentials_secret, "key": key, "optional": True}},
-            }
-            for key in CREDENTIAL_KEYS
-        ]
     taken = {item["name"] for item in env}
     for var in spec.env:
         if var.name in taken:
             env = [item for item in env if item["name"] != var.name]
         env.append(var.model_dump(by_alias=True, exclude_none=True))
     return env
+
+
+# --------------------------------------------------------------------------------------------------
+# Credentials for KServe's storage initializer: a ServiceAccount per model
+
+
+def storage_account_name(model: UniversalModel) -> str | None:
+    """The name of the model's own ServiceAccount, or None when it names no credentials secret."""
+    if not model.spec.source.credentials_secret:
+        return None
+    return f"{model.metadata.name}{STORAGE_ACCOUNT_SUFFIX}"
+
+
+def desired_service_account(model: UniversalModel) -> dict[str, Any] | None:
+    """The ServiceAccount whose ``secrets`` hand spec.source.credentialsSecret to KServe's storage initializer.
+
+    Why a ServiceAccount: the initializer's env is built by KServe's pod webhook, never copied from
+    ``kserve-container``. For a custom container (ours) its credentials come from the secrets listed on the
+    pod's ServiceAccount (KServe v0.14.1 to v0.20.0 pkg/credentials/service_account_credentials.go,
+    CreateSecretVolumeAndEnv -> mountSecretCredential; storage_initializer_injector.go). The other
+    mechanisms do not fit: ``storage.key``/``storage.parameters`` exist only for ``predictor.model``
+    (CustomPredictor.GetStorageSpec returns nil) and read one shared ``storage-config`` Secret; the
+    secret-name annotation's key is a per-install setting (``storageSecretNameAnnotation``: the kustomize
+    install says ``serving.kserve.io/storageSecretName``, the Helm chart ``serving.kserve.io/secretName``).
+
+    Owned by the model (garbage-collected with it), applied before the InferenceService. The token is not
+    mounted: the predictor never calls the API. It replaces OperatorConfig.serviceAccountName for this
+    model only (reading that account to copy its imagePullSecrets or IRSA annotation would need RBAC on
+    every ServiceAccount); a model that needs the configured account instead lists the secret in that
+    account's ``secrets`` and leaves credentialsSecret empty.
+    """
+    name = storage_account_name(model)
+    if name is None:
+        return None
+    return {
+        "apiVersion": SERVICE_ACCOUNT_API_VERSION,
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": name,
+            "namespace": model.metadata.namespace,
+            "labels": {
+                LABEL_MANAGED_BY: MANAGED_BY,
+                LABEL_PART_OF: MANAGED_BY,
+                LABEL_NAME: model.metadata.name,
+                LABEL_MODEL: model.metadata.name,
+            },
+            "ownerReferences": [owner_reference(model)],
+        },
+        "secrets": [{"name": model.spec.source.credentials_secret}],
+        "automountServiceAccountToken": False,
+    }
+
+
+def predictor_service_account(model: UniversalModel, config: OperatorConfig) -> str | None:
+    """The predictor pods' ServiceAccount: the model's own when it has credentials, else the configured one."""
+    return storage_account_name(model) or config.service_account_name
+
+
+def service_account_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
+    """Whether the live ServiceAccount lost something the operator set (or is gone)."""
+    if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):
+        return True
+    want_meta, have_meta = desired["metadata"], actual.get("metadata", {})
+    return not (
+        is_subset(want_meta["labels"], have_meta.get("labels") or {})
+        and is_subset(want_meta["ownerReferences"], have_meta.get("ownerReferences") or [], field="ownerReferences")
+        and is_subset(desired["secrets"], actual.get("secrets") or [], field="secrets")
+        and actual.get("automountServiceAccountToken") == desired["automountServiceAccountToken"]
+    )
+
+
+def owned_by(child: dict[str, Any], model: UniversalModel) -> bool:
+    """Whether ``child`` names ``model`` as its controller."""
+    refs = child.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == model.metadata.uid and ref.get("controller") for ref in refs)
 
 
 def _resources(model: UniversalModel, profile: Profile | None) -> dict[str, Any]:
@@ -363,8 +429,9 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
             window = max(idle, KNATIVE_MIN_WINDOW)
             component_annotations[ANNOTATION_WINDOW] = f"{int(window.total_seconds())}s"
         predictor["annotations"] = component_annotations
-    if config.service_account_name:
-        predictor["serviceAccountName"] = config.service_account_name
+    account = predictor_service_account(model, config)
+    if account:
+        predictor["serviceAccountName"] = account
     if profile is not None:
         if profile.node_selector:
             predictor["nodeSelector"] = dict(profile.node_selector)
@@ -426,21 +493,49 @@ def _same_scalar(want: Any, have: Any, quantities: bool) -> bool:
     return False
 
 
-def is_subset(want: Any, have: Any, *, quantities: bool = False) -> bool:
-    """Whether ``have`` contains everything in ``want`` (maps by key, lists item by item).
+#: The lists the operator writes that Kubernetes merges by key (x-kubernetes-list-map-keys, patchMergeKey in
+#: k8s.io/api core/v1 and meta/v1 types.go; KServe v0.16.0 config/crd/full/serving.kserve.io_inferenceservices.yaml
+#: marks a container's env, ports and volumeMounts the same way). An item is found by its key, and items
+#: another writer added (a webhook's env entry, a second owner reference) are theirs, not drift. Other lists
+#: (args, command, tolerations) are atomic: they compare whole, item by item.
+LIST_MAP_KEYS: dict[str, tuple[str, ...]] = {
+    "containers": ("name",),
+    "initContainers": ("name",),
+    "env": ("name",),
+    "volumes": ("name",),
+    "volumeMounts": ("mountPath",),
+    "ports": ("containerPort", "protocol"),
+    "ownerReferences": ("uid",),
+    "secrets": ("name",),
+    "imagePullSecrets": ("name",),
+}
 
-    Scalars compare exactly, except under ``resources`` maps, where quantities compare by value.
+
+def is_subset(want: Any, have: Any, *, quantities: bool = False, field: str | None = None) -> bool:
+    """Whether ``have`` contains everything in ``want``.
+
+    Maps compare by key; lists named in :data:`LIST_MAP_KEYS` by their items' keys (extra items in
+    ``have`` are fine); other lists item by item with equal lengths. Scalars compare exactly, except
+    under ``resources`` maps, where quantities compare by value. ``field`` is the name the value sits under.
     """
     if isinstance(want, dict):
         return isinstance(have, dict) and all(
-            k in have and is_subset(v, have[k], quantities=quantities or k in ("requests", "limits"))
+            k in have and is_subset(v, have[k], quantities=quantities or k in ("requests", "limits"), field=k)
             for k, v in want.items()
         )
     if isinstance(want, list):
-        return (
-            isinstance(have, list)
-            and len(want) == len(have)
-            and all(is_subset(w, h, quantities=quantities) for w, h in zip(want, have, strict=True))
+        if not isinstance(have, list):
+            return False
+        keys = LIST_MAP_KEYS.get(field or "")
+        if keys and all(isinstance(w, dict) for w in want):
+            by_key = {tuple(h.get(k) for k in keys): h for h in have if isinstance(h, dict)}
+            return all(
+                (match := by_key.get(tuple(w.get(k) for k in keys))) is not None
+                and is_subset(w, match, quantities=quantities)
+                for w in want
+            )
+        return len(want) == len(have) and all(
+            is_subset(w, h, quantities=quantities) for w, h in zip(want, have, strict=True)
         )
     return _same_scalar(want, have, quantities)
 
@@ -454,7 +549,9 @@ def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> boo
     return not (
         is_subset(want_meta.get("labels", {}), have_meta.get("labels", {}))
         and is_subset(want_meta.get("annotations", {}), have_meta.get("annotations", {}))
-        and is_subset(want_meta.get("ownerReferences", []), have_meta.get("ownerReferences", []))
+        and is_subset(
+            want_meta.get("ownerReferences", []), have_meta.get("ownerReferences", []), field="ownerReferences"
+        )
         and is_subset(desired["spec"], actual.get("spec", {}))
     )
 

@@ -126,9 +126,12 @@ class Source(_Model):
         pattern=DNS_1123_SUBDOMAIN,
         max_length=253,
         description=(
-            "A Secret in the model's namespace whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-            "AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS), each "
-            "optional, enter the predictor as environment variables through secretKeyRef. Never logged, never copied."
+            "A Secret in the model's namespace that KServe's storage initializer uses to fetch the source, in "
+            "KServe's format: HF_TOKEN (hf://); awsAccessKeyID and awsSecretAccessKey, with the endpoint and "
+            "region as serving.kserve.io/s3-endpoint and serving.kserve.io/s3-region annotations on the Secret "
+            "(s3://); gcloud-application-credentials.json (gs://); https-host and headers (https://). The "
+            "operator lists it on a ServiceAccount of the model's own, NAME-storage, that the predictor pods run "
+            "as; the predictor never sees it. Never logged, never copied."
         ),
     )
 

@@ -241,6 +241,14 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
 
     assert await eventually(applied_events) == ["Normal"]  # one, when the child was created
 
+    # A model with credentials: its own ServiceAccount (read, then created by server-side apply) lists them.
+    private = load_manifest("cluster/minilm-embed.yaml")
+    private["metadata"]["name"] = "private"
+    private["spec"]["source"]["credentialsSecret"] = "hub-token"
+    await harness_create(cluster, UM, "default", private)
+    await eventually(lambda: emulator.get_object(ISVC, "default", "private"))
+    assert emulator.get_object("serviceaccounts", "default", "private-storage") is not None
+
     # An invalid one: SpecValid=False and a Warning Event.
     await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))
     await eventually(lambda: condition(emulator.get_object(UM, "default", "needs-h100"), "SpecValid") == "False")

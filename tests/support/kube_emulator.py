@@ -1439,6 +1439,7 @@ _BUILTINS: dict[str, tuple[str, bool, bool]] = {
     "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, True),
     "v1/configmaps": ("ConfigMap", True, False),
     "v1/secrets": ("Secret", True, False),
+    "v1/serviceaccounts": ("ServiceAccount", True, False),
     "v1/services": ("Service", True, True),
     "v1/pods": ("Pod", True, True),
 }

@@ -111,6 +111,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
 {{- end }}
 
 {{/*
