@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import datetime
 import json
 import logging
@@ -682,3 +683,66 @@ async def test_crds_created_through_the_api_are_served(tmp_path: Path) -> None:
         assert status == 201
         register_crd(emu, UM_CRD)  # idempotent
         assert len(emu.list_objects("customresourcedefinitions")) == 1
+
+
+# ------------------------------------------------------------------ apply: list merging by schema
+
+
+async def apply_as(emu: KubeEmulator, path: str, body: dict[str, Any], manager: str) -> dict[str, Any]:
+    status, obj = await call(
+        emu, "PATCH", path, body, "application/apply-patch+yaml", fieldManager=manager, force="true"
+    )
+    assert status in (200, 201), obj
+    return dict(obj)
+
+
+def schema_crd(env_list_type: dict[str, Any]) -> dict[str, Any]:
+    """A CRD whose spec.env has the given list annotations (spec.args stays unannotated: atomic)."""
+    env = {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+    spec = {
+        "type": "object",
+        "properties": {"env": {**env, **env_list_type}, "args": {"type": "array", "items": {"type": "string"}}},
+    }
+    crd = copy.deepcopy(UM_CRD)
+    crd["spec"]["versions"][0]["schema"] = {
+        "openAPIV3Schema": {
+            "type": "object",
+            "properties": {"spec": spec},
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+    }
+    return crd
+
+
+async def test_apply_merges_list_map_items_by_key_and_keeps_another_managers_items(tmp_path: Path) -> None:
+    crd = schema_crd({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    async with serve_emulator(tmp_path, crds=[crd]) as srv:
+        emu, path = srv.emulator, f"{UM_PATH}/m"
+        await apply_as(emu, path, um("m", env=[{"name": "A", "value": "1"}], args=["--x"]), "operator")
+        await apply_as(emu, path, um("m", env=[{"name": "B", "value": "webhook"}], args=["--y"]), "webhook")
+        obj = await apply_as(emu, path, um("m", env=[{"name": "A", "value": "2"}], args=["--x"]), "operator")
+        # env merges by name: the webhook's B survives the operator's apply; args is atomic: the last one wins.
+        assert obj["spec"]["env"] == [{"name": "A", "value": "2"}, {"name": "B", "value": "webhook"}]
+        assert obj["spec"]["args"] == ["--x"]
+        # An item its manager stops applying goes; the other manager's stays.
+        obj = await apply_as(emu, path, um("m", env=[], args=["--x"]), "operator")
+        assert obj["spec"]["env"] == [{"name": "B", "value": "webhook"}]
+
+
+async def test_apply_replaces_an_atomic_list_whole(tmp_path: Path) -> None:
+    async with serve_emulator(tmp_path, crds=[schema_crd({})]) as srv:  # no x-kubernetes-list-type: atomic
+        emu, path = srv.emulator, f"{UM_PATH}/m"
+        await apply_as(emu, path, um("m", env=[{"name": "A", "value": "1"}]), "operator")
+        await apply_as(emu, path, um("m", env=[{"name": "B", "value": "webhook"}]), "webhook")
+        obj = await apply_as(emu, path, um("m", env=[{"name": "A", "value": "1"}]), "operator")
+        assert obj["spec"]["env"] == [{"name": "A", "value": "1"}]
+
+
+async def test_apply_keeps_owner_references_of_other_writers_by_uid(served: ServedEmulator) -> None:
+    emu, path = served.emulator, f"{UM_PATH}/m"
+    ours = {"apiVersion": "v1", "kind": "Thing", "name": "a", "uid": "uid-a", "controller": True}
+    theirs = {"apiVersion": "v1", "kind": "Thing", "name": "b", "uid": "uid-b"}
+    await apply_as(emu, path, {**um("m"), "metadata": {"name": "m", "ownerReferences": [ours]}}, "operator")
+    await apply_as(emu, path, {**um("m"), "metadata": {"name": "m", "ownerReferences": [theirs]}}, "other")
+    obj = await apply_as(emu, path, {**um("m"), "metadata": {"name": "m", "ownerReferences": [ours]}}, "operator")
+    assert obj["metadata"]["ownerReferences"] == [ours, theirs]

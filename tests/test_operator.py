@@ -364,3 +364,30 @@ async def test_credentials_reach_kserve_through_an_owned_service_account_repaire
     result = await cluster.kubectl("delete", "um", "minilm", "--wait=false")
     assert result.returncode == 0, result.stderr
     await eventually(lambda: cluster.emulator.get_object("serviceaccounts", "default", "minilm-storage") is None)
+
+
+async def test_another_writers_env_entry_is_kept_and_causes_no_rewrite_over_two_repair_intervals(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    manifest = load_manifest("cluster/minilm-embed.yaml")
+    manifest["spec"]["source"]["credentialsSecret"] = "hub-token"  # each repair pass reads its ServiceAccount
+    await _apply_text(cluster, manifest, tmp_path)
+    child = await eventually(lambda: _child(cluster, "minilm"))
+
+    # A mutating webhook (or a person with kubectl) adds an env entry of its own to the predictor.
+    container = child["spec"]["predictor"]["containers"][0]
+    container["env"].append({"name": "OTEL_SERVICE_NAME", "value": "minilm"})
+    patch = {"spec": {"predictor": {"containers": [container]}}}
+    result = await cluster.kubectl("patch", "isvc", "minilm", "--type=merge", "-p", yaml.safe_dump(patch))
+    assert result.returncode == 0, result.stderr
+    cluster.emulator.reset_writes()
+
+    def repair_passes() -> int:
+        return sum(1 for a in cluster.emulator.access_log if (a.verb, a.plural) == ("get", "serviceaccounts"))
+
+    seen = repair_passes()
+    await eventually(lambda: repair_passes() >= seen + 2, within=10)  # two repair intervals went by
+
+    assert cluster.emulator.write_count(ISVC, "default", "minilm") == 0
+    env = _child(cluster, "minilm")["spec"]["predictor"]["containers"][0]["env"]  # type: ignore[index]
+    assert {"name": "OTEL_SERVICE_NAME", "value": "minilm"} in env

@@ -21,10 +21,21 @@ kopf operator, the lightkube client and the real ``kubectl`` can run against it:
 
 Deliberate simplifications (documented once, here):
 
-* Server-side apply merges maps recursively and REPLACES lists (no list-map
-  keys). Ownership is tracked per object, per field manager and per
-  subresource as the set of leaf paths of maps; ``metadata.managedFields``
-  is not rendered. Conflicts are only detected between apply managers.
+* Server-side apply merges maps recursively; lists merge as their schema
+  says (structured-merge-diff): ``x-kubernetes-list-type: map`` lists by
+  their ``x-kubernetes-list-map-keys`` and ``set`` lists by value (read from
+  a CRD's ``openAPIV3Schema``; for every object ``metadata.ownerReferences``
+  by uid and ``metadata.finalizers`` as a set, k8s.io/apimachinery
+  meta/v1 types.go; a ServiceAccount's ``secrets`` by name, core/v1
+  types.go patchMergeKey), every other list is atomic and replaced (the
+  apiextensions default for CRDs: "Defaults to atomic for arrays"; KServe's
+  InferenceService CRD leaves ``predictor.containers`` unannotated, so it
+  is atomic). Ownership is tracked per object, per field manager and per
+  subresource as a set of paths (map leaves, list-map items by key, set
+  values); ``metadata.managedFields`` is not rendered. Conflicts are only
+  detected between apply managers, and only writes by apply own fields: an
+  item another writer added by a patch is nobody's, so an applier never
+  removes it (unless it sits inside an item the applier stops applying).
 * Strategic merge patches are treated as JSON merge patches (``$``-directives
   are dropped).
 * ``propagationPolicy: Foreground`` behaves as ``Background``; ``Orphan``
@@ -127,6 +138,10 @@ class PrinterColumn:
     priority: int = 0
 
 
+#: How server-side apply merges a list: ("map", its keys) or ("set", ()); lists not named are atomic.
+ListType = tuple[str, tuple[str, ...]]
+
+
 @dataclass
 class ResourceSpec:
     """What the emulator must know about a served resource (beyond kmock's discovery info)."""
@@ -139,6 +154,8 @@ class ResourceSpec:
     status_subresource: bool = False
     printer_columns: tuple[PrinterColumn, ...] = ()
     list_kind: str = ""
+    #: Merge semantics of lists by path pattern ("*" for a list's items), besides metadata's.
+    list_types: Mapping[Path_, ListType] = field(default_factory=dict)
 
     @property
     def api_version(self) -> str:
@@ -320,36 +337,146 @@ def _strip_directives(value: Any) -> Any:
     return value
 
 
-def _leaf_paths(value: Mapping[str, Any], prefix: Path_ = ()) -> set[Path_]:
+#: List types of every object's metadata (k8s.io/apimachinery pkg/apis/meta/v1 types.go: ownerReferences
+#: ``+listType=map +listMapKey=uid``, finalizers ``+listType=set``).
+META_LIST_TYPES: dict[Path_, ListType] = {
+    ("metadata", "ownerReferences"): ("map", ("uid",)),
+    ("metadata", "finalizers"): ("set", ()),
+}
+
+
+def schema_list_types(schema: Any, path: Path_ = ()) -> dict[Path_, ListType]:
+    """The map and set lists an OpenAPI v3 schema declares (x-kubernetes-list-type), by path pattern."""
+    out: dict[Path_, ListType] = {}
+    if not isinstance(schema, Mapping):
+        return out
+    if schema.get("type") == "array":
+        kind = schema.get("x-kubernetes-list-type")
+        if kind == "map":
+            out[path] = ("map", tuple(schema.get("x-kubernetes-list-map-keys") or ()))
+        elif kind == "set":
+            out[path] = ("set", ())
+        out |= schema_list_types(schema.get("items"), (*path, "*"))
+    for name, sub in (schema.get("properties") or {}).items():
+        out |= schema_list_types(sub, (*path, name))
+    return out
+
+
+def _pattern(path: Path_) -> Path_:
+    """A concrete path as a list-type pattern: list items (``k:``/``v:`` elements) become ``*``."""
+    return tuple("*" if part.startswith(("k:", "v:")) else part for part in path)
+
+
+def _item_key(item: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return "k:" + json.dumps({k: item.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
+
+
+def _value_key(value: Any) -> str:
+    return "v:" + json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _find_item(items: list[Any], element: str) -> int | None:
+    """The index of the list-map item (``k:``) or set value (``v:``) an owned path names."""
+    if element.startswith("k:"):
+        wanted = json.loads(element[2:])
+        for index, item in enumerate(items):
+            if isinstance(item, Mapping) and all(item.get(k) == v for k, v in wanted.items()):
+                return index
+    elif element.startswith("v:"):
+        value = json.loads(element[2:])
+        return items.index(value) if value in items else None
+    return None
+
+
+def _leaf_paths(
+    value: Mapping[str, Any], prefix: Path_ = (), types: Mapping[Path_, ListType] | None = None
+) -> set[Path_]:
+    """The paths an applied object sets: map leaves, list-map items (by key) and their fields, set values."""
     paths: set[Path_] = set()
     for key, sub in value.items():
-        if isinstance(sub, Mapping) and sub:
-            paths |= _leaf_paths(sub, (*prefix, key))
-        else:
-            paths.add((*prefix, key))
+        paths |= _value_paths(sub, (*prefix, key), types or {})
     return paths
+
+
+def _value_paths(value: Any, path: Path_, types: Mapping[Path_, ListType]) -> set[Path_]:
+    kind = types.get(_pattern(path))
+    if isinstance(value, list) and kind is not None:
+        paths: set[Path_] = set()
+        for item in value:
+            if kind[0] == "map" and isinstance(item, Mapping):
+                identity = (*path, _item_key(item, kind[1]))
+                paths.add(identity)
+                for key, sub in item.items():
+                    if key not in kind[1]:
+                        paths |= _value_paths(sub, (*identity, key), types)
+            else:
+                paths.add((*path, _value_key(item)))
+        return paths
+    if isinstance(value, Mapping) and value:
+        return _leaf_paths(value, path, types)
+    return {path}
 
 
 def _get_path(value: Any, path: Path_) -> Any:
     for key in path:
+        if isinstance(value, list):
+            index = _find_item(value, key)
+            if index is None:
+                return None
+            value = value[index]
+            continue
         if not isinstance(value, Mapping) or key not in value:
             return None
         value = value[key]
     return value
 
 
-def _remove_path(value: JSON, path: Path_) -> None:
-    """Remove a leaf and prune the maps that became empty on the way (SSA field removal)."""
-    chain: list[JSON] = [value]
-    for key in path[:-1]:
-        nxt = chain[-1].get(key)
-        if not isinstance(nxt, dict):
+def _remove_path(value: JSON, path: Path_, depth: int = 0) -> None:
+    """Remove what a path names (a leaf, a list-map item, a set value) and prune maps that became empty."""
+    key, rest = path[0], path[1:]
+    if isinstance(value, list):
+        index = _find_item(value, key)
+        if index is None:
             return
-        chain.append(nxt)
-    chain[-1].pop(path[-1], None)
-    for depth in range(len(chain) - 1, 1, -1):  # never prune top-level sections like spec/metadata
-        if not chain[depth]:
-            chain[depth - 1].pop(path[depth - 1], None)
+        if rest:
+            _remove_path(value[index], rest, depth + 1)
+        else:
+            value.pop(index)
+        return
+    if not isinstance(value, dict) or key not in value:
+        return
+    if not rest:
+        value.pop(key, None)
+        return
+    _remove_path(value[key], rest, depth + 1)
+    if depth >= 1 and value[key] in ({}, []):  # never prune top-level sections like spec/metadata
+        value.pop(key)
+
+
+def apply_merge(target: Any, patch: Any, types: Mapping[Path_, ListType], path: Path_ = ()) -> Any:
+    """Merge an applied configuration into an object: maps recursively, list-maps by key, sets by value."""
+    if isinstance(patch, Mapping):
+        result = dict(target) if isinstance(target, Mapping) else {}
+        for key, value in patch.items():
+            if value is None:
+                result.pop(key, None)
+            else:
+                result[key] = apply_merge(result.get(key), value, types, (*path, key))
+        return result
+    kind = types.get(_pattern(path))
+    if isinstance(patch, list) and isinstance(target, list) and kind is not None:
+        merged = [copy.deepcopy(item) for item in target]
+        for item in patch:
+            if kind[0] == "map" and isinstance(item, Mapping):
+                index = _find_item(merged, _item_key(item, kind[1]))
+                if index is None:
+                    merged.append(copy.deepcopy(item))
+                else:
+                    merged[index] = apply_merge(merged[index], item, types, (*path, "*"))
+            elif item not in merged:
+                merged.append(copy.deepcopy(item))
+        return merged
+    return copy.deepcopy(patch)
 
 
 def _split_terms(selector: str) -> list[str]:
@@ -1264,7 +1391,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             scoped: JSON = {"status": applied["status"]} if "status" in applied else {}
         else:
             scoped = {k: v for k, v in applied.items() if not (k == "status" and spec.status_subresource)}
-        new_paths = {p for p in _leaf_paths(scoped) if p not in _SSA_IGNORED}
+        types = {**META_LIST_TYPES, **spec.list_types}
+        new_paths = {p for p in _leaf_paths(scoped, types=types) if p not in _SSA_IGNORED}
         if old is None:
             if sub == "status":
                 raise self._not_found(spec, request.name)
@@ -1282,6 +1410,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if other == owner or other[1] != sub:
                 continue
             for path in paths & new_paths:
+                if path[-1].startswith(("k:", "v:")):
+                    continue  # an item's or a value's presence is shared, never a conflict
                 if _get_path(old, path) != _get_path(scoped, path):
                     conflicts.append(f".{'.'.join(path)} (owned by {other[0]!r})")
             if force:
@@ -1295,9 +1425,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             )
         candidate = copy.deepcopy(old)
         still_owned = set().union(*(paths for other, paths in managers.items() if other != owner))
-        for path in managers.get(owner, set()) - new_paths - still_owned:
-            _remove_path(candidate, path)
-        candidate = merge_patch(candidate, scoped)
+        for path in sorted(managers.get(owner, set()) - new_paths, key=len, reverse=True):
+            if not any(other[: len(path)] == path for other in still_owned):
+                _remove_path(candidate, path)
+        candidate = apply_merge(candidate, scoped, types)
         managers[owner] = new_paths
         return 200, self._finish_update(spec, old, candidate, sub)
 
@@ -1399,6 +1530,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 status_subresource=status,
                 printer_columns=columns,
                 list_kind=names.get("listKind", f"{kind}List"),
+                list_types=schema_list_types((version.get("schema") or {}).get("openAPIV3Schema")),
             )
             info = kmock.ResourceInfo(
                 namespaced=res_spec.namespaced,
@@ -1445,6 +1577,13 @@ _BUILTINS: dict[str, tuple[str, bool, bool]] = {
 }
 
 
+#: Lists of the built-in kinds that merge by key under server-side apply (k8s.io/api core/v1 types.go:
+#: ServiceAccount.secrets ``patchMergeKey=name``; imagePullSecrets is atomic).
+_BUILTIN_LIST_TYPES: dict[str, dict[Path_, ListType]] = {
+    "v1/serviceaccounts": {("secrets",): ("map", ("name",))},
+}
+
+
 def register_builtins(emulator: KubeEmulator, *, default_namespace: bool = True) -> None:
     """Serve what kopf and kubectl need: namespaces, both events APIs, CRDs (+ a few common kinds).
 
@@ -1471,7 +1610,13 @@ def register_builtins(emulator: KubeEmulator, *, default_namespace: bool = True)
         group, version, plural = name.rsplit("/", 2) if name.count("/") == 2 else ("", *name.split("/"))
         emulator.register_resource(
             ResourceSpec(
-                group=group, version=version, plural=plural, kind=kind, namespaced=namespaced, status_subresource=status
+                group=group,
+                version=version,
+                plural=plural,
+                kind=kind,
+                namespaced=namespaced,
+                status_subresource=status,
+                list_types=_BUILTIN_LIST_TYPES.get(name, {}),
             ),
             info,
         )
