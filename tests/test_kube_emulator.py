@@ -746,3 +746,12 @@ async def test_apply_keeps_owner_references_of_other_writers_by_uid(served: Serv
     await apply_as(emu, path, {**um("m"), "metadata": {"name": "m", "ownerReferences": [theirs]}}, "other")
     obj = await apply_as(emu, path, {**um("m"), "metadata": {"name": "m", "ownerReferences": [ours]}}, "operator")
     assert obj["metadata"]["ownerReferences"] == [ours, theirs]
+
+
+async def test_apply_merges_a_service_accounts_secrets_by_name(served: ServedEmulator) -> None:
+    emu, path = served.emulator, "/api/v1/namespaces/default/serviceaccounts/sa"
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "sa"}}
+    await apply_as(emu, path, {**account, "secrets": [{"name": "ours"}]}, "operator")
+    await apply_as(emu, path, {**account, "secrets": [{"name": "theirs"}]}, "other")
+    obj = await apply_as(emu, path, {**account, "secrets": [{"name": "ours-renamed"}]}, "operator")
+    assert obj["secrets"] == [{"name": "theirs"}, {"name": "ours-renamed"}]

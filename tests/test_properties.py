@@ -203,6 +203,8 @@ def test_drift_is_any_lost_or_changed_leaf_and_nothing_else(case: Any, data: st.
     defaulted["metadata"]["resourceVersion"] = "7"
     defaulted["metadata"]["labels"]["added-by"] = "someone"
     defaulted["spec"]["predictor"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    # ... nor an env entry a mutating webhook adds (env merges by name).
+    defaulted["spec"]["predictor"]["containers"][0]["env"].append({"name": "INJECTED_BY_WEBHOOK", "value": "1"})
     defaulted["status"] = {"observedGeneration": 1}
     assert not child_drifted(desired, defaulted)
 
