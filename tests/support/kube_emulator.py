@@ -1441,6 +1441,7 @@ _BUILTINS: dict[str, tuple[str, bool, bool]] = {
     "v1/secrets": ("Secret", True, False),
     "v1/services": ("Service", True, True),
     "v1/pods": ("Pod", True, True),
+    "discovery.k8s.io/v1/endpointslices": ("EndpointSlice", True, False),
 }
 
 
