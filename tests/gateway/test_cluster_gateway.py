@@ -295,13 +295,14 @@ async def test_a_standard_mode_model_is_stopped_only_when_every_ready_replica_is
     async with replicas_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"]) as (port, (a, b, c)):
         # The model's address is the Service, which reaches one replica (here: a) per request.
         await standard_model(cluster, "1s", "Ready", f"http://127.0.0.2:{port}")
-        # Two slices, as the controller splits a Service's endpoints; an unready pod is not asked.
+        # Two slices, as the controller splits a Service's endpoints; an unready pod (nothing listens
+        # there: asked, it would count as busy) is not asked.
         await create(cluster, "endpointslices", endpoint_slice("embedder-predictor-x1", port,
                                                               {"127.0.0.2": True, "127.0.0.3": True}))  # fmt: skip
         await create(cluster, "endpointslices", endpoint_slice("embedder-predictor-x2", port,
                                                               {"127.0.0.4": True, "127.0.0.5": False}))  # fmt: skip
-        # Another Service's slice in the namespace is not this model's.
-        other = endpoint_slice("other-predictor-x1", port, {"127.0.0.2": True})
+        # Another Service's slice in the namespace is not this model's (asked, it would count as busy).
+        other = endpoint_slice("other-predictor-x1", port, {"127.0.0.6": True})
         other["metadata"]["labels"]["kubernetes.io/service-name"] = "other-predictor"
         await create(cluster, "endpointslices", other)
         b.in_flight = 1  # replica b is serving a request another gateway replica sent
