@@ -413,7 +413,7 @@ def test_no_ingress_or_http_route_by_default(chart: helm.Chart) -> None:
     assert not render(chart).kinds() & {"Ingress", "HTTPRoute"}
 
 
-def test_ingress_routes_every_path_of_its_hosts_to_the_gateway_service_with_tls(chart: helm.Chart) -> None:
+def test_ingress_routes_the_api_paths_of_its_hosts_to_the_gateway_service_with_tls(chart: helm.Chart) -> None:
     rendered = render(chart, EVERYTHING)
     ingress = rendered.one("Ingress", GATEWAY)
     service = rendered.one("Service", GATEWAY)
@@ -421,10 +421,12 @@ def test_ingress_routes_every_path_of_its_hosts_to_the_gateway_service_with_tls(
     assert ingress["spec"]["tls"] == [{"secretName": "models-tls", "hosts": ["models.example.com"]}]
     [rule] = ingress["spec"]["rules"]
     assert rule["host"] == "models.example.com"
+    # The OpenAI API, not the gateway's /metrics, /healthz and /readyz.
+    backend = {"service": {"name": service["metadata"]["name"], "port": {"name": "http"}}}
     assert rule["http"]["paths"] == [
-        {"path": "/", "pathType": "Prefix",
-         "backend": {"service": {"name": service["metadata"]["name"], "port": {"name": "http"}}}},
-    ]  # fmt: skip
+        {"path": "/v1", "pathType": "Prefix", "backend": backend},
+        {"path": "/openai/v1", "pathType": "Prefix", "backend": backend},
+    ]
     assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
 
 
@@ -475,7 +477,10 @@ def test_http_route_attaches_to_the_gateway_and_holds_a_cold_start(chart: helm.C
     assert route["spec"]["hostnames"] == ["models.example.com"]
     [rule] = route["spec"]["rules"]
     assert set(rule) <= HTTP_ROUTE_FIELDS["rule"]
-    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["matches"] == [
+        {"path": {"type": "PathPrefix", "value": "/v1"}},
+        {"path": {"type": "PathPrefix", "value": "/openai/v1"}},
+    ]
     assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
     assert rule["timeouts"] == {"request": "3600s", "backendRequest": "3600s"}
     for ref in route["spec"]["parentRefs"]:
