@@ -51,10 +51,11 @@ layering: venv
 
 crd: venv
 	$(VENV)/bin/universal-runtime crd -o crds/universalmodels.yaml
-	cp crds/universalmodels.yaml charts/universal-runtime/crds/universalmodels.yaml
+	cp crds/universalmodels.yaml charts/universal-runtime/files/universalmodels.yaml
 
 crd-check: venv
 	$(VENV)/bin/universal-runtime crd --check crds/universalmodels.yaml
+	$(VENV)/bin/universal-runtime crd --check charts/universal-runtime/files/universalmodels.yaml
 
 unit: venv
 	$(PY) -m pytest

@@ -43,7 +43,6 @@ defaultProfile: cpu-big
 namespaces: [models, staging]
 serviceAccountName: predictors
 repairIntervalSeconds: 15
-ingressDomain: models.example.com
 """
 
 
@@ -85,11 +84,7 @@ def test_a_full_file_is_read_in_camel_case(tmp_path: Path) -> None:
     assert config.profile(None) == Profile()  # the default profile, cpu-big
     assert config.profile("gpu-l4").shm_size == "4Gi"
     assert (config.namespaces, config.clusterwide) == (["models", "staging"], False)
-    assert (config.service_account_name, config.repair_interval_seconds, config.ingress_domain) == (
-        "predictors",
-        15.0,
-        "models.example.com",
-    )
+    assert (config.service_account_name, config.repair_interval_seconds) == ("predictors", 15.0)
 
 
 def test_the_environment_variable_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

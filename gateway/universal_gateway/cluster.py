@@ -10,10 +10,12 @@ field manager off an annotation it never sets, so the two never fight. Idle past
 ``stop: "true"``; a request for a stopped model removes it and is held until the model reports Ready
 (bounded by ``startupTimeout``, then 503); concurrent requests share one wake.
 
-A gateway replica sees only its own traffic, so before stopping a model it asks the model itself
-(its ``/metrics``: requests in flight and the time of the latest one). Asking the model costs no RBAC
-and no writes; recording use on the InferenceService would (and KServe copies its annotations onto the
-pods, so every write would roll them).
+A gateway replica sees only its own traffic, so before stopping a model it asks the model itself:
+every ready replica of its predictor (their ``/metrics``: requests in flight and the time of the latest
+one), found through the EndpointSlices of the predictor Service; asking through the Service would reach
+one replica only. That costs ``list`` on EndpointSlices and no writes; recording use on the
+InferenceService would write (and KServe copies its annotations onto the pods, so every write would roll
+them).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import aiohttp
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
+from lightkube.resources.discovery_v1 import EndpointSlice
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,13 +49,33 @@ FIELD_MANAGER = "universal-runtime-gateway"
 #: The predictor's series the reaper reads (universal_predictors.metrics; names only: no import).
 IN_FLIGHT_METRIC = "universal_predictor_in_flight"
 LAST_REQUEST_METRIC = "universal_predictor_last_request_timestamp_seconds"
-#: How long the reaper waits for a model's /metrics before stopping it anyway.
+#: How long the reaper waits for a replica's /metrics (one that does not answer counts as busy).
 METRICS_TIMEOUT_S = 2.0
+#: The label the EndpointSlice controller puts on a Service's slices (discovery.k8s.io/v1).
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 #: A failed stop is retried after 5 s, 10 s, 20 s... at most every 5 minutes.
 STOP_RETRY_FIRST_S = 5.0
 STOP_RETRY_MAX_S = 300.0
 #: A failed list or watch is retried at once, then after 1 s, 2 s... at most every 30 s.
 WATCH_RETRY_MAX_S = 30.0
+
+
+ENDPOINT_SLICES_HINT = (
+    "the gateway needs `list` on endpointslices.discovery.k8s.io to ask every replica of a Standard-mode "
+    "model before stopping it: upgrade the Helm chart (gateway.standardMode=true grants it)"
+)
+
+
+def predictor_service(isvc_name: str) -> str:
+    """The Service KServe gives a RawDeployment (Standard-mode) predictor: ``{name}-predictor``.
+
+    KServe v0.16.0 pkg/constants/constants.go PredictorServiceName, used by
+    pkg/controller/v1beta1/inferenceservice/components/predictor.go; v0.14.1 and v0.15.2 name it so too,
+    unless a ``{name}-predictor-default`` Service from before KServe 0.9 already exists (then no slices
+    match, and the reaper asks through the model's address instead).
+    """
+    return f"{isvc_name}-predictor"
+
 
 STANDARD_MODE_HINT = (
     "the gateway needs `patch` on inferenceservices.serving.kserve.io to stop idle Standard-mode models: "
@@ -65,8 +88,9 @@ def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
     """The RBAC rules the gateway's ServiceAccount needs, and nothing more.
 
     Watching UniversalModels is all a Knative-only gateway does; ``patch`` on InferenceServices is for the
-    Standard-mode TTL (the stop annotation). A Role per watched namespace or one ClusterRole grants these;
-    the tests hold the gateway to exactly this list.
+    Standard-mode TTL (the stop annotation), and ``list`` on EndpointSlices for its idle check (every ready
+    replica of the predictor Service is asked). A Role per watched namespace or one ClusterRole grants
+    these; the tests hold the gateway to exactly this list.
     """
     rules = [
         {
@@ -81,6 +105,13 @@ def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
                 "apiGroups": [InferenceService._api_info.resource.group],
                 "resources": [InferenceService._api_info.plural],
                 "verbs": ["patch"],
+            }
+        )
+        rules.append(
+            {
+                "apiGroups": [EndpointSlice._api_info.resource.group],
+                "resources": [EndpointSlice._api_info.plural],
+                "verbs": ["list"],
             }
         )
     return rules
@@ -467,28 +498,88 @@ class KubernetesBackends(Backends):
     async def _used_upstream(self, model: ClusterModel) -> float | None:
         """When the model last served a request through any gateway (monotonic; now if one is in flight).
 
-        None when it cannot say. Stopping it is then fine: a predictor that does not answer /metrics in
-        METRICS_TIMEOUT_S is gone or not up (so it serves no one), and a stopped model wakes on the next
-        request anyway."""
-        if model.address is None:
+        Every ready replica is asked; the model is idle only if each one is (nothing in flight, its latest
+        request older than idleTimeout), so the latest use of any replica is the model's. A ready replica
+        that cannot be read counts as busy (now): Kubernetes routes requests to it, and a predictor whose
+        event loop is deep in a long generation answers late; stopping the model would cut what it serves.
+        One really gone leaves the ready endpoints within a readiness period and stops counting.
+
+        None when nothing can be asked: no ready replica (none serves anyone), or, without EndpointSlices to
+        read, a model address that does not answer in METRICS_TIMEOUT_S. Stopping is then fine: a stopped
+        model wakes on the next request anyway."""
+        replicas = await self._ready_replicas(model)
+        if replicas is None:  # no slices to read: ask through the Service (one replica), as before
+            if model.address is None:
+                return None
+            try:
+                in_flight, last = await self._usage(model.address)
+            except Exception as exc:  # unreachable, timed out, not Prometheus text
+                logger.info("no metrics from %s/%s (%s); stopping it", model.namespace, model.name, _describe(exc))
+                return None
+            return self._used_at(in_flight, last)
+        if not replicas:
             return None
+        results = await asyncio.gather(*(self._usage(url) for url in replicas), return_exceptions=True)
+        in_flight = last = 0.0
+        for url, result in zip(replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.info("no metrics from %s/%s at %s (%s); counting it as busy",
+                            model.namespace, model.name, url, _describe(result))  # fmt: skip
+                return time.monotonic()
+            in_flight, last = max(in_flight, result[0]), max(last, result[1])
+        return self._used_at(in_flight, last)
+
+    async def _ready_replicas(self, model: ClusterModel) -> list[str] | None:
+        """The base URLs of the predictor Service's ready endpoints; None when it has no EndpointSlices
+        (or they cannot be listed)."""
+        service = predictor_service(model.name)
+        try:
+            listing = self.client.list(EndpointSlice, namespace=model.namespace, labels={SERVICE_NAME_LABEL: service})
+            slices = [item async for item in listing]
+        except Exception as exc:  # refused (an older chart's RBAC) or the API server unreachable
+            refused = isinstance(exc, ApiError) and exc.status.code == 403
+            hint = f"; {ENDPOINT_SLICES_HINT}" if refused else ""
+            logger.log(logging.WARNING if refused else logging.INFO,
+                       "cannot list the EndpointSlices of %s/%s (%s)%s; asking one replica through its address",
+                       model.namespace, service, _describe(exc), hint)  # fmt: skip
+            return None
+        if not slices:
+            return None
+        urls: set[str] = set()
+        for endpoint_slice in slices:
+            # KServe's predictor Service has the predictor container's port first
+            # (v0.16.0 reconcilers/service/service_reconciler.go createDefaultSvc).
+            port = next((p.port for p in endpoint_slice.ports or [] if p.port and p.protocol in (None, "TCP")), None)
+            if port is None:
+                continue
+            for endpoint in endpoint_slice.endpoints or []:
+                # discovery.k8s.io/v1 EndpointConditions: a nil ready means ready.
+                if endpoint.conditions is not None and endpoint.conditions.ready is False:
+                    continue
+                host = endpoint.addresses[0]
+                urls.add(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+        return sorted(urls)
+
+    async def _usage(self, base_url: str) -> tuple[float, float]:
+        """A predictor replica's requests in flight and the Unix time of its latest one (0: none yet)."""
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S))
-        try:
-            async with self._http.get(f"{model.address}/metrics") as response:
-                response.raise_for_status()
-                text = await response.text()
-            in_flight = last = 0.0
-            for family in text_string_to_metric_families(text):
-                # One model per predictor process: its series are this model's, whatever their label.
-                for sample in family.samples:
-                    if sample.name == IN_FLIGHT_METRIC:
-                        in_flight = max(in_flight, sample.value)
-                    elif sample.name == LAST_REQUEST_METRIC:
-                        last = max(last, sample.value)
-        except Exception as exc:  # unreachable, timed out, not Prometheus text
-            logger.info("no metrics from %s/%s (%s); stopping it", model.namespace, model.name, _describe(exc))
-            return None
+        async with self._http.get(f"{base_url}/metrics") as response:
+            response.raise_for_status()
+            text = await response.text()
+        in_flight = last = 0.0
+        for family in text_string_to_metric_families(text):
+            # One model per predictor process: its series are this model's, whatever their label.
+            for sample in family.samples:
+                if sample.name == IN_FLIGHT_METRIC:
+                    in_flight = max(in_flight, sample.value)
+                elif sample.name == LAST_REQUEST_METRIC:
+                    last = max(last, sample.value)
+        return in_flight, last
+
+    @staticmethod
+    def _used_at(in_flight: float, last: float) -> float | None:
+        """Usage as a monotonic time: now while a request is in flight, None when there never was one."""
         now = time.monotonic()
         if in_flight > 0:
             return now

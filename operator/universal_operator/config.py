@@ -114,7 +114,6 @@ class OperatorConfig(_Model):
     namespaces: list[str] = Field(default_factory=list, description="Watched namespaces; empty: cluster-wide.")
     service_account_name: str | None = Field(default=None, description="The predictor pods' service account.")
     repair_interval_seconds: float = Field(default=60.0, gt=0, description="How often drift is checked.")
-    ingress_domain: str | None = None
 
     @model_validator(mode="after")
     def _default_profile_exists(self) -> OperatorConfig:

@@ -67,9 +67,12 @@ def _documents(manifests: dict[str, str]) -> Iterator[dict[str, Any]]:
                 yield doc
 
 
-def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
-    """``helm template`` of the chart: its values schema is checked first, as on install."""
-    return Rendered(list(_documents(chart.render(values or {}, name=RELEASE, namespace=NAMESPACE))))
+def render(chart: helm.Chart, values: dict[str, Any] | None = None, *, upgrade: bool = False) -> Rendered:
+    """``helm template`` of the chart (``upgrade``: as ``helm upgrade`` renders it, ``.Release.IsUpgrade``);
+    its values schema is checked first, as on install."""
+    manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE,
+                             is_upgrade=upgrade or None, revision=2 if upgrade else None)  # fmt: skip
+    return Rendered(list(_documents(manifests)))
 
 
 def install_dry_run(values: dict[str, Any]) -> str:

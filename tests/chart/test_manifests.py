@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ from tests.chart.rendering import (
     render,
 )
 from universal_gateway.cli import build_parser
-from universal_operator.config import OperatorConfig
-from universal_operator.crd import render_crd_yaml
+from universal_operator.config import OperatorConfig, parse_config
+from universal_operator.crd import custom_resource_definition, render_crd_yaml
+from universal_operator.spec import Scaling, parse_duration
 
 #: Every value the chart has, set away from its default, so each template branch renders.
 EVERYTHING: dict[str, Any] = {
@@ -44,7 +47,9 @@ EVERYTHING: dict[str, Any] = {
             "defaultProfile": "gpu-l4",
             "serviceAccountName": "predictor",
             "repairIntervalSeconds": 30,
-            "ingressDomain": "models.example.com",
+            "kserve": {"version": "0.15.2"},
+            "knative": {"features": ["kubernetes.podspec-securitycontext"], "maxRevisionTimeoutSeconds": 1800},
+            "podSecurity": {"runAsUser": 2000, "runAsGroup": 2000, "fsGroup": 2000},
         },
         "nodeSelector": {"kubernetes.io/os": "linux"},
         "tolerations": [{"key": "control-plane", "operator": "Exists", "effect": "NoSchedule"}],
@@ -61,6 +66,20 @@ EVERYTHING: dict[str, Any] = {
         "maxQueue": 100,
         "apiKeys": {"existingSecret": "gateway-keys", "key": "keys.txt"},
         "service": {"type": "LoadBalancer", "port": 8080, "annotations": {"lb": "internal"}},
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "hosts": ["models.example.com"],
+            "tlsSecretName": "models-tls",
+            "timeoutSeconds": 3600,
+            "annotations": {"cert-manager.io/cluster-issuer": "letsencrypt"},
+        },
+        "httpRoute": {
+            "enabled": True,
+            "parentRefs": [{"name": "public", "namespace": "gateway-system", "sectionName": "https"}],
+            "hostnames": ["models.example.com"],
+            "timeoutSeconds": 3600,
+        },
         "affinity": {
             "podAntiAffinity": {
                 "preferredDuringSchedulingIgnoredDuringExecution": [
@@ -85,7 +104,7 @@ CASES = {"defaults": {}, "everything": EVERYTHING}
 KUBE_VERSIONS = [yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["kubeVersion"].lstrip(">=").split(".0-")[0],
                  kubernetes_validate.latest_version()]  # fmt: skip
 #: Kinds from CRDs the Kubernetes OpenAPI does not describe; each has a test of its own below.
-NOT_IN_KUBERNETES_OPENAPI = {"ServiceMonitor"}
+NOT_IN_KUBERNETES_OPENAPI = {"ServiceMonitor", "HTTPRoute"}
 
 
 def test_kube_versions_are_the_charts_minimum_and_the_latest_known() -> None:
@@ -98,9 +117,9 @@ def test_every_rendered_object_and_the_crd_validate_against_the_kubernetes_opena
     chart: helm.Chart, case: dict[str, Any], version: str
 ) -> None:
     rendered = render(chart, case)
-    crds = [yaml.safe_load(crd["data"]) for crd in chart.crds]
+    assert rendered.of_kind("CustomResourceDefinition"), "the CRD is among the templates"
     checked = 0
-    for obj in [*rendered.objects, *crds]:
+    for obj in rendered.objects:
         if obj["kind"] in NOT_IN_KUBERNETES_OPENAPI:
             continue
         # Strict: an unknown field anywhere (a misspelt key in a template) fails too.
@@ -116,20 +135,50 @@ def test_the_strict_schema_check_catches_a_misspelt_field(chart: helm.Chart) -> 
         kubernetes_validate.validate(deployment, KUBE_VERSIONS[-1], strict=True)
 
 
-def test_the_chart_crd_is_the_generated_one(chart: helm.Chart) -> None:
-    [crd] = chart.crds
-    assert crd["name"] == "crds/universalmodels.yaml"
-    assert crd["data"] == render_crd_yaml(), (
-        "charts/universal-runtime/crds/universalmodels.yaml is out of date; regenerate it with "
-        "`universal-runtime crd -o charts/universal-runtime/crds/universalmodels.yaml`"
+# --------------------------------------------------------------------------------------------------
+# the CRD: a template, so `helm upgrade` updates it (Helm installs crds/ once and never upgrades them)
+
+CRD_NAME = "universalmodels.serving.universal-runtime.dev"
+
+
+def test_the_charts_crd_file_is_the_generated_one(chart: helm.Chart) -> None:
+    [crd_file] = [f for f in chart.files if f["name"] == "files/universalmodels.yaml"]
+    assert crd_file["data"] == render_crd_yaml(), (
+        "charts/universal-runtime/files/universalmodels.yaml is out of date; regenerate it with `make crd`"
     )
+
+
+def test_nothing_is_left_in_crds_where_helm_upgrade_would_never_update_it(chart: helm.Chart) -> None:
+    assert chart.crds == []
+
+
+def crd_without_helms_metadata(crd: dict[str, Any]) -> dict[str, Any]:
+    crd = copy.deepcopy(crd)
+    crd["metadata"].pop("annotations", None)
+    crd["metadata"]["labels"] = {"app.kubernetes.io/part-of": crd["metadata"]["labels"]["app.kubernetes.io/part-of"]}
+    return crd
+
+
+def test_helm_upgrade_renders_the_generated_crd_kept_on_uninstall(chart: helm.Chart) -> None:
+    upgraded = render(chart, upgrade=True)
+    crd = upgraded.one("CustomResourceDefinition", CRD_NAME)
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    assert crd_without_helms_metadata(crd) == custom_resource_definition()
+    assert crd == render(chart).one("CustomResourceDefinition", CRD_NAME)  # install and upgrade alike
+
+
+def test_the_crd_can_be_left_to_the_cluster_admin_or_deleted_on_uninstall(chart: helm.Chart) -> None:
+    assert render(chart, {"crds": {"install": False}}, upgrade=True).of_kind("CustomResourceDefinition") == []
+    deletable = render(chart, {"crds": {"keep": False}}, upgrade=True).one("CustomResourceDefinition", CRD_NAME)
+    assert "annotations" not in deletable["metadata"]
 
 
 def test_every_namespaced_object_lands_in_the_release_namespace_except_per_namespace_rbac(chart: helm.Chart) -> None:
     rendered = render(chart, EVERYTHING)
     for obj in rendered.objects:
         kind, namespace = obj["kind"], obj["metadata"].get("namespace")
-        if kind in ("ClusterRole", "ClusterRoleBinding"):
+        if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert namespace is None
         elif kind in ("Role", "RoleBinding"):
             assert namespace in EVERYTHING["watchNamespaces"]
@@ -171,6 +220,18 @@ def test_pods_run_restricted_non_root_read_only_without_capabilities(chart: helm
     # A read-only root still leaves a writable /tmp.
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+
+
+@pytest.mark.parametrize("deployment", [OPERATOR, GATEWAY])
+def test_pod_ids_default_to_1000_and_can_be_left_for_the_platform_to_assign(chart: helm.Chart, deployment: str) -> None:
+    security = render(chart).pod_spec(deployment)["securityContext"]
+    assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (1000, 1000, 1000)
+    # OpenShift's restricted SCC assigns a UID from the namespace's range and refuses others.
+    unset = {"runAsUser": None, "runAsGroup": None, "fsGroup": None}
+    security = render(chart, {"podSecurityContext": unset}).pod_spec(deployment)["securityContext"]
+    assert security == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    chosen = render(chart, {"podSecurityContext": {"runAsUser": 1000650000}}).pod_spec(deployment)["securityContext"]
+    assert chosen["runAsUser"] == 1000650000
 
 
 def test_scheduling_values_reach_each_pod(chart: helm.Chart) -> None:
@@ -231,6 +292,27 @@ def test_operator_config_values_cover_every_operator_config_field_but_namespaces
     operator_keys = {field.alias or name for name, field in OperatorConfig.model_fields.items()}
     # Namespaces come from watchNamespaces, so RBAC and the watch cannot disagree.
     assert chart_keys == operator_keys - {"namespaces"}
+
+
+def test_operator_settings_for_the_clusters_kserve_knative_and_pod_ids_reach_parse_config(chart: helm.Chart) -> None:
+    config_map = render(chart, EVERYTHING).one("ConfigMap", OPERATOR)
+    config = parse_config(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert (config.kserve.version, config.kserve.release) == ("0.15.2", (0, 15, 2))
+    assert config.knative.features == ["kubernetes.podspec-securitycontext"]
+    assert config.knative.max_revision_timeout_seconds == 1800
+    assert (config.pod_security.run_as_user, config.pod_security.run_as_group, config.pod_security.fs_group) == (
+        2000, 2000, 2000,
+    )  # fmt: skip
+
+
+def test_predictor_ids_set_to_null_reach_the_operator_as_null_not_as_its_default(chart: helm.Chart) -> None:
+    # Helm's merge deletes a key set to null; the chart must still tell the operator "none".
+    unset = {"operator": {"config": {"podSecurity": {"runAsUser": None, "runAsGroup": None, "fsGroup": None}}}}
+    config_map = render(chart, unset).one("ConfigMap", OPERATOR)
+    config = parse_config(yaml.safe_load(config_map["data"]["config.yaml"]))
+    assert (config.pod_security.run_as_user, config.pod_security.run_as_group, config.pod_security.fs_group) == (
+        None, None, None,
+    )  # fmt: skip
 
 
 def test_a_changed_operator_config_rolls_the_operator_pod(chart: helm.Chart) -> None:
@@ -321,6 +403,95 @@ def test_gateway_pods_carry_prometheus_scrape_annotations_for_metrics(chart: hel
     }
     off = render(chart, {"metrics": {"podAnnotations": False}}).one("Deployment", GATEWAY)
     assert "annotations" not in off["spec"]["template"]["metadata"]
+
+
+# --------------------------------------------------------------------------------------------------
+# the route from outside: Ingress and Gateway API HTTPRoute, both off by default
+
+
+def test_no_ingress_or_http_route_by_default(chart: helm.Chart) -> None:
+    assert not render(chart).kinds() & {"Ingress", "HTTPRoute"}
+
+
+def test_ingress_routes_the_api_paths_of_its_hosts_to_the_gateway_service_with_tls(chart: helm.Chart) -> None:
+    rendered = render(chart, EVERYTHING)
+    ingress = rendered.one("Ingress", GATEWAY)
+    service = rendered.one("Service", GATEWAY)
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"secretName": "models-tls", "hosts": ["models.example.com"]}]
+    [rule] = ingress["spec"]["rules"]
+    assert rule["host"] == "models.example.com"
+    # The OpenAI API, not the gateway's /metrics, /healthz and /readyz.
+    backend = {"service": {"name": service["metadata"]["name"], "port": {"name": "http"}}}
+    assert rule["http"]["paths"] == [
+        {"path": "/v1", "pathType": "Prefix", "backend": backend},
+        {"path": "/openai/v1", "pathType": "Prefix", "backend": backend},
+    ]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+
+
+def test_ingress_nginx_holds_a_cold_start_streams_unbuffered_and_takes_the_gateways_body_limit(
+    chart: helm.Chart,
+) -> None:
+    annotations = render(chart, EVERYTHING).one("Ingress", GATEWAY)["metadata"]["annotations"]
+    assert annotations == {
+        "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",
+        "nginx.ingress.kubernetes.io/proxy-send-timeout": "3600",
+        "nginx.ingress.kubernetes.io/proxy-buffering": "off",
+        "nginx.ingress.kubernetes.io/proxy-request-buffering": "off",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "64m",
+        "cert-manager.io/cluster-issuer": "letsencrypt",
+    }
+
+
+def test_ingress_defaults_hold_a_request_for_the_default_startup_timeout_on_any_host(chart: helm.Chart) -> None:
+    ingress = render(chart, {"gateway": {"ingress": {"enabled": True, "nginx": True}}}).one("Ingress", GATEWAY)
+    startup_timeout = parse_duration(Scaling().startup_timeout).total_seconds()
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-read-timeout"] == str(
+        int(startup_timeout)
+    )
+    assert "host" not in ingress["spec"]["rules"][0]
+    assert "tls" not in ingress["spec"]
+    assert "ingressClassName" not in ingress["spec"]
+    plain = render(chart, {"gateway": {"ingress": {"enabled": True, "nginx": False}}}).one("Ingress", GATEWAY)
+    assert "annotations" not in plain["metadata"]
+
+
+#: Gateway API v1 (kubernetes-sigs/gateway-api v1.2.0 apis/v1/httproute_types.go, shared_types.go):
+#: Duration is GEP-2257's `^([0-9]{1,5}(h|m|s|ms)){1,4}$`; backendRequest must not exceed request.
+GATEWAY_API_DURATION = re.compile(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$")
+HTTP_ROUTE_FIELDS = {"spec": {"parentRefs", "hostnames", "rules"},
+                     "rule": {"matches", "filters", "backendRefs", "timeouts", "name", "sessionPersistence", "retry"},
+                     "parentRef": {"group", "kind", "namespace", "name", "sectionName", "port"},
+                     "backendRef": {"group", "kind", "name", "namespace", "port", "weight", "filters"},
+                     "timeouts": {"request", "backendRequest"}}  # fmt: skip
+
+
+def test_http_route_attaches_to_the_gateway_and_holds_a_cold_start(chart: helm.Chart) -> None:
+    rendered = render(chart, EVERYTHING)
+    route = rendered.one("HTTPRoute", GATEWAY)
+    service = rendered.one("Service", GATEWAY)
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert set(route["spec"]) <= HTTP_ROUTE_FIELDS["spec"]
+    assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateway-system", "sectionName": "https"}]
+    assert route["spec"]["hostnames"] == ["models.example.com"]
+    [rule] = route["spec"]["rules"]
+    assert set(rule) <= HTTP_ROUTE_FIELDS["rule"]
+    assert rule["matches"] == [
+        {"path": {"type": "PathPrefix", "value": "/v1"}},
+        {"path": {"type": "PathPrefix", "value": "/openai/v1"}},
+    ]
+    assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
+    assert rule["timeouts"] == {"request": "3600s", "backendRequest": "3600s"}
+    for ref in route["spec"]["parentRefs"]:
+        assert set(ref) <= HTTP_ROUTE_FIELDS["parentRef"]
+    assert all(set(ref) <= HTTP_ROUTE_FIELDS["backendRef"] for ref in rule["backendRefs"])
+    assert all(GATEWAY_API_DURATION.match(value) for value in rule["timeouts"].values())
+
+
+def test_an_http_route_without_a_gateway_to_attach_to_fails_the_install_saying_so(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match=r"gateway\.httpRoute\.parentRefs must name the Gateway"):
+        render(chart, {"gateway": {"httpRoute": {"enabled": True}}})
 
 
 def test_service_monitor_is_optional_and_scrapes_metrics_from_the_gateway_service(chart: helm.Chart) -> None:

@@ -285,3 +285,69 @@ async def test_the_enforcing_emulator_refuses_an_apply_that_creates_without_crea
             await client.apply(InferenceService.from_dict(body))  # the object exists: patch suffices
         finally:
             await client.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# OwnerReferencesPermissionEnforcement (kubernetes/kubernetes plugin/pkg/admission/gc/gc_admission.go)
+
+GROUP = "serving.universal-runtime.dev"
+FINALIZERS = Access("update", GROUP, UM, "finalizers", "default")
+
+
+def owned_child(owner: dict[str, Any], *, block: bool) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": "default",
+            "ownerReferences": [
+                {
+                    "apiVersion": owner["apiVersion"],
+                    "kind": "UniversalModel",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": block,
+                },
+            ],
+        },
+        "spec": {"predictor": {}},
+    }
+
+
+async def test_the_enforcing_emulator_refuses_blocking_an_owners_deletion_without_update_on_its_finalizers(
+    tmp_path: Path, crd: dict[str, Any]
+) -> None:
+    apply_isvc = {"apiGroups": ["serving.kserve.io"], "resources": [ISVC], "verbs": ["create", "patch"]}
+    finalizers = {"apiGroups": [GROUP], "resources": [f"{UM}/finalizers"], "verbs": ["update"]}
+    emulator = RbacEmulator(grants=[Grant(rules=(apply_isvc,), namespace="default")])
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as cluster:
+        await harness_create(cluster, UM, "default", load_manifest("cluster/minilm-embed.yaml"))
+        owner = emulator.get_object(UM, "default", "minilm")
+        assert owner is not None
+        client = AsyncClient(KubeConfig.from_file(cluster.kubeconfig), field_manager="test")
+        try:
+            with pytest.raises(ApiError) as refused:
+                await client.apply(InferenceService.from_dict(owned_child(owner, block=True)))
+            assert refused.value.status.code == 403
+            assert refused.value.status.message == (
+                'inferenceservices.serving.kserve.io "minilm" is forbidden: cannot set blockOwnerDeletion if an '
+                "ownerReference refers to a resource you can't set finalizers on: , <nil>"
+            )
+            assert emulator.denied == [FINALIZERS]
+            assert emulator.get_object(ISVC, "default", "minilm") is None
+            # A reference that does not block its owner's deletion needs nothing more.
+            await client.apply(InferenceService.from_dict(owned_child(owner, block=False)))
+            # Turning blocking on later is checked too: an update changing owner references also needs
+            # `delete` on the object itself.
+            with pytest.raises(ApiError) as refused:
+                await client.apply(InferenceService.from_dict(owned_child(owner, block=True)))
+            assert "cannot set an ownerRef on a resource you can't delete" in refused.value.status.message
+            emulator.grants = [Grant(rules=(apply_isvc, finalizers), namespace="default")]
+            await harness_delete(cluster, ISVC, "default", "minilm")
+            await client.apply(InferenceService.from_dict(owned_child(owner, block=True)))
+            assert emulator.allowed[-1] == FINALIZERS
+        finally:
+            await client.close()

@@ -7,11 +7,14 @@ statuses (and, in Standard mode, reacting to the stop annotation the gateway own
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import httpx
 import pytest
 from openai import AsyncOpenAI
@@ -218,6 +221,112 @@ async def test_a_gateway_replica_without_traffic_does_not_stop_a_model_another_r
         # No more requests: idle on every replica, so it is stopped.
         await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=20)
     assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)
+
+
+class FakeReplica:
+    """One predictor pod's /metrics: requests in flight and the time of the latest one, as a test sets them.
+
+    ``hang`` makes it accept the request and never answer (a pod too busy to reply)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.last_request = time.time() - 3600  # idle for an hour
+        self.hang = False
+        self.hits = 0
+        self._released = asyncio.Event()
+
+    async def metrics(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.hits += 1
+        if self.hang:
+            await self._released.wait()
+        return aiohttp.web.Response(
+            text=(
+                "# TYPE universal_predictor_in_flight gauge\n"
+                f'universal_predictor_in_flight{{model="{SERVED}"}} {self.in_flight}\n'
+                "# TYPE universal_predictor_last_request_timestamp_seconds gauge\n"
+                f'universal_predictor_last_request_timestamp_seconds{{model="{SERVED}"}} {self.last_request}\n'
+            )
+        )
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@contextlib.asynccontextmanager
+async def replicas_at(hosts: list[str]) -> AsyncIterator[tuple[int, list[FakeReplica]]]:
+    """Fake predictor pods on several loopback addresses sharing one port, as pods behind a Service do."""
+    replicas = [FakeReplica() for _ in hosts]
+    runners = []
+    port = 0
+    try:
+        for host, replica in zip(hosts, replicas, strict=True):
+            app = aiohttp.web.Application()
+            app.router.add_get("/metrics", replica.metrics)
+            runner = aiohttp.web.AppRunner(app)
+            await runner.setup()
+            runners.append(runner)
+            site = aiohttp.web.TCPSite(runner, host, port)
+            await site.start()
+            port = port or runner.addresses[0][1]
+        yield port, replicas
+    finally:
+        for replica in replicas:
+            replica.release()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def endpoint_slice(name: str, port: int, endpoints: dict[str, bool]) -> dict[str, Any]:
+    """An EndpointSlice of the predictor Service as the EndpointSlice controller writes it (discovery.k8s.io/v1)."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "embedder-predictor"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [address], "conditions": {"ready": ready}} for address, ready in endpoints.items()],
+    }  # fmt: skip
+
+
+async def test_a_standard_mode_model_is_stopped_only_when_every_ready_replica_is_idle(
+    cluster: ServedEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with replicas_at(["127.0.0.2", "127.0.0.3", "127.0.0.4"]) as (port, (a, b, c)):
+        # The model's address is the Service, which reaches one replica (here: a) per request.
+        await standard_model(cluster, "1s", "Ready", f"http://127.0.0.2:{port}")
+        # Two slices, as the controller splits a Service's endpoints; an unready pod (nothing listens
+        # there: asked, it would count as busy) is not asked.
+        await create(cluster, "endpointslices", endpoint_slice("embedder-predictor-x1", port,
+                                                              {"127.0.0.2": True, "127.0.0.3": True}))  # fmt: skip
+        await create(cluster, "endpointslices", endpoint_slice("embedder-predictor-x2", port,
+                                                              {"127.0.0.4": True, "127.0.0.5": False}))  # fmt: skip
+        # Another Service's slice in the namespace is not this model's (asked, it would count as busy).
+        other = endpoint_slice("other-predictor-x1", port, {"127.0.0.6": True})
+        other["metadata"]["labels"]["kubernetes.io/service-name"] = "other-predictor"
+        await create(cluster, "endpointslices", other)
+        b.in_flight = 1  # replica b is serving a request another gateway replica sent
+        backends = KubernetesBackends(["default"], reap_interval=0.1)
+        caplog.set_level(logging.INFO, logger="universal_gateway.cluster")
+        await backends.start()
+        try:
+            await eventually(lambda: min(a.hits, b.hits, c.hits) >= 3)
+            assert STOP_ANNOTATION not in annotations(cluster), "stopped while a replica was serving"
+
+            # b stops answering (busy): that counts as in use, not as gone.
+            b.in_flight, b.hang = 0, True
+            hits = b.hits
+            await eventually(lambda: b.hits >= hits + 2, within=20)  # the first unanswered read came back
+            assert STOP_ANNOTATION not in annotations(cluster), "stopped while a replica did not answer"
+            assert "counting it as busy" in caplog.text
+
+            # Every ready replica idle past idleTimeout: stopped.
+            b.hang = False
+            b.release()
+            await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=20)
+        finally:
+            await backends.close()
+    assert {("list", "endpointslices"), ("patch", ISVC)} <= assert_within_rbac(cluster, standard_mode=True)
 
 
 @pytest.fixture

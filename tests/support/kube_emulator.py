@@ -1574,6 +1574,7 @@ _BUILTINS: dict[str, tuple[str, bool, bool]] = {
     "v1/serviceaccounts": ("ServiceAccount", True, False),
     "v1/services": ("Service", True, True),
     "v1/pods": ("Pod", True, True),
+    "discovery.k8s.io/v1/endpointslices": ("EndpointSlice", True, False),
 }
 
 

@@ -10,10 +10,20 @@ test cannot pass on a rule this module would misread.
 request its grants do not allow. It also checks what the emulator's access log cannot show: a
 server-side apply that creates its object needs ``create`` besides ``patch`` (Kubernetes' documented
 rule for apply), so such a request is checked, and recorded, as both.
+
+It also admits writes as the OwnerReferencesPermissionEnforcement admission plugin does (on by default
+in OpenShift and on hardened clusters; ``owner_references_enforced``), imitating kubernetes/kubernetes
+plugin/pkg/admission/gc/gc_admission.go (``Validate``, ``ownerRefToDeleteAttributeRecords``,
+``newBlockingOwnerDeletionRefs``; the same rules since v1.10, current in v1.28-v1.34): a create or update
+that adds an ownerReference with ``blockOwnerDeletion: true`` (or turns it on) is refused 403 unless
+the requester may ``update`` the owner's ``finalizers`` subresource; an update that changes
+ownerReferences at all also needs ``delete`` on the object itself (a create does not: who may create
+an object could have not created it). These checks are recorded as accesses too.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,9 +33,20 @@ import aiohttp.web
 import attrs
 import kmock
 
-from tests.support.kube_emulator import HARNESS_HEADER, Access, KubeEmulator, rbac_verb, status_body
+from tests.support.kube_emulator import (
+    HARNESS_HEADER,
+    JSON,
+    Access,
+    ApiError,
+    KubeEmulator,
+    ResourceSpec,
+    rbac_verb,
+    status_body,
+)
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+#: The request being served, while its write is admitted (None for harness requests and internal writes).
+_REQUEST: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar("rbac_request", default=None)
 
 
 def _matches(values: Iterable[str], wanted: str) -> bool:
@@ -113,6 +134,8 @@ class RbacEmulator(KubeEmulator):
 
     grants: list[Grant] = attrs.field(factory=list)
     user: str = "system:serviceaccount:test:subject"
+    #: OwnerReferencesPermissionEnforcement (see the module docstring).
+    owner_references_enforced: bool = True
     allowed: list[Access] = attrs.field(factory=list, init=False)
     denied: list[Access] = attrs.field(factory=list, init=False)
 
@@ -134,10 +157,67 @@ class RbacEmulator(KubeEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
-        if res is not None and res.plural is not None and not self._header(request, HARNESS_HEADER):
-            for access in self._accesses(request, res):
-                if not allows(self.grants, access):
-                    self.denied.append(access)
-                    return forbidden(access, self.user)
-                self.allowed.append(access)
-        return await super()._handle(request)
+        if res is None or res.plural is None or self._header(request, HARNESS_HEADER):
+            return await super()._handle(request)
+        for access in self._accesses(request, res):
+            if not allows(self.grants, access):
+                self.denied.append(access)
+                return forbidden(access, self.user)
+            self.allowed.append(access)
+        token = _REQUEST.set(request)  # each request is served in a task of its own: its own context
+        try:
+            return await super()._handle(request)
+        finally:
+            _REQUEST.reset(token)
+
+    # -- OwnerReferencesPermissionEnforcement: the store's create and update paths, after RBAC --------
+
+    def _create(self, spec: ResourceSpec, namespace: str | None, body: Any) -> JSON:
+        if isinstance(body, dict):
+            self._admit_owner_references(spec, namespace, None, body)
+        return super()._create(spec, namespace, body)
+
+    def _finish_update(self, spec: ResourceSpec, old: JSON, candidate: Any, sub: str | None) -> JSON:
+        if isinstance(candidate, dict) and sub is None:  # status writes keep metadata (the pods/status exemption)
+            self._admit_owner_references(spec, old["metadata"].get("namespace"), old, candidate)
+        return super()._finish_update(spec, old, candidate, sub)
+
+    def _admit_owner_references(self, spec: ResourceSpec, namespace: str | None, old: JSON | None, new: JSON) -> None:
+        request = _REQUEST.get()
+        if request is None or not self.owner_references_enforced:
+            return
+        new_refs = list((new.get("metadata") or {}).get("ownerReferences") or [])
+        old_refs = list((old or {}).get("metadata", {}).get("ownerReferences") or [])
+        if old is not None and new_refs == old_refs:
+            return  # not changing owner references: always allowed
+        if old is None and not new_refs:
+            return
+        name = (new.get("metadata") or {}).get("name") or (old or {}).get("metadata", {}).get("name")
+        resource = f"{spec.plural}.{spec.group}" if spec.group else spec.plural
+        if old is not None:  # an update changing them: only who may delete the object may set its owners
+            self._authorize(Access("delete", spec.group, spec.plural, None, namespace), resource, name,
+                            "cannot set an ownerRef on a resource you can't delete")  # fmt: skip
+        was_blocking = {ref.get("uid") for ref in old_refs if ref.get("blockOwnerDeletion") is True}
+        for ref in new_refs:
+            if ref.get("blockOwnerDeletion") is not True or ref.get("uid") in was_blocking:
+                continue
+            owner = self._owner_spec(ref)
+            if owner is None:
+                raise ApiError(403, f'{resource} "{name}" is forbidden: cannot set blockOwnerDeletion in this case '
+                               f"because cannot find RESTMapping for APIVersion {ref.get('apiVersion')} "
+                               f"Kind {ref.get('kind')}", "Forbidden")  # fmt: skip
+            access = Access("update", owner.group, owner.plural, "finalizers", namespace if owner.namespaced else None)
+            self._authorize(access, resource, name, "cannot set blockOwnerDeletion if an ownerReference refers "
+                            "to a resource you can't set finalizers on")  # fmt: skip
+
+    def _owner_spec(self, ref: Mapping[str, Any]) -> ResourceSpec | None:
+        """The served resource of an ownerReference's apiVersion and kind (the REST mapping)."""
+        group = str(ref.get("apiVersion") or "").rpartition("/")[0]
+        return next((s for s in self._specs.values() if s.group == group and s.kind == ref.get("kind")), None)
+
+    def _authorize(self, access: Access, resource: str, name: str | None, why: str) -> None:
+        if not allows(self.grants, access):
+            self.denied.append(access)
+            # The admission plugin's wording: "<resource> \"<name>\" is forbidden: <why>: <reason>, <err>"
+            raise ApiError(403, f'{resource} "{name}" is forbidden: {why}: , <nil>', "Forbidden")
+        self.allowed.append(access)

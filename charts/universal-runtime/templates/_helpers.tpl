@@ -79,7 +79,11 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* The operator's config.yaml: operator.config without its null entries. */}}
+{{/*
+The operator's config.yaml: operator.config without its null entries, except podSecurity's IDs. Helm's
+value merge deletes a key set to null, so an ID missing here was nulled by the user: it is written as
+null (the platform assigns it), never left for the operator's own default to fill.
+*/}}
 {{- define "universal-runtime.operator.config" -}}
 {{- $config := dict }}
 {{- range $key, $value := .Values.operator.config }}
@@ -87,6 +91,12 @@ affinity:
 {{- $_ := set $config $key $value }}
 {{- end }}
 {{- end }}
+{{- $given := $config.podSecurity | default dict }}
+{{- $podSecurity := dict }}
+{{- range $id := list "runAsUser" "runAsGroup" "fsGroup" }}
+{{- $_ := set $podSecurity $id (hasKey $given $id | ternary (index $given $id) nil) }}
+{{- end }}
+{{- $_ := set $config "podSecurity" $podSecurity }}
 {{- toYaml $config }}
 {{- end }}
 
@@ -96,12 +106,19 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - universalmodels/status: the operator's status writes;
 - inferenceservices: the children, watched (kopf index and event handler), read before taking a
   name over, server-side applied (patch; create when the apply creates the child);
-- events: kopf posts Warning Events (InvalidSpec) on the models.
+- events: kopf posts Warning Events (InvalidSpec) on the models;
+- universalmodels/finalizers: the children's ownerReference sets blockOwnerDeletion, which the
+  OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) admits only
+  from who may update the owner's finalizers subresource (kubernetes/kubernetes
+  plugin/pkg/admission/gc/gc_admission.go); nothing is ever sent to it.
 */}}
 {{- define "universal-runtime.operator.rules" -}}
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels]
   verbs: [list, watch, patch]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodels/finalizers]
+  verbs: [update]
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels/status]
   verbs: [patch]
@@ -119,7 +136,8 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 {{/*
 The gateway's rules: exactly universal_gateway.cluster.rbac_rules(standard_mode=...), which the
 chart tests hold it to. It watches UniversalModels (routes come from their status); with
-Standard-mode models it also patches InferenceServices (the serving.kserve.io/stop annotation).
+Standard-mode models it also patches InferenceServices (the serving.kserve.io/stop annotation) and
+lists the predictor Services' EndpointSlices (the idle check asks every ready replica).
 */}}
 {{- define "universal-runtime.gateway.rules" -}}
 - apiGroups: [serving.universal-runtime.dev]
@@ -129,5 +147,8 @@ Standard-mode models it also patches InferenceServices (the serving.kserve.io/st
 - apiGroups: [serving.kserve.io]
   resources: [inferenceservices]
   verbs: [patch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list]
 {{- end }}
 {{- end }}
