@@ -302,3 +302,10 @@ async def test_credentials_secret_reaches_the_storage_initializer_through_the_mo
     message = cluster.model("gated")["status"]["message"]
     assert "401" not in message
     assert "is not a transformers model directory" in message
+
+    # A Secret that does not exist: KServe's pod webhook refuses the pods, nothing starts.
+    missing = _minilm("gated-missing", "gated-missing")
+    missing["spec"]["source"] = {"uri": GATED_SOURCE, "credentialsSecret": "no-such-secret"}
+    await cluster.apply(missing)
+    await eventually(lambda: cluster.phase("gated-missing") == "Failed", within=LOAD_WITHIN)
+    assert "'no-such-secret'" in cluster.model("gated-missing")["status"]["message"]

@@ -458,8 +458,9 @@ class PredictorWorkload:
         """The credential env KServe's pod webhook gives the storage-initializer: the pod's ServiceAccount's secrets.
 
         KServe v0.16.0 pkg/credentials/service_account_credentials.go (CreateSecretVolumeAndEnv): the account is
-        the predictor's serviceAccountName ("default" when unset), a missing account gives nothing, and each
-        Secret it lists becomes one store's env (:data:`STORE_CREDENTIALS`). Env on kserve-container plays no part.
+        the predictor's serviceAccountName ("default" when unset), a missing account gives nothing, each Secret
+        it lists becomes one store's env (:data:`STORE_CREDENTIALS`), and a listed Secret that is missing fails
+        the pod's admission. Env on kserve-container plays no part.
         """
         account_name = self.predictor.get("serviceAccountName") or "default"
         try:
@@ -474,7 +475,12 @@ class PredictorWorkload:
                 secret = await self.kserve.client.get(Secret, ref.name, namespace=self.key[0])
             except ApiError as exc:
                 if exc.status.code == 404:
-                    continue
+                    # mountSecretCredential returns the error, the injector too: the webhook refuses the pod
+                    # (v0.16.0 pkg/webhook/admission/pod/mutator.go answers 500), so nothing starts.
+                    raise LaunchFailed(
+                        f"FailedCreate: admission webhook refused the pod: secret {ref.name!r} of service account "
+                        f"{account_name!r} not found"
+                    ) from None
                 raise
             data = {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
             data.update(secret.stringData or {})
