@@ -102,9 +102,15 @@ conditions:
 - {type: IngressReady, status: Unknown}
 - {type: LatestDeploymentReady, status: Unknown, reason: PredictorConfigurationReady not ready}
 - {type: PredictorConfigurationReady, status: Unknown}
-- {type: PredictorReady, status: Unknown, reason: RevisionMissing, message: "Configuration \\"qwen-chat-predictor\\" is waiting for a Revision to become ready."}
+- type: PredictorReady
+  status: Unknown
+  reason: RevisionMissing
+  message: Configuration "qwen-chat-predictor" is waiting for a Revision to become ready.
 - {type: PredictorRouteReady, status: Unknown, reason: RevisionMissing}
-- {type: Ready, status: Unknown, reason: RevisionMissing, message: "Configuration \\"qwen-chat-predictor\\" is waiting for a Revision to become ready."}
+- type: Ready
+  status: Unknown
+  reason: RevisionMissing
+  message: Configuration "qwen-chat-predictor" is waiting for a Revision to become ready.
 - {type: RoutesReady, status: Unknown, reason: PredictorRouteReady not ready}
 $stopped_false
 components:
@@ -175,10 +181,19 @@ $mode
 conditions:
 - {type: IngressReady, status: "True"}
 - {type: LatestDeploymentReady, status: "False", reason: PredictorConfigurationReady not ready}
-- {type: PredictorConfigurationReady, status: "False", reason: RevisionFailed, message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'}
-- {type: PredictorReady, status: "False", reason: RevisionFailed, message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'}
+- type: PredictorConfigurationReady
+  status: "False"
+  reason: RevisionFailed
+  message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'
+- type: PredictorReady
+  status: "False"
+  reason: RevisionFailed
+  message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'
 - {type: PredictorRouteReady, status: "True"}
-- {type: Ready, status: "False", reason: RevisionFailed, message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'}
+- type: Ready
+  status: "False"
+  reason: RevisionFailed
+  message: 'Revision "qwen-chat-predictor-00002" failed with message: Container failed with: out of memory.'
 - {type: RoutesReady, status: "True"}
 $stopped_false
 components:
@@ -219,8 +234,14 @@ url: http://qwen-chat-models.example.com
 $mode
 conditions:
 - {type: IngressReady, status: "True"}
-- {type: PredictorReady, status: "False", reason: MinimumReplicasUnavailable, message: Deployment does not have minimum availability.}
-- {type: Ready, status: "False", reason: MinimumReplicasUnavailable, message: Deployment does not have minimum availability.}
+- type: PredictorReady
+  status: "False"
+  reason: MinimumReplicasUnavailable
+  message: Deployment does not have minimum availability.
+- type: Ready
+  status: "False"
+  reason: MinimumReplicasUnavailable
+  message: Deployment does not have minimum availability.
 $stopped_false
 components:
   predictor: {$raw_revision}
@@ -237,8 +258,14 @@ url: http://qwen-chat-models.example.com
 $mode
 conditions:
 - {type: IngressReady, status: "True"}
-- {type: PredictorReady, status: "False", reason: MinimumReplicasUnavailable, message: Deployment does not have minimum availability.}
-- {type: Ready, status: "False", reason: MinimumReplicasUnavailable, message: Deployment does not have minimum availability.}
+- type: PredictorReady
+  status: "False"
+  reason: MinimumReplicasUnavailable
+  message: Deployment does not have minimum availability.
+- type: Ready
+  status: "False"
+  reason: MinimumReplicasUnavailable
+  message: Deployment does not have minimum availability.
 $stopped_false
 components:
   predictor: {$raw_revision}
@@ -352,7 +379,7 @@ def situations(version: str, knative: bool) -> dict[str, tuple[dict[str, Any], s
                     document(KNATIVE_READY, version, knative, revision="00003", ksvc_generation=3, failure=FAILURE_INFO)
                 ),
                 "{phase: Ready, message: Serving.}",
-            ),  # fmt: skip
+            ),
         }
     else:
         out = {
@@ -417,7 +444,8 @@ def test_idle_stop_condition_says_whether_this_release_can_stop_a_standard_model
     else:
         assert pick(idle_stop, {"status": 0, "reason": 0}) == {"status": "False", "reason": "UnsupportedByKServe"}
         assert f"KServe {version} cannot stop a Standard-mode" in idle_stop["message"]
-        assert "stays running" in idle_stop["message"] and "0.16.0" in idle_stop["message"]
+        assert "stays running" in idle_stop["message"]
+        assert "0.16.0" in idle_stop["message"]
 
 
 def test_a_stop_annotation_a_release_ignores_does_not_make_the_model_idle() -> None:
