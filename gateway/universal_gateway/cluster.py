@@ -184,7 +184,7 @@ class ClusterModel:
         """False when the operator reports the cluster's KServe cannot stop this model (condition IdleStop)."""
         for condition in self.status.get("conditions") or []:
             if condition.get("type") == IDLE_STOP_CONDITION:
-                return condition.get("status") != "False"
+                return str(condition.get("status")) != "False"
         return True
 
     @property
