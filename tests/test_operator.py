@@ -99,6 +99,8 @@ async def test_status_and_printer_columns_follow_kserve(cluster: ServedEmulator,
     assert status["address"] == "http://qwen-chat-predictor.default.svc.cluster.local"
     assert status["replicas"] == 1
     assert status["observedGeneration"] == _model(cluster, "qwen-chat")["metadata"]["generation"]  # type: ignore[index]
+    # The wait the gateway grants a request: the rendered predictor timeout (startupTimeout 20m + 5m, at most 600 s).
+    assert status["requestTimeoutSeconds"] == child["spec"]["predictor"]["timeout"] == 600
     assert _condition(_model(cluster, "qwen-chat"), "Ready")["status"] == "True"
     assert _condition(_model(cluster, "qwen-chat"), "InferenceServiceReady")["status"] == "True"
 
