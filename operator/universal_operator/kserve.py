@@ -11,10 +11,6 @@ from universal_operator.spec import ScalingMode
 
 Release = tuple[int, int, int]
 
-#: The oldest release the operator renders for, and the newest whose source was read for these facts.
-OLDEST_SUPPORTED: Release = (0, 14, 1)
-NEWEST_VERIFIED: Release = (0, 20, 0)
-
 #: The release that renamed the deployment modes Serverless -> Knative and RawDeployment -> Standard.
 #: KServe v0.16.0 pkg/constants/constants.go (LegacyServerless, Knative, LegacyRawDeployment, Standard).
 MODE_RENAME: Release = (0, 16, 0)
@@ -65,13 +61,3 @@ def stop_unsupported(release: Release, mode: ScalingMode) -> str | None:
         f"({STOP_ANNOTATION} works in this mode from KServe {version_text(STOP_SINCE[mode])}): the model stays "
         f"running after idleTimeout. Upgrade KServe, or use scaling.mode Knative to scale to zero."
     )
-
-
-def copies_kept_at_zero(release: Release) -> bool:
-    """Whether ``modelStatus.copies.totalCopies`` keeps its last count when no pod runs.
-
-    Up to 0.15 it is written only with the Loaded state (KServe v0.15.2 pkg/apis/serving/v1beta1/
-    inference_service_status.go, UpdateModelRevisionStates); from 0.16 it is the count of ready pods on every
-    reconcile (KServe v0.16.0 same file, PropagateModelStatus: ModelCopies.TotalCopies = readyCopies).
-    """
-    return release < MODE_RENAME

@@ -532,18 +532,16 @@ def _child_failure(status: dict[str, Any], ready: dict[str, Any] | None) -> str 
     info = model_status.get("lastFailureInfo") or {}
     target = (model_status.get("states") or {}).get("targetModelState")
     transition = model_status.get("transitionStatus")
-    ready_failed = ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS
+    ready_failure = None
+    if ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS:
+        ready_failure = f"{ready.get('reason')}: {ready.get('message') or 'the predictor failed'}"
     if target == "FailedToLoad" or transition in ("BlockedByFailedLoad", "InvalidSpec"):
         parts = [info.get("reason"), info.get("message")]
         if info.get("exitCode") is not None:
             parts.append(f"exit code {info['exitCode']}")
         text = ": ".join(str(p) for p in parts if p)
-        if not text and ready_failed:
-            text = f"{(ready or {}).get('reason')}: {(ready or {}).get('message') or 'the predictor failed'}"
-        return text or f"the model failed to load ({transition or target})"
-    if ready_failed:
-        return f"{(ready or {}).get('reason')}: {(ready or {}).get('message') or 'the predictor failed'}"
-    return None
+        return text or ready_failure or f"the model failed to load ({transition or target})"
+    return ready_failure
 
 
 def _is_true(condition: dict[str, Any] | None) -> bool:
@@ -571,8 +569,8 @@ def status_from_inference_service(
       controller.go sets Stopped): stopped is judged first.
     * At zero pods (Knative scale to zero) PropagateModelStatus sets only targetModelState Pending and
       transitionStatus InProgress; activeModelState stays Loaded and Ready stays True. With the revisions
-      equal that is Idle, not a rollout. ``copies.totalCopies`` keeps its last count up to 0.15 and is 0 from
-      0.16 (:func:`universal_operator.kserve.copies_kept_at_zero`): it is not relied on.
+      equal that is Idle, not a rollout. ``copies.totalCopies`` keeps its last count up to 0.15 (written with
+      Loaded only) and is the ready-pod count from 0.16 (PropagateModelStatus): it is not relied on.
     * Failure comes from the current state (:func:`_child_failure`); Ready=True wins over a stale failure.
     """
     now = now or datetime.now(UTC)
