@@ -595,7 +595,8 @@ def status_from_inference_service(
             if refusal is not None
             else (
                 CONDITION_IDLE_STOP, "True", "GatewayStops",
-                f"The gateway stops the model after idleTimeout without requests ({kserve.STOP_ANNOTATION}).",
+                f"With minReplicas 0 the gateway stops the model after idleTimeout without requests "
+                f"({kserve.STOP_ANNOTATION}) and the next request wakes it.",
             )
         )  # fmt: skip
     previous = model.status.conditions
