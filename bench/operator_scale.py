@@ -91,15 +91,19 @@ async def create_models(emulator: KubeEmulator, n: int) -> None:
 
 async def play_kserve(emulator: KubeEmulator, client: AsyncClient) -> None:
     """Report each new InferenceService generation Ready (status writes go through the harness path)."""
+    # KServe's observedGeneration is its child's, not the InferenceService's: remember what was reported.
+    reported: set[tuple[str, int]] = set()
     while True:
         with contextlib.suppress(Exception):
             async for kind, obj in client.watch(InferenceService, namespace="*"):
                 if kind == "DELETED":
                     continue
                 isvc = obj.to_dict()
-                if (isvc.get("status") or {}).get("observedGeneration") == isvc["metadata"].get("generation"):
-                    continue
                 meta = isvc["metadata"]
+                key = (str(meta.get("uid")), int(meta.get("generation") or 1))
+                if key in reported:
+                    continue
+                reported.add(key)
                 await emulator.put_status("inferenceservices", meta["namespace"], meta["name"], ready_status(isvc))
         await asyncio.sleep(0.1)
 

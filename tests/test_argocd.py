@@ -11,7 +11,10 @@ import pytest
 import yaml
 
 from tests.factories import model
+from tests.test_kserve_status_documents import CASES as KSERVE_DOCUMENTS
+from tests.test_kserve_status_documents import the_model
 from tests.test_status_from_inference_service import CASES, QWEN, child
+from universal_operator.config import OperatorConfig
 from universal_operator.reconcile import SpecError, status_for_invalid_spec, status_from_inference_service
 from universal_operator.spec import GROUP, KIND, Phase
 
@@ -50,6 +53,15 @@ def universal_model(status: dict[str, Any] | None, generation: int = 3) -> dict[
 @pytest.mark.parametrize("child_status", [None, *[case[0] for case in CASES.values()]], ids=["no child", *CASES])
 def test_every_status_the_operator_writes_maps_to_the_health_its_phase_means(child_status: str | None) -> None:
     status = status_from_inference_service(None if child_status is None else child(child_status), model(QWEN))
+    assert health(universal_model(status)) == {"status": HEALTH[Phase(status["phase"])], "message": status["message"]}
+
+
+@pytest.mark.parametrize(("version", "knative", "child", "expected_yaml"), KSERVE_DOCUMENTS)
+def test_the_status_of_every_kserve_release_document_maps_to_the_health_its_phase_means(
+    version: str, knative: bool, child: dict[str, Any], expected_yaml: str
+) -> None:
+    config = OperatorConfig.model_validate({"kserve": {"version": version}})
+    status = status_from_inference_service(child, the_model(knative), config=config)
     assert health(universal_model(status)) == {"status": HEALTH[Phase(status["phase"])], "message": status["message"]}
 
 

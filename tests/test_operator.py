@@ -14,7 +14,7 @@ import yaml
 from lightkube import AsyncClient
 
 from tests.conftest import EXAMPLES, eventually, load_manifest
-from tests.support.kserve_standin import ready_status
+from tests.support.kserve_standin import Child, loading_status, ready_status
 from tests.support.kube_emulator import ServedEmulator
 from universal_operator import reconcile
 from universal_operator.handlers import OperatorState
@@ -99,6 +99,8 @@ async def test_status_and_printer_columns_follow_kserve(cluster: ServedEmulator,
     assert status["address"] == "http://qwen-chat-predictor.default.svc.cluster.local"
     assert status["replicas"] == 1
     assert status["observedGeneration"] == _model(cluster, "qwen-chat")["metadata"]["generation"]  # type: ignore[index]
+    # The wait the gateway grants a request: the rendered predictor timeout (startupTimeout 20m + 5m, at most 600 s).
+    assert status["requestTimeoutSeconds"] == child["spec"]["predictor"]["timeout"] == 600
     assert _condition(_model(cluster, "qwen-chat"), "Ready")["status"] == "True"
     assert _condition(_model(cluster, "qwen-chat"), "InferenceServiceReady")["status"] == "True"
 
@@ -122,13 +124,13 @@ async def test_status_and_printer_columns_follow_kserve(cluster: ServedEmulator,
     assert _model(cluster, "qwen-chat")["status"]["replicas"] == 0  # type: ignore[index]
 
 
-async def test_spec_update_updates_child_and_waits_for_kserve_to_observe_it(
+async def test_spec_update_updates_child_and_follows_kserves_rollout(
     cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
 ) -> None:
     manifest = load_manifest("cluster/minilm-embed.yaml")
     await _apply_text(cluster, manifest, tmp_path)
     child = await eventually(lambda: _child(cluster, "minilm"))
-    await cluster.emulator.put_status(ISVC, "default", "minilm", ready_status(child))
+    await cluster.emulator.put_status(ISVC, "default", "minilm", ready_status(child), replace=True)
     await eventually(lambda: (_model(cluster, "minilm") or {}).get("status", {}).get("phase") == "Ready")
 
     manifest["spec"]["engineArgs"]["max_batch_size"] = 16
@@ -143,16 +145,16 @@ async def test_spec_update_updates_child_and_waits_for_kserve_to_observe_it(
         return child
 
     child = await eventually(updated)
-    # KServe has not observed the new generation: the old Ready status must not count.
-    model = await eventually(
-        lambda: (
-            (m := _model(cluster, "minilm")) and m["status"]["observedGeneration"] == m["metadata"]["generation"] and m
-        )
-    )
-    assert model["status"]["phase"] == "Loading"
+    # KServe rolls the new spec out as revision 2; its observedGeneration is the Knative Service's (4 here).
+    rolling = loading_status(child, child=Child(generation=4, revision=2), loaded_before=True)
+    await cluster.emulator.put_status(ISVC, "default", "minilm", rolling, replace=True)
+    model = await eventually(lambda: (m := _model(cluster, "minilm")) and m["status"]["phase"] == "Loading" and m)
+    assert model["status"]["observedGeneration"] == model["metadata"]["generation"]
     assert _condition(model, "Ready")["status"] == "False"
 
-    await cluster.emulator.put_status(ISVC, "default", "minilm", ready_status(child))
+    # Ready again once the revisions agree, whatever the two generations.
+    done = ready_status(child, child=Child(generation=4, revision=2))
+    await cluster.emulator.put_status(ISVC, "default", "minilm", done, replace=True)
     await eventually(lambda: (_model(cluster, "minilm") or {}).get("status", {}).get("phase") == "Ready")
 
 

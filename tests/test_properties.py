@@ -24,7 +24,7 @@ from universal_operator.reconcile import (
     predictor_config,
     status_from_inference_service,
 )
-from universal_operator.spec import Phase, UniversalModelStatus
+from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus
 from universal_predictors.config import PredictorConfig
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -292,7 +292,7 @@ _model_status = st.fixed_dictionaries(
             {},
             optional={
                 "activeModelState": st.sampled_from(["Pending", "Standby", "Loading", "Loaded", "FailedToLoad"]),
-                "targetModelState": st.sampled_from(["Pending", "Loading", "Loaded"]),
+                "targetModelState": st.sampled_from(["Pending", "Loading", "Loaded", "FailedToLoad"]),
             },
         ),
         "copies": st.fixed_dictionaries(
@@ -321,7 +321,7 @@ child_statuses = st.fixed_dictionaries(
     servable_models(),
     st.none() | st.fixed_dictionaries({}, optional={"status": child_statuses, "generation": st.integers(1, 5)}),
 )
-def test_status_for_any_child_has_a_known_phase_and_exactly_the_three_conditions(case: Any, shape: Any) -> None:
+def test_status_for_any_child_has_a_known_phase_and_exactly_its_conditions(case: Any, shape: Any) -> None:
     body, _ = case
     model = parse_model(body)
     isvc = None
@@ -333,7 +333,9 @@ def test_status_for_any_child_has_a_known_phase_and_exactly_the_three_conditions
             isvc["status"] = shape["status"]
     status = status_from_inference_service(isvc, model, now=NOW)
     assert status["phase"] in {p.value for p in Phase}
-    assert [c["type"] for c in status["conditions"]] == ["Ready", "SpecValid", "InferenceServiceReady"]
+    # Standard mode adds IdleStop: whether the cluster's KServe lets the gateway stop the model when idle.
+    idle_stop = ["IdleStop"] if model.spec.scaling.mode is ScalingMode.STANDARD else []
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "SpecValid", "InferenceServiceReady", *idle_stop]
     assert all(c["observedGeneration"] == model.metadata.generation for c in status["conditions"])
     ready = status["conditions"][0]["status"]
     assert (ready == "True") == (status["phase"] in ("Ready", "Idle"))

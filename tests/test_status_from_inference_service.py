@@ -34,12 +34,17 @@ spec:
 """
 
 
-def child(status_yaml: str | None, generation: int = 2) -> dict[str, Any]:
+def child(status_yaml: str | None, generation: int = 2, annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """An InferenceService as read back from the API, with KServe's status (None: not written yet)."""
     isvc: dict[str, Any] = {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
-        "metadata": {"name": "qwen-chat", "namespace": "models", "generation": generation},
+        "metadata": {
+            "name": "qwen-chat",
+            "namespace": "models",
+            "generation": generation,
+            "annotations": annotations or {},
+        },
         "spec": {"predictor": {}},
     }
     if status_yaml is not None:
@@ -85,24 +90,42 @@ CASES: dict[str, tuple[str | None, str]] = {
           InferenceServiceReady: {status: Unknown, reason: AwaitingKServe}
         """,
     ),
-    "Ready=True observed for an older generation: Loading, never Ready": (
+    "observedGeneration is the child workload's, not the InferenceService's: Ready all the same": (
         """
         observedGeneration: 1
         url: http://qwen-chat.models.example.com
         conditions: [{type: Ready, status: "True"}]
-        modelStatus: {copies: {totalCopies: 1}, states: {activeModelState: Loaded}}
+        modelStatus: {copies: {totalCopies: 1}, states: {activeModelState: Loaded, targetModelState: Loaded}}
         """,
         """
-        phase: Loading
+        phase: Ready
         conditions:
-          Ready: {status: "False", reason: Loading}
-          InferenceServiceReady: {status: Unknown, reason: Reconciling}
+          Ready: {status: "True", reason: Serving}
+          InferenceServiceReady: {status: "True"}
         """,
     ),
-    "Ready=True without any observedGeneration: Loading": (
+    "Ready=True without any observedGeneration (a Deployment not observed yet): Ready": (
         'conditions: [{type: Ready, status: "True"}]',
         """
+        phase: Ready
+        conditions:
+          Ready: {status: "True", reason: Serving}
+        """,
+    ),
+    "Knative rollout: latestCreatedRevision ahead of latestReadyRevision: Loading": (
+        """
+        observedGeneration: 3
+        components:
+          predictor: {latestCreatedRevision: qwen-chat-predictor-00002, latestReadyRevision: qwen-chat-predictor-00001}
+        conditions: [{type: Ready, status: "True"}]
+        modelStatus:
+          copies: {totalCopies: 1}
+          states: {activeModelState: Loaded, targetModelState: Loading}
+          transitionStatus: InProgress
+        """,
+        """
         phase: Loading
+        message: Rolling out revision qwen-chat-predictor-00002; qwen-chat-predictor-00001 serves meanwhile.
         conditions:
           Ready: {status: "False", reason: Loading}
         """,
@@ -132,11 +155,16 @@ CASES: dict[str, tuple[str | None, str]] = {
         address: http://qwen-chat-predictor.models.svc.cluster.local
         """,
     ),
-    "Ready=True at zero copies: Idle, scaled to zero": (
+    "Knative at zero pods: target Pending, InProgress, active still Loaded, Ready True: Idle": (
         """
         observedGeneration: 2
+        components:
+          predictor: {latestCreatedRevision: qwen-chat-predictor-00001, latestReadyRevision: qwen-chat-predictor-00001}
         conditions: [{type: Ready, status: "True"}]
-        modelStatus: {copies: {totalCopies: 0}, states: {activeModelState: Loaded}}
+        modelStatus:
+          copies: {totalCopies: 1}
+          states: {activeModelState: Loaded, targetModelState: Pending}
+          transitionStatus: InProgress
         """,
         """
         phase: Idle
@@ -146,41 +174,26 @@ CASES: dict[str, tuple[str | None, str]] = {
           InferenceServiceReady: {status: "True"}
         """,
     ),
-    "Ready=True with activeModelState Pending and no copies reported: Idle": (
+    "zero pods before the first load (active state unset): Loading, not Idle": (
         """
-        observedGeneration: 2
-        conditions: [{type: Ready, status: "True"}]
-        modelStatus: {states: {activeModelState: Pending, targetModelState: Loaded}}
+        observedGeneration: 1
+        components: {predictor: {latestCreatedRevision: qwen-chat-predictor-00001}}
+        conditions: [{type: Ready, status: Unknown}]
+        modelStatus: {copies: {totalCopies: 0}, states: {targetModelState: Pending}, transitionStatus: InProgress}
         """,
         """
-        phase: Idle
-        replicas: 0
+        phase: Loading
         conditions:
-          Ready: {status: "True", reason: ScaledToZero}
+          Ready: {status: "False", reason: Loading}
         """,
     ),
-    "Stopped=True: Idle, nothing running": (
-        """
-        observedGeneration: 2
-        conditions:
-        - {type: Ready, status: "False", reason: Stopped}
-        - {type: Stopped, status: "True"}
-        """,
-        """
-        phase: Idle
-        replicas: 0
-        conditions:
-          Ready: {status: "True", reason: ScaledToZero}
-          InferenceServiceReady: {status: "True", reason: Stopped}
-        """,
-    ),
-    "lastFailureInfo: Failed with its reason, message and exit code": (
+    "BlockedByFailedLoad: Failed with lastFailureInfo's reason, message and exit code": (
         """
         observedGeneration: 2
         conditions: [{type: Ready, status: "False", reason: ContainersNotReady}]
         modelStatus:
           transitionStatus: BlockedByFailedLoad
-          states: {activeModelState: FailedToLoad}
+          states: {targetModelState: FailedToLoad}
           lastFailureInfo: {reason: ModelLoadFailed, message: "out of memory", exitCode: 137}
         """,
         """
@@ -194,18 +207,47 @@ CASES: dict[str, tuple[str | None, str]] = {
           InferenceServiceReady: {status: "False", reason: ContainersNotReady}
         """,
     ),
-    "activeModelState FailedToLoad without details: Failed": (
+    "targetModelState FailedToLoad without details: Failed": (
         """
         observedGeneration: 2
         conditions: [{type: Ready, status: "False"}]
-        modelStatus: {states: {activeModelState: FailedToLoad}}
+        modelStatus:
+          states: {activeModelState: Loaded, targetModelState: FailedToLoad}
+          transitionStatus: BlockedByFailedLoad
         """,
         """
         phase: Failed
-        message: the model failed to load (FailedToLoad)
+        message: the model failed to load (BlockedByFailedLoad)
         conditions:
           Ready: {status: "False", reason: InferenceServiceFailed}
           InferenceServiceReady: {status: "False", reason: Failed}
+        """,
+    ),
+    "a sticky lastFailureInfo under Ready=True and UpToDate: Ready (KServe never clears it)": (
+        """
+        observedGeneration: 4
+        conditions: [{type: Ready, status: "True"}]
+        modelStatus:
+          transitionStatus: UpToDate
+          states: {activeModelState: Loaded, targetModelState: Loaded}
+          copies: {totalCopies: 1}
+          lastFailureInfo: {reason: ModelLoadFailed, message: "out of memory", exitCode: 137}
+        """,
+        """
+        phase: Ready
+        message: Serving.
+        """,
+    ),
+    "a sticky lastFailureInfo while a fixed spec loads: Loading, not Failed": (
+        """
+        conditions: [{type: Ready, status: Unknown, reason: RevisionMissing}]
+        modelStatus:
+          transitionStatus: InProgress
+          states: {activeModelState: Loaded, targetModelState: Loading}
+          lastFailureInfo: {reason: ModelLoadFailed, message: "out of memory", exitCode: 137}
+        """,
+        """
+        phase: Loading
         """,
     ),
     "Ready=False with reason RevisionFailed: Failed carrying KServe's message": (
@@ -307,6 +349,40 @@ def test_conditions_are_always_ready_specvalid_isvcready_at_the_models_generatio
     assert {c["lastTransitionTime"] for c in status["conditions"]} == {T0_TEXT}
 
 
+STOPPED = """
+deploymentMode: Knative
+conditions:
+- {type: IngressReady, status: "False", reason: Stopped}
+- {type: PredictorReady, status: "False", reason: Stopped}
+- {type: Ready, status: "False", reason: Stopped}
+- {type: Stopped, status: "True"}
+"""
+
+
+def test_stopped_is_idle_whatever_else_the_wiped_status_lacks() -> None:
+    stopped = child(STOPPED, annotations={"serving.kserve.io/stop": "true"})
+    status = status_from_inference_service(stopped, model(QWEN), now=T0)
+    assert_status_matches(
+        status,
+        load(
+            """
+            phase: Idle
+            replicas: 0
+            conditions:
+              Ready: {status: "True", reason: ScaledToZero}
+              InferenceServiceReady: {status: "True", reason: Stopped}
+            """
+        ),
+    )
+
+
+def test_stop_asked_but_not_yet_reported_is_idle_and_a_stale_stopped_after_a_wake_is_loading() -> None:
+    stopping = child(READY_2_COPIES, annotations={"serving.kserve.io/stop": "true"})
+    assert status_from_inference_service(stopping, model(QWEN), now=T0)["phase"] == "Idle"
+    waking = child(STOPPED)  # the annotation is gone; KServe has not reconciled yet
+    assert status_from_inference_service(waking, model(QWEN), now=T0)["phase"] == "Loading"
+
+
 def test_status_names_served_name_resolved_backend_and_child() -> None:
     status = status_from_inference_service(child(READY_2_COPIES), model(QWEN), now=T0)
     assert pick(status, {"servedName": 0, "backend": 0, "inferenceService": 0}) == {
@@ -362,7 +438,7 @@ def test_a_reason_change_alone_keeps_the_transition_time() -> None:
         """
         observedGeneration: 2
         conditions: [{type: Ready, status: "True"}]
-        modelStatus: {copies: {totalCopies: 0}}
+        modelStatus: {states: {activeModelState: Loaded, targetModelState: Pending}, transitionStatus: InProgress}
         """
     )
     ready = conditions_by_type(status_from_inference_service(idle, before, now=T1))["Ready"]

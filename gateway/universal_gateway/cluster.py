@@ -2,13 +2,16 @@
 
 The gateway watches UniversalModels (one namespace, several, or all) and routes each ``servedName``
 to ``status.address``. Knative-mode models need nothing more: Knative's activator holds a request
-while a replica starts, so the gateway only waits long enough (the model's ``startupTimeout``).
+while a replica starts, up to the revision's timeout, so the gateway waits exactly as long (the
+model's ``status.requestTimeoutSeconds``, the operator's rendering of that timeout).
 
 Standard-mode models have no activator, so their TTL is ours: the gateway owns the
 ``serving.kserve.io/stop`` annotation on the InferenceService. Server-side apply keeps the operator's
 field manager off an annotation it never sets, so the two never fight. Idle past ``idleTimeout`` ->
 ``stop: "true"``; a request for a stopped model removes it and is held until the model reports Ready
-(bounded by ``startupTimeout``, then 503); concurrent requests share one wake.
+(bounded by ``startupTimeout``, then 503); concurrent requests share one wake. Where the cluster's
+KServe cannot stop a Standard-mode model (before 0.16), the operator says so in the model's ``IdleStop``
+condition and the gateway never tries: the model stays running.
 
 A gateway replica sees only its own traffic, so before stopping a model it asks the model itself:
 every ready replica of its predictor (their ``/metrics``: requests in flight and the time of the latest
@@ -44,6 +47,8 @@ from universal_predictors.errors import Unavailable
 logger = logging.getLogger(__name__)
 
 STOP_ANNOTATION = "serving.kserve.io/stop"
+#: The UniversalModel condition that says whether the cluster's KServe can stop a Standard-mode model.
+IDLE_STOP_CONDITION = "IdleStop"
 FIELD_MANAGER = "universal-runtime-gateway"
 
 #: The predictor's series the reaper reads (universal_predictors.metrics; names only: no import).
@@ -197,6 +202,21 @@ class ClusterModel:
     @property
     def startup_timeout(self) -> float:
         return self._duration("startupTimeout", "20m")
+
+    @property
+    def request_timeout(self) -> float:
+        """How long a request may wait for its first byte: the operator's rendering of the predictor's KServe
+        ``timeout`` (in Knative mode the activator answers 504 after it), else the startupTimeout."""
+        rendered = self.status.get("requestTimeoutSeconds")
+        return float(rendered) if isinstance(rendered, int | float) and rendered > 0 else self.startup_timeout
+
+    @property
+    def stop_supported(self) -> bool:
+        """False when the operator reports the cluster's KServe cannot stop this model (condition IdleStop)."""
+        for condition in self.status.get("conditions") or []:
+            if condition.get("type") == IDLE_STOP_CONDITION:
+                return str(condition.get("status")) != "False"
+        return True
 
     @property
     def last_used(self) -> float:
@@ -407,7 +427,7 @@ class KubernetesBackends(Backends):
 
     def upstream_timeout(self, name: str) -> float | None:
         model = self._models.get(name)
-        return model.startup_timeout if model is not None else None
+        return model.request_timeout if model is not None else None
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[str]:
@@ -417,7 +437,10 @@ class KubernetesBackends(Backends):
         async with counted(model.stats):
             self._raise_if_failed(model)  # a failed model is not woken: it answers 503 at once
             if model.standard_mode and model.state is not ModelState.READY:
-                await self._wake(model)
+                if model.stop_supported:
+                    await self._wake(model)
+                else:  # never stopped (KServe cannot): it is starting or rolling out
+                    await self._wait_ready(model, model.startup_timeout)
             self._raise_if_failed(model)
             if model.address is None:
                 if not model.standard_mode:
@@ -473,6 +496,7 @@ class KubernetesBackends(Backends):
         """Idle past its idleTimeout as far as this replica knows, and not backing off a failed stop."""
         return (
             model.standard_mode
+            and model.stop_supported
             and model.state is ModelState.READY
             and not model.stop_requested
             and model.stats.in_flight == 0

@@ -105,7 +105,7 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     async with state.lock(key):
         model = reconcile.parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
-        status = reconcile.status_from_inference_service(freshest, model)
+        status = reconcile.status_from_inference_service(freshest, model, config=state.config)
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -184,7 +184,7 @@ async def reconcile_model(
         logger.info("applied InferenceService %s/%s (%s)", key[0], key[1], reason)
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
-        status = reconcile.status_from_inference_service(state.latest_child.get(key), model)
+        status = reconcile.status_from_inference_service(state.latest_child.get(key), model, config=state.config)
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
 

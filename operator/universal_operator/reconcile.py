@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from universal_operator import kserve
 from universal_operator.config import OperatorConfig, Profile
 from universal_operator.spec import (
     GROUP,
@@ -59,6 +60,11 @@ SERVICE_ACCOUNT_API_VERSION = "v1"
 #: Knative's default stable window; an idle timeout shorter than it needs a shorter window.
 KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
 KNATIVE_MIN_WINDOW = timedelta(seconds=6)
+#: How long a request may take to its first byte once a replica is up: Knative's own default revision timeout
+#: (knative-v1.16.0 pkg/apis/config/defaults.go, DefaultRevisionTimeoutSeconds = 5 * 60).
+LONGEST_REQUEST = timedelta(minutes=5)
+#: The condition saying whether the gateway can stop an idle Standard-mode model (the gateway reads it).
+CONDITION_IDLE_STOP = "IdleStop"
 #: Ready=False reasons from KServe/Knative that a retry will not fix.
 FAILURE_REASONS = frozenset(
     {
@@ -354,6 +360,28 @@ def owner_reference(model: UniversalModel) -> dict[str, Any]:
     }
 
 
+def request_timeout_seconds(model: UniversalModel, config: OperatorConfig) -> int:
+    """The predictor's KServe ``timeout``: how long a request may wait for its first byte, a cold start included.
+
+    Knative mode: the activator holds a request while a replica starts and answers 504 once the revision's
+    timeoutSeconds pass without a byte of the response (knative-v1.16.0 cmd/activator/main.go, NewTimeoutHandler
+    fed rev.Spec.TimeoutSeconds; pkg/http/handler/timeout.go). KServe copies ``timeout`` into timeoutSeconds and
+    responseStartTimeoutSeconds (KServe v0.16.0 pkg/controller/v1beta1/inferenceservice/reconcilers/knative/
+    ksvc_reconciler.go; the field is ComponentExtensionSpec.TimeoutSeconds, json ``timeout``, in
+    pkg/apis/serving/v1beta1/component.go). So: startupTimeout plus the longest request, at most the cluster's
+    max-revision-timeout-seconds, above which Knative refuses the revision (pkg/apis/serving/v1/
+    revision_validation.go, validateTimeoutSeconds). The gateway waits exactly as long (status.requestTimeoutSeconds).
+
+    Standard mode: the gateway holds a request until the model is Ready, so only the request itself counts
+    (KServe uses it as the HTTPRoute's timeout: v0.16.0 reconcilers/ingress/httproute_reconciler.go).
+    """
+    scaling = model.spec.scaling
+    if scaling.mode is ScalingMode.STANDARD:
+        return int(LONGEST_REQUEST.total_seconds())
+    wanted = parse_duration(scaling.startup_timeout) + LONGEST_REQUEST
+    return min(int(wanted.total_seconds()), config.knative.max_revision_timeout_seconds)
+
+
 def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> dict[str, Any]:
     """The InferenceService that serves ``model``: everything the operator owns in it, nothing else.
 
@@ -410,6 +438,7 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
     predictor: dict[str, Any] = {
         "minReplicas": scaling.min_replicas if knative else max(scaling.min_replicas, 1),
         "maxReplicas": scaling.max_replicas,
+        "timeout": request_timeout_seconds(model, config),
         "containers": [container],
         "volumes": volumes,
         "securityContext": POD_SECURITY_CONTEXT,
@@ -448,7 +477,7 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
             "namespace": model.metadata.namespace,
             "labels": labels_for(model),
             "annotations": {
-                ANNOTATION_DEPLOYMENT_MODE: scaling.mode.value,
+                ANNOTATION_DEPLOYMENT_MODE: kserve.deployment_mode(config.kserve.release, scaling.mode),
                 ANNOTATION_SERVED_NAME: model.served_name,
             },
             "ownerReferences": [owner_reference(model)],
@@ -596,39 +625,85 @@ def _conditions(
 
 
 def _child_failure(status: dict[str, Any], ready: dict[str, Any] | None) -> str | None:
-    """A message when KServe reports a failure retrying will not fix, else None."""
+    """A message when KServe's current state is a failure retrying will not fix, else None.
+
+    Only the current state counts: ``lastFailureInfo`` is never cleared (SetModelFailureInfo is its only writer,
+    KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/inference_service_status.go), so it explains a failure the
+    transition status, the target state or Ready report, and is never one by itself. UpdateModelRevisionStates
+    sets the *target* state to FailedToLoad (transition BlockedByFailedLoad); the active state keeps the last
+    loaded one; InvalidSpec comes from UpdateModelTransitionStatus.
+    """
     model_status = status.get("modelStatus") or {}
     info = model_status.get("lastFailureInfo") or {}
-    active = (model_status.get("states") or {}).get("activeModelState")
+    target = (model_status.get("states") or {}).get("targetModelState")
     transition = model_status.get("transitionStatus")
-    if info or active == "FailedToLoad" or transition in ("BlockedByFailedLoad", "InvalidSpec"):
+    ready_failure = None
+    if ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS:
+        ready_failure = f"{ready.get('reason')}: {ready.get('message') or 'the predictor failed'}"
+    if target == "FailedToLoad" or transition in ("BlockedByFailedLoad", "InvalidSpec"):
         parts = [info.get("reason"), info.get("message")]
         if info.get("exitCode") is not None:
             parts.append(f"exit code {info['exitCode']}")
         text = ": ".join(str(p) for p in parts if p)
-        return text or f"the model failed to load ({transition or active})"
-    if ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS:
-        return f"{ready.get('reason')}: {ready.get('message') or 'the predictor failed'}"
-    return None
+        return text or ready_failure or f"the model failed to load ({transition or target})"
+    return ready_failure
+
+
+def _is_true(condition: dict[str, Any] | None) -> bool:
+    return condition is not None and condition.get("status") == "True"
 
 
 def status_from_inference_service(
-    isvc: dict[str, Any] | None, model: UniversalModel, now: datetime | None = None
+    isvc: dict[str, Any] | None,
+    model: UniversalModel,
+    now: datetime | None = None,
+    *,
+    config: OperatorConfig | None = None,
 ) -> dict[str, Any]:
     """The UniversalModel's status given its InferenceService as KServe last reported it.
 
-    Readiness is judged from the child's ``Ready`` condition only when KServe has observed the child's
-    current generation: a status written for an older spec says nothing about the new one.
+    What KServe reports, and so what this reads (KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/
+    inference_service_status.go unless named):
+
+    * ``status.observedGeneration`` is the Knative Service's or the Deployment's (PropagateStatus,
+      PropagateRawStatus), never the InferenceService's: it is not compared with anything. A rollout shows as
+      Ready not True, or in Knative mode as ``components.predictor.latestCreatedRevision`` differing from
+      ``latestReadyRevision``.
+    * A stop (``serving.kserve.io/stop``) empties the whole status but the deployment mode, PredictorReady=False
+      and Stopped=True (KServe v0.15.1+ components/predictor.go for Serverless, v0.16.0+ for both modes;
+      controller.go sets Stopped): stopped is judged first.
+    * At zero pods (Knative scale to zero) PropagateModelStatus sets only targetModelState Pending and
+      transitionStatus InProgress; activeModelState stays Loaded and Ready stays True. With the revisions
+      equal that is Idle, not a rollout. ``copies.totalCopies`` keeps its last count up to 0.15 (written with
+      Loaded only) and is the ready-pod count from 0.16 (PropagateModelStatus): it is not relied on.
+    * Failure comes from the current state (:func:`_child_failure`); Ready=True wins over a stale failure.
     """
     now = now or datetime.now(UTC)
+    config = config or OperatorConfig()
+    release = config.kserve.release
+    mode = model.spec.scaling.mode
+    knative = mode is ScalingMode.KNATIVE
     generation = model.metadata.generation
     base: dict[str, Any] = {
         "observedGeneration": generation,
         "servedName": model.served_name,
         "backend": resolved_backend(model).value,
         "inferenceService": model.metadata.name,
+        "requestTimeoutSeconds": request_timeout_seconds(model, config),
     }
     spec_valid = ("SpecValid", "True", "Valid", "The spec is valid.")
+    extra: list[tuple[str, str, str, str]] = []
+    if not knative:
+        refusal = kserve.stop_unsupported(release, mode)
+        extra.append(
+            (CONDITION_IDLE_STOP, "False", "UnsupportedByKServe", refusal)
+            if refusal is not None
+            else (
+                CONDITION_IDLE_STOP, "True", "GatewayStops",
+                f"With minReplicas 0 the gateway stops the model after idleTimeout without requests "
+                f"({kserve.STOP_ANNOTATION}) and the next request wakes it.",
+            )
+        )  # fmt: skip
     previous = model.status.conditions
 
     if isvc is None:
@@ -645,52 +720,56 @@ def status_from_inference_service(
                 ("Ready", "False", "InferenceServiceMissing", message),
                 spec_valid,
                 ("InferenceServiceReady", "Unknown", "NotCreated", message),
+                *extra,
             ),
         }  # fmt: skip
 
     status = isvc.get("status") or {}
-    child_generation = isvc.get("metadata", {}).get("generation")
-    observed = status.get("observedGeneration")
     conditions = status.get("conditions") or []
     ready = _find(conditions, "Ready")
-    stopped = _find(conditions, "Stopped")
     model_status = status.get("modelStatus") or {}
     copies = (model_status.get("copies") or {}).get("totalCopies")
-    active = (model_status.get("states") or {}).get("activeModelState")
+    states = model_status.get("states") or {}
+    predictor = (status.get("components") or {}).get("predictor") or {}
+    created, serving = predictor.get("latestCreatedRevision"), predictor.get("latestReadyRevision")
+    rolling_out = knative and bool(created) and created != serving
     url = status.get("url")
-    address = (status.get("address") or {}).get("url") or (
-        ((status.get("components") or {}).get("predictor") or {}).get("address") or {}
-    ).get("url")
-    fresh = observed is not None and (child_generation is None or observed >= child_generation)
+    address = (status.get("address") or {}).get("url") or (predictor.get("address") or {}).get("url")
+    stop_asked = str((isvc.get("metadata", {}).get("annotations") or {}).get(kserve.STOP_ANNOTATION, "")).lower()
+    stop_asked_and_honoured = stop_asked == "true" and kserve.can_stop(release, mode)
+    stopped = _is_true(_find(conditions, "Stopped"))
 
     replicas: int | None = copies
-    if not conditions:
-        phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
-        message = "Waiting for KServe to pick up the InferenceService."
-    elif not fresh:
-        phase = Phase.LOADING
-        message = (
-            f"KServe has not yet observed generation {child_generation} of the InferenceService "
-            f"(last observed: {observed})."
-        )
-        isvc_cond = ("Unknown", "Reconciling", message)
-    elif stopped is not None and stopped.get("status") == "True":
+    if stop_asked_and_honoured or (stopped and stop_asked == "true"):
         phase, replicas = Phase.IDLE, 0
         message = "Stopped while idle; the next request wakes it."
         isvc_cond = ("True", "Stopped", message)
-    elif (failure := _child_failure(status, ready)) is not None:
-        phase, message = Phase.FAILED, failure
-        isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
-    elif ready is not None and ready.get("status") == "True":
-        if copies == 0 or (copies is None and active == "Pending"):
+    elif not conditions:
+        phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
+        message = "Waiting for KServe to pick up the InferenceService."
+    elif stopped:
+        phase = Phase.LOADING
+        message = "Waking: KServe is starting the predictor again."
+        isvc_cond = ("Unknown", "Resuming", message)
+    elif _is_true(ready):
+        at_zero = states.get("targetModelState") == "Pending" and model_status.get("transitionStatus") == "InProgress"
+        if rolling_out:
+            phase = Phase.LOADING
+            message = f"Rolling out revision {created}; {serving} serves meanwhile."
+        elif knative and at_zero and states.get("activeModelState") == "Loaded":
             phase, replicas = Phase.IDLE, 0
             message = "Scaled to zero; the next request wakes it."
         else:
             phase, message = Phase.READY, "Serving."
-        isvc_cond = ("True", str(ready.get("reason") or "Ready"), str(ready.get("message") or "Ready."))
+        isvc_cond = ("True", str((ready or {}).get("reason") or "Ready"), str((ready or {}).get("message") or "Ready."))
+    elif (failure := _child_failure(status, ready)) is not None:
+        phase, message = Phase.FAILED, failure
+        isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
     else:
         phase = Phase.LOADING
         message = str((ready or {}).get("message") or "The predictor is starting.")
+        if rolling_out and not (ready or {}).get("message"):
+            message = f"Rolling out revision {created}."
         isvc_cond = (
             str((ready or {}).get("status") or "Unknown"),
             str((ready or {}).get("reason") or "Starting"),
@@ -712,7 +791,7 @@ def status_from_inference_service(
         "replicas": replicas,
         "message": message,
         "conditions": _conditions(
-            previous, generation, now, ready_cond, spec_valid, ("InferenceServiceReady", *isvc_cond)
+            previous, generation, now, ready_cond, spec_valid, ("InferenceServiceReady", *isvc_cond), *extra
         ),
     }
 

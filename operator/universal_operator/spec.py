@@ -498,7 +498,7 @@ class Phase(StrEnum):
 class Condition(_Model):
     """One observed aspect of the model, in Kubernetes' condition shape."""
 
-    type: str = Field(description="Ready, SpecValid or InferenceServiceReady.")
+    type: str = Field(description="Ready, SpecValid, InferenceServiceReady or (Standard mode) IdleStop.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="A CamelCase word saying why.")
     message: str = Field(default="", description="What a person should know or do.")
@@ -518,11 +518,20 @@ class UniversalModelStatus(_Model):
     url: str | None = Field(default=None, description="The external URL of the model's InferenceService.")
     address: str | None = Field(default=None, description="The in-cluster address the gateway routes to.")
     replicas: int | None = Field(default=None, description="Predictor replicas running now.")
+    request_timeout_seconds: int | None = Field(
+        default=None,
+        description=(
+            "How long a request may wait for its first byte, a cold start included (the predictor's KServe "
+            "timeout); the gateway waits as long."
+        ),
+    )
     inference_service: str | None = Field(default=None, description="The name of the owned InferenceService.")
     message: str | None = Field(default=None, description="The most useful thing to know right now.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, SpecValid and InferenceServiceReady, with reasons and transition times.",
+        description=(
+            "Ready, SpecValid, InferenceServiceReady and (Standard mode) IdleStop, with reasons and transition times."
+        ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

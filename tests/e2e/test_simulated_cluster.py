@@ -177,7 +177,10 @@ async def test_knative_model_idle_past_its_window_scales_to_zero_and_the_next_re
     await eventually(lambda: not _alive(pid), within=120)
     await eventually(lambda: cluster.phase("minilm") == "Idle")
     assert cluster.kserve.pid(NS, "minilm") is None
-    assert cluster.isvc("minilm")["status"]["modelStatus"]["copies"]["totalCopies"] == 0
+    # KServe 0.16's zero-pod status: only the target state and the transition change (totalCopies 0, omitted).
+    model_status = cluster.isvc("minilm")["status"]["modelStatus"]
+    assert model_status["states"] == {"activeModelState": "Loaded", "targetModelState": "Pending"}
+    assert (model_status["transitionStatus"], model_status["copies"]) == ("InProgress", {"failedCopies": 0})
     workload = cluster.kserve.workload(NS, "minilm")
     assert workload is not None
     launches = workload.launches
@@ -209,6 +212,13 @@ async def test_standard_model_is_stopped_by_the_gateway_when_idle_and_woken_by_t
     stopped = [c for c in cluster.isvc("minilm-standard")["status"]["conditions"] if c["type"] == "Stopped"]
     assert [c["status"] for c in stopped] == ["True"]
 
+    # A spec edit while stopped: the InferenceService moves on a generation; KServe makes the Deployment anew
+    # on the wake, so the observedGeneration it reports (the Deployment's) starts again at 1.
+    manifest["spec"]["engineArgs"] = {**manifest["spec"].get("engineArgs", {}), "max_batch_size": 8}
+    await cluster.apply(manifest)
+    await eventually(lambda: cluster.isvc("minilm-standard")["metadata"]["generation"] == 2)
+    assert cluster.phase("minilm-standard") == "Idle"
+
     # The next request removes the annotation and is held until the model is back.
     [vector] = await cluster.embed(served_name, ["wake the stopped model"])
     assert len(vector) == 384
@@ -217,6 +227,7 @@ async def test_standard_model_is_stopped_by_the_gateway_when_idle_and_woken_by_t
     assert _alive(woken)
     assert woken != pid
     assert cluster.phase("minilm-standard") == "Ready"
+    assert cluster.isvc("minilm-standard")["status"]["observedGeneration"] == 1
 
 
 async def test_kubectl_delete_stops_the_predictor_and_the_model_leaves_the_model_list(

@@ -441,3 +441,29 @@ async def test_readyz_is_503_until_models_are_listed_and_while_the_watch_fails(c
         await eventually(lambda: readyz(503, "fails"))
         refusal.remaining = 0
         await eventually(lambda: readyz(200))
+
+
+async def test_a_standard_mode_model_kserve_cannot_stop_is_never_stopped_nor_woken_by_a_patch(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
+) -> None:
+    base_url, backends = gateway
+    # What the operator writes on a KServe before 0.16 (reconcile.status_from_inference_service).
+    refused = {"type": "IdleStop", "status": "False", "reason": "UnsupportedByKServe",
+               "message": "KServe 0.15.2 cannot stop a Standard-mode InferenceService"}  # fmt: skip
+    await standard_model(cluster, "1s", "Loading", upstream.url)
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Loading", upstream.url, conditions=[refused]))
+    await backends.wait_synced()
+    await eventually(lambda: backends.find(SERVED) is not None and not backends._models[SERVED].stop_supported)
+    cluster.emulator.reset_writes()
+    async with httpx.AsyncClient(timeout=30) as http:
+        # Not Ready: the request is held until it is, without touching the stop annotation.
+        held = asyncio.create_task(http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"}))
+        await eventually(lambda: backends._models[SERVED].stats.in_flight == 1)
+        ready = status("Ready", upstream.url, conditions=[refused], requestTimeoutSeconds=42)
+        await cluster.emulator.put_status(UM, "default", "embedder", ready)
+        assert (await held).status_code == 200
+    model = backends._models[SERVED]
+    # Idle far past its idleTimeout, it is still not one the reaper stops; the wait agrees with the operator.
+    assert not backends._stoppable(model, model.last_used + 3600)
+    assert backends.upstream_timeout(SERVED) == 42
+    assert cluster.emulator.write_count(ISVC, "default", "embedder") == 0

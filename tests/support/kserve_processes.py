@@ -5,17 +5,27 @@ would: it watches InferenceServices and, per object, runs the rendered ``kserve-
 command and args) on loopback, waits for its readiness probe, and writes KServe's status with
 ``address.url`` pointing at it.
 
-* A process that exits on its own is reported as KServe reports a crashed predictor: ``Ready=False``
-  with the reason, ``modelStatus.lastFailureInfo`` with the exit code and the last log lines. It is not
-  restarted until the spec changes (a real pod would crash-loop to the same end).
-* Standard mode: ``serving.kserve.io/stop: "true"`` terminates the process and reports ``Stopped``;
-  removing the annotation starts it again, Ready once its probe passes. The address is one fixed
-  loopback port, as a Service's address outlives its pods.
+Statuses are those of the chosen KServe release (``version``, a :class:`KServeVersion`), built by
+:mod:`tests.support.kserve_standin`, which cites the upstream source of each: the mode is resolved like
+GetDeploymentMode (an unknown annotation value means the configured default) and fixed at creation, as
+KServe records it; ``observedGeneration`` is the child workload's.
+
+* A process that exits on its own is reported as KServe reports a crashed predictor: ``Ready=False``,
+  ``targetModelState: FailedToLoad``, ``BlockedByFailedLoad`` and ``lastFailureInfo`` with the exit code and
+  the last log lines. It is not restarted until the spec changes (a real pod would crash-loop to the same
+  end). ``lastFailureInfo`` then stays, as KServe never clears it (only a stop wipes it).
+* A spec change makes the child one generation older (Knative: a new revision).
+* ``serving.kserve.io/stop: "true"``, where the release honours it for the mode, terminates the process,
+  deletes the child and wipes the status to ``Stopped``; removing the annotation makes a new child
+  (generation 1) and starts the process again, Ready once its probe passes. The Standard-mode address is one
+  fixed loopback port, as a Service's address outlives its pods.
 * Knative mode: the address is a small loopback proxy playing Knative's activator. With
   ``minReplicas: 0`` the process is terminated once no request has been seen for the scale-to-zero
-  retention period the operator rendered (zero copies are reported, Ready stays True, as Knative keeps
-  the route); a connection arriving at zero is held while the process starts (concurrent ones share
-  one start) and its bytes are relayed once it is ready.
+  retention period the operator rendered (the zero-pod status: target Pending, InProgress, Ready stays
+  True); a connection arriving at zero is held while the process starts (concurrent ones share one start)
+  and its bytes are relayed once it is ready, but no longer than the revision's timeout: the activator
+  answers 504 when no byte of the response came within it (knative-v1.16.0 cmd/activator/main.go,
+  pkg/http/handler/timeout.go; default 300 s, pkg/apis/config/defaults.go).
 * Deleting an InferenceService, or leaving :func:`kserve_processes`, terminates its process.
 """
 
@@ -40,10 +50,19 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret, ServiceAccount
 
 from tests.predictors.harness import free_port
-from tests.support.kserve_standin import ready_status, write_status
+from tests.support.kserve_standin import (
+    DEFAULT_VERSION,
+    Child,
+    KServeVersion,
+    failed_status,
+    loading_status,
+    next_child,
+    ready_status,
+    stopped_status,
+    write_status,
+)
 from universal_operator.kube import InferenceService
 from universal_operator.reconcile import (
-    ANNOTATION_DEPLOYMENT_MODE,
     ANNOTATION_PROGRESS_DEADLINE,
     ANNOTATION_RETENTION,
     CONTAINER_NAME,
@@ -70,6 +89,9 @@ STORE_CREDENTIALS: Mapping[str, Mapping[str, str]] = {
 }
 #: Knative's stable window, the idle time before scaling to zero when nothing else is rendered.
 KNATIVE_DEFAULT_IDLE_S = 60.0
+#: Knative's revision timeout when none is rendered (knative-v1.16.0 pkg/apis/config/defaults.go,
+#: DefaultRevisionTimeoutSeconds).
+KNATIVE_DEFAULT_TIMEOUT_S = 300.0
 #: How long a process may take to become ready when no progress deadline is rendered.
 DEFAULT_STARTUP_S = 600.0
 #: Log lines carried into a failure message (KServe carries the container's termination message).
@@ -207,63 +229,6 @@ def container_exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _conditions(status: str, reason: str, message: str = "", *, stopped: bool = False) -> list[dict[str, Any]]:
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out = [
-        {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
-        for kind in ("IngressReady", "PredictorReady", "Ready")
-    ]
-    if stopped:
-        out.append({"type": "Stopped", "status": "True", "lastTransitionTime": now})
-    return out
-
-
-def serving_status(isvc: dict[str, Any], address: str, copies: int) -> dict[str, Any]:
-    """Ready, at ``address``, with ``copies`` replicas up (0: scaled to zero, Knative keeps Ready)."""
-    status = ready_status(isvc, replicas=copies)
-    status["address"] = {"url": address}
-    status["components"]["predictor"]["address"] = {"url": address}
-    status["modelStatus"]["lastFailureInfo"] = None  # merge-patched: clears an earlier failure
-    return status
-
-
-def loading_status(isvc: dict[str, Any], address: str) -> dict[str, Any]:
-    """A rollout in progress: the pod runs, its readiness probe has not passed yet."""
-    status = serving_status(isvc, address, 0)
-    status["conditions"] = _conditions("Unknown", "Deploying", "The predictor is starting.")
-    status["modelStatus"].update(
-        transitionStatus="InProgress", states={"activeModelState": "Loading", "targetModelState": "Loaded"}
-    )
-    return status
-
-
-def stopped_status(isvc: dict[str, Any], address: str) -> dict[str, Any]:
-    """``serving.kserve.io/stop``: the workload deleted, Ready False with reason Stopped, Stopped True."""
-    status = serving_status(isvc, address, 0)
-    status["conditions"] = _conditions("False", "Stopped", stopped=True)
-    return status
-
-
-def failed_status(isvc: dict[str, Any], address: str, failure: LaunchFailed, *, knative: bool) -> dict[str, Any]:
-    """A predictor that exited or never became ready, as KServe reports it."""
-    status = serving_status(isvc, address, 0)
-    if knative:
-        reason, message = "RevisionFailed", f"Container failed with: {failure.message}"
-    else:
-        reason, message = "MinimumReplicasUnavailable", f"Deployment does not have minimum availability. {failure}"
-    status["conditions"] = _conditions("False", reason, message)
-    info: dict[str, Any] = {"reason": "ModelLoadFailed", "message": failure.message}
-    if failure.exit_code is not None:
-        info["exitCode"] = failure.exit_code
-    status["modelStatus"].update(
-        transitionStatus="BlockedByFailedLoad",
-        states={"activeModelState": "FailedToLoad", "targetModelState": "Loaded"},
-        copies={"failedCopies": 1, "totalCopies": 0},
-        lastFailureInfo=info,
-    )
-    return status
-
-
 # --------------------------------------------------------------------------------------------------
 # One InferenceService's workload
 
@@ -323,6 +288,13 @@ class PredictorWorkload:
         self._reported: tuple[Any, ...] | None = None
         self._failed_generation: int | None = None
         self._zero_generation: int | None = None  # scaled to zero while serving this generation
+        # KServe records the mode at the first reconcile and keeps it (GetDeploymentMode reads it first).
+        self._knative = kserve.version.resolve_mode(isvc)
+        # The child (Knative Service or Deployment): None until made, and after a stop deleted it.
+        self.child: Child | None = None
+        self._child_for: int | None = None  # the InferenceService generation the child runs
+        self._failure_info: dict[str, Any] | None = None  # lastFailureInfo: sticky until a stop wipes it
+        self._loaded_before = False  # activeModelState Loaded (kept through rollouts and zero pods)
         self._waking: asyncio.Task[Replica] | None = None
         self._connections: set[_Connection] = set()
         self._last_activity = time.monotonic()
@@ -347,7 +319,7 @@ class PredictorWorkload:
 
     @property
     def knative(self) -> bool:
-        return self.annotations.get(ANNOTATION_DEPLOYMENT_MODE, "Knative") in ("Knative", "Serverless")
+        return self._knative
 
     @property
     def scales_to_zero(self) -> bool:
@@ -355,7 +327,14 @@ class PredictorWorkload:
 
     @property
     def stop_requested(self) -> bool:
-        return self.annotations.get(STOP_ANNOTATION) == "true"
+        """The stop annotation, where this release honours it for the mode (elsewhere KServe ignores it)."""
+        return self.kserve.version.stop_requested(self.isvc, self.knative)
+
+    @property
+    def revision_timeout(self) -> float:
+        """The predictor's ``timeout`` (KServe: the revision's timeoutSeconds), else Knative's default."""
+        rendered = self.predictor.get("timeout")
+        return float(rendered) if isinstance(rendered, int | float) and rendered > 0 else KNATIVE_DEFAULT_TIMEOUT_S
 
     def _component_annotation(self, name: str) -> str | None:
         return (self.predictor.get("annotations") or {}).get(name) or self.annotations.get(name)
@@ -405,8 +384,11 @@ class PredictorWorkload:
         generation = self.generation
         if self.stop_requested:
             await self._terminate()
-            self._zero_generation = None
-            await self._report("stopped", stopped_status(self.isvc, self.address))
+            # The child is deleted and the status wiped (lastFailureInfo with it); a wake makes a new child.
+            self._zero_generation = self._failed_generation = None
+            self.child = self._child_for = self._failure_info = None
+            self._loaded_before = False
+            await self._report("stopped", stopped_status(self.isvc, version=self.kserve.version))
             return
         if self._failed_generation == generation:
             return  # a crashing spec stays failed until it changes
@@ -414,9 +396,17 @@ class PredictorWorkload:
             await self._terminate()  # a new revision replaces the old one
         if self.replica is None:
             if self._zero_generation == generation:
-                await self._report("zero", serving_status(self.isvc, self.address, 0))
+                await self._report("zero", self._ready(replicas=0))
                 return
+            if self.child is None or self._child_for != generation:
+                self.child, self._child_for = next_child(self.child, self.knative), generation
             await self._start(report_loading=True)
+
+    def _shared(self) -> dict[str, Any]:
+        return {"version": self.kserve.version, "child": self.child or Child(), "address": self.address}
+
+    def _ready(self, *, replicas: int) -> dict[str, Any]:
+        return ready_status(self.isvc, replicas=replicas, failure_info=self._failure_info, **self._shared())
 
     async def _report(self, what: str, status: dict[str, Any]) -> None:
         """Write a status once per change of state (our own writes come back as watch events)."""
@@ -539,7 +529,8 @@ class PredictorWorkload:
         port = self._service_port if not self.knative else free_port()
         self.launches += 1
         if report_loading:
-            await self._report("loading", loading_status(self.isvc, self.address))
+            await self._report("loading", loading_status(self.isvc, **self._shared(), loaded_before=self._loaded_before,
+                                                         failure_info=self._failure_info))  # fmt: skip
         try:
             launch = render_launch(
                 self.isvc,
@@ -577,7 +568,8 @@ class PredictorWorkload:
         replica.ready = True
         self._last_activity = time.monotonic()
         self._zero_generation = None
-        await self._report("serving", serving_status(self.isvc, self.address, 1))
+        self._loaded_before = True
+        await self._report("serving", self._ready(replicas=1))
         return replica
 
     async def _wait_ready(self, replica: Replica, path: str) -> None:
@@ -612,7 +604,10 @@ class PredictorWorkload:
     async def _fail(self, failure: LaunchFailed) -> None:
         self._failed_generation = self.generation
         logger.warning("KServe stand-in: %s/%s failed: %s", *self.key, failure)
-        await self._report("failed", failed_status(self.isvc, self.address, failure, knative=self.knative))
+        info = failed_status(self.isvc, failure.message, exit_code=failure.exit_code, **self._shared(),
+                             loaded_before=self._loaded_before)  # fmt: skip
+        self._failure_info = info["modelStatus"]["lastFailureInfo"]
+        await self._report("failed", info)
 
     async def _terminate(self) -> None:
         """Stop the process as the kubelet stops a pod: SIGTERM, a grace period, then SIGKILL."""
@@ -653,25 +648,28 @@ class PredictorWorkload:
             return await self._start(report_loading=False)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Knative's activator: hold the connection until a replica is ready, then relay bytes both ways."""
+        """Knative's activator: hold the connection until a replica is ready, then relay bytes both ways.
+
+        The whole hold plus the wait for the response's first byte is bounded by the revision timeout, after
+        which the activator answers 504 (knative-v1.16.0 cmd/activator/main.go hands rev.Spec.TimeoutSeconds to
+        pkg/http/handler/timeout.go, which fires only while nothing of the response was written)."""
         connection = _Connection()
         self._connections.add(connection)
         upstream: asyncio.StreamWriter | None = None
+        deadline = asyncio.get_running_loop().time() + self.revision_timeout
         try:
             try:
-                replica = await self._ensure_running()
+                replica = await asyncio.wait_for(self._ensure_running(), self.revision_timeout)
                 up_reader, upstream = await asyncio.open_connection("127.0.0.1", replica.port)
+            except TimeoutError:
+                await self._answer(writer, b"504 Gateway Timeout", "activator request timeout")
+                return
             except (LaunchFailed, OSError) as exc:
-                body = json.dumps({"error": f"activator: {exc}"}).encode()
-                writer.write(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-                )
-                await writer.drain()
+                await self._answer(writer, b"503 Service Unavailable", f"activator: {exc}")
                 return
             await asyncio.gather(
                 self._pump(reader, upstream, connection, request=True),
-                self._pump(up_reader, writer, connection, request=False),
+                self._pump(up_reader, writer, connection, request=False, first_byte_by=deadline),
             )
         finally:
             self._connections.discard(connection)
@@ -680,10 +678,40 @@ class PredictorWorkload:
                 if end is not None:
                     end.close()
 
+    @staticmethod
+    async def _answer(writer: asyncio.StreamWriter, status: bytes, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        writer.write(
+            b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+            % (status, len(body), body)
+        )
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+
     async def _pump(
-        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _Connection, *, request: bool
+        self,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        connection: _Connection,
+        *,
+        request: bool,
+        first_byte_by: float | None = None,
     ) -> None:
         with contextlib.suppress(ConnectionError):  # either side going away ends the relay
+            if first_byte_by is not None:
+                left = first_byte_by - asyncio.get_running_loop().time()
+                try:
+                    chunk = await asyncio.wait_for(source.read(65536), max(left, 0.0))
+                except TimeoutError:
+                    await self._answer(sink, b"504 Gateway Timeout", "activator request timeout")
+                    sink.close()
+                    return
+                if not chunk:
+                    sink.close()
+                    return
+                connection.response_at = self._last_activity = time.monotonic()
+                sink.write(chunk)
+                await sink.drain()
             while chunk := await source.read(65536):
                 now = time.monotonic()
                 self._last_activity = now
@@ -718,7 +746,7 @@ class PredictorWorkload:
                 logger.info("KServe stand-in: scaling %s/%s to zero", *self.key)
                 await self._terminate()
                 self._zero_generation = self.generation
-                await self._report("zero", serving_status(self.isvc, self.address, 0))
+                await self._report("zero", self._ready(replicas=0))
 
     # -- the end -------------------------------------------------------------------------------------
 
@@ -757,8 +785,10 @@ class ProcessKServe:
         namespace: str = "*",
         python: str = sys.executable,
         grace_period: float = 15.0,
+        version: KServeVersion = DEFAULT_VERSION,
     ) -> None:
         self.client = client
+        self.version = version
         self.workdir = workdir
         self.sources = dict(sources)
         #: Sources the "hub" serves only with a token: storage URI -> the HF_TOKEN it accepts.

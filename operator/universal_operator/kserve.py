@@ -1,0 +1,63 @@
+"""What a KServe release accepts and can do: the per-release facts rendering and status depend on.
+
+Pure data and functions of ``OperatorConfig.kserve.release`` (a ``(major, minor, patch)`` tuple). Each fact
+names the KServe source it was read from, at the tags it was checked against (v0.14.1, v0.15.0-v0.15.2,
+v0.16.0, v0.17.0-v0.20.0).
+"""
+
+from __future__ import annotations
+
+from universal_operator.spec import ScalingMode
+
+Release = tuple[int, int, int]
+
+#: The release that renamed the deployment modes Serverless -> Knative and RawDeployment -> Standard.
+#: KServe v0.16.0 pkg/constants/constants.go (LegacyServerless, Knative, LegacyRawDeployment, Standard).
+MODE_RENAME: Release = (0, 16, 0)
+
+#: The first release honouring ``serving.kserve.io/stop``, per mode.
+#: Serverless: KServe v0.15.1 pkg/controller/v1beta1/inferenceservice/components/predictor.go (the Knative branch
+#: checks isvc.GetForceStopRuntime(); v0.15.0 has no StopAnnotationKey in pkg/constants/constants.go).
+#: RawDeployment: KServe v0.16.0 pkg/controller/v1beta1/inferenceservice/reconcilers/deployment/
+#: deployment_reconciler.go (checkDeploymentExist deletes the Deployment when stopped; v0.15.x's raw path never
+#: reads the annotation).
+STOP_SINCE: dict[ScalingMode, Release] = {
+    ScalingMode.KNATIVE: (0, 15, 1),
+    ScalingMode.STANDARD: (0, 16, 0),
+}
+STOP_ANNOTATION = "serving.kserve.io/stop"
+
+
+def version_text(release: Release) -> str:
+    return ".".join(str(part) for part in release)
+
+
+def deployment_mode(release: Release, mode: ScalingMode) -> str:
+    """The ``serving.kserve.io/deploymentMode`` value ``release`` understands for ``mode``.
+
+    Before 0.16 GetDeploymentMode knows only Serverless, RawDeployment and ModelMesh and turns anything else
+    into the configured default (KServe v0.14.1/v0.15.2 pkg/controller/v1beta1/inferenceservice/utils/utils.go).
+    From 0.16 it still maps the legacy names to Knative/Standard, but records the new name in
+    status.deploymentMode, and the validation webhook compares the annotation with that record verbatim on
+    every update (KServe v0.16.0-v0.20.0 pkg/apis/serving/v1beta1/inference_service_validation.go,
+    validateDeploymentMode): a legacy name would make every later update fail. So each release gets its own.
+    """
+    if release >= MODE_RENAME:
+        return "Knative" if mode is ScalingMode.KNATIVE else "Standard"
+    return "Serverless" if mode is ScalingMode.KNATIVE else "RawDeployment"
+
+
+def can_stop(release: Release, mode: ScalingMode) -> bool:
+    """Whether ``release`` stops a ``mode`` InferenceService that carries ``serving.kserve.io/stop: "true"``."""
+    return release >= STOP_SINCE[mode]
+
+
+def stop_unsupported(release: Release, mode: ScalingMode) -> str | None:
+    """Why the gateway cannot stop an idle model on ``release`` (None when it can)."""
+    if can_stop(release, mode):
+        return None
+    return (
+        f"KServe {version_text(release)} cannot stop a {mode.value}-mode InferenceService "
+        f"({STOP_ANNOTATION} works in this mode from KServe {version_text(STOP_SINCE[mode])}): the model stays "
+        f"running after idleTimeout. Upgrade KServe, or use scaling.mode Knative to scale to zero."
+    )
