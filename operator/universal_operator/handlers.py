@@ -49,6 +49,9 @@ class OperatorState:
     config: OperatorConfig
     api: KubeApi
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    #: One reconcile per model at a time: kopf runs the create/update handlers and the repair timer in
+    #: separate tasks, and two of them applying a missing child at once would both announce it.
+    reconciling: dict[Key, asyncio.Lock] = field(default_factory=dict)
     written_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
     latest_child: dict[Key, dict[str, Any]] = field(default_factory=dict)
 
@@ -57,6 +60,7 @@ class OperatorState:
 
     def forget(self, key: Key) -> None:
         self.locks.pop(key, None)
+        self.reconciling.pop(key, None)
         self.written_status.pop(key, None)
         self.latest_child.pop(key, None)
 
@@ -121,6 +125,13 @@ async def reconcile_model(
 
     ``retry`` is kopf's count of earlier failed attempts (it sets the back-off while RBAC refuses us).
     """
+    async with state.reconciling.setdefault(_key(body), asyncio.Lock()):
+        return await _reconcile_model(state, body, children, reason=reason, retry=retry)
+
+
+async def _reconcile_model(
+    state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None, *, reason: str, retry: int
+) -> dict[str, Any] | None:
     key = _key(body)
     plain = _plain(body)
     try:
