@@ -15,11 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
+from tests.support import admission
 from universal_operator.config import OperatorConfig
 from universal_operator.reconcile import (
     FAILURE_REASONS,
     child_drifted,
     desired_inference_service,
+    is_subset,
     parse_model,
     predictor_config,
     status_from_inference_service,
@@ -76,7 +78,7 @@ def test_resources_follow_the_spec_with_the_profiles_gpu_resource(case: Any) -> 
     expected_requests: dict[str, str] = {}
     expected_limits: dict[str, str] = {}
     if res.cpu:
-        expected_requests["cpu"] = res.cpu
+        expected_requests["cpu"] = expected_limits["cpu"] = res.cpu
     if res.memory:
         expected_requests["memory"] = expected_limits["memory"] = res.memory
     if res.gpus:
@@ -85,6 +87,20 @@ def test_resources_follow_the_spec_with_the_profiles_gpu_resource(case: Any) -> 
     assert ("resources" in container) == bool(expected_requests)
     has_shm = any(v["name"] == "dshm" for v in child["spec"]["predictor"]["volumes"])
     assert has_shm == (res.gpus > 0)
+
+
+@PROPERTY
+@given(servable_models())
+def test_every_servable_model_is_admitted_by_a_cluster_with_the_configured_knative_features(case: Any) -> None:
+    _, config, child = rendered(case)
+    cluster = admission.Cluster(
+        kserve=config.kserve.release,
+        knative_features=frozenset(config.knative.features),
+        max_revision_timeout_seconds=config.knative.max_revision_timeout_seconds,
+    )
+    stored = admission.admit(child, None, cluster)
+    # KServe's defaulting only fills what the operator left out; it never changes what the operator set.
+    assert is_subset(child["spec"], stored["spec"])
 
 
 @PROPERTY
