@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLES, TEST_OPERATOR_CONFIG
+from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, TEST_OPERATOR_CONFIG, cluster_for
 from tests.factories import CONFIG, at, load, model, render
 from tests.support import admission
 from tests.support.admission import Cluster, Denied, admit
-from universal_operator.config import OperatorConfig, parse_config
+from universal_operator.config import parse_config
 from universal_operator.reconcile import SpecError, desired_inference_service, parse_model
 
 DEFAULT = Cluster()
@@ -309,18 +309,8 @@ def test_a_standard_mode_host_label_over_63_characters_fails_kserves_reconcile_n
 # The operator's renders through admission
 
 
-def cluster_for(config: OperatorConfig) -> Cluster:
-    """A cluster whose Knative has exactly the flags the operator was told about."""
-    return Cluster(
-        kserve=config.kserve.release,
-        knative_features=frozenset(config.knative.features),
-        max_revision_timeout_seconds=config.knative.max_revision_timeout_seconds,
-    )
-
-
 EXAMPLE_FILES = sorted((EXAMPLES / "cluster").glob("*.yaml"))
-#: What a GPU profile with node selector, tolerations and runtime class needs in Knative mode.
-GPU_FLAGS = ["kubernetes.podspec-nodeselector", "kubernetes.podspec-tolerations", "kubernetes.podspec-runtimeclassname"]
+GPU_FLAGS = GPU_KNATIVE_FEATURES
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
