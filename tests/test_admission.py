@@ -426,3 +426,34 @@ def test_standard_mode_name_and_namespace_too_long_for_kserves_host_label_is_a_s
     manifest["metadata"]["namespace"] = "n" * 23
     manifest["spec"]["scaling"] = {"mode": "Knative"}
     assert desired_inference_service(model(json.dumps(manifest)), CONFIG)
+
+
+async def test_the_kserve_standin_reports_a_host_label_too_long_as_kserve_does_with_an_internal_error_event(
+    tmp_path: Path,
+) -> None:
+    from lightkube import AsyncClient, KubeConfig
+
+    from tests.conftest import eventually
+    from tests.support.kserve_standin import kserve_standin
+    from tests.support.kube_emulator import serve_emulator
+
+    name, namespace = "m" * 30, "n" * 23
+    obj = isvc(
+        f"""
+        metadata: {{name: {name}, namespace: {namespace}, annotations: {{serving.kserve.io/deploymentMode: Standard}}}}
+        spec: {{predictor: {{minReplicas: 1}}}}
+        """
+    )
+    async with serve_emulator(tmp_path) as served:
+        served.emulator._create(served.emulator.resolve("inferenceservices"), namespace, obj)
+        client = AsyncClient(config=KubeConfig.from_file(served.kubeconfig))
+        async with kserve_standin(client):
+            events = await eventually(lambda: served.emulator.list_objects("events", namespace))
+        await client.close()
+        [event] = events
+        assert (event["type"], event["reason"]) == ("Warning", "InternalError")
+        assert event["involvedObject"]["name"] == name
+        assert "must be no more than 63 characters" in event["message"]
+        stored = served.emulator.get_object("inferenceservices", namespace, name)
+        assert stored is not None
+        assert "status" not in stored  # KServe never got as far as a status
