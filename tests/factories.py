@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.reconcile import desired_inference_service, parse_model
-from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel
+from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,
@@ -211,7 +211,7 @@ def servable_models(draw: st.DrawFn) -> tuple[dict[str, Any], OperatorConfig]:
         "minReplicas": draw(st.integers(0, max_replicas)),
         "maxReplicas": max_replicas,
         "idleTimeout": draw(knative_idle_durations if mode == "Knative" else durations),
-        "startupTimeout": draw(durations),
+        "startupTimeout": draw(durations.filter(lambda d: parse_duration(d).total_seconds() > 0)),
     }
     if draw(st.booleans()):
         scaling["targetConcurrency"] = draw(st.integers(1, 10000))

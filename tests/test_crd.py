@@ -284,6 +284,10 @@ INVALID = {
         {"spec": {"scaling": {"startupTimeout": "1500ms"}}},
         ".spec.scaling: scaling.startupTimeout must be whole seconds",
     ),
+    "a zero startupTimeout (the Deployment's progressDeadlineSeconds must be above 0)": (
+        {"spec": {"scaling": {"startupTimeout": "0s"}}},
+        ".spec.scaling: scaling.startupTimeout must be longer than 0s",
+    ),
     "a 40-character name": ({"metadata": {"name": "a" * 40}}, ".: metadata.name must be a DNS-1035 label"),
     "a name starting with a digit": ({"metadata": {"name": "1qwen"}}, ".: metadata.name must be a DNS-1035 label"),
     "a name with an upper-case letter": ({"metadata": {"name": "Qwen"}}, ".: metadata.name must be a DNS-1035 label"),

@@ -225,6 +225,9 @@ IDLE_BOUND_MESSAGE = (
 STARTUP_PRECISION_MESSAGE = (
     "scaling.startupTimeout must be whole seconds (it becomes Knative's progress-deadline, which has second precision)"
 )
+#: Knative makes the progress deadline the Deployment's progressDeadlineSeconds (knative-v1.16.0
+#: pkg/reconciler/revision/resources/deploy.go), which Kubernetes wants above minReadySeconds (0).
+STARTUP_POSITIVE_MESSAGE = "scaling.startupTimeout must be longer than 0s"
 
 
 class Scaling(_Model):
@@ -253,6 +256,7 @@ class Scaling(_Model):
                     STARTUP_PRECISION_MESSAGE,
                     ".startupTimeout",
                 ),
+                _cel("duration(self.startupTimeout) > duration('0s')", STARTUP_POSITIVE_MESSAGE, ".startupTimeout"),
             ]
         }
     )
@@ -304,8 +308,11 @@ class Scaling(_Model):
     def _knative_bounds(self) -> Scaling:
         if self.mode is ScalingMode.KNATIVE and parse_duration(self.idle_timeout) > parse_duration(KNATIVE_MAX_IDLE):
             raise ValueError(IDLE_BOUND_MESSAGE)
-        if parse_duration(self.startup_timeout).total_seconds() % 1:
+        startup = parse_duration(self.startup_timeout).total_seconds()
+        if startup % 1:
             raise ValueError(STARTUP_PRECISION_MESSAGE)
+        if startup <= 0:
+            raise ValueError(STARTUP_POSITIVE_MESSAGE)
         return self
 
 
