@@ -457,3 +457,66 @@ async def test_the_kserve_standin_reports_a_host_label_too_long_as_kserve_does_w
         stored = served.emulator.get_object("inferenceservices", namespace, name)
         assert stored is not None
         assert "status" not in stored  # KServe never got as far as a status
+
+
+# --------------------------------------------------------------------------------------------------
+# The emulator answers every kind of write through admission, as the API server does
+
+
+async def test_the_emulator_admits_inference_service_creates_updates_patches_and_applies(tmp_path: Path) -> None:
+    from tests.support.kube_emulator import serve_emulator
+
+    path = "/apis/serving.kserve.io/v1beta1/namespaces/default/inferenceservices"
+
+    async def call(method: str, url: str, body: Any, content_type: str = "application/json", **params: str) -> Any:
+        async with served.emulator.request(
+            method, url, data=json.dumps(body), params=params, headers={"Content-Type": content_type}
+        ) as response:
+            return response.status, await response.json()
+
+    async with serve_emulator(tmp_path) as served:
+        # create: defaulted, then stored
+        status, stored = await call("POST", path, isvc())
+        assert status == 201
+        assert at(stored, "spec.predictor.containers[0].resources.limits") == {"cpu": "1", "memory": "2Gi"}
+        # merge patch: Knative's mask answers 400 with the webhook's message, nothing stored
+        status, answer = await call(
+            "PATCH",
+            f"{path}/custom-model",
+            {"spec": {"predictor": {"nodeSelector": {"gpu": "l4"}}}},
+            "application/merge-patch+json",
+        )
+        assert (status, answer["reason"], answer["code"]) == (400, "BadRequest", 400)
+        assert "must not set the field(s): spec.template.spec.nodeSelector" in answer["message"]
+        # update (PUT): KServe's validator answers 403
+        bad = isvc("spec: {predictor: {minReplicas: 3, maxReplicas: 2}}")
+        status, answer = await call("PUT", f"{path}/custom-model", bad)
+        assert (status, answer["reason"]) == (403, "Forbidden")
+        assert answer["message"].startswith(
+            'admission webhook "inferenceservice.kserve-webhook-server.validator" denied the request: '
+        )
+        # server-side apply of a fixed object goes through, defaulted again
+        fixed = isvc("spec: {predictor: {minReplicas: 1, maxReplicas: 2}}")
+        status, stored = await call(
+            "PATCH", f"{path}/custom-model", fixed, "application/apply-patch+yaml", fieldManager="test"
+        )
+        assert status == 200
+        assert at(stored, "spec.predictor.maxReplicas") == 2
+        assert at(stored, "spec.predictor.containers[0].resources.requests") == {"cpu": "1", "memory": "2Gi"}
+        # status writes are not admitted (webhooks match the main resource only)
+        status, _ = await call(
+            "PATCH",
+            f"{path}/custom-model/status",
+            {"status": {"deploymentMode": "Serverless"}},
+            "application/merge-patch+json",
+        )
+        assert status == 200
+
+
+async def test_an_emulator_without_admission_stores_inference_services_as_written(tmp_path: Path) -> None:
+    from tests.support.kube_emulator import serve_emulator
+
+    async with serve_emulator(tmp_path, admission=None) as served:
+        obj = isvc("spec: {predictor: {nodeSelector: {gpu: l4}}}")
+        stored = served.emulator._create(served.emulator.resolve("inferenceservices"), "default", obj)
+        assert "resources" not in at(stored, "spec.predictor.containers[0]")

@@ -11,6 +11,7 @@ from typing import Any
 
 import kserve
 import kubernetes.client
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,7 @@ from universal_operator.reconcile import (
     predictor_config,
     status_from_inference_service,
 )
-from universal_operator.spec import Phase, UniversalModelStatus
+from universal_operator.spec import Phase, UniversalModelStatus, parse_duration
 from universal_predictors.config import PredictorConfig
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,6 +102,23 @@ def test_every_servable_model_is_admitted_by_a_cluster_with_the_configured_knati
     stored = admission.admit(child, None, cluster)
     # KServe's defaulting only fills what the operator left out; it never changes what the operator set.
     assert is_subset(child["spec"], stored["spec"])
+
+
+@PROPERTY
+@given(servable_models())
+def test_knative_scales_to_zero_after_exactly_the_idle_timeout_where_its_bounds_allow(case: Any) -> None:
+    """Idle time in Knative = stable window + max(scale-to-zero grace period (30s), retention)."""
+    model, _, child = rendered(case)
+    if model.spec.scaling.mode.value != "Knative":
+        return
+    annotations = child["spec"]["predictor"]["annotations"]
+    window = admission.go_duration(annotations["autoscaling.knative.dev/window"])
+    retention = admission.go_duration(annotations["autoscaling.knative.dev/scale-to-zero-pod-retention-period"])
+    idle = parse_duration(model.spec.scaling.idle_timeout).total_seconds()
+    assert window == int(window)
+    assert 6 <= window <= 60
+    assert 0 <= retention <= 3600
+    assert window + max(30.0, retention) == pytest.approx(max(idle, 36.0))
 
 
 @PROPERTY

@@ -1180,9 +1180,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         try:
             return _admission.admit(obj, old, self.admission)
         except _admission.Denied as denied:
-            name = (obj.get("metadata") or {}).get("name")
-            details = {"name": name, "group": spec.group, "kind": spec.plural} if denied.code == 403 else {}
-            raise ApiError(denied.code, denied.message, denied.reason, details) from None
+            # A webhook's Status carries no details (apiserver webhook/errors/statuserror.go ToStatusErr).
+            raise ApiError(denied.code, denied.message, denied.reason) from None
 
     def _update(self, spec: ResourceSpec, request: kmock.Request, kind: str) -> JSON:
         assert request.name is not None
