@@ -500,12 +500,13 @@ def test_standard_mode_and_knative_with_podspec_securitycontext_add_the_pod_leve
 
 def test_pod_security_ids_come_from_the_operator_config_and_are_left_out_when_empty() -> None:
     openshift = parse_config(load("podSecurity: {runAsUser: null, runAsGroup: null, fsGroup: null}"))
-    predictor = at(desired_inference_service(model(with_spec("scaling: {mode: Standard}")), openshift), "spec.predictor")
+    standard = model(with_spec("scaling: {mode: Standard}"))
+    predictor = at(desired_inference_service(standard, openshift), "spec.predictor")
     assert predictor["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert "runAsUser" not in predictor["containers"][0]["securityContext"]
     assert "runAsGroup" not in predictor["containers"][0]["securityContext"]
     custom = parse_config(load("podSecurity: {runAsUser: 2000, runAsGroup: 3000, fsGroup: 4000}"))
-    predictor = at(desired_inference_service(model(with_spec("scaling: {mode: Standard}")), custom), "spec.predictor")
+    predictor = at(desired_inference_service(standard, custom), "spec.predictor")
     assert pick(predictor["securityContext"], {"runAsUser": 0, "runAsGroup": 0, "fsGroup": 0}) == {
         "runAsUser": 2000,
         "runAsGroup": 3000,
