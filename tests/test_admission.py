@@ -120,13 +120,28 @@ def test_kserve_validation_refuses_as_a_webhook_denial(patch: str, message: str)
     assert message in denied.message
 
 
-def test_kserve_from_0_15_refuses_changing_the_deployment_mode_it_recorded() -> None:
+def test_kserve_checks_a_raw_deployments_metric_as_hpa_per_release() -> None:
+    obj = isvc(
+        """
+        metadata: {annotations: {serving.kserve.io/deploymentMode: RawDeployment}}
+        spec: {predictor: {minReplicas: 1, scaleMetric: concurrency}}
+        """
+    )
+    # 0.14: RawDeployment always means HPA; 0.15: only with autoscalerClass hpa.
+    assert "[concurrency] is not a supported metric" in refusal(obj, Cluster(kserve=(0, 14, 1))).message
+    assert admit(obj, None, Cluster(kserve=(0, 15, 2)))
+    obj["metadata"]["annotations"]["serving.kserve.io/autoscalerClass"] = "hpa"
+    assert "[concurrency] is not a supported metric" in refusal(obj, Cluster(kserve=(0, 15, 2))).message
+
+
+def test_kserve_from_0_15_1_refuses_changing_the_deployment_mode_it_recorded() -> None:
     old = isvc("metadata: {annotations: {serving.kserve.io/deploymentMode: Serverless}}")
     old["status"] = {"deploymentMode": "Serverless"}
     new = isvc("metadata: {annotations: {serving.kserve.io/deploymentMode: RawDeployment}}")
     message = refusal(new, Cluster(kserve=(0, 15, 2)), old).message
     assert "deploymentMode cannot be changed from 'Serverless' to 'RawDeployment'" in message
-    assert admit(new, old, Cluster(kserve=(0, 14, 1)))  # 0.14 has no such check
+    new["spec"]["predictor"]["minReplicas"] = 1
+    assert admit(new, old, Cluster(kserve=(0, 15, 0)))  # 0.15.0 and 0.14 have no such check
 
 
 # --------------------------------------------------------------------------------------------------

@@ -219,12 +219,12 @@ def kserve_validate(isvc: JSON, old: JSON | None, cluster: Cluster) -> str | Non
     """KServe's validating webhook: the first refusal's message, or None.
 
     KServe pkg/apis/serving/v1beta1/inference_service_validation.go (validateInferenceService,
-    validateDeploymentMode from v0.15) and component.go (ComponentExtensionSpec.Validate), v0.16.0.
+    validateDeploymentMode from v0.15.1) and component.go (ComponentExtensionSpec.Validate), v0.16.0.
     """
     meta = isvc.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     name = str(meta.get("name", ""))
-    if old is not None and cluster.kserve >= (0, 15, 0):
+    if old is not None and cluster.kserve >= (0, 15, 1):
         recorded = (old.get("status") or {}).get("deploymentMode")
         wanted = annotations.get(ANNOTATION_DEPLOYMENT_MODE)
         if recorded and wanted is not None and wanted != recorded:
@@ -252,17 +252,31 @@ def kserve_validate(isvc: JSON, old: JSON | None, cluster: Cluster) -> str | Non
         return "'MaxReplicas' cannot be less than 0"
     if min_replicas > max_replicas and max_replicas != 0:
         return "'MinReplicas' cannot be greater than MaxReplicas"
-    # validateAutoScalingCompExtension: Standard with the HPA class checks HPA metrics, everything else KPA's.
-    mode = deployment_mode(isvc, cluster)
+    # validateAutoScalingCompExtension compares the annotation as written. v0.14.1: RawDeployment or the
+    # Knative HPA class checks HPA metrics, else KPA's. v0.15.2/v0.16.0: the raw-deployment name (RawDeployment,
+    # Standard in v0.16.0) checks HPA metrics only with autoscalerClass hpa (absent: nothing); any other mode
+    # checks HPA metrics with the Knative HPA class, else KPA's.
     metric = predictor.get("scaleMetric")
     target = predictor.get("scaleTarget")
-    if mode == "Standard" and annotations.get(ANNOTATION_AUTOSCALER_CLASS, "hpa") == "hpa":
+    written = annotations.get(ANNOTATION_DEPLOYMENT_MODE)
+    raw_name = "Standard" if cluster.kserve >= (0, 16, 0) else "RawDeployment"
+    hpa_class = annotations.get(CLASS) == "hpa.autoscaling.knative.dev"
+    if cluster.kserve < (0, 15, 0):
+        hpa = written == raw_name or hpa_class
+        kpa = not hpa
+    else:
+        hpa = annotations.get(ANNOTATION_AUTOSCALER_CLASS) == "hpa" if written == raw_name else hpa_class
+        kpa = written != raw_name and not hpa_class
+    if hpa:
         metric = metric or "cpu"
         if metric not in HPA_METRICS:
             return f"[{metric}] is not a supported metric"
-        if target is not None and metric == "cpu" and not 1 <= target <= 100:
+        # Go reads `metric == MetricCPU && target < 1 || target > 100` as (cpu and < 1) or > 100.
+        if target is not None and ((metric == "cpu" and target < 1) or target > 100):
             return "the target utilization percentage should be a [1-100] integer"
-    elif mode != "Standard":
+        if target is not None and metric == "memory" and target < 1:
+            return "the target memory should be greater than 1 MiB"
+    elif kpa:
         if predictor.get("deploymentStrategy") is not None:
             return "customizing deploymentStrategy is only supported for raw deployment mode"
         metric = metric or "concurrency"
