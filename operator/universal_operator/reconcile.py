@@ -329,8 +329,9 @@ def _resources(model: UniversalModel, profile: Profile | None) -> dict[str, Any]
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     if res.cpu:
-        # CPU limit = request: engines size their thread pools from the cgroup CPU quota, so a replica gets
-        # the same speed on a busy node as on an idle one (and with memory alike, Guaranteed QoS).
+        # CPU limit = request: a limit must be set (else KServe's 1 applies), any other value would be a guess,
+        # and an equal one gives a replica the speed it asked for on a busy node and an idle one alike (with
+        # memory set too, the pod is Guaranteed QoS).
         requests["cpu"] = res.cpu
         limits["cpu"] = res.cpu
     if res.memory:
