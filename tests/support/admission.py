@@ -1,8 +1,9 @@
 """What a real cluster's admission does to an InferenceService, as pure functions over the object.
 
 The API emulator (:mod:`tests.support.kube_emulator`) runs :func:`admit` on every create, update,
-patch and apply of an InferenceService; the KServe stand-ins ask :func:`reconcile_problems` what
-KServe's controller would fail on. Each rule names the upstream file (repository, path, tag) it imitates.
+patch and apply of an InferenceService; the KServe stand-in (:mod:`tests.support.kserve_standin`) asks
+:func:`reconcile_problems` what KServe's controller would fail on. Each rule names the upstream file
+(repository, path, tag) it imitates.
 
 In order, as a cluster applies them:
 
@@ -357,8 +358,8 @@ def _path(*parts: str) -> str:
 def revision_annotations(isvc: JSON) -> dict[str, str]:
     """The annotations KServe puts on the Knative revision template: the object's and the component's.
 
-    KServe pkg/controller/v1beta1/inferenceservice/components/predictor.go and
-    reconcilers/knative/ksvc_reconciler.go (v0.16.0): component annotations merged over the object's.
+    KServe v0.16.0 pkg/controller/v1beta1/inferenceservice/components/predictor.go (buildObjectMeta: the
+    object's annotations, less the ConfigMap's disallowed list, under the predictor component's).
     """
     annotations = dict(((isvc.get("metadata") or {}).get("annotations")) or {})
     annotations.update(_predictor(isvc).get("annotations") or {})
