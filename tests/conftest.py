@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import admission
 from tests.support.kube_emulator import ServedEmulator, serve_emulator
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.crd import custom_resource_definition
@@ -72,17 +73,39 @@ def crd() -> dict[str, Any]:
     return custom_resource_definition()
 
 
+#: The Knative flags a GPU profile with node selector, tolerations and runtime class needs in Knative mode.
+GPU_KNATIVE_FEATURES = [
+    "kubernetes.podspec-nodeselector",
+    "kubernetes.podspec-tolerations",
+    "kubernetes.podspec-runtimeclassname",
+]
+
+
 @pytest.fixture
-def operator_config() -> OperatorConfig:
-    return parse_config(TEST_OPERATOR_CONFIG)
+def operator_config(request: pytest.FixtureRequest) -> OperatorConfig:
+    """TEST_OPERATOR_CONFIG, with the keys an indirect parametrization passes laid over it."""
+    return parse_config({**TEST_OPERATOR_CONFIG, **getattr(request, "param", {})})
+
+
+def cluster_for(config: OperatorConfig) -> admission.Cluster:
+    """The cluster an operator configuration describes: its KServe, its Knative's enabled flags and timeout."""
+    return admission.Cluster(
+        kserve=config.kserve.release,
+        knative_features=frozenset(config.knative.features),
+        max_revision_timeout_seconds=config.knative.max_revision_timeout_seconds,
+    )
 
 
 @pytest.fixture
 async def cluster(
-    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch, operator_config: OperatorConfig
 ) -> AsyncIterator[ServedEmulator]:
-    """An API emulator serving the UniversalModel CRD and KServe's InferenceService, with a kubeconfig."""
-    async with serve_emulator(tmp_path, crds=[crd]) as served:
+    """An API emulator serving the UniversalModel CRD and KServe's InferenceService, with a kubeconfig.
+
+    InferenceService writes pass the admission of the cluster the operator's configuration describes
+    (by default KServe 0.16 and a default Knative install: no config-features flags enabled).
+    """
+    async with serve_emulator(tmp_path, crds=[crd], admission=cluster_for(operator_config)) as served:
         monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
         yield served
 

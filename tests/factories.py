@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.reconcile import desired_inference_service, parse_model
-from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel
+from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,
@@ -20,8 +20,15 @@ from universal_predictors.config import (
     Task,
 )
 
-#: An operator configuration with two hardware profiles, as a deployer would write it.
+#: An operator configuration with two hardware profiles, as a deployer would write it, for a cluster whose
+#: Knative admits what the profiles set (and downward-API env).
 CONFIG_YAML = """
+knative:
+  features:
+  - kubernetes.podspec-nodeselector
+  - kubernetes.podspec-tolerations
+  - kubernetes.podspec-runtimeclassname
+  - kubernetes.podspec-fieldref
 images:
   cpu: registry.example/predictor-cpu:1
   cuda: registry.example/predictor-cuda:1
@@ -125,9 +132,16 @@ engine_arg_values = st.one_of(
 memory_quantities = st.builds(lambda n, unit: f"{n}{unit}", st.integers(1, 4096), st.sampled_from(["Mi", "Gi"]))
 cpu_quantities = st.one_of(st.integers(1, 64).map(str), st.integers(1, 64000).map(lambda n: f"{n}m"))
 durations = st.one_of(
-    st.builds(lambda n, unit: f"{n}{unit}", st.integers(0, 5000), st.sampled_from(["ms", "s", "m", "h"])),
+    st.builds(lambda n, unit: f"{n}{unit}", st.integers(0, 5000), st.sampled_from(["s", "m", "h"])),
+    st.builds(lambda n: f"{n * 1000}ms", st.integers(0, 5000)),
     st.builds(lambda h, m: f"{h}h{m}m", st.integers(0, 3), st.integers(0, 59)),
     st.builds(lambda n: f"{n}.5m", st.integers(0, 30)),
+)
+#: Knative-mode idle times: at most 1h (Knative's bound on the scale-to-zero retention).
+knative_idle_durations = st.one_of(
+    st.builds(lambda n, unit: f"{n}{unit}", st.integers(0, 3600), st.just("s")),
+    st.builds(lambda n, unit: f"{n}{unit}", st.integers(0, 60), st.just("m")),
+    st.builds(lambda m, s: f"{m}m{s}.5s", st.integers(0, 58), st.integers(0, 59)),
 )
 
 
@@ -191,18 +205,21 @@ def servable_models(draw: st.DrawFn) -> tuple[dict[str, Any], OperatorConfig]:
         resources["memory"] = draw(memory_quantities)
     spec["resources"] = resources
     max_replicas = draw(st.integers(1, 1000))
+    mode = draw(st.sampled_from(["Knative", "Standard"]))
     scaling: dict[str, Any] = {
-        "mode": draw(st.sampled_from(["Knative", "Standard"])),
+        "mode": mode,
         "minReplicas": draw(st.integers(0, max_replicas)),
         "maxReplicas": max_replicas,
-        "idleTimeout": draw(durations),
-        "startupTimeout": draw(durations),
+        "idleTimeout": draw(knative_idle_durations if mode == "Knative" else durations),
+        "startupTimeout": draw(durations.filter(lambda d: parse_duration(d).total_seconds() > 0)),
     }
     if draw(st.booleans()):
         scaling["targetConcurrency"] = draw(st.integers(1, 10000))
     spec["scaling"] = scaling
     env_keys = draw(st.lists(env_names, max_size=4, unique=True))
     spec["env"] = [draw(_env_entry(name)) for name in env_keys]
+    if mode == "Knative" and "kubernetes.podspec-fieldref" not in config.knative.features:
+        spec["env"] = [e for e in spec["env"] if "fieldRef" not in e.get("valueFrom", {})]
     if draw(st.booleans()):
         spec["image"] = f"registry.example/{draw(_segment).lower()}:1"
     body = {

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from lightkube import AsyncClient
 
-from tests.conftest import EXAMPLES, eventually, load_manifest
+from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, eventually, load_manifest
 from tests.support.kserve_standin import Child, loading_status, ready_status
 from tests.support.kube_emulator import ServedEmulator
 from universal_operator import reconcile
@@ -196,6 +196,7 @@ async def test_out_of_band_edit_of_child_is_repaired(cluster: ServedEmulator, op
     await eventually(repaired, within=10)
 
 
+@pytest.mark.parametrize("operator_config", [{"knative": {"features": GPU_KNATIVE_FEATURES}}], indirect=True)
 async def test_invalid_spec_sets_spec_valid_false_with_event_and_no_child(
     cluster: ServedEmulator, operator: OperatorState
 ) -> None:
@@ -259,7 +260,9 @@ async def test_api_errors_converge_to_one_child_without_a_write_storm(
     assert cluster.emulator.write_count(UM, "default", "bge-reranker") <= 10
 
 
+@pytest.mark.parametrize("operator_config", [{"knative": {"features": GPU_KNATIVE_FEATURES}}], indirect=True)
 async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator, operator: OperatorState) -> None:
+    """On a cluster whose Knative enables what the GPU profile needs (and the operator knows it)."""
     from tests.support.kserve_standin import kserve_standin
 
     names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
@@ -282,6 +285,34 @@ async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator
     standard = _child(cluster, "anomaly")
     assert standard is not None
     assert standard["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+
+
+async def test_on_a_default_knative_every_example_is_admitted_but_the_gpu_profile_names_its_flags(
+    cluster: ServedEmulator, operator: OperatorState
+) -> None:
+    """A default Knative install (no config-features flags): the emulator refuses what Knative would."""
+    await _apply(cluster, EXAMPLES / "cluster")
+    names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
+
+    def settled() -> dict[str, str]:
+        valid = {
+            m["metadata"]["name"]: _condition(m, "SpecValid").get("status") for m in cluster.emulator.list_objects(UM)
+        }
+        assert valid == {name: "False" if name == "llama-8b" else "True" for name in names}
+        return valid
+
+    await eventually(settled, within=30)
+    children = sorted(c["metadata"]["name"] for c in cluster.emulator.list_objects(ISVC))
+    assert children == [name for name in names if name != "llama-8b"]
+    for child in cluster.emulator.list_objects(ISVC):
+        if child["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] != "Standard":
+            assert "securityContext" not in child["spec"]["predictor"]
+        container = child["spec"]["predictor"]["containers"][0]
+        assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
+    message = _condition(_model(cluster, "llama-8b"), "SpecValid")["message"]
+    assert "spec.resources.profile" in message
+    for flag in GPU_KNATIVE_FEATURES:
+        assert f"{flag}: enabled" in message
 
 
 async def test_deleting_the_model_deletes_its_child(cluster: ServedEmulator, operator: OperatorState) -> None:

@@ -11,20 +11,23 @@ from typing import Any
 
 import kserve
 import kubernetes.client
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
+from tests.support import admission
 from universal_operator.config import OperatorConfig
 from universal_operator.reconcile import (
     FAILURE_REASONS,
     child_drifted,
     desired_inference_service,
+    is_subset,
     parse_model,
     predictor_config,
     status_from_inference_service,
 )
-from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus
+from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration
 from universal_predictors.config import PredictorConfig
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -76,7 +79,7 @@ def test_resources_follow_the_spec_with_the_profiles_gpu_resource(case: Any) -> 
     expected_requests: dict[str, str] = {}
     expected_limits: dict[str, str] = {}
     if res.cpu:
-        expected_requests["cpu"] = res.cpu
+        expected_requests["cpu"] = expected_limits["cpu"] = res.cpu
     if res.memory:
         expected_requests["memory"] = expected_limits["memory"] = res.memory
     if res.gpus:
@@ -85,6 +88,37 @@ def test_resources_follow_the_spec_with_the_profiles_gpu_resource(case: Any) -> 
     assert ("resources" in container) == bool(expected_requests)
     has_shm = any(v["name"] == "dshm" for v in child["spec"]["predictor"]["volumes"])
     assert has_shm == (res.gpus > 0)
+
+
+@PROPERTY
+@given(servable_models())
+def test_every_servable_model_is_admitted_by_a_cluster_with_the_configured_knative_features(case: Any) -> None:
+    _, config, child = rendered(case)
+    cluster = admission.Cluster(
+        kserve=config.kserve.release,
+        knative_features=frozenset(config.knative.features),
+        max_revision_timeout_seconds=config.knative.max_revision_timeout_seconds,
+    )
+    stored = admission.admit(child, None, cluster)
+    # KServe's defaulting only fills what the operator left out; it never changes what the operator set.
+    assert is_subset(child["spec"], stored["spec"])
+
+
+@PROPERTY
+@given(servable_models())
+def test_knative_scales_to_zero_after_exactly_the_idle_timeout_where_its_bounds_allow(case: Any) -> None:
+    """Idle time in Knative = stable window + max(scale-to-zero grace period (30s), retention)."""
+    model, _, child = rendered(case)
+    if model.spec.scaling.mode.value != "Knative":
+        return
+    annotations = child["spec"]["predictor"]["annotations"]
+    window = admission.go_duration(annotations["autoscaling.knative.dev/window"])
+    retention = admission.go_duration(annotations["autoscaling.knative.dev/scale-to-zero-pod-retention-period"])
+    idle = parse_duration(model.spec.scaling.idle_timeout).total_seconds()
+    assert window == int(window)
+    assert 6 <= window <= 60
+    assert 0 <= retention <= 3600
+    assert window + max(30.0, retention) == pytest.approx(max(idle, 36.0))
 
 
 @PROPERTY

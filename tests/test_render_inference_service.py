@@ -41,7 +41,7 @@ def with_spec(extra: str, base: str = EMBED) -> str:
 # Scaling: Knative and Standard
 
 SCALING_CASES = {
-    "knative defaults: scale to zero, retention from the default idleTimeout, deadline from startupTimeout": (
+    "knative defaults: 60s stable window + 240s retention = the default 5m idleTimeout, deadline from startupTimeout": (
         EMBED,
         """
         minReplicas: 0
@@ -49,7 +49,8 @@ SCALING_CASES = {
         scaleMetric: null
         scaleTarget: null
         annotations:
-          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 5m
+          autoscaling.knative.dev/window: 60s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 240s
           serving.knative.dev/progress-deadline: 20m
         """,
     ),
@@ -65,45 +66,64 @@ SCALING_CASES = {
         scaleMetric: concurrency
         scaleTarget: 32
         annotations:
-          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 15m
+          autoscaling.knative.dev/window: 60s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 840s
           serving.knative.dev/progress-deadline: 30m
         """,
     ),
-    "knative idleTimeout shorter than the 60s stable window shortens the window to it": (
-        with_spec("scaling: {idleTimeout: 20s}"),
+    "knative idleTimeout of 1h: 60s window + 3540s retention (within Knative's 1h bound)": (
+        with_spec("scaling: {idleTimeout: 1h}"),
         """
-        minReplicas: 0
-        maxReplicas: 1
-        scaleMetric: null
-        scaleTarget: null
         annotations:
-          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 20s
+          autoscaling.knative.dev/window: 60s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 3540s
           serving.knative.dev/progress-deadline: 20m
-          autoscaling.knative.dev/window: 20s
         """,
     ),
-    "knative idleTimeout below Knative's 6s minimum window gets the 6s window": (
-        with_spec("scaling: {idleTimeout: 2s}"),
+    "knative idleTimeout of 90s: 60s window + 30s retention (the default grace period)": (
+        with_spec("scaling: {idleTimeout: 90s}"),
         """
-        minReplicas: 0
-        maxReplicas: 1
-        scaleMetric: null
-        scaleTarget: null
         annotations:
-          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 2s
+          autoscaling.knative.dev/window: 60s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 30s
           serving.knative.dev/progress-deadline: 20m
-          autoscaling.knative.dev/window: 6s
         """,
     ),
-    "knative idleTimeout of exactly 60s keeps Knative's own window": (
+    "knative idleTimeout of 60s shrinks the window to leave the 30s grace period room": (
         with_spec("scaling: {idleTimeout: 60s, minReplicas: 1, maxReplicas: 3}"),
         """
         minReplicas: 1
         maxReplicas: 3
-        scaleMetric: null
-        scaleTarget: null
         annotations:
-          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 60s
+          autoscaling.knative.dev/window: 30s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 30s
+          serving.knative.dev/progress-deadline: 20m
+        """,
+    ),
+    "knative idleTimeout with a fraction keeps a whole-second window and the fraction in the retention": (
+        with_spec("scaling: {idleTimeout: 90.5s}"),
+        """
+        annotations:
+          autoscaling.knative.dev/window: 60s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 30.5s
+          serving.knative.dev/progress-deadline: 20m
+        """,
+    ),
+    "knative idleTimeout below 6s window + 30s grace gets Knative's shortest window": (
+        with_spec("scaling: {idleTimeout: 20s}"),
+        """
+        annotations:
+          autoscaling.knative.dev/window: 6s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 14s
+          serving.knative.dev/progress-deadline: 20m
+        """,
+    ),
+    "knative idleTimeout below the 6s minimum window: 6s window, no retention": (
+        with_spec("scaling: {idleTimeout: 2s}"),
+        """
+        annotations:
+          autoscaling.knative.dev/window: 6s
+          autoscaling.knative.dev/scale-to-zero-pod-retention-period: 0s
           serving.knative.dev/progress-deadline: 20m
         """,
     ),
@@ -173,7 +193,7 @@ HARDWARE_CASES = {
         - image: registry.example/predictor-cuda:1
           resources:
             requests: {cpu: "4", memory: 24Gi, nvidia.com/gpu: "1"}
-            limits: {memory: 24Gi, nvidia.com/gpu: "1"}
+            limits: {cpu: "4", memory: 24Gi, nvidia.com/gpu: "1"}
           volumeMounts:
           - {name: cache, mountPath: /cache}
           - {name: tmp, mountPath: /tmp}
@@ -222,7 +242,7 @@ HARDWARE_CASES = {
           - {name: dshm, mountPath: /dev/shm}
         """,
     ),
-    "CPU model: the CPU image by default, no /dev/shm, cpu requested, memory requested and limited": (
+    "CPU model: the CPU image by default, no /dev/shm, cpu and memory requested and limited alike": (
         with_spec("resources: {cpu: 500m, memory: 1Gi}"),
         """
         nodeSelector: null
@@ -235,7 +255,7 @@ HARDWARE_CASES = {
         - image: registry.example/predictor-cpu:1
           resources:
             requests: {cpu: 500m, memory: 1Gi}
-            limits: {memory: 1Gi}
+            limits: {cpu: 500m, memory: 1Gi}
           volumeMounts:
           - {name: cache, mountPath: /cache}
           - {name: tmp, mountPath: /tmp}
@@ -282,6 +302,7 @@ def test_default_profile_applies_when_the_spec_names_none() -> None:
     config = parse_config(
         load(
             """
+            knative: {features: [kubernetes.podspec-nodeselector]}
             defaultProfile: cpu-pool
             profiles:
               cpu-pool:
@@ -465,9 +486,26 @@ def test_source_revision_of_a_hub_model_reaches_the_storage_initializer() -> Non
 # Security, labels, ownership
 
 
-def test_pod_and_container_run_under_the_restricted_security_profile() -> None:
+RESTRICTED_CONTAINER = """
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+capabilities: {drop: [ALL]}
+seccompProfile: {type: RuntimeDefault}
+"""
+
+
+def test_knative_mode_carries_the_restricted_profile_on_the_container_only() -> None:
+    # A default Knative refuses every pod-level securityContext field (PodSecurityContextMask).
     predictor = at(render(EMBED), "spec.predictor")
-    assert predictor["securityContext"] == load(
+    assert "securityContext" not in predictor
+    assert predictor["containers"][0]["securityContext"] == load(RESTRICTED_CONTAINER)
+
+
+def test_standard_mode_and_knative_with_podspec_securitycontext_add_the_pod_level_context() -> None:
+    pod_level = load(
         """
         runAsNonRoot: true
         runAsUser: 1000
@@ -476,15 +514,32 @@ def test_pod_and_container_run_under_the_restricted_security_profile() -> None:
         seccompProfile: {type: RuntimeDefault}
         """
     )
-    assert predictor["containers"][0]["securityContext"] == load(
-        """
-        allowPrivilegeEscalation: false
-        readOnlyRootFilesystem: true
-        runAsNonRoot: true
-        capabilities: {drop: [ALL]}
-        seccompProfile: {type: RuntimeDefault}
-        """
-    )
+    standard = at(render(with_spec("scaling: {mode: Standard}")), "spec.predictor")
+    assert standard["securityContext"] == pod_level
+    assert standard["containers"][0]["securityContext"] == load(RESTRICTED_CONTAINER)
+    enabled = parse_config(load("knative: {features: [kubernetes.podspec-securitycontext]}"))
+    knative = at(desired_inference_service(model(EMBED), enabled), "spec.predictor")
+    assert knative["securityContext"] == pod_level
+
+
+def test_pod_security_ids_come_from_the_operator_config_and_are_left_out_when_empty() -> None:
+    openshift = parse_config(load("podSecurity: {runAsUser: null, runAsGroup: null, fsGroup: null}"))
+    standard = model(with_spec("scaling: {mode: Standard}"))
+    predictor = at(desired_inference_service(standard, openshift), "spec.predictor")
+    assert predictor["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "runAsUser" not in predictor["containers"][0]["securityContext"]
+    assert "runAsGroup" not in predictor["containers"][0]["securityContext"]
+    custom = parse_config(load("podSecurity: {runAsUser: 2000, runAsGroup: 3000, fsGroup: 4000}"))
+    predictor = at(desired_inference_service(standard, custom), "spec.predictor")
+    assert pick(predictor["securityContext"], {"runAsUser": 0, "runAsGroup": 0, "fsGroup": 0}) == {
+        "runAsUser": 2000,
+        "runAsGroup": 3000,
+        "fsGroup": 4000,
+    }
+    assert pick(predictor["containers"][0]["securityContext"], {"runAsUser": 0, "runAsGroup": 0}) == {
+        "runAsUser": 2000,
+        "runAsGroup": 3000,
+    }
 
 
 def test_container_runs_the_predictor_module_on_port_8080_with_a_v2_readiness_probe() -> None:
@@ -718,6 +773,7 @@ def test_state_claim_is_mounted_and_passed_as_state_dir() -> None:
             "spec": {
                 "task": "anomaly",
                 "source": {"uri": "/opt/models/anomaly"},
+                "scaling": {"mode": "Standard"},
                 "state": {"claimName": "detectors", "subPath": "team-a"},
             },
         }

@@ -26,7 +26,7 @@ from lightkube.core.exceptions import ApiError
 
 from universal_operator import reconcile
 from universal_operator.config import OperatorConfig
-from universal_operator.kube import KubeApi, api_error_code
+from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
 
 logger = logging.getLogger(__name__)
@@ -172,10 +172,11 @@ async def _reconcile_model(
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:
             code = api_error_code(exc)
-            if code == 403:
+            refused = code in (400, 422) or denied_by_webhook(exc)
+            if code == 403 and not refused:
                 # RBAC (or OwnerReferencesPermissionEnforcement): a missing grant, never the spec's fault.
                 await report_forbidden(state, plain, model, exc, retry)
-            if code in (400, 422):
+            if refused:
                 # KServe's or Knative's admission webhook refused the child: a spec problem, not a blip.
                 await report_invalid_spec(
                     state, plain, reconcile.SpecError("spec", f"the InferenceService was rejected: {exc}")
@@ -233,9 +234,10 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
         await state.api.apply_service_account(desired)
     except ApiError as exc:
         code = api_error_code(exc)
-        if code == 403:
+        refused = code in (400, 422) or denied_by_webhook(exc)
+        if code == 403 and not refused:
             await report_forbidden(state, body, model, exc, retry)
-        if code in (400, 422):
+        if refused:
             await report_invalid_spec(
                 state, body, reconcile.SpecError("spec.source", f"the ServiceAccount was rejected: {exc}")
             )

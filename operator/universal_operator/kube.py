@@ -30,6 +30,18 @@ def api_error_code(exc: ApiError) -> int:
     return int(code or 0)
 
 
+def denied_by_webhook(exc: ApiError) -> bool:
+    """Whether an admission webhook refused the write (a spec problem, whatever the status code).
+
+    A validating webhook's denial reaches the client as ``admission webhook "NAME" denied the request: ...``
+    (kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/admission/plugin/webhook/errors/statuserror.go,
+    ToStatusErr). Its code is the webhook's own: KServe's controller-runtime validator answers 403
+    (``admission.Denied``), Knative's 400, so a 403 alone does not tell RBAC from a refused spec.
+    """
+    message = str(getattr(exc.status, "message", "") or exc)
+    return "admission webhook" in message and "denied the request" in message
+
+
 class KubeApi:
     """The few writes the operator makes besides kopf's own bookkeeping."""
 

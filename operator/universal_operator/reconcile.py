@@ -57,14 +57,29 @@ CACHE_DIR = "/cache"
 #: The per-model ServiceAccount that hands spec.source.credentialsSecret to KServe's storage initializer.
 STORAGE_ACCOUNT_SUFFIX = "-storage"
 SERVICE_ACCOUNT_API_VERSION = "v1"
-#: Knative's default stable window; an idle timeout shorter than it needs a shorter window.
-KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
-KNATIVE_MIN_WINDOW = timedelta(seconds=6)
 #: How long a request may take to its first byte once a replica is up: Knative's own default revision timeout
 #: (knative-v1.16.0 pkg/apis/config/defaults.go, DefaultRevisionTimeoutSeconds = 5 * 60).
 LONGEST_REQUEST = timedelta(minutes=5)
 #: The condition saying whether the gateway can stop an idle Standard-mode model (the gateway reads it).
 CONDITION_IDLE_STOP = "IdleStop"
+#: Knative's stable window: its default and its bounds (knative serving knative-v1.16.0
+#: pkg/autoscaler/config/config.go StableWindow; pkg/apis/autoscaling/register.go WindowMin, WindowMax).
+KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
+KNATIVE_MIN_WINDOW = timedelta(seconds=6)
+#: config-autoscaler scale-to-zero-grace-period on a default install (knative-v1.16.0
+#: pkg/autoscaler/config/config.go): the least time a revision stays up once it is inactive.
+KNATIVE_SCALE_TO_ZERO_GRACE = timedelta(seconds=30)
+#: Knative config-features flags (knative serving knative-v1.16.0 pkg/apis/config/features.go), all
+#: Disabled on a default install; pkg/apis/serving/fieldmask.go drops the fields they guard.
+FEATURE_SECURITY_CONTEXT = "kubernetes.podspec-securitycontext"
+FEATURE_NODE_SELECTOR = "kubernetes.podspec-nodeselector"
+FEATURE_TOLERATIONS = "kubernetes.podspec-tolerations"
+FEATURE_RUNTIME_CLASS = "kubernetes.podspec-runtimeclassname"
+FEATURE_PVC = "kubernetes.podspec-persistent-volume-claim"
+FEATURE_PVC_WRITE = "kubernetes.podspec-persistent-volume-write"
+FEATURE_FIELD_REF = "kubernetes.podspec-fieldref"
+#: The longest DNS label (RFC 1123); KServe builds host names from the object's name and namespace.
+DNS_LABEL_MAX = 63
 #: Ready=False reasons from KServe/Knative that a retry will not fix.
 FAILURE_REASONS = frozenset(
     {
@@ -128,6 +143,86 @@ def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
     for key, value in spec.engine_args.items():
         if isinstance(value, dict | list):
             raise SpecError(f"spec.engineArgs.{key}", "must be a string, number or boolean")
+    check_host_names(model)
+    check_knative_features(model, config)
+
+
+def check_host_names(model: UniversalModel) -> None:
+    """Standard mode: the host labels KServe builds from name and namespace must fit one DNS label.
+
+    KServe's raw-deployment reconciler names the predictor's host ``{name}-predictor-{namespace}`` (and the
+    top-level one ``{name}-{namespace}``) with its default domainTemplate, and fails the reconcile when a
+    label exceeds 63 characters (KServe v0.14.1-v0.16.0 pkg/controller/v1beta1/inferenceservice/reconcilers/
+    raw/raw_kube_reconciler.go createRawURL, reconcilers/ingress/domain.go GenerateDomainName). In Knative
+    mode hosts come from Knative's template ``{service}.{namespace}.{domain}``: separate labels.
+    """
+    if model.spec.scaling.mode is not ScalingMode.STANDARD:
+        return
+    name, namespace = model.metadata.name, model.metadata.namespace
+    label = f"{name}-predictor-{namespace}"
+    if len(label) > DNS_LABEL_MAX:
+        room = DNS_LABEL_MAX - len("-predictor-")
+        raise SpecError(
+            "metadata.name",
+            f"name {name!r} ({len(name)} characters) and namespace {namespace!r} ({len(namespace)} characters) "
+            f"make KServe's host label {label!r} {len(label)} characters long, over the {DNS_LABEL_MAX} a DNS "
+            f"label allows: in Standard mode name and namespace together may have at most {room} characters; "
+            "use a shorter name",
+        )
+
+
+def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> dict[str, list[str]]:
+    """Knative mode: the config-features flags each part of the spec needs, by the spec field that needs them.
+
+    knative serving knative-v1.16.0 pkg/apis/serving/fieldmask.go (PodSpecMask, VolumeSourceMask,
+    EnvVarSourceMask) and k8s_validation.go (validatePersistentVolumeClaims: a writable claim also needs
+    persistent-volume-write). Pod-level securityContext is not listed: it is rendered only when enabled.
+    """
+    spec = model.spec
+    if spec.scaling.mode is not ScalingMode.KNATIVE:
+        return {}
+    needed: dict[str, list[str]] = {}
+    try:
+        profile = config.profile(spec.resources.profile)
+    except KeyError:
+        profile = None
+    if profile is not None:
+        where = f"spec.resources.profile {spec.resources.profile or config.default_profile!r}"
+        if profile.node_selector:
+            needed.setdefault(where, []).append(FEATURE_NODE_SELECTOR)
+        if profile.tolerations:
+            needed.setdefault(where, []).append(FEATURE_TOLERATIONS)
+        if profile.runtime_class_name:
+            needed.setdefault(where, []).append(FEATURE_RUNTIME_CLASS)
+    if spec.state is not None:
+        needed["spec.state"] = [FEATURE_PVC, FEATURE_PVC_WRITE]
+        if config.pod_security.fs_group is not None:
+            # The claim is writable by the predictor's user only through the pod's fsGroup.
+            needed["spec.state"].append(FEATURE_SECURITY_CONTEXT)
+    for var in spec.env:
+        if var.value_from is not None and var.value_from.field_ref is not None:
+            needed.setdefault(f"spec.env[{var.name}]", []).append(FEATURE_FIELD_REF)
+    return needed
+
+
+def check_knative_features(model: UniversalModel, config: OperatorConfig) -> None:
+    """Refuse, naming the flags, a Knative-mode spec the cluster's Knative would not admit."""
+    enabled = set(config.knative.features)
+    missing = {
+        where: [flag for flag in flags if flag not in enabled]
+        for where, flags in knative_features_needed(model, config).items()
+    }
+    missing = {where: flags for where, flags in missing.items() if flags}
+    if not missing:
+        return
+    flags = sorted({flag for needed in missing.values() for flag in needed})
+    parts = "; ".join(f"{where} needs {', '.join(needed)}" for where, needed in missing.items())
+    raise SpecError(
+        next(iter(missing)).split(" ")[0].split("[")[0],
+        f"Knative admits this only with config-features flags it has disabled ({parts}): set "
+        f"{', '.join(f'{flag}: enabled' for flag in flags)} in the knative-serving/config-features ConfigMap and "
+        "list them under the operator's knative.features, or use scaling.mode Standard",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,11 +398,22 @@ def owned_by(child: dict[str, Any], model: UniversalModel) -> bool:
 
 
 def _resources(model: UniversalModel, profile: Profile | None) -> dict[str, Any]:
+    """Requests and limits, always both for what the spec sets; what it leaves out KServe fills.
+
+    KServe's defaulting webhook fills each missing request and limit separately from its ConfigMap (cpu 1,
+    memory 2Gi for both; KServe v0.14.1-v0.16.0 pkg/apis/serving/v1beta1/inference_service_defaults.go
+    setResourceRequirementDefaults), so a request without its limit can end above the filled-in limit and
+    Kubernetes refuses the pod. Setting both keeps request <= limit whatever the ConfigMap says.
+    """
     res = model.spec.resources
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     if res.cpu:
+        # CPU limit = request: a limit must be set (else KServe's 1 applies), any other value would be a guess,
+        # and an equal one gives a replica the speed it asked for on a busy node and an idle one alike (with
+        # memory set too, the pod is Guaranteed QoS).
         requests["cpu"] = res.cpu
+        limits["cpu"] = res.cpu
     if res.memory:
         # Memory is requested and limited alike: engines size their caches from the cgroup limit.
         requests["memory"] = res.memory
@@ -332,20 +438,70 @@ def _image(model: UniversalModel, profile: Profile | None, config: OperatorConfi
     return config.images.cuda if model.spec.resources.gpus > 0 else config.images.cpu
 
 
-CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-POD_SECURITY_CONTEXT: dict[str, Any] = {
-    "runAsNonRoot": True,
-    "runAsUser": 1000,
-    "runAsGroup": 1000,
-    "fsGroup": 1000,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
+def container_security_context(config: OperatorConfig) -> dict[str, Any]:
+    """The restricted profile on the container, which Knative always admits: every field here is in
+    knative serving knative-v1.16.0 pkg/apis/serving/fieldmask.go SecurityContextMask (capabilities.add,
+    which needs a flag, is never set). The user and group IDs come from the operator's podSecurity."""
+    context: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+    if config.pod_security.run_as_user is not None:
+        context["runAsUser"] = config.pod_security.run_as_user
+    if config.pod_security.run_as_group is not None:
+        context["runAsGroup"] = config.pod_security.run_as_group
+    context["capabilities"] = {"drop": ["ALL"]}
+    context["seccompProfile"] = {"type": "RuntimeDefault"}
+    return context
+
+
+def pod_security_context(model: UniversalModel, config: OperatorConfig) -> dict[str, Any] | None:
+    """The pod-level securityContext, or None where it would be refused.
+
+    Knative drops every pod-level field unless kubernetes.podspec-securitycontext is enabled (knative-v1.16.0
+    pkg/apis/serving/fieldmask.go PodSecurityContextMask); fsGroup has no container-level equivalent, so
+    without that flag it is not set (emptyDir volumes are writable by any user). IDs left empty in the
+    operator's podSecurity are the platform's to assign (OpenShift's restricted SCC).
+    """
+    if model.spec.scaling.mode is ScalingMode.KNATIVE and FEATURE_SECURITY_CONTEXT not in config.knative.features:
+        return None
+    ids = config.pod_security
+    context: dict[str, Any] = {"runAsNonRoot": True}
+    if ids.run_as_user is not None:
+        context["runAsUser"] = ids.run_as_user
+    if ids.run_as_group is not None:
+        context["runAsGroup"] = ids.run_as_group
+    if ids.fs_group is not None:
+        context["fsGroup"] = ids.fs_group
+    context["seccompProfile"] = {"type": "RuntimeDefault"}
+    return context
+
+
+def knative_idle_annotations(idle_timeout: str) -> dict[str, str]:
+    """The stable window and scale-to-zero retention whose sum is ``idle_timeout``.
+
+    Knative scales a revision to zero once (a) its stable-window average concurrency is zero, so a full
+    ``autoscaling.knative.dev/window`` after the last request ends (pkg/autoscaler/scaling/autoscaler.go:
+    desired pods = ceil(stable average / target)), and (b) it has been inactive for the longer of the
+    cluster's scale-to-zero-grace-period (30s by default) and the revision's
+    ``scale-to-zero-pod-retention-period`` (pkg/reconciler/autoscaling/kpa/scaler.go handleScaleToZero,
+    lastPodRetention); knative serving knative-v1.16.0. Idle time is therefore window + max(grace, retention):
+    the window keeps Knative's default 60s where the idle time allows, shrinks (down to 6s) to leave the
+    grace period room, and the retention takes the rest. Idle times under 6s + grace get 6s + grace.
+    """
+    idle = parse_duration(idle_timeout)
+    room = idle - KNATIVE_SCALE_TO_ZERO_GRACE
+    window = min(max(room, KNATIVE_MIN_WINDOW), KNATIVE_STABLE_WINDOW)
+    window = timedelta(seconds=int(window.total_seconds()))  # Knative wants the window in whole seconds
+    retention = max(idle - window, timedelta(0))
+    return {ANNOTATION_WINDOW: _go_seconds(window), ANNOTATION_RETENTION: _go_seconds(retention)}
+
+
+def _go_seconds(value: timedelta) -> str:
+    """A duration Go's time.ParseDuration reads: whole seconds as ``90s``, fractions as ``2.5s``."""
+    seconds = value.total_seconds()
+    return f"{int(seconds)}s" if seconds == int(seconds) else f"{seconds:g}s"
 
 
 def owner_reference(model: UniversalModel) -> dict[str, Any]:
@@ -408,7 +564,7 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
-        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "securityContext": container_security_context(config),
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -441,23 +597,19 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
         "timeout": request_timeout_seconds(model, config),
         "containers": [container],
         "volumes": volumes,
-        "securityContext": POD_SECURITY_CONTEXT,
         "labels": labels_for(model),
     }
+    security = pod_security_context(model, config)
+    if security is not None:
+        predictor["securityContext"] = security
     if knative:
         if scaling.target_concurrency is not None:
             predictor["scaleMetric"] = "concurrency"
             predictor["scaleTarget"] = scaling.target_concurrency
-        idle = parse_duration(scaling.idle_timeout)
-        component_annotations = {
-            ANNOTATION_RETENTION: scaling.idle_timeout,
+        predictor["annotations"] = {
+            **knative_idle_annotations(scaling.idle_timeout),
             ANNOTATION_PROGRESS_DEADLINE: scaling.startup_timeout,
         }
-        if idle < KNATIVE_STABLE_WINDOW:
-            # Knative decides "no traffic" over its stable window (60s): shorter TTLs need a shorter window.
-            window = max(idle, KNATIVE_MIN_WINDOW)
-            component_annotations[ANNOTATION_WINDOW] = f"{int(window.total_seconds())}s"
-        predictor["annotations"] = component_annotations
     account = predictor_service_account(model, config)
     if account:
         predictor["serviceAccountName"] = account

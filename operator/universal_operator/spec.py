@@ -216,6 +216,23 @@ class Resources(_Model):
         return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
+#: The longest Knative-mode idleTimeout: the operator renders it as Knative's stable window plus
+#: ``scale-to-zero-pod-retention-period``, which Knative bounds to 1h (knative serving knative-v1.16.0
+#: pkg/apis/autoscaling/annotation_validation.go, validateLastPodRetention; WindowMax in register.go).
+KNATIVE_MAX_IDLE = "1h"
+IDLE_BOUND_MESSAGE = (
+    "scaling.idleTimeout must be at most 1h in Knative mode (Knative bounds scale-to-zero-pod-retention-period "
+    "to 1h); use scaling.mode Standard for longer idle times"
+)
+#: knative serving knative-v1.16.0 pkg/apis/serving/v1/revision_validation.go (validateProgressDeadlineAnnotation).
+STARTUP_PRECISION_MESSAGE = (
+    "scaling.startupTimeout must be whole seconds (it becomes Knative's progress-deadline, which has second precision)"
+)
+#: Knative makes the progress deadline the Deployment's progressDeadlineSeconds (knative-v1.16.0
+#: pkg/reconciler/revision/resources/deploy.go), which Kubernetes wants above minReadySeconds (0).
+STARTUP_POSITIVE_MESSAGE = "scaling.startupTimeout must be longer than 0s"
+
+
 class Scaling(_Model):
     """How many replicas run, and when they stop."""
 
@@ -232,6 +249,17 @@ class Scaling(_Model):
                     "scaling.mode cannot change after the model is created; delete and re-create the model",
                     ".mode",
                 ),
+                _cel(
+                    f"self.mode != 'Knative' || duration(self.idleTimeout) <= duration('{KNATIVE_MAX_IDLE}')",
+                    IDLE_BOUND_MESSAGE,
+                    ".idleTimeout",
+                ),
+                _cel(
+                    "duration(self.startupTimeout).getMilliseconds() % 1000 == 0",
+                    STARTUP_PRECISION_MESSAGE,
+                    ".startupTimeout",
+                ),
+                _cel("duration(self.startupTimeout) > duration('0s')", STARTUP_POSITIVE_MESSAGE, ".startupTimeout"),
             ]
         }
     )
@@ -251,7 +279,12 @@ class Scaling(_Model):
     idle_timeout: str = Field(
         default="5m",
         pattern=DURATION,
-        description="How long a model may go without requests before it scales to zero (the TTL unload).",
+        max_length=64,
+        description=(
+            "How long a model may go without requests before it scales to zero (the TTL unload). Knative mode: "
+            "at most 1h, and never shorter than Knative's minimum window plus its scale-to-zero grace period "
+            "(6s + 30s on a default install)."
+        ),
     )
     target_concurrency: int | None = Field(
         default=None,
@@ -262,13 +295,27 @@ class Scaling(_Model):
     startup_timeout: str = Field(
         default="20m",
         pattern=DURATION,
-        description="Budget for download plus load before a rollout counts as failed (large models need more).",
+        max_length=64,
+        description=(
+            "Budget for download plus load before a rollout counts as failed (large models need more); whole seconds."
+        ),
     )
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Scaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("scaling.minReplicas must not exceed scaling.maxReplicas")
+        return self
+
+    @model_validator(mode="after")
+    def _knative_bounds(self) -> Scaling:
+        if self.mode is ScalingMode.KNATIVE and parse_duration(self.idle_timeout) > parse_duration(KNATIVE_MAX_IDLE):
+            raise ValueError(IDLE_BOUND_MESSAGE)
+        startup = parse_duration(self.startup_timeout).total_seconds()
+        if startup % 1:
+            raise ValueError(STARTUP_PRECISION_MESSAGE)
+        if startup <= 0:
+            raise ValueError(STARTUP_POSITIVE_MESSAGE)
         return self
 
 

@@ -34,8 +34,12 @@ from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
+from lightkube.models.core_v1 import EventSource, ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
+from tests.support import admission
 from universal_operator.config import DEFAULT_KSERVE_VERSION
 from universal_operator.kube import InferenceService
 
@@ -317,6 +321,30 @@ async def write_status(client: AsyncClient, isvc: dict[str, Any], status: dict[s
     )
 
 
+async def record_internal_error(client: AsyncClient, isvc: dict[str, Any], message: str) -> None:
+    """The Warning event KServe's controller records when a reconcile fails (reason ``InternalError``)."""
+    meta = isvc["metadata"]
+    namespace = meta.get("namespace", "default")
+    event = Event(
+        metadata=ObjectMeta(generateName=f"{meta['name']}.", namespace=namespace),
+        involvedObject=ObjectReference(
+            apiVersion="serving.kserve.io/v1beta1",
+            kind="InferenceService",
+            name=meta["name"],
+            namespace=namespace,
+            uid=meta.get("uid"),
+        ),
+        reason="InternalError",
+        message=message,
+        type="Warning",
+        source=EventSource(component="v1beta1Controllers"),
+    )
+    try:
+        await client.create(event, namespace=namespace)
+    except ApiError as exc:
+        logger.debug("KServe stand-in could not record an event: %s", exc)
+
+
 @dataclass
 class _Seen:
     """What the stand-in did for one InferenceService (by uid)."""
@@ -353,6 +381,11 @@ async def play_kserve(
                 uid = str(isvc.get("metadata", {}).get("uid"))
                 if kind == "DELETED":
                     seen.pop(uid, None)
+                    continue
+                if problems := admission.reconcile_problems(isvc, admission.DEFAULT_CLUSTER):
+                    # KServe's reconcile fails before any status: an InternalError event says why
+                    # (KServe v0.16.0 pkg/controller/v1beta1/inferenceservice/controller.go Reconcile).
+                    await record_internal_error(client, isvc, problems[0])
                     continue
                 try:
                     await _react(client, isvc, seen.setdefault(uid, _Seen()), delay, version)

@@ -41,8 +41,11 @@ Deliberate simplifications (documented once, here):
 * ``propagationPolicy: Foreground`` behaves as ``Background``; ``Orphan``
   skips the garbage collection. GC runs synchronously within the request that
   finally deleted the owner.
-* Namespaces are not required to exist for namespaced objects; no admission,
-  no schema validation, no defaulting; ``limit``/``continue`` are ignored
+* Namespaces are not required to exist for namespaced objects; no schema
+  validation, no defaulting, no admission except for InferenceServices, which
+  pass through :mod:`tests.support.admission` (KServe's webhooks, Knative's
+  revision validation, pod validation) when ``admission`` is set;
+  ``limit``/``continue`` are ignored
   (every list is a single page); PUT without ``metadata.resourceVersion`` is
   accepted as an unconditional update.
 * A watched object that stops matching a label selector does not produce a
@@ -80,6 +83,8 @@ import kmock
 import yaml
 from kmock._internal import parsing as _parsing
 from kmock._internal import rendering as _rendering
+
+from tests.support import admission as _admission
 
 JSON = dict[str, Any]
 Path_ = tuple[str, ...]
@@ -661,6 +666,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     writes_by_method: Counter[str] = attrs.field(factory=Counter, init=False)
     write_log: list[WriteRecord] = attrs.field(factory=list, init=False)
     access_log: list[Access] = attrs.field(factory=list, init=False)  # every non-harness resource request
+    #: The cluster whose admission InferenceService writes go through; None: none (a bare API server).
+    admission: _admission.Cluster | None = attrs.field(default=None, init=False)
 
     # ---------------------------------------------------------------- registration & public helpers
 
@@ -1284,10 +1291,24 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 obj["status"] = {"phase": "Active"}
         for system_key in (*_SYSTEM_META, "resourceVersion", "managedFields"):
             meta.pop(system_key, None)
+        obj = self._admit(spec, obj, None)
+        meta = obj["metadata"]
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = rfc3339()
         meta["generation"] = 1
         return self._present(self._commit(spec, obj, "ADDED"), spec)
+
+    def _admit(self, spec: ResourceSpec, obj: JSON, old: JSON | None) -> JSON:
+        """Admission of an InferenceService write (see :func:`tests.support.admission.admit`)."""
+        if self.admission is None or (spec.group, spec.plural) != ("serving.kserve.io", "inferenceservices"):
+            return obj
+        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return obj  # finalizer bookkeeping on the way out
+        try:
+            return _admission.admit(obj, old, self.admission)
+        except _admission.Denied as denied:
+            # A webhook's Status carries no details (apiserver webhook/errors/statuserror.go ToStatusErr).
+            raise ApiError(denied.code, denied.message, denied.reason) from None
 
     def _update(self, spec: ResourceSpec, request: kmock.Request, kind: str) -> JSON:
         assert request.name is not None
@@ -1359,6 +1380,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = old_meta["resourceVersion"]
         meta.pop("managedFields", None)
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        if sub is None:
+            new = self._admit(spec, new, old)
+            meta = new["metadata"]
         if new == old:
             return self._present(old, spec)  # a no-op write: no new version, no watch event (as in k8s)
         if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
@@ -1732,9 +1756,16 @@ async def serve_emulator(
     crds: Sequence[Mapping[str, Any]] = (),
     inference_services: bool = True,
     emulator: KubeEmulator | None = None,
+    admission: _admission.Cluster | None = _admission.DEFAULT_CLUSTER,
 ) -> AsyncIterator[ServedEmulator]:
-    """Start an emulator (builtins, optional CRDs, KServe) on a random loopback port; write a kubeconfig."""
+    """Start an emulator (builtins, optional CRDs, KServe) on a random loopback port; write a kubeconfig.
+
+    InferenceService writes pass ``admission`` (default: KServe 0.16 with a default Knative install);
+    None serves them unchecked. An emulator passed in keeps an admission it already has.
+    """
     emulator = emulator if emulator is not None else KubeEmulator()
+    if emulator.admission is None:
+        emulator.admission = admission
     if not emulator._specs:
         register_builtins(emulator)
         if inference_services:
