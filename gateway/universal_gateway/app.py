@@ -22,7 +22,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
-from universal_gateway.auth import ApiKeys
+from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
@@ -77,6 +77,12 @@ class GatewayLimits:
     read_timeout: float = 600.0
     #: How long a client may pause while sending a request before it gets 408.
     receive_timeout: float = 60.0
+    #: How long after its first byte a request's line and headers must be complete (408 after).
+    head_timeout: float = 30.0
+    #: Open client connections; one more is answered 503 and closed.
+    max_connections: int = 1024
+    #: Request body bytes held at once across every connection; a body that would go over gets 503.
+    max_buffered_bytes: int = 256 * 2**20
 
 
 @dataclass
@@ -177,6 +183,8 @@ class Gateway:
                 self._table[f"{prefix}/{route}"] = {"POST": self._proxy_route(upstream_path, tasks)}
             self._table[f"{prefix}/models"] = {"GET": self._list_models}
             self._table[f"{prefix}/anomaly/detectors"] = {"GET": self._anomaly_passthrough}
+        #: Answered without an API key (probes): they name no model.
+        self._open_paths = frozenset({"/healthz", "/readyz"})
         self._table["/openapi.json"] = {"GET": self._openapi}
         self._table["/healthz"] = {"GET": self._healthz}
         self._table["/readyz"] = {"GET": self._readyz}
@@ -192,6 +200,10 @@ class Gateway:
             max_body_bytes=self.limits.max_body_bytes,
             extra_headers=self._cors if self.cors_origins else None,
             receive_timeout_s=self.limits.receive_timeout,
+            head_timeout_s=self.limits.head_timeout,
+            authorize=self.authorize_head if self.keys.enabled else None,
+            max_connections=self.limits.max_connections,
+            max_buffered_bytes=self.limits.max_buffered_bytes,
         )
         await server.start(host, port)
         self._server = server
@@ -212,6 +224,22 @@ class Gateway:
             yield f"http://{host}:{server.port}"
         finally:
             await self.close()
+
+    def authorize_head(self, request: Request) -> APIError | None:
+        """With keys on, a request without a valid key is refused on its head, before its body is read
+        (the model-specific check, 403, comes once the body names the model). Probes and CORS
+        preflights (a browser sends no key with those) pass."""
+        if request.path in self._open_paths or request.method == "OPTIONS":
+            return None
+        try:
+            self.keys.authorize(request.headers.get("authorization"), None)
+        except APIError as error:
+            return error
+        return None
+
+    def _allowed(self, request: Request) -> frozenset[str] | None:
+        """The models this caller may see (None: all); raises 401 without a valid key when keys are on."""
+        return self.keys.authorize(request.headers.get("authorization"), None)
 
     async def handle(self, request: Request) -> Response | StreamedResponse:
         try:
@@ -260,22 +288,35 @@ class Gateway:
     # -- plain routes ------------------------------------------------------------------------------
 
     async def _openapi(self, request: Request) -> Response:
-        return Response.json(openapi_document(self.backends.models()))
+        allowed = self._allowed(request)
+        views = [v for v in self.backends.models() if allowed is None or v.name in allowed]
+        return Response.json(openapi_document(views))
 
     async def _healthz(self, request: Request) -> Response:
         return Response.json({"status": "ok"})
 
     async def _readyz(self, request: Request) -> Response:
+        # Open to probes, so with keys on it says only whether the gateway is ready (the reason can
+        # name namespaces, the count tells how many models there are; both go to the log instead).
         reason = self.backends.readiness()
         if reason is not None:  # e.g. the cluster's models not listed yet: routing now would 404 them
+            if self.keys.enabled:
+                logger.debug("not ready: %s", reason)
+                reason = "The gateway is not ready yet."
             raise Unavailable(reason, code="not_ready", retry_after=5)
+        if self.keys.enabled:
+            return Response.json({"status": "ready"})
         return Response.json({"status": "ready", "models": len(self.backends.models())})
 
     async def _metrics(self, request: Request) -> Response:
+        # The series are labelled with every model's name: with keys on, only a key for every model.
+        if self._allowed(request) is not None:
+            raise Forbidden("The metrics name every model; they need a key not limited to some models.",
+                            code="model_not_allowed")  # fmt: skip
         return Response(generate_latest(self.metrics.registry), headers=[("Content-Type", CONTENT_TYPE_LATEST)])
 
     async def _list_models(self, request: Request) -> Response:
-        allowed = self.keys.authorize(request.headers.get("authorization"), None)
+        allowed = self._allowed(request)
         cards = [v.card() for v in self.backends.models() if allowed is None or v.name in allowed]
         return Response.json({"object": "list", "data": cards})
 

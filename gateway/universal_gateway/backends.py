@@ -71,7 +71,8 @@ class ModelView:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def card(self) -> dict[str, Any]:
-        """The OpenAI model object, with our state fields."""
+        """The OpenAI model object, with our state fields. Not where the model runs (its address, its
+        process): every key holder reads this, and a predictor is only for the gateway to call."""
         return {
             "id": self.name,
             "object": "model",
@@ -80,8 +81,6 @@ class ModelView:
             "backend": self.backend,
             "state": self.state.value,
             "message": self.message,
-            "endpoint": self.endpoint,
-            "pid": self.pid,
             "requests": self.stats.requests,
             "last_used": self.stats.last_used,
             "p50_ms": self.stats.p50_ms,
