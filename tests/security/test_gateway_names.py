@@ -29,8 +29,14 @@ class TwoModels(Backends):
 
     def __init__(self) -> None:
         self.views = [
-            ModelView(name=name, task=Task.EMBED, backend="test", state=ModelState.READY,
-                      endpoint=f"http://127.0.0.1:{port}", pid=pid)  # fmt: skip
+            ModelView(
+                name=name,
+                task=Task.EMBED,
+                backend="test",
+                state=ModelState.READY,
+                endpoint=f"http://127.0.0.1:{port}",
+                pid=pid,
+            )
             for name, port, pid in ((PUBLIC, 41001, 4242), (SECRET, 41002, 4343))
         ]
 
