@@ -24,7 +24,24 @@ logger = logging.getLogger(__name__)
 
 
 class UniversalModelServer(kserve.ModelServer):
-    """ModelServer whose models become ready after the server starts listening."""
+    """ModelServer whose models become ready after the server starts listening, on ``host``."""
+
+    def __init__(self, *args: Any, host: str | None = None, **kwargs: Any) -> None:
+        self._host = host
+        super().__init__(*args, **kwargs)
+
+    # KServe 0.21.0 python/kserve/kserve/protocol/rest/server.py (RESTServer.__init__) builds its
+    # uvicorn.Config with host="0.0.0.0" and no way to change it; ModelServer.start assigns the
+    # RESTServer to ``_rest_server`` before uvicorn binds (in asyncio.run), so the address is set here.
+    @property
+    def _rest_server(self) -> Any:
+        return self.__dict__.get("_universal_rest_server")
+
+    @_rest_server.setter
+    def _rest_server(self, server: Any) -> None:
+        if server is not None and self._host:
+            server.config.host = self._host
+        self.__dict__["_universal_rest_server"] = server
 
     def _register_and_check_atleast_one_model_is_ready(self, models: list[Any]) -> None:
         for model in models:
@@ -56,8 +73,17 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
     app.add_exception_handler(RequestValidationError, invalid_body)
 
 
-def serve(predictor: UniversalPredictor, http_port: int, *, enable_grpc: bool = False, grpc_port: int = 8081) -> None:
-    """Serve until SIGTERM/SIGINT."""
+def serve(
+    predictor: UniversalPredictor,
+    http_port: int,
+    *,
+    host: str | None = None,
+    enable_grpc: bool = False,
+    grpc_port: int = 8081,
+) -> None:
+    """Serve until SIGTERM/SIGINT, on ``host`` (None: every interface)."""
     install_routes(model_server.app, predictor)
-    server = UniversalModelServer(http_port=http_port, grpc_port=grpc_port, enable_grpc=enable_grpc, workers=1)
+    server = UniversalModelServer(
+        http_port=http_port, grpc_port=grpc_port, enable_grpc=enable_grpc, workers=1, host=host
+    )
     server.start([predictor])
