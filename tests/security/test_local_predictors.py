@@ -74,23 +74,31 @@ def test_sigkill_of_serve_takes_its_predictors_with_it(gateway: GatewayProcess) 
     wait_for(lambda: not pid_alive(pid), within=20)
 
 
-def test_a_predictor_outlives_no_parent_even_without_the_parent_death_signal(tmp_path: Path) -> None:
+def test_the_predictors_parent_watch_ends_it_when_its_parent_dies(tmp_path: Path) -> None:
     """The watch inside the predictor (for systems without PR_SET_PDEATHSIG): a parent that dies
     leaves a child that notices within a second or two."""
     child_pid_file = tmp_path / "child.pid"
+    watching = tmp_path / "watching"
     parent = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import os, subprocess, sys
             child = subprocess.Popen([sys.executable, "-c",
-                "import sys, time; from universal_predictors.__main__ import watch_parent; "
-                "watch_parent(int(sys.argv[1]), interval_s=0.1); time.sleep(120)", str(os.getpid())])
+                "import pathlib, sys, time; from universal_predictors.__main__ import watch_parent; "
+                "watch_parent(int(sys.argv[1]), interval_s=0.1); pathlib.Path(sys.argv[2]).touch(); time.sleep(120)",
+                str(os.getpid()), {str(watching)!r}])
             open({str(child_pid_file)!r}, "w").write(str(child.pid))
-            os._exit(0)  # the child stays, re-parented
+            import time
+            deadline = time.monotonic() + 30
+            while not os.path.exists({str(watching)!r}) and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0 if os.path.exists({str(watching)!r}) else 1)  # the child stays, re-parented
         """)],
-        timeout=60, check=True, env=os.environ,
+        timeout=60, env=os.environ,
     )  # fmt: skip
-    assert parent.returncode == 0
     child = int(child_pid_file.read_text())
+    if parent.returncode != 0 and pid_alive(child):
+        os.kill(child, signal.SIGKILL)
+    assert parent.returncode == 0, "the child never started watching its parent"
     wait_for(lambda: not pid_alive(child), within=20)
 
 
