@@ -26,7 +26,7 @@ from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
-from universal_predictors.config import Task
+from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Task
 from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ ROUTES: dict[str, tuple[str, frozenset[Task]]] = {
 #: Hop-by-hop headers and ones the gateway owns; never forwarded.
 _DROPPED_HEADERS = frozenset({
     "host", "connection", "keep-alive", "proxy-authorization", "te", "trailers", "transfer-encoding",
-    "upgrade", "content-length", "authorization", "expect",
+    "upgrade", "content-length", "authorization", "expect", UPSTREAM_TOKEN_HEADER.lower(),
 })  # fmt: skip
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).
@@ -176,6 +176,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._routes: dict[str, _ModelRoute] = {}
         self._upstreams = _UpstreamPool()
+        token = backends.upstream_token
+        self._token_header = f"{UPSTREAM_TOKEN_HEADER}: {token}\r\n".encode("latin-1") if token else b""
         self._server: HttpServer | None = None
         self._table: dict[str, dict[str, _Handler]] = {}
         for prefix in PREFIXES:
@@ -437,7 +439,7 @@ class Gateway:
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
         origin = self._upstreams.origin(base)
-        head = origin.head(request, path, len(body))
+        head = origin.head(request, path, len(body), self._token_header)
         attempt = 0
         while True:
             try:
@@ -581,8 +583,9 @@ class _Origin:
         self.host_header = url.host_port_subcomponent or self.host
         self.prefix = url.raw_path.rstrip("/")
 
-    def head(self, request: Request, path: str, length: int) -> bytes:
-        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own."""
+    def head(self, request: Request, path: str, length: int, extra: bytes = b"") -> bytes:
+        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own,
+        plus ``extra`` (complete header lines)."""
         query = request.query_string
         parts = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
                  f"Host: {self.host_header}\r\n".encode("latin-1")]  # fmt: skip
@@ -591,6 +594,7 @@ class _Origin:
                 parts += (key, b": ", value, b"\r\n")
         if length or request.method == "POST":
             parts.append(b"Content-Length: %d\r\n" % length)
+        parts.append(extra)
         parts.append(b"\r\n")
         return b"".join(parts)
 

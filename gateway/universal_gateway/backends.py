@@ -105,6 +105,10 @@ class ModelView:
 class Backends(ABC):
     """The models a gateway routes to."""
 
+    #: Sent to every predictor in ``UPSTREAM_TOKEN_HEADER`` (None: nothing is sent); a predictor
+    #: started with the same token refuses requests without it.
+    upstream_token: str | None = None
+
     @abstractmethod
     async def start(self) -> None:
         """Begin watching/serving (start always-on models, watch the cluster...)."""

@@ -81,6 +81,11 @@ def _gateway(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     backends = KubernetesBackends(args.namespace)
+    if args.upstream_token_file:
+        try:
+            backends.upstream_token = Path(args.upstream_token_file).read_text().strip() or None
+        except OSError as exc:
+            return _fail("gateway", str(exc))
     limits = _limits(args)
     gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin)
     return _run_gateway(gateway, args, "gateway")
@@ -209,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable; default: all)"
     )
     _add_gateway_options(gateway, "0.0.0.0")
+    gateway.add_argument(
+        "--upstream-token-file", help="send this file's token to every predictor (they refuse requests without it)"
+    )
     gateway.set_defaults(handler=_gateway)
 
     ps = sub.add_parser("ps", help="list the models a running gateway serves")

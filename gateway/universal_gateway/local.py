@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -31,7 +32,7 @@ from universal_gateway.backends import Backends, ModelState, ModelView, UsageSta
 from universal_gateway.manifests import Manifest
 from universal_operator.reconcile import predictor_config, resolved_backend
 from universal_operator.spec import parse_duration
-from universal_predictors.config import PARENT_PID_ENV, resolve_source
+from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, resolve_source
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class LocalSupervisor(Backends):
         fetch: Callable[[Manifest], str] | None = None,
     ) -> None:
         self._models = {m.model.served_name: LocalModel(m) for m in manifests}
+        # Loopback is shared by every user of this machine: the predictors also want this run's token.
+        self._token = self.upstream_token = secrets.token_urlsafe(32)
         self._state_root = state_root or default_state_root()
         self._python = python
         self._env = env or {}
@@ -239,7 +242,7 @@ class LocalSupervisor(Backends):
         config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir))
         config = config.model_copy(update={"http_host": LOOPBACK})
         env = {**os.environ, **self._env, **{e.name: e.value for e in model.manifest.model.spec.env if e.value},
-               PARENT_PID_ENV: str(os.getpid())}  # fmt: skip
+               PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}  # fmt: skip
         model.log_tail.clear()
         model.stopping = False
         model.process = await asyncio.create_subprocess_exec(

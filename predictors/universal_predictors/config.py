@@ -27,6 +27,10 @@ STATE_MOUNT_PATH = "/var/lib/universal-runtime/state"
 PREDICTOR_MODULE = "universal_predictors"
 #: Set by a local supervisor to its pid: the predictor exits once that process is no longer its parent.
 PARENT_PID_ENV = "UNIVERSAL_RUNTIME_PARENT_PID"
+#: A token shared by the gateway and its predictors: set in a predictor's environment, the predictor
+#: answers only requests that carry it in UPSTREAM_TOKEN_HEADER (probes and /metrics excepted).
+UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"
+UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
 
 
 class Task(StrEnum):

@@ -7,7 +7,9 @@ readiness and loading runs in the model's ``start_engine`` once the event loop i
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 from typing import Any
 
 import kserve
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse
 from kserve import model_server
 
 from universal_predictors.base import UniversalPredictor, common_routes
+from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
 from universal_predictors.http import error_response, field_path
 
@@ -52,6 +55,30 @@ class UniversalModelServer(kserve.ModelServer):
                 self.servers.append(model.start_engine())
 
 
+#: Answered without the gateway's token: the kubelet's and the local supervisor's probes
+#: (KServe's "/" liveness and the v2 health routes) and /metrics, which name nothing but this model.
+TOKEN_FREE_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/metrics"})
+
+
+class RequireToken:
+    """ASGI middleware: every request but ``TOKEN_FREE_PATHS`` must carry the gateway's token (401)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.header = UPSTREAM_TOKEN_HEADER.lower().encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in TOKEN_FREE_PATHS:
+            given = next((value for key, value in scope["headers"] if key == self.header), b"")
+            if not hmac.compare_digest(given, self.token):
+                error = APIError("This predictor answers its gateway only.", status_code=401,
+                                 code="invalid_upstream_token")  # fmt: skip
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
     """Put the predictor's routes ahead of KServe's (Starlette matches in order)."""
     router = common_routes(predictor)
@@ -71,6 +98,9 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
+    token = os.environ.get(UPSTREAM_TOKEN_ENV)
+    if token:
+        app.add_middleware(RequireToken, token=token)
 
 
 def serve(

@@ -91,3 +91,15 @@ def test_with_api_keys_the_service_monitor_sends_a_key_from_a_secret(chart: helm
     values = {"gateway": {"apiKeys": {"existingSecret": "keys"}}, "metrics": {"serviceMonitor": monitor}}
     [endpoint] = render(chart, values).one("ServiceMonitor", GATEWAY)["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "scrape-key", "key": "api-key"}}
+
+
+def test_an_upstream_token_secret_is_mounted_read_only_and_passed_to_the_gateway(chart: helm.Chart) -> None:
+    rendered = render(chart, {"gateway": {"upstreamToken": {"existingSecret": "predictor-token"}}})
+    args = rendered.args(GATEWAY)
+    assert args.upstream_token_file == "/etc/universal-runtime/upstream-token/token"
+    mount = next(m for m in rendered.container(GATEWAY)["volumeMounts"] if m["name"] == "upstream-token")
+    assert mount == {"name": "upstream-token", "mountPath": "/etc/universal-runtime/upstream-token", "readOnly": True}
+    volume = next(v for v in rendered.pod_spec(GATEWAY)["volumes"] if v["name"] == "upstream-token")
+    assert volume["secret"]["secretName"] == "predictor-token"
+    assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert render(chart).args(GATEWAY).upstream_token_file is None

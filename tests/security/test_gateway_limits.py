@@ -37,6 +37,7 @@ class Served:
     server: HttpServer
     port: int
     upstream_calls: list[bytes]
+    upstream_tokens: list[str | None]
     clients: list[Client]
 
     async def connect(self) -> Client:
@@ -47,21 +48,24 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serving(limits: GatewayLimits) -> AsyncIterator[Served]:
+async def serving(limits: GatewayLimits, upstream_token: str | None = None) -> AsyncIterator[Served]:
     calls: list[bytes] = []
+    tokens: list[str | None] = []
 
     async def embeddings(request: web.Request) -> web.Response:
         calls.append(await request.read())
+        tokens.append(request.headers.get("X-Universal-Runtime-Token"))
         return web.json_response({"object": "list", "data": []})
 
     app = web.Application(client_max_size=64 * MiB)
     app.router.add_post("/openai/v1/embeddings", embeddings)
     upstream = TestServer(app)
     await upstream.start_server()
-    gateway = Gateway(OneUpstream(str(upstream.make_url("")).rstrip("/"), MODEL, Task.EMBED),
-                      keys=ApiKeys({KEY: None}), limits=limits)  # fmt: skip
+    backends = OneUpstream(str(upstream.make_url("")).rstrip("/"), MODEL, Task.EMBED)
+    backends.upstream_token = upstream_token
+    gateway = Gateway(backends, keys=ApiKeys({KEY: None}), limits=limits)
     server = await gateway.start("127.0.0.1", 0)
-    served = Served(gateway, server, server.port, calls, [])
+    served = Served(gateway, server, server.port, calls, tokens, [])
     try:
         yield served
     finally:
@@ -126,6 +130,17 @@ async def test_a_request_with_the_key_still_goes_through() -> None:
         assert answer.status == 200, answer.body
         assert served.upstream_calls == [body]
         assert served.server.buffered == 0
+
+
+@pytest.mark.parametrize("token", [None, "the-shared-token"])
+async def test_the_upstream_token_is_the_gateways_never_the_clients(token: str | None) -> None:
+    async with serving(GatewayLimits(), upstream_token=token) as served:
+        client = await served.connect()
+        body = body_of(100)
+        forged = "X-Universal-Runtime-Token: forged"
+        await client.send(head(len(body), f"Authorization: Bearer {KEY}", forged) + body)
+        assert (await client.read_answer()).status == 200
+        assert served.upstream_tokens == [token]
 
 
 async def test_connections_over_max_connections_get_503_and_a_freed_slot_is_reused() -> None:

@@ -67,6 +67,19 @@ def test_a_predictor_listens_on_loopback_only(gateway: GatewayProcess) -> None:
     assert not accepts("127.0.0.2", port)
 
 
+def test_a_predictor_answers_its_gateway_only(gateway: GatewayProcess) -> None:
+    """Loopback is shared by every user of the machine: a predictor wants this run's token too."""
+    wake(gateway)
+    direct = f"http://127.0.0.1:{gateway.predictor_argument(ANOMALY, '--http_port')}"
+    for method, path in (("GET", "/v1/anomaly/detectors"), ("DELETE", "/v1/anomaly/detectors/plant-1")):
+        refused = httpx.request(method, direct + path, headers={"X-Universal-Runtime-Token": "guess"}, timeout=30)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_upstream_token"
+    assert httpx.get(f"{direct}/v2/health/ready", timeout=30).status_code == 200  # probes need no token
+    through = httpx.get(f"{gateway.base_url}/anomaly/detectors", params={"model": ANOMALY}, timeout=30)
+    assert through.status_code == 200
+
+
 def test_sigkill_of_serve_takes_its_predictors_with_it(gateway: GatewayProcess) -> None:
     pid = wake(gateway)
     gateway.process.send_signal(signal.SIGKILL)
