@@ -270,7 +270,7 @@ class _Connection(asyncio.Protocol):
         self._completed = False  # a message ended during the current data_received
         self._last_read = 0.0  # loop time of the latest bytes, for the receive timeout
         self._receiving: asyncio.TimerHandle | None = None  # armed only while a message stays incomplete
-        self._head_deadline: asyncio.TimerHandle | None = None  # armed from a message's first byte to its head's end
+        self._head_deadline: asyncio.TimerHandle | None = None  # armed while a head stays incomplete
 
     # -- asyncio.Protocol
 
@@ -314,6 +314,11 @@ class _Connection(asyncio.Protocol):
             return
         if self._head_open and not was_open and not self._completed:
             self._head_received += len(data)  # the head began in this chunk, and nothing else is in it
+        if self._head_open and self._head_deadline is None:
+            # A head still incomplete after the chunk it began in (a head that arrives whole, as
+            # nearly all do, never costs a timer): it must end within head_timeout_s.
+            self._head_deadline = asyncio.get_running_loop().call_later(self.server.head_timeout_s,
+                                                                         self._head_timed_out)  # fmt: skip
         if self._head_open and self._head_size + self._head_received > MAX_HEAD_BYTES:
             # A head that has not ended yet is over the bound (one endless line, say): refuse it now
             # rather than keep what arrives.
@@ -402,7 +407,6 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         self._request = Request(self)
-        self._head_deadline = asyncio.get_running_loop().call_later(self.server.head_timeout_s, self._head_timed_out)
         self._url = []
         self._body = []
         self._size = 0
