@@ -22,11 +22,11 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
-from universal_gateway.auth import ApiKeys
+from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
-from universal_predictors.config import Task
+from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Task
 from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ ROUTES: dict[str, tuple[str, frozenset[Task]]] = {
 #: Hop-by-hop headers and ones the gateway owns; never forwarded.
 _DROPPED_HEADERS = frozenset({
     "host", "connection", "keep-alive", "proxy-authorization", "te", "trailers", "transfer-encoding",
-    "upgrade", "content-length", "authorization", "expect",
+    "upgrade", "content-length", "authorization", "expect", UPSTREAM_TOKEN_HEADER.lower(),
 })  # fmt: skip
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).
@@ -77,6 +77,12 @@ class GatewayLimits:
     read_timeout: float = 600.0
     #: How long a client may pause while sending a request before it gets 408.
     receive_timeout: float = 60.0
+    #: How long after its first byte a request's line and headers must be complete (408 after).
+    head_timeout: float = 30.0
+    #: Open client connections; one more is answered 503 and closed.
+    max_connections: int = 1024
+    #: Request body bytes held at once across every connection; a body that would go over gets 503.
+    max_buffered_bytes: int = 256 * 2**20
 
 
 @dataclass
@@ -170,6 +176,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._routes: dict[str, _ModelRoute] = {}
         self._upstreams = _UpstreamPool()
+        token = backends.upstream_token
+        self._token_header = f"{UPSTREAM_TOKEN_HEADER}: {token}\r\n".encode("latin-1") if token else b""
         self._server: HttpServer | None = None
         self._table: dict[str, dict[str, _Handler]] = {}
         for prefix in PREFIXES:
@@ -177,6 +185,8 @@ class Gateway:
                 self._table[f"{prefix}/{route}"] = {"POST": self._proxy_route(upstream_path, tasks)}
             self._table[f"{prefix}/models"] = {"GET": self._list_models}
             self._table[f"{prefix}/anomaly/detectors"] = {"GET": self._anomaly_passthrough}
+        #: Answered without an API key (probes): they name no model.
+        self._open_paths = frozenset({"/healthz", "/readyz"})
         self._table["/openapi.json"] = {"GET": self._openapi}
         self._table["/healthz"] = {"GET": self._healthz}
         self._table["/readyz"] = {"GET": self._readyz}
@@ -192,6 +202,10 @@ class Gateway:
             max_body_bytes=self.limits.max_body_bytes,
             extra_headers=self._cors if self.cors_origins else None,
             receive_timeout_s=self.limits.receive_timeout,
+            head_timeout_s=self.limits.head_timeout,
+            authorize=self.authorize_head if self.keys.enabled else None,
+            max_connections=self.limits.max_connections,
+            max_buffered_bytes=self.limits.max_buffered_bytes,
         )
         await server.start(host, port)
         self._server = server
@@ -212,6 +226,22 @@ class Gateway:
             yield f"http://{host}:{server.port}"
         finally:
             await self.close()
+
+    def authorize_head(self, request: Request) -> APIError | None:
+        """With keys on, a request without a valid key is refused on its head, before its body is read
+        (the model-specific check, 403, comes once the body names the model). Probes and CORS
+        preflights (a browser sends no key with those) pass."""
+        if request.path in self._open_paths or request.method == "OPTIONS":
+            return None
+        try:
+            self.keys.authorize(request.headers.get("authorization"), None)
+        except APIError as error:
+            return error
+        return None
+
+    def _allowed(self, request: Request) -> frozenset[str] | None:
+        """The models this caller may see (None: all); raises 401 without a valid key when keys are on."""
+        return self.keys.authorize(request.headers.get("authorization"), None)
 
     async def handle(self, request: Request) -> Response | StreamedResponse:
         try:
@@ -260,22 +290,35 @@ class Gateway:
     # -- plain routes ------------------------------------------------------------------------------
 
     async def _openapi(self, request: Request) -> Response:
-        return Response.json(openapi_document(self.backends.models()))
+        allowed = self._allowed(request)
+        views = [v for v in self.backends.models() if allowed is None or v.name in allowed]
+        return Response.json(openapi_document(views))
 
     async def _healthz(self, request: Request) -> Response:
         return Response.json({"status": "ok"})
 
     async def _readyz(self, request: Request) -> Response:
+        # Open to probes, so with keys on it says only whether the gateway is ready (the reason can
+        # name namespaces, the count tells how many models there are; both go to the log instead).
         reason = self.backends.readiness()
         if reason is not None:  # e.g. the cluster's models not listed yet: routing now would 404 them
+            if self.keys.enabled:
+                logger.debug("not ready: %s", reason)
+                reason = "The gateway is not ready yet."
             raise Unavailable(reason, code="not_ready", retry_after=5)
+        if self.keys.enabled:
+            return Response.json({"status": "ready"})
         return Response.json({"status": "ready", "models": len(self.backends.models())})
 
     async def _metrics(self, request: Request) -> Response:
+        # The series are labelled with every model's name: with keys on, only a key for every model.
+        if self._allowed(request) is not None:
+            raise Forbidden("The metrics name every model; they need a key not limited to some models.",
+                            code="model_not_allowed")  # fmt: skip
         return Response(generate_latest(self.metrics.registry), headers=[("Content-Type", CONTENT_TYPE_LATEST)])
 
     async def _list_models(self, request: Request) -> Response:
-        allowed = self.keys.authorize(request.headers.get("authorization"), None)
+        allowed = self._allowed(request)
         cards = [v.card() for v in self.backends.models() if allowed is None or v.name in allowed]
         return Response.json({"object": "list", "data": cards})
 
@@ -396,7 +439,7 @@ class Gateway:
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
         origin = self._upstreams.origin(base)
-        head = origin.head(request, path, len(body))
+        head = origin.head(request, path, len(body), self._token_header)
         attempt = 0
         while True:
             try:
@@ -540,8 +583,9 @@ class _Origin:
         self.host_header = url.host_port_subcomponent or self.host
         self.prefix = url.raw_path.rstrip("/")
 
-    def head(self, request: Request, path: str, length: int) -> bytes:
-        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own."""
+    def head(self, request: Request, path: str, length: int, extra: bytes = b"") -> bytes:
+        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own,
+        plus ``extra`` (complete header lines)."""
         query = request.query_string
         parts = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
                  f"Host: {self.host_header}\r\n".encode("latin-1")]  # fmt: skip
@@ -550,6 +594,7 @@ class _Origin:
                 parts += (key, b": ", value, b"\r\n")
         if length or request.method == "POST":
             parts.append(b"Content-Length: %d\r\n" % length)
+        parts.append(extra)
         parts.append(b"\r\n")
         return b"".join(parts)
 

@@ -71,7 +71,8 @@ class ModelView:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def card(self) -> dict[str, Any]:
-        """The OpenAI model object, with our state fields."""
+        """The OpenAI model object, with our state fields. Not where the model runs (its address, its
+        process): every key holder reads this, and a predictor is only for the gateway to call."""
         return {
             "id": self.name,
             "object": "model",
@@ -80,8 +81,6 @@ class ModelView:
             "backend": self.backend,
             "state": self.state.value,
             "message": self.message,
-            "endpoint": self.endpoint,
-            "pid": self.pid,
             "requests": self.stats.requests,
             "last_used": self.stats.last_used,
             "p50_ms": self.stats.p50_ms,
@@ -105,6 +104,10 @@ class ModelView:
 
 class Backends(ABC):
     """The models a gateway routes to."""
+
+    #: Sent to every predictor in ``UPSTREAM_TOKEN_HEADER`` (None: nothing is sent); a predictor
+    #: started with the same token refuses requests without it.
+    upstream_token: str | None = None
 
     @abstractmethod
     async def start(self) -> None:

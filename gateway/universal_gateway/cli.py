@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from universal_operator import cli as operator_cli
 
 if TYPE_CHECKING:
-    from universal_gateway.app import Gateway
+    from universal_gateway.app import Gateway, GatewayLimits
 
 PROG = "universal-runtime"
 DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
@@ -43,7 +43,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from universal_gateway.app import Gateway, GatewayLimits
+    from universal_gateway.app import Gateway
     from universal_gateway.auth import ApiKeys
     from universal_gateway.local import LocalSupervisor
     from universal_gateway.manifests import ManifestError, load_manifests
@@ -59,11 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     supervisor = LocalSupervisor(manifests, state_root=Path(args.state_dir) if args.state_dir else None)
-    limits = GatewayLimits(
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        max_concurrency_per_model=args.max_concurrency,
-        max_queue_per_model=args.max_queue,
-    )
+    limits = _limits(args)
     gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin)
     names = ", ".join(m.model.served_name for m in manifests)
     print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
@@ -72,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from universal_gateway.app import Gateway, GatewayLimits
+    from universal_gateway.app import Gateway
     from universal_gateway.auth import ApiKeys
     from universal_gateway.cluster import KubernetesBackends
 
@@ -85,13 +81,29 @@ def _gateway(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     backends = KubernetesBackends(args.namespace)
-    limits = GatewayLimits(
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        max_concurrency_per_model=args.max_concurrency,
-        max_queue_per_model=args.max_queue,
-    )
+    if args.upstream_token_file:
+        try:
+            backends.upstream_token = Path(args.upstream_token_file).read_text().strip() or None
+        except OSError as exc:
+            return _fail("gateway", str(exc))
+    limits = _limits(args)
     gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin)
     return _run_gateway(gateway, args, "gateway")
+
+
+def _limits(args: argparse.Namespace) -> GatewayLimits:
+    """The limits from the command line; an option not given keeps GatewayLimits' default."""
+    from universal_gateway.app import GatewayLimits
+
+    given = {
+        "max_body_bytes": int(args.max_body_mb * 2**20),
+        "max_concurrency_per_model": args.max_concurrency,
+        "max_queue_per_model": args.max_queue,
+        "max_connections": args.max_connections,
+        "max_buffered_bytes": int(args.max_buffered_mb * 2**20) if args.max_buffered_mb is not None else None,
+        "head_timeout": args.head_timeout,
+    }
+    return GatewayLimits(**{key: value for key, value in given.items() if value is not None})
 
 
 def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> int:
@@ -123,6 +135,15 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
     parser.add_argument("--max-body-mb", type=float, default=32, help="largest request body (default 32 MiB)")
     parser.add_argument("--max-concurrency", type=int, default=64, help="requests per model at once (default 64)")
     parser.add_argument("--max-queue", type=int, default=256, help="requests per model waiting; beyond: 429")
+    parser.add_argument("--max-connections", type=int, help="open client connections; beyond: 503 (default 1024)")
+    parser.add_argument(
+        "--max-buffered-mb",
+        type=float,
+        help="request body MiB held across all connections; beyond: 503 (default 256)",
+    )
+    parser.add_argument(
+        "--head-timeout", type=float, help="seconds from a request's first byte to the end of its headers (default 30)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -137,12 +158,12 @@ def _age(timestamp: float | None) -> str:
 
 
 def format_ps(models: list[dict[str, object]]) -> str:
-    """The ``ps`` table: name, task, backend, state, port, last used, requests, p50 latency."""
-    header = ["NAME", "TASK", "BACKEND", "STATE", "PORT", "LAST USED", "REQUESTS", "P50"]
+    """The ``ps`` table: name, task, backend, state, last used, requests, p50 latency.
+
+    Not the predictors' ports or pids: the API does not publish where a predictor listens."""
+    header = ["NAME", "TASK", "BACKEND", "STATE", "LAST USED", "REQUESTS", "P50"]
     rows = [header]
     for m in models:
-        endpoint = str(m.get("endpoint") or "")
-        port = endpoint.rsplit(":", 1)[-1] if endpoint else "-"
         p50 = m.get("p50_ms")
         last_used = m.get("last_used")
         rows.append(
@@ -151,7 +172,6 @@ def format_ps(models: list[dict[str, object]]) -> str:
                 str(m.get("task", "")),
                 str(m.get("backend", "")),
                 str(m.get("state", "")),
-                port,
                 _age(float(last_used) if isinstance(last_used, int | float) else None),
                 str(m.get("requests", 0)),
                 f"{float(p50):.0f}ms" if isinstance(p50, int | float) else "-",
@@ -194,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable; default: all)"
     )
     _add_gateway_options(gateway, "0.0.0.0")
+    gateway.add_argument(
+        "--upstream-token-file", help="send this file's token to every predictor (they refuse requests without it)"
+    )
     gateway.set_defaults(handler=_gateway)
 
     ps = sub.add_parser("ps", help="list the models a running gateway serves")

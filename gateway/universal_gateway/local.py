@@ -1,16 +1,22 @@
 """LocalSupervisor: one predictor process per model on loopback, started on demand, stopped when idle.
 
 The command line comes from the operator's own ``predictor_config`` (so a model runs the same way on a
-laptop and in a cluster); only the source path (fetched here) and the state folder differ.
+laptop and in a cluster); only the source path (fetched here), the state folder and the listen address
+(127.0.0.1: a predictor has no API keys of its own, so only this machine may reach it) differ.
+A predictor dies with the gateway, however the gateway ends: a parent-death signal on Linux, and the
+predictor's own watch on its parent (``PARENT_PID_ENV``) everywhere. Its warnings and errors appear in
+the gateway's log, prefixed with the model's name; the rest with ``-v``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -26,7 +32,7 @@ from universal_gateway.backends import Backends, ModelState, ModelView, UsageSta
 from universal_gateway.manifests import Manifest
 from universal_operator.reconcile import predictor_config, resolved_backend
 from universal_operator.spec import parse_duration
-from universal_predictors.config import resolve_source
+from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, resolve_source
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -37,12 +43,53 @@ CRASHES_BEFORE_FAILED = 3
 #: A failed model is tried again on a request after this long.
 FAILED_COOLDOWN_S = 30.0
 STOP_GRACE_S = 10.0
+#: Where predictors listen: this machine only.
+LOOPBACK = "127.0.0.1"
+#: linux/prctl.h
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies (Linux's
+    PR_SET_PDEATHSIG, prctl(2)); None elsewhere (the predictor's own parent watch covers that)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return preexec
+
+
+_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
+_LOUD_LEVELS = {"WARNING": logging.WARNING, "WARN": logging.WARNING, "ERROR": logging.ERROR,
+                "CRITICAL": logging.ERROR, "FATAL": logging.ERROR}  # fmt: skip
+_ERROR_START = re.compile(r"^(Traceback |\S*(Error|Exception)\b|\S+: error: )")
+_WARNING_START = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's "file:line: Category: message"
+
+
+def predictor_log_level(line: str, previous: int) -> int:
+    """The level at which a predictor's output line enters the gateway's log: a log record's own
+    level (WARNING and above stay, the rest become DEBUG); a line without one (a traceback, a message
+    on stderr) is an error when it starts like one, else it goes with the line before it."""
+    level = _LEVEL.search(line, 0, 80)
+    if level is not None:
+        return _LOUD_LEVELS.get(level.group(1), logging.DEBUG)
+    if _ERROR_START.match(line):
+        return logging.ERROR
+    if _WARNING_START.match(line):
+        return logging.WARNING
+    return previous
 
 
 def default_state_root() -> Path:
@@ -77,7 +124,7 @@ class LocalModel:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def idle_timeout(self) -> float:
@@ -109,6 +156,8 @@ class LocalSupervisor(Backends):
         fetch: Callable[[Manifest], str] | None = None,
     ) -> None:
         self._models = {m.model.served_name: LocalModel(m) for m in manifests}
+        # Loopback is shared by every user of this machine: the predictors also want this run's token.
+        self._token = self.upstream_token = secrets.token_urlsafe(32)
         self._state_root = state_root or default_state_root()
         self._python = python
         self._env = env or {}
@@ -191,7 +240,9 @@ class LocalSupervisor(Backends):
         state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
         state_dir.mkdir(parents=True, exist_ok=True)
         config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir))
-        env = {**os.environ, **self._env, **{e.name: e.value for e in model.manifest.model.spec.env if e.value}}
+        config = config.model_copy(update={"http_host": LOOPBACK})
+        env = {**os.environ, **self._env, **{e.name: e.value for e in model.manifest.model.spec.env if e.value},
+               PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}  # fmt: skip
         model.log_tail.clear()
         model.stopping = False
         model.process = await asyncio.create_subprocess_exec(
@@ -200,6 +251,7 @@ class LocalSupervisor(Backends):
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             start_new_session=True,  # our signals only: Ctrl-C in the terminal goes to the gateway
+            preexec_fn=die_with_parent(),
         )
         model.starts += 1
         logger.info("starting %s (pid %d, port %d)", model.name, model.process.pid, model.port)
@@ -242,10 +294,12 @@ class LocalSupervisor(Backends):
 
     async def _pump_logs(self, model: LocalModel, process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None
+        level = logging.DEBUG
         async for raw in process.stdout:
             line = raw.decode(errors="replace").rstrip()
             model.log_tail.append(line)
-            logger.debug("[%s] %s", model.name, line)
+            level = predictor_log_level(line, level)
+            logger.log(level, "[%s] %s", model.name, line)
 
     async def _watch_exit(self, model: LocalModel, process: asyncio.subprocess.Process) -> None:
         self._record_exit(model, process, await process.wait())

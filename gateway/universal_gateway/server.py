@@ -7,9 +7,12 @@ a task per handler) took about twice this server's time per request in `bench/ga
 
 What it does: keep-alive and pipelined requests (answered in order), ``Expect: 100-continue``, a body
 limit checked against the declared length before the body is read and while a chunked body arrives
-(413), a bound on the request line and headers (431), fixed-length and chunked answers, backpressure
+(413), a bound on the request line and headers (431), an ``authorize`` hook asked as soon as the head
+is complete (a refusal goes out before any of the body is read), a bound on open connections and on
+the body bytes held across all of them (503), fixed-length and chunked answers, backpressure
 on streamed answers (a write waits while the client's socket buffer is full), a callback the moment
-the client goes away, 408 for a request whose bytes stop arriving for ``receive_timeout_s``, idle
+the client goes away, 408 for a request whose bytes stop arriving for ``receive_timeout_s`` or whose
+head is not complete ``head_timeout_s`` after its first byte, idle
 keep-alive connections closed after ``keepalive_s``, and a close that lets requests in flight finish.
 Not here: TLS (the ingress terminates it), HTTP/2, upgrades.
 """
@@ -45,6 +48,9 @@ _PIPELINE_DEPTH = 8
 _LINGER_S = 10.0
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
+#: Sent, then the connection closed, to a client over ``max_connections`` (before any of its bytes are read).
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")  # fmt: skip
 
 
 class Response:
@@ -70,8 +76,8 @@ class Request:
     """One parsed request. ``path`` is percent-decoded; ``raw_path`` and ``query_string`` are as sent."""
 
     __slots__ = (
-        "_connection", "body", "headers", "http_11", "keep_alive", "method", "on_gone", "path", "query_string",
-        "raw_headers", "raw_path", "refusal",
+        "_connection", "body", "headers", "held", "http_11", "keep_alive", "method", "on_gone", "path",
+        "query_string", "raw_headers", "raw_path", "refusal",
     )  # fmt: skip
 
     def __init__(self, connection: _Connection) -> None:
@@ -84,6 +90,8 @@ class Request:
         #: Lower-case names; repeated headers joined with ", ".
         self.headers: dict[str, str] = {}
         self.body = b""
+        #: Body bytes counted against the server's ``max_buffered_bytes`` until the answer is done.
+        self.held = 0
         self.keep_alive = True
         self.http_11 = True
         self.refusal: APIError | None = None
@@ -142,12 +150,16 @@ class StreamedResponse:
 
 Handler = Callable[[Request], Awaitable["Response | StreamedResponse"]]
 ExtraHeaders = Callable[[Request], Headers]
+#: Asked once a request's head is complete, before its body is read: an error refuses it.
+Authorize = Callable[[Request], "APIError | None"]
 
 
 class HttpServer:
     """Serves ``handler`` on one listening socket.
 
     ``extra_headers`` (CORS, for one) is asked for headers to add to every answer, errors included.
+    ``authorize`` is asked about each request once its head is complete, before any of its body is
+    read; an error it returns is the answer, and the connection closes (the body is never buffered).
     """
 
     def __init__(
@@ -158,10 +170,26 @@ class HttpServer:
         extra_headers: ExtraHeaders | None = None,
         keepalive_s: float = 75.0,
         receive_timeout_s: float = 60.0,
+        head_timeout_s: float = 30.0,
+        authorize: Authorize | None = None,
+        max_connections: int = 1024,
+        max_buffered_bytes: int = 512 * 2**20,
+        linger_s: float = _LINGER_S,
     ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.extra_headers = extra_headers
+        self.authorize = authorize
+        #: Open connections beyond this are answered 503 and closed at once.
+        self.max_connections = max_connections
+        #: Request body bytes held across all connections (bodies arriving, queued or being answered);
+        #: a body that would go over gets 503 and its connection closes.
+        self.max_buffered_bytes = max_buffered_bytes
+        self.buffered = 0
+        #: A request's head (line and headers) must be complete this long after its first byte, however
+        #: steadily its bytes trickle in: then 408 and close.
+        self.head_timeout_s = head_timeout_s
+        self.linger_s = linger_s
         self.keepalive_s = keepalive_s
         #: A request being received may go this long without a byte arriving (a stalled or trickling
         #: client must not hold a connection and its buffers forever): then 408 and close.
@@ -242,13 +270,23 @@ class _Connection(asyncio.Protocol):
         self._completed = False  # a message ended during the current data_received
         self._last_read = 0.0  # loop time of the latest bytes, for the receive timeout
         self._receiving: asyncio.TimerHandle | None = None  # armed only while a message stays incomplete
+        self._head_deadline: asyncio.TimerHandle | None = None  # armed while a head stays incomplete
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.server.connections.add(self)
-        if self.server.closing:
+        server = self.server
+        if not server.closing and len(server.connections) >= server.max_connections:
+            self.gone = True  # never counted, never read
+            error = APIError(f"The gateway has {server.max_connections} connections open, its limit; retry shortly.",
+                             status_code=503, code="too_many_connections")  # fmt: skip
+            body = orjson.dumps(error.body())
+            self.transport.write(_BUSY % (len(body), body))
+            self.transport.close()
+            return
+        server.connections.add(self)
+        if server.closing:
             self.transport.close()
             return
         self._arm_idle()
@@ -276,6 +314,11 @@ class _Connection(asyncio.Protocol):
             return
         if self._head_open and not was_open and not self._completed:
             self._head_received += len(data)  # the head began in this chunk, and nothing else is in it
+        if self._head_open and self._head_deadline is None:
+            # A head still incomplete after the chunk it began in (a head that arrives whole, as
+            # nearly all do, never costs a timer): it must end within head_timeout_s.
+            self._head_deadline = asyncio.get_running_loop().call_later(self.server.head_timeout_s,
+                                                                         self._head_timed_out)  # fmt: skip
         if self._head_open and self._head_size + self._head_received > MAX_HEAD_BYTES:
             # A head that has not ended yet is over the bound (one endless line, say): refuse it now
             # rather than keep what arrives.
@@ -291,6 +334,16 @@ class _Connection(asyncio.Protocol):
                 self._receiving = asyncio.get_running_loop().call_later(
                     self.server.receive_timeout_s, self._receive_timed_out
                 )
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self._request is None or not self._head_open or self.gone:
+            return
+        self._stop_reading()
+        self._close_after_answer = True
+        self._head_open = False
+        self._refuse(APIError(f"The request line and headers did not arrive within {self.server.head_timeout_s:g} s.",
+                              status_code=408, code="request_timeout"))  # fmt: skip
 
     def _receive_timed_out(self) -> None:
         self._receiving = None
@@ -309,10 +362,17 @@ class _Connection(asyncio.Protocol):
                               "send it whole, or not at all.", status_code=408, code="request_timeout"))  # fmt: skip
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.gone and self not in self.server.connections:
+            return  # refused in connection_made
         self.gone = True
         self.server.connections.discard(self)
         if self._receiving is not None:
             self._receiving.cancel()
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        for held in (self._request, self._current, *self._queue):
+            if held is not None:
+                self._release(held)
         if self.server.closing and not self.server.connections:
             self.server.drained.set()
         if self._idle is not None:
@@ -377,6 +437,9 @@ class _Connection(asyncio.Protocol):
         request = self._request
         assert request is not None
         self._head_open = False
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
         parser = self._parser
         request.method = parser.get_method().decode("latin-1")
         request.http_11 = parser.get_http_version() == "1.1"
@@ -392,6 +455,13 @@ class _Connection(asyncio.Protocol):
         request.raw_path = raw_path
         request.path = unquote(raw_path) if "%" in raw_path else raw_path
         request.query_string = query
+        if self.server.authorize is not None:
+            refusal = self.server.authorize(request)
+            if refusal is not None:
+                # Refused on its head alone: a client waiting for "100 Continue" sends no body to drop.
+                self._linger = not self._expects_continue(request)
+                self._refuse_body(refusal)
+                return
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.server.max_body_bytes):
             # A client waiting for "100 Continue" will not send the body: nothing to read and drop.
@@ -405,13 +475,29 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._discarding:
             return
+        server = self.server
         self._size += len(body)
-        if self._size > self.server.max_body_bytes:
+        if self._size > server.max_body_bytes:
             self._body = []
             self._refuse_body(RequestTooLarge(f"The request body is over the limit of "
-                                              f"{self.server.max_body_bytes} bytes."))  # fmt: skip
+                                              f"{server.max_body_bytes} bytes."))  # fmt: skip
             return
+        if server.buffered + len(body) > server.max_buffered_bytes:
+            self._body = []
+            self._refuse_body(APIError(f"The gateway holds {server.max_buffered_bytes} bytes of request bodies, "
+                                       "its limit; retry shortly.", status_code=503, code="server_busy",
+                                       retry_after=1))  # fmt: skip
+            return
+        request = self._request
+        assert request is not None
+        request.held += len(body)
+        server.buffered += len(body)
         self._body.append(body)
+
+    def _release(self, request: Request) -> None:
+        """The request's body no longer counts against ``max_buffered_bytes``."""
+        self.server.buffered -= request.held
+        request.held = 0
 
     def on_message_complete(self) -> None:
         self._completed = True
@@ -442,6 +528,7 @@ class _Connection(asyncio.Protocol):
         """Answer ``error`` in its turn, drop the body still coming, then close the connection."""
         request = self._request
         assert request is not None
+        self._release(request)
         request.refusal = error
         request.keep_alive = False
         self._discarding = True
@@ -450,6 +537,8 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, error: APIError) -> None:
         request = self._request or Request(self)
+        self._release(request)
+        self._body = []
         request.refusal = error
         request.keep_alive = False
         self._request = None
@@ -478,7 +567,7 @@ class _Connection(asyncio.Protocol):
                 if not request.keep_alive or self.server.closing:
                     if request.refusal is not None and self._discarding and self._request is not None and self._linger:
                         # Its body is still arriving: closed once it ends, or when the linger is over.
-                        asyncio.get_running_loop().call_later(_LINGER_S, self.transport.close)
+                        asyncio.get_running_loop().call_later(self.server.linger_s, self.transport.close)
                         return
                     self.transport.close()
                     return
@@ -517,6 +606,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self._current = None
             request.on_gone = None
+            self._release(request)
 
     def _head(self, request: Request, status: int, headers: Headers) -> list[bytes]:
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),

@@ -8,16 +8,37 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
-from universal_predictors.config import PredictorConfig, resolve_source
+from universal_predictors.config import PARENT_PID_ENV, PredictorConfig, resolve_source
 
 PROG = "universal_predictors"
 
 
+def watch_parent(parent: int, interval_s: float = 1.0) -> threading.Thread:
+    """Kill this process once ``parent`` is no longer its parent (it died: we were re-parented).
+
+    The local supervisor's parent-death signal does this on Linux; this watch is for where that does
+    not exist, and costs one getppid() a second."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(PARENT_PID_ENV, "").isdigit():
+        watch_parent(int(os.environ[PARENT_PID_ENV]))
     # Idle OpenMP threads that spin steal the CPU a predictor shares with its neighbours (measured: a
     # single-sentence embedding took 100+ ms instead of ~20 ms on a busy 2-core machine). Set before
     # any engine imports torch; an explicit setting in the environment wins.
@@ -54,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartupError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    serve(predictor, config.http_port, enable_grpc=bool(ns.enable_grpc), grpc_port=ns.grpc_port)
+    serve(predictor, config.http_port, host=config.http_host, enable_grpc=bool(ns.enable_grpc), grpc_port=ns.grpc_port)
     return 0
 
 

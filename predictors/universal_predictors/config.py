@@ -25,6 +25,12 @@ DEFAULT_HTTP_PORT = 8080
 STATE_MOUNT_PATH = "/var/lib/universal-runtime/state"
 #: The module a predictor process runs: ``python -m universal_predictors``.
 PREDICTOR_MODULE = "universal_predictors"
+#: Set by a local supervisor to its pid: the predictor exits once that process is no longer its parent.
+PARENT_PID_ENV = "UNIVERSAL_RUNTIME_PARENT_PID"
+#: A token shared by the gateway and its predictors: set in a predictor's environment, the predictor
+#: answers only requests that carry it in UPSTREAM_TOKEN_HEADER (probes and /metrics excepted).
+UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"
+UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
 
 
 class Task(StrEnum):
@@ -142,6 +148,11 @@ class PredictorConfig(BaseModel):
     revision: str | None = Field(default=None, description="The source revision (hf:// sources in local mode).")
     engine_args: dict[str, str] = Field(default_factory=dict, description="Backend-specific key=value arguments.")
     http_port: Annotated[int, Field(ge=1, le=65535)] = DEFAULT_HTTP_PORT
+    http_host: str | None = Field(
+        default=None,
+        description="The address to listen on; None: every interface (KServe's own, what a pod needs). "
+        "The local supervisor sets 127.0.0.1 so only this machine's gateway can reach the predictor.",
+    )
     state_dir: str | None = Field(
         default=None, description="A writable directory for state that must outlive the process (fitted detectors)."
     )
@@ -173,6 +184,8 @@ class PredictorConfig(BaseModel):
         if self.state_dir:
             args.append(f"--state-dir={self.state_dir}")
         args.append(f"--http_port={self.http_port}")
+        if self.http_host:
+            args.append(f"--http-host={self.http_host}")
         return args
 
     def to_command(self, python: str = "python") -> list[str]:
@@ -194,6 +207,7 @@ class PredictorConfig(BaseModel):
         parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="KEY=VALUE")
         parser.add_argument("--state-dir", dest="state_dir", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
+        parser.add_argument("--http-host", dest="http_host", default=None)
         return parser
 
     @classmethod
@@ -214,6 +228,7 @@ class PredictorConfig(BaseModel):
             revision=ns.revision,
             engine_args=engine_args,
             http_port=ns.http_port,
+            http_host=ns.http_host,
             state_dir=ns.state_dir,
         )
 

@@ -7,7 +7,9 @@ readiness and loading runs in the model's ``start_engine`` once the event loop i
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 from typing import Any
 
 import kserve
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse
 from kserve import model_server
 
 from universal_predictors.base import UniversalPredictor, common_routes
+from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
 from universal_predictors.http import error_response, field_path
 
@@ -24,7 +27,24 @@ logger = logging.getLogger(__name__)
 
 
 class UniversalModelServer(kserve.ModelServer):
-    """ModelServer whose models become ready after the server starts listening."""
+    """ModelServer whose models become ready after the server starts listening, on ``host``."""
+
+    def __init__(self, *args: Any, host: str | None = None, **kwargs: Any) -> None:
+        self._host = host
+        super().__init__(*args, **kwargs)
+
+    # KServe 0.21.0 python/kserve/kserve/protocol/rest/server.py (RESTServer.__init__) builds its
+    # uvicorn.Config with host="0.0.0.0" and no way to change it; ModelServer.start assigns the
+    # RESTServer to ``_rest_server`` before uvicorn binds (in asyncio.run), so the address is set here.
+    @property
+    def _rest_server(self) -> Any:
+        return self.__dict__.get("_universal_rest_server")
+
+    @_rest_server.setter
+    def _rest_server(self, server: Any) -> None:
+        if server is not None and self._host:
+            server.config.host = self._host
+        self.__dict__["_universal_rest_server"] = server
 
     def _register_and_check_atleast_one_model_is_ready(self, models: list[Any]) -> None:
         for model in models:
@@ -33,6 +53,30 @@ class UniversalModelServer(kserve.ModelServer):
             model.start()
             if model.engine:
                 self.servers.append(model.start_engine())
+
+
+#: Answered without the gateway's token: the kubelet's and the local supervisor's probes
+#: (KServe's "/" liveness and the v2 health routes) and /metrics, which name nothing but this model.
+TOKEN_FREE_PATHS = frozenset({"/", "/v2/health/live", "/v2/health/ready", "/metrics"})
+
+
+class RequireToken:
+    """ASGI middleware: every request but ``TOKEN_FREE_PATHS`` must carry the gateway's token (401)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.header = UPSTREAM_TOKEN_HEADER.lower().encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in TOKEN_FREE_PATHS:
+            given = next((value for key, value in scope["headers"] if key == self.header), b"")
+            if not hmac.compare_digest(given, self.token):
+                error = APIError("This predictor answers its gateway only.", status_code=401,
+                                 code="invalid_upstream_token")  # fmt: skip
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
@@ -54,10 +98,22 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
+    token = os.environ.get(UPSTREAM_TOKEN_ENV)
+    if token:
+        app.add_middleware(RequireToken, token=token)
 
 
-def serve(predictor: UniversalPredictor, http_port: int, *, enable_grpc: bool = False, grpc_port: int = 8081) -> None:
-    """Serve until SIGTERM/SIGINT."""
+def serve(
+    predictor: UniversalPredictor,
+    http_port: int,
+    *,
+    host: str | None = None,
+    enable_grpc: bool = False,
+    grpc_port: int = 8081,
+) -> None:
+    """Serve until SIGTERM/SIGINT, on ``host`` (None: every interface)."""
     install_routes(model_server.app, predictor)
-    server = UniversalModelServer(http_port=http_port, grpc_port=grpc_port, enable_grpc=enable_grpc, workers=1)
+    server = UniversalModelServer(
+        http_port=http_port, grpc_port=grpc_port, enable_grpc=enable_grpc, workers=1, host=host
+    )
     server.start([predictor])

@@ -180,7 +180,7 @@ def test_every_namespaced_object_lands_in_the_release_namespace_except_per_names
         kind, namespace = obj["kind"], obj["metadata"].get("namespace")
         if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert namespace is None
-        elif kind in ("Role", "RoleBinding"):
+        elif kind in ("Role", "RoleBinding", "NetworkPolicy"):  # NetworkPolicy: where the predictors run
             assert namespace in EVERYTHING["watchNamespaces"]
         else:
             assert namespace == NAMESPACE, (kind, obj["metadata"]["name"])

@@ -33,6 +33,20 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def predictor_pid(self, name: str) -> int | None:
+        """The pid of the predictor serving ``name`` (the API does not publish it: read from /proc)."""
+        return predictor_pid(self.process.pid, name)
+
+    def predictor_argument(self, name: str, flag: str) -> str | None:
+        """The value of ``--flag=VALUE`` on that predictor's command line."""
+        pid = self.predictor_pid(name)
+        if pid is None:
+            return None
+        for argument in command_line(pid):
+            if argument.startswith(f"{flag}="):
+                return argument.split("=", 1)[1]
+        return None
+
     def models(self, api_key: str | None = None) -> dict[str, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         data = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=10).json()["data"]
@@ -75,6 +89,27 @@ def running_gateway(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def command_line(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return []
+
+
+def parent_pid(pid: int) -> int | None:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
+
+
+def predictor_pid(gateway_pid: int, name: str) -> int | None:
+    """The live predictor process for model ``name`` whose parent is ``gateway_pid`` (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        pid = int(entry.name) if entry.name.isdigit() else 0
+        if pid and parent_pid(pid) == gateway_pid and f"--model_name={name}" in command_line(pid) and pid_alive(pid):
+            return pid
+    return None
 
 
 def pid_alive(pid: int) -> bool:

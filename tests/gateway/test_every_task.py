@@ -176,7 +176,8 @@ def test_a_predictor_killed_mid_stream_fails_the_stream_promptly_and_the_next_re
     gateway: GatewayProcess, client: OpenAI
 ) -> None:
     client.completions.create(model=CHAT, prompt="warm", max_tokens=1)
-    pid = gateway.models()[CHAT]["pid"]
+    pid = gateway.predictor_pid(CHAT)
+    assert pid is not None
     stream = client.completions.create(model=CHAT, prompt="A long story", max_tokens=2000, stream=True)
     iterator = iter(stream)
     next(iterator)  # the stream is flowing
@@ -186,6 +187,6 @@ def test_a_predictor_killed_mid_stream_fails_the_stream_promptly_and_the_next_re
         for _ in iterator:
             pass
     assert time.monotonic() - started < 10
-    wait_for(lambda: gateway.models()[CHAT]["state"] != "ready" or gateway.models()[CHAT]["pid"] != pid)
+    wait_for(lambda: gateway.models()[CHAT]["state"] != "ready" or gateway.predictor_pid(CHAT) != pid)
     again = client.completions.create(model=CHAT, prompt="back again", max_tokens=3)
     assert again.choices[0].text is not None
