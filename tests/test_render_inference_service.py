@@ -570,7 +570,7 @@ def test_labels_name_the_manager_model_task_and_served_name_on_child_and_pods() 
         serving.universal-runtime.dev/served-name: all-minilm-l6-v2
         """
     )
-    assert at(child, "metadata.labels") == expected
+    assert at(child, "metadata.labels") == {**expected, "networking.knative.dev/visibility": "cluster-local"}
     assert at(child, "spec.predictor.labels") == expected
     assert at(child, "metadata.annotations") == load(
         """
@@ -578,6 +578,23 @@ def test_labels_name_the_manager_model_task_and_served_name_on_child_and_pods() 
         serving.universal-runtime.dev/served-name: all-minilm-l6-v2
         """
     )
+
+
+@pytest.mark.parametrize(
+    ("mode", "label"),
+    [("Knative", "networking.knative.dev/visibility"), ("Standard", "networking.kserve.io/visibility")],
+)
+def test_models_are_cluster_local_so_the_gateway_is_the_only_way_in_unless_the_operator_exposes_them(
+    mode: str, label: str
+) -> None:
+    # KServe publishes an external host for every InferenceService unless its mode's visibility label says
+    # cluster-local; that host would bypass the gateway's API keys.
+    manifest = with_spec(f"scaling: {{mode: {mode}}}")
+    assert {k: v for k, v in at(render(manifest), "metadata.labels").items() if "visibility" in k} == {
+        label: "cluster-local"
+    }
+    exposed = render(manifest, CONFIG.model_copy(update={"expose_models": True}))
+    assert not [k for k in at(exposed, "metadata.labels") if "visibility" in k]
 
 
 def test_served_name_defaults_to_the_model_name() -> None:

@@ -114,6 +114,13 @@ class OperatorConfig(_Model):
     namespaces: list[str] = Field(default_factory=list, description="Watched namespaces; empty: cluster-wide.")
     service_account_name: str | None = Field(default=None, description="The predictor pods' service account.")
     repair_interval_seconds: float = Field(default=60.0, gt=0, description="How often drift is checked.")
+    expose_models: bool = Field(
+        default=False,
+        description=(
+            "false: each InferenceService is cluster-local, so clients reach models through the gateway (and its "
+            "API keys) only; true: KServe also publishes each model's own external URL."
+        ),
+    )
 
     @model_validator(mode="after")
     def _default_profile_exists(self) -> OperatorConfig:

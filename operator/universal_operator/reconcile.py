@@ -47,6 +47,12 @@ LABEL_TASK = f"{GROUP}/task"
 LABEL_SERVED_NAME = f"{GROUP}/served-name"
 ANNOTATION_SERVED_NAME = f"{GROUP}/served-name"
 ANNOTATION_DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
+#: Labels that make KServe keep a model's route inside the cluster, one per mode: Knative mode reads Knative's
+#: (KServe v0.14.1-v0.16.0 reconcilers/ingress/ingress_reconciler.go), Standard mode KServe's own
+#: (reconcilers/ingress/kube_ingress_reconciler.go, httproute_reconciler.go at v0.16.0).
+LABEL_KNATIVE_VISIBILITY = "networking.knative.dev/visibility"
+LABEL_KSERVE_VISIBILITY = "networking.kserve.io/visibility"
+CLUSTER_LOCAL = "cluster-local"
 ANNOTATION_RETENTION = "autoscaling.knative.dev/scale-to-zero-pod-retention-period"
 ANNOTATION_WINDOW = "autoscaling.knative.dev/window"
 ANNOTATION_PROGRESS_DEADLINE = "serving.knative.dev/progress-deadline"
@@ -242,6 +248,18 @@ def labels_for(model: UniversalModel) -> dict[str, str]:
     served = model.served_name
     labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.match(served) else _label_safe(served)
     return labels
+
+
+def visibility_labels(model: UniversalModel, config: OperatorConfig) -> dict[str, str]:
+    """Keep the model's own route inside the cluster unless the operator is told to expose models.
+
+    The gateway is the front door (API keys, one address); a model KServe publishes on its own ingress host
+    would be reachable around it.
+    """
+    if config.expose_models:
+        return {}
+    knative = model.spec.scaling.mode is ScalingMode.KNATIVE
+    return {LABEL_KNATIVE_VISIBILITY if knative else LABEL_KSERVE_VISIBILITY: CLUSTER_LOCAL}
 
 
 def _label_safe(text: str) -> str:
@@ -627,7 +645,7 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
         "metadata": {
             "name": model.metadata.name,
             "namespace": model.metadata.namespace,
-            "labels": labels_for(model),
+            "labels": {**labels_for(model), **visibility_labels(model, config)},
             "annotations": {
                 ANNOTATION_DEPLOYMENT_MODE: kserve.deployment_mode(config.kserve.release, scaling.mode),
                 ANNOTATION_SERVED_NAME: model.served_name,
