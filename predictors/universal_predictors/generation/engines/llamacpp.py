@@ -518,7 +518,7 @@ class LlamaCppEngine(Engine):
                 logprobs = self._log_softmax(self._logits()) if params.logprobs is not None else None
                 if matcher is not None and masks is not None:
                     if matcher.is_error():
-                        raise RuntimeError(f"constrained decoding failed: {matcher.get_error()}")
+                        raise constraints.matcher_failure(matcher)
                     allowed = constraints.unpack_masks(constraints.fill_masks([matcher], masks), self._n_vocab)
                     self._logits()[~allowed[0]] = -np.inf
                 token = int(sampler.sample(llm._ctx, -1))

@@ -346,7 +346,7 @@ class TransformersEngine(Engine):
                     scores[eos] = float("-inf")
             if seq.matcher is not None and seq.matcher.is_error():
                 seq.finished = True
-                seq.send(RuntimeError(f"constrained decoding failed: {seq.matcher.get_error()}"))
+                seq.send(constraints.matcher_failure(seq.matcher))
                 continue
             token = self._pick(scores, params.temperature, params.top_p, seq.generator)
             seq.generated.append(token)
