@@ -7,17 +7,14 @@ PyPI package) and chat (the tiny random Llama the generation suite builds, on th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.predictors.conftest import embed_predictor, minilm_path  # noqa: F401  (session fixtures)
-from tests.predictors.generation.conftest import tiny_llama_dir  # noqa: F401  (session fixture)
-from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from tests.predictors.harness import PredictorProcess
+from tests.security.predictor_fixtures import *  # noqa: F403  (the predictor fixtures)
+from tests.security.predictor_fixtures import openai_error
 
 #: Past the gateway's 64 KiB parse threshold: what reaches a predictor unparsed.
 PADDING = "x" * (70 * 1024)
@@ -42,38 +39,6 @@ ROUTES = {
     "embed": "/openai/v1/embeddings",
     "chat": "/openai/v1/chat/completions",
 }
-
-
-@pytest.fixture(scope="module")
-def anomaly_predictor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
-    config = PredictorConfig(model_name="sensors", task=Task.ANOMALY, source="/nonexistent/anomaly-source")
-    with running_predictor(config, tmp_path_factory.mktemp("security-anomaly")) as predictor:
-        yield predictor
-
-
-@pytest.fixture(scope="module")
-def chat_predictor(
-    tiny_llama_dir: Path,  # noqa: F811
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[PredictorProcess]:
-    config = PredictorConfig(
-        model_name="tiny-llama",
-        task=Task.GENERATE,
-        backend=Backend.TRANSFORMERS,
-        source=str(tiny_llama_dir),
-        engine_args={"max_batch_size": "2", "max_queue": "2"},
-    )
-    with running_predictor(config, tmp_path_factory.mktemp("security-chat")) as predictor:
-        yield predictor
-
-
-def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    """The OpenAI error object of ``response``, which must have ``status``."""
-    assert response.status_code == status, response.text
-    error: dict[str, Any] = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
-    return error
 
 
 def send(predictor: PredictorProcess, path: str, content: bytes) -> httpx.Response:

@@ -35,6 +35,7 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    beyond_capacity,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -181,7 +182,10 @@ class TransformersEngine(Engine):
         return {"device": self.device, "max_batch_size": self.targs.max_batch_size, "max_queue": self.targs.max_queue}
 
     def check_capacity(self, sequences: int = 1) -> None:
-        if self._outstanding + sequences > self.targs.max_batch_size + self.targs.max_queue:
+        capacity = self.targs.max_batch_size + self.targs.max_queue
+        if sequences > capacity:
+            raise beyond_capacity(sequences, capacity, "engine args max_batch_size + max_queue")
+        if self._outstanding + sequences > capacity:
             waiting = max(0, self._outstanding - self.targs.max_batch_size)
             raise Unavailable(
                 f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
