@@ -29,7 +29,7 @@ from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
 from universal_predictors.anomaly.detector import DetectorSpec, FitFailed, FittedDetector, fit
 from universal_predictors.anomaly.features import FeatureSpace, FieldKind
 from universal_predictors.anomaly.normalize import Normalization
-from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, valid_name
+from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, LoadLimits, SkippedFile, valid_name
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.config import Backend, Task
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
@@ -134,6 +134,7 @@ class AnomalyPredictor(UniversalPredictor):
             importlib.import_module(f"pyod.models.{module}")
         self.backend = Backend.PYOD
         self.detectors: dict[str, FittedDetector] = {}
+        self.skipped: list[SkippedFile] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=args.engine_threads, thread_name_prefix=f"engine-{self.name}"
@@ -143,7 +144,10 @@ class AnomalyPredictor(UniversalPredictor):
             self.store = DetectorStore(self.config.state_dir)
             self.store.prepare()  # an unwritable state dir stops start-up: persistence was asked for
             started = time.monotonic()
-            for detector in self.store.load_all():
+            limits = LoadLimits(args.max_rows, args.max_features, args.max_cells, args.max_categories,
+                                args.max_detectors)  # fmt: skip
+            loaded, self.skipped = self.store.load_all(limits)
+            for detector in loaded:
                 self.detectors[detector.spec.name] = detector
             logger.info("loaded %d anomaly detectors from %s in %.1fs", len(self.detectors), self.store.root,
                         time.monotonic() - started)  # fmt: skip
@@ -374,7 +378,10 @@ class AnomalyPredictor(UniversalPredictor):
         async def list_route(request: Request) -> Response:
             self.require_ready()
             listed = [self.detectors[name].summary() for name in sorted(self.detectors)]
-            return JSONResponse({"object": "list", "persistence": self.store is not None, "data": listed})
+            result: dict[str, Any] = {"object": "list", "persistence": self.store is not None, "data": listed}
+            if self.skipped:  # files in the state directory not loaded at start, and why
+                result["skipped"] = [skipped.as_json() for skipped in self.skipped]
+            return JSONResponse(result)
 
         def path_name(request: Request) -> str:
             name = str(request.path_params.get("name", ""))
