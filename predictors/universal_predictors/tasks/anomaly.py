@@ -134,6 +134,9 @@ class AnomalyPredictor(UniversalPredictor):
             importlib.import_module(f"pyod.models.{module}")
         self.backend = Backend.PYOD
         self.detectors: dict[str, FittedDetector] = {}
+        # New names whose fit is under way: each holds a max_detectors slot from its check to its end, so
+        # concurrent fits cannot all pass the check and exceed the limit together.
+        self._reserved: set[str] = set()
         self.skipped: list[SkippedFile] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -227,13 +230,6 @@ class AnomalyPredictor(UniversalPredictor):
             raise InvalidRequest(f"{where}: {message}", param=where, code="invalid_value") from None
         self._check_size(body.data, len(body.schema_) if body.schema_ is not None else None)
         name = body.detector
-        if name not in self.detectors and len(self.detectors) >= self.args.max_detectors:
-            raise InvalidRequest(
-                f"detector: {len(self.detectors)} detectors exist, the limit (engine arg max_detectors); "
-                "delete one first",
-                param="detector",
-                code="too_many_detectors",
-            )
         store = self.store
         args = self.args
 
@@ -263,13 +259,28 @@ class AnomalyPredictor(UniversalPredictor):
                     detector.persist_error = f"saving to the state directory failed: {exc.strerror or exc}"
             return detector
 
-        replaced = name in self.detectors
         lock = self._lock(name)
         await lock.acquire()
-        loop = asyncio.get_running_loop()
+        # Holding the name's lock, no other fit or delete of this name runs; checking and reserving a slot
+        # with no await in between makes the limit hold across names too.
+        replaced = name in self.detectors
+        reserved = False
         try:
-            future = loop.run_in_executor(self._executor, job)
+            if not replaced:
+                held = len(self.detectors) + len(self._reserved)
+                if held >= self.args.max_detectors:
+                    raise InvalidRequest(
+                        f"detector: {len(self.detectors)} detectors exist and {len(self._reserved)} more are being "
+                        f"fitted; the limit is {self.args.max_detectors} (engine arg max_detectors); delete one first",
+                        param="detector",
+                        code="too_many_detectors",
+                    )
+                self._reserved.add(name)
+                reserved = True
+            future = asyncio.get_running_loop().run_in_executor(self._executor, job)
         except BaseException:
+            if reserved:
+                self._reserved.discard(name)
             lock.release()
             raise
 
@@ -280,6 +291,8 @@ class AnomalyPredictor(UniversalPredictor):
                 if not done.cancelled() and done.exception() is None:
                     self.detectors[name] = done.result()
             finally:
+                if reserved:
+                    self._reserved.discard(name)
                 lock.release()
 
         future.add_done_callback(install)
