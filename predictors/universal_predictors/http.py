@@ -75,31 +75,34 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
 
 
 #: A ``\\uD800``-``\\uDFFF`` escape: only such an escape can put a lone surrogate into a parsed string.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def loads_body(raw: bytes) -> Any:
-    """Parse a JSON body; every way it can fail is a 400 ``invalid_json`` saying why, whatever its size.
+def loads_json(raw: bytes | str, what: str = "The request body", param: str | None = None) -> Any:
+    """Parse JSON from a client (a body, or a JSON string inside one); every way it can fail is a 400
+    ``invalid_json`` saying why, whatever its size.
 
     ``json.loads`` alone lets hostile input through as other exceptions: an integer of more digits than
     Python converts (``ValueError``), nesting deeper than the recursion limit (``RecursionError``), and a
     lone surrogate escape (``"\\ud800"``), which parses but fails later wherever the text is encoded.
     """
+
+    def invalid(reason: str) -> InvalidRequest:
+        return InvalidRequest(f"{what} is not valid JSON: {reason}", param=param, code="invalid_json")
+
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise InvalidRequest("The request body is not valid JSON: it nests too deeply.", code="invalid_json") from None
+        raise invalid("it nests too deeply.") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and int's max_str_digits ValueError
-        reason = str(exc).split(";")[0] if not isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise InvalidRequest(f"The request body is not valid JSON: {reason}", code="invalid_json") from None
-    if _SURROGATE_ESCAPE.search(raw):  # rare: check the parsed strings only when such an escape is present
+        raise invalid(str(exc) if isinstance(exc, json.JSONDecodeError) else str(exc).split(";")[0]) from None
+    escape = _SURROGATE_ESCAPE_BYTES.search(raw) if isinstance(raw, bytes) else _SURROGATE_ESCAPE.search(raw)
+    if escape:  # rare: check the parsed strings only when such an escape is present
         try:
             json.dumps(data, ensure_ascii=False).encode()
         except (UnicodeEncodeError, RecursionError):
-            raise InvalidRequest(
-                "The request body is not valid JSON: a string holds an unpaired surrogate escape (\\ud800-\\udfff).",
-                code="invalid_json",
-            ) from None
+            raise invalid("a string holds an unpaired surrogate escape (\\ud800-\\udfff).") from None
     return data
 
 
@@ -108,7 +111,7 @@ async def parse_json(request: Request, model: type[M], max_bytes: int = DEFAULT_
     raw = await read_body(request, max_bytes)
     if not raw.strip():
         raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
-    data = loads_body(raw)
+    data = loads_json(raw)
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     try:

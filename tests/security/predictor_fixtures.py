@@ -22,7 +22,8 @@ CHAT_MAX_BATCH_SIZE, CHAT_MAX_QUEUE = 2, 2
 
 @pytest.fixture(scope="module")
 def anomaly_predictor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
-    config = PredictorConfig(model_name="sensors", task=Task.ANOMALY, source="/nonexistent/anomaly-source")
+    config = PredictorConfig(model_name="sensors", task=Task.ANOMALY, source="/nonexistent/anomaly-source",
+                             engine_args={"default_detector": "only"})  # fmt: skip
     with running_predictor(config, tmp_path_factory.mktemp("security-anomaly")) as predictor:
         yield predictor
 

@@ -57,6 +57,18 @@ def test_hostile_json_bodies_are_400s_whatever_the_route(
     assert error["message"].startswith("The request body is not valid JSON")
 
 
+@pytest.mark.parametrize("hostile", list(HOSTILE_BODIES))
+def test_hostile_json_rows_in_kserve_v2_bytes_are_400s(anomaly_predictor: PredictorProcess, hostile: str) -> None:
+    """v2 BYTES tensors carry each anomaly row as JSON text, parsed by the predictor itself."""
+    row = HOSTILE_BODIES[hostile].decode()
+    body = {"inputs": [{"name": "rows", "shape": [1], "datatype": "BYTES", "data": [row]}]}
+    with anomaly_predictor.client() as client:
+        client.post("/v1/anomaly/fit", json={"detector": "only", "data": [[float(i), 1.0] for i in range(20)]})
+        error = openai_error(client.post("/v2/models/sensors/infer", json=body), 400)
+    assert error["code"] == "invalid_json"
+    assert error["param"] == "instances[0]"
+
+
 def test_scoring_values_near_the_float_limit_is_a_400_naming_the_value(anomaly_predictor: PredictorProcess) -> None:
     rows = [[0.001 * i, 0.002 * i] for i in range(20)]
     with anomaly_predictor.client() as client:

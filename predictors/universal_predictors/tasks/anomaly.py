@@ -33,7 +33,7 @@ from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, Load
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.config import Backend, Task
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
-from universal_predictors.http import field_path, parse_json
+from universal_predictors.http import field_path, loads_json, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -316,8 +316,6 @@ class AnomalyPredictor(UniversalPredictor):
 
     async def infer(self, instances: list[Any]) -> list[Any]:
         """Score instances (numeric rows, objects, or JSON strings of either) with the default detector."""
-        import json
-
         name = self._default_detector_name()
         if name is None:
             raise InvalidRequest(
@@ -330,10 +328,7 @@ class AnomalyPredictor(UniversalPredictor):
         rows: list[Any] = []
         for index, instance in enumerate(instances):
             if isinstance(instance, str):  # v2 BYTES tensors carry each row as a JSON string
-                try:
-                    instance = json.loads(instance)
-                except json.JSONDecodeError:
-                    raise InvalidRequest(f"instances[{index}]: not a JSON row", param=f"instances[{index}]") from None
+                instance = loads_json(instance, f"instances[{index}]", f"instances[{index}]")
             rows.append(instance)
         raw, normalized, _ = await self.score_rows(detector, rows)
         threshold = detector.threshold
