@@ -52,8 +52,8 @@ class Limits:
     max_pixels: int
     max_pages: int
     pdf_dpi: int
-    max_total_pixels: int = 100_000_000
-    pdf_timeout_s: float = 60.0
+    max_total_pixels: int
+    pdf_timeout_s: float
 
 
 class PixelBudget:
