@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from universal_predictors import metrics
-from universal_predictors.errors import Unavailable
+from universal_predictors.errors import RequestTooLarge, Unavailable
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -79,6 +79,12 @@ class MicroBatcher(Generic[T, R]):
     async def submit_many(self, items: Sequence[T]) -> list[R]:
         """Process several items of one request (they may be split across batches); results in order."""
         queue = self._ensure_started()
+        if len(items) > self._policy.max_queue:  # never admitted, however long the client waits
+            raise RequestTooLarge(
+                f"The request has {len(items)} items; this model queues at most {self._policy.max_queue} at once. "
+                "Split it into smaller requests.",
+                code="too_many_items",
+            )
         if queue.qsize() + len(items) > self._policy.max_queue:
             raise Unavailable(
                 f"The model is overloaded ({queue.qsize()} items queued); retry shortly.", code="overloaded"

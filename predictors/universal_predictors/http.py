@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -73,15 +74,44 @@ def validation_error(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{where}: {message}" if where else message, param=where or None, code="invalid_value")
 
 
+#: A ``\\uD800``-``\\uDFFF`` escape: only such an escape can put a lone surrogate into a parsed string.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def loads_json(raw: bytes | str, what: str = "The request body", param: str | None = None) -> Any:
+    """Parse JSON from a client (a body, or a JSON string inside one); every way it can fail is a 400
+    ``invalid_json`` saying why, whatever its size.
+
+    ``json.loads`` alone lets hostile input through as other exceptions: an integer of more digits than
+    Python converts (``ValueError``), nesting deeper than the recursion limit (``RecursionError``), and a
+    lone surrogate escape (``"\\ud800"``), which parses but fails later wherever the text is encoded.
+    """
+
+    def invalid(reason: str) -> InvalidRequest:
+        return InvalidRequest(f"{what} is not valid JSON: {reason}", param=param, code="invalid_json")
+
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise invalid("it nests too deeply.") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and int's max_str_digits ValueError
+        raise invalid(str(exc) if isinstance(exc, json.JSONDecodeError) else str(exc).split(";")[0]) from None
+    escape = _SURROGATE_ESCAPE_BYTES.search(raw) if isinstance(raw, bytes) else _SURROGATE_ESCAPE.search(raw)
+    if escape:  # rare: check the parsed strings only when such an escape is present
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except (UnicodeEncodeError, RecursionError):
+            raise invalid("a string holds an unpaired surrogate escape (\\ud800-\\udfff).") from None
+    return data
+
+
 async def parse_json(request: Request, model: type[M], max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> M:
     """Read and validate a JSON body as ``model``; 400/413 with the field named on failure."""
     raw = await read_body(request, max_bytes)
     if not raw.strip():
         raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    data = loads_json(raw)
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     try:

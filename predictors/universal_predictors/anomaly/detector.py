@@ -16,6 +16,7 @@ import numpy as np
 from universal_predictors.anomaly.algorithms import ALGORITHMS
 from universal_predictors.anomaly.features import EncodeResult, FeatureSpace
 from universal_predictors.anomaly.normalize import Normalization, Normalizer
+from universal_predictors.errors import InvalidRequest
 
 
 class FitFailed(ValueError):
@@ -82,7 +83,26 @@ class FittedDetector:
 
     def score(self, rows: list[Any]) -> Scores:
         encoded = self.spec.features.encode(rows)
-        raw = np.asarray(self.model.decision_function(self.transform(encoded.matrix)), dtype=np.float64).ravel()
+        with np.errstate(all="ignore"):
+            scaled = self.transform(encoded.matrix)
+        # Finite inputs near the float limit (1e308) overflow once scaled: the model would refuse them.
+        overflow = np.argwhere(~np.isfinite(scaled))
+        if len(overflow):
+            index, column = (int(i) for i in overflow[0])
+            where = f"data[{index}]" if self.spec.features.schema is not None else f"data[{index}][{column}]"
+            raise InvalidRequest(
+                f"{where}: the value is too large for this detector (it overflows once scaled by the training "
+                "data's spread)",
+                param=where,
+                code="invalid_value",
+            )
+        try:
+            with np.errstate(all="ignore"):
+                raw = np.asarray(self.model.decision_function(scaled), dtype=np.float64).ravel()
+        except (ValueError, ArithmeticError) as exc:
+            raise InvalidRequest(
+                f"data: these rows cannot be scored: {exc}", param="data", code="invalid_value"
+            ) from None
         return Scores(raw=raw, normalized=self.normalizer(raw), encoded=encoded)
 
     def summary(self) -> dict[str, Any]:

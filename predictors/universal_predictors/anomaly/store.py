@@ -25,9 +25,12 @@ import json
 import logging
 import os
 import re
+import stat
 import uuid
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -49,8 +52,43 @@ def valid_name(name: str) -> bool:
     return bool(NAME_PATTERN.match(name))
 
 
+#: Bytes of the JSON metadata a file may carry (names, parameters, categories).
+MAX_META_BYTES = 4 * 2**20
+
+
 class CorruptDetector(ValueError):
     """A file in the state directory that is not a detector this version can load."""
+
+
+@dataclass(frozen=True)
+class LoadLimits:
+    """The limits a fit request has (engine args), applied to files in the state directory too."""
+
+    max_rows: int
+    max_features: int
+    max_cells: int
+    max_categories: int
+    max_detectors: int
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """A file in the state directory that was not loaded, and why (listed in ``GET /v1/anomaly/detectors``)."""
+
+    file: str
+    reason: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"file": self.file, "reason": self.reason}
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 class DetectorStore:
@@ -105,31 +143,47 @@ class DetectorStore:
             finally:
                 os.close(fd)
 
-    def load_all(self) -> list[FittedDetector]:
-        """Every detector in the directory; a file that fails to load is skipped with a warning."""
+    def load_all(self, limits: LoadLimits) -> tuple[list[FittedDetector], list[SkippedFile]]:
+        """Every detector in the directory within ``limits``, and the files skipped (each with a warning).
+
+        Only regular files are opened (never followed into a FIFO, a device or through a symbolic link),
+        and each is held to a fit request's limits before its arrays are read."""
         if not self.root.is_dir():
-            return []
-        loaded = []
+            return [], []
+        loaded: list[FittedDetector] = []
+        skipped: list[SkippedFile] = []
         for path in sorted(self.root.glob("*.npz")):
             if path.name.startswith("."):
                 continue
             try:
-                loaded.append(self.load(path))
+                if len(loaded) >= limits.max_detectors:
+                    raise CorruptDetector(f"{limits.max_detectors} detectors are loaded, the limit (max_detectors)")
+                loaded.append(self.load(path, limits))
             except Exception as exc:  # any failure in one file must not stop the others or the server
                 logger.warning("skipping anomaly detector file %s: %s", path, exc)
-        return loaded
+                skipped.append(SkippedFile(path.name, str(exc)))
+        return loaded, skipped
 
-    def load(self, path: Path) -> FittedDetector:
+    def load(self, path: Path, limits: LoadLimits) -> FittedDetector:
         name = path.name.removesuffix(".npz")
         if not valid_name(name):
             raise CorruptDetector(f"{path.name} is not a valid detector file name")
         try:
-            with np.load(path, allow_pickle=False) as archive:
-                meta_bytes = archive["meta"]
-                matrix = archive["X"]
-                saved_scores = archive["training_scores"]
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            mode = os.lstat(path).st_mode
+        except OSError as exc:
             raise CorruptDetector(f"unreadable: {exc}") from None
+        if not stat.S_ISREG(mode):
+            raise CorruptDetector(f"{_kind(mode)}, not a regular file")
+        try:
+            # O_NONBLOCK: a FIFO swapped in after the lstat does not block start-up; O_NOFOLLOW: nor a link.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise CorruptDetector(f"unreadable: {exc}") from None
+        with os.fdopen(fd, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise CorruptDetector(f"{_kind(mode)}, not a regular file")
+            meta_bytes, matrix, saved_scores = _read_arrays(handle, limits)
         if meta_bytes.dtype != np.uint8 or matrix.dtype != np.float64 or saved_scores.dtype != np.float64:
             raise CorruptDetector("unexpected array types")
         try:
@@ -137,6 +191,11 @@ class DetectorStore:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptDetector(f"metadata is not JSON: {exc}") from None
         spec = _spec_from_meta(meta, name)
+        for field, values in spec.features.categories.items():
+            if len(values) > limits.max_categories:
+                raise CorruptDetector(
+                    f"field {field!r} has {len(values)} categories; the limit max_categories is {limits.max_categories}"
+                )
         if matrix.ndim != 2 or matrix.shape[1] != spec.features.n_encoded or not np.isfinite(matrix).all():
             raise CorruptDetector(f"training matrix of shape {matrix.shape} does not match its feature space")
         detector = fit(spec, matrix)
@@ -150,6 +209,48 @@ class DetectorStore:
                 name,
             )
         return detector
+
+
+def _read_arrays(handle: BinaryIO, limits: LoadLimits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``meta``, ``X`` and ``training_scores``, each checked against ``limits`` from its header (sizes and
+    shape) before its data is read: a small compressed file cannot inflate past a fit's limits."""
+    max_x_bytes = limits.max_cells * 8
+    budgets = {"meta.npy": MAX_META_BYTES, "X.npy": max_x_bytes, "training_scores.npy": limits.max_rows * 8}
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        with zipfile.ZipFile(handle) as archive:
+            for member, budget in budgets.items():
+                info = archive.getinfo(member)
+                if info.file_size > budget + 4096:  # the .npy header is small
+                    raise CorruptDetector(f"{member} is {info.file_size} bytes; a fit's limits allow {budget}")
+                with archive.open(info) as stream:
+                    version = np.lib.format.read_magic(stream)
+                    if version == (1, 0):
+                        shape, _, _ = np.lib.format.read_array_header_1_0(stream)
+                    elif version == (2, 0):
+                        shape, _, _ = np.lib.format.read_array_header_2_0(stream)
+                    else:
+                        raise CorruptDetector(f"{member} has .npy format version {version}, not 1.0 or 2.0")
+                    if member == "X.npy":
+                        _check_shape(shape, limits)
+                arrays[member] = np.load(archive.open(info), allow_pickle=False)
+    except CorruptDetector:
+        raise
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise CorruptDetector(f"unreadable: {exc}") from None
+    return arrays["meta.npy"], arrays["X.npy"], arrays["training_scores.npy"]
+
+
+def _check_shape(shape: tuple[int, ...], limits: LoadLimits) -> None:
+    if len(shape) != 2:
+        raise CorruptDetector(f"training matrix of shape {shape} is not 2-D")
+    rows, columns = shape
+    if rows > limits.max_rows:
+        raise CorruptDetector(f"{rows} training rows; the limit max_rows is {limits.max_rows}")
+    if columns > limits.max_features:
+        raise CorruptDetector(f"{columns} training columns; the limit max_features is {limits.max_features}")
+    if rows * columns > limits.max_cells:
+        raise CorruptDetector(f"{rows} x {columns} training values; the limit max_cells is {limits.max_cells}")
 
 
 def _spec_from_meta(meta: object, name: str) -> DetectorSpec:

@@ -53,12 +53,26 @@ def schema_of(constraint: JSONSchemaConstraint) -> Mapping[str, Any]:
 
 def grammar_for(constraint: JSONSchemaConstraint) -> str:
     """The llguidance grammar of ``constraint``; UnsupportedSchema when it cannot be enforced."""
-    return _compile(json.dumps(schema_of(constraint)))
+    return _compile_checked(schema_of(constraint))
 
 
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise UnsupportedSchema when ``schema`` cannot be enforced (cheap, cached: for request checks)."""
-    _compile(json.dumps(schema))
+    _compile_checked(schema)
+
+
+def _compile_checked(schema: Mapping[str, Any]) -> str:
+    try:
+        return _compile(json.dumps(schema))
+    except RecursionError:
+        raise UnsupportedSchema("the JSON schema nests too deeply") from None
+
+
+def matcher_failure(made: llguidance.LLMatcher) -> ValueError:
+    """What a matcher that failed mid-generation (a grammar too complex for llguidance's parser limits)
+    becomes: a ValueError, which the OpenAI layer answers with a 400 naming the constraint's field."""
+    first = (made.get_error() or "unknown error").strip().splitlines()[0]
+    return ValueError(f"constrained decoding cannot follow this JSON schema: {first}")
 
 
 # Keywords whose value is a schema, a list of schemas, or a name -> schema mapping.
@@ -91,11 +105,100 @@ def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
     return out
 
 
+def _resolve(root: Mapping[str, Any], ref: str) -> Any:
+    """The local ``$ref`` target (``#``, ``#/$defs/x``...), or None for one this check does not follow."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None  # a dangling pointer: llguidance names it
+    return node
+
+
+def _check_finite(root: Mapping[str, Any]) -> None:
+    """UnsupportedSchema when ``$ref`` makes the schema describe only infinitely deep values.
+
+    ``{"$ref": "#"}``, a required property whose schema is the whole schema again, or two ``$defs``
+    referring to each other: no finite JSON matches, and constrained decoding would run out of parser
+    items or of allowed tokens mid-generation. A least fixed point decides which sub-schemas a finite value
+    can satisfy; recursion through something optional (a property not required, an array that may be
+    empty, another ``anyOf`` branch) is fine.
+    """
+    nodes: dict[int, Mapping[str, Any]] = {}
+    refs: list[str] = []
+
+    stack: list[Any] = [root]
+    while stack:  # iterative: a schema may nest as deep as the JSON parser allows
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, Mapping) and id(node) not in nodes:
+            nodes[id(node)] = node
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            stack.extend(node.values())
+    if not refs:
+        return
+    finite: set[int] = set()
+
+    def ok(node: Any) -> bool:
+        return not isinstance(node, Mapping) or id(node) in finite
+
+    def satisfiable(node: Mapping[str, Any]) -> bool:
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _resolve(root, ref)
+            if isinstance(target, Mapping) and not ok(target):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(ok(s) for s in node["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(ok(s) for s in node[key]):
+                return False
+        properties = node.get("properties")
+        required = node.get("required")
+        if (
+            isinstance(properties, Mapping)
+            and isinstance(required, list)
+            and not all(ok(properties.get(name)) for name in required if isinstance(name, str))
+        ):
+            return False
+        min_items = node.get("minItems")
+        need = min_items if isinstance(min_items, int) and min_items > 0 else 0
+        if need and not ok(node.get("items")):
+            return False
+        prefix = node.get("prefixItems")
+        return not (isinstance(prefix, list) and not all(ok(s) for s in prefix[:need]))
+
+    changed = True
+    while changed:  # each pass adds at least one node, so at most len(nodes) passes
+        changed = False
+        for key, node in nodes.items():
+            if key not in finite and satisfiable(node):
+                finite.add(key)
+                changed = True
+    if id(root) not in finite:
+        looping = next((r for r in refs if not ok(_resolve(root, r))), refs[0])
+        raise UnsupportedSchema(
+            f"the JSON schema only describes infinitely deep values: '$ref' {looping!r} refers back to itself "
+            "without an optional step (a property that is not required, an array that may be empty, or another "
+            "anyOf branch)",
+            keywords=["$ref"],
+        )
+
+
 @functools.lru_cache(maxsize=512)
 def _compile(schema_json: str) -> str:
     schema = json.loads(schema_json)
     if not isinstance(schema, dict):
         raise UnsupportedSchema("the JSON schema is not a JSON object")
+    _check_finite(schema)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
     # Without a tokenizer: the same verdict (grammar and regex checks do not depend on one) and cheaper.
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

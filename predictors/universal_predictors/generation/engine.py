@@ -30,8 +30,20 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.errors import RequestTooLarge
 
 FinishReason = Literal["stop", "length"]
+
+
+def beyond_capacity(sequences: int, capacity: int, limits: str) -> RequestTooLarge:
+    """The 413 for a request of more sequences than the engine ever admits at once (``capacity``, set by
+    the engine args named in ``limits``): waiting cannot help it, so it is not a 503 with Retry-After."""
+    return RequestTooLarge(
+        f"The request needs {sequences} sequences (prompts x n); this model admits at most {capacity} at once "
+        f"({limits}). Send fewer prompts or a smaller n.",
+        param="n",
+        code="too_many_sequences",
+    )
 
 
 class NoChatTemplate(Exception):
@@ -223,7 +235,8 @@ class Engine(ABC):
         sequence. Raises ValueError for a request the engine cannot take (it becomes a 400)."""
 
     def check_capacity(self, sequences: int = 1) -> None:
-        """Raise ``errors.Unavailable`` (503 with Retry-After) when ``sequences`` more cannot be queued.
+        """Raise ``errors.Unavailable`` (503 with Retry-After) when ``sequences`` more cannot be queued
+        now, and :func:`beyond_capacity` (413) when they could never be, even on an idle engine.
 
         The OpenAI layer calls it while planning; an engine with a bounded queue must also check and
         count a sequence in ``generate`` before its first ``await`` (the OpenAI layer starts a stream's

@@ -7,9 +7,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 _IGNORE = ConfigDict(extra="ignore")
+
+#: Seeds are signed 64-bit integers, as OpenAI's API takes them and every engine can (choice ``i`` uses
+#: ``seed + i``; torch's generators take -2**63 .. 2**64 - 1, llama.cpp uses the low 32 bits).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _seed_range(value: int | None) -> int | None:
+    if value is not None and not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"must be an integer from {SEED_MIN} to {SEED_MAX} (a signed 64-bit integer)")
+    return value
 
 
 class TextPart(BaseModel):
@@ -128,7 +138,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stop: Stop = None
-    seed: int | None = None
+    seed: Annotated[int | None, AfterValidator(_seed_range)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None

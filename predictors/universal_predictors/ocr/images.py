@@ -1,25 +1,38 @@
 """Client bytes to page images, with every limit checked before the expensive step it protects.
 
 Base64 is sized before it is decoded, an image's pixel count is read from its header before its pixels
-are, and a PDF page's pixel count is computed from its size in points before it is rendered. Every
-client mistake is an :class:`InvalidRequest` (400) and every limit an :class:`RequestTooLarge` (413)
-naming the field, the limit's engine argument and its value.
+are, and a PDF page's pixel count is computed from its size in points before it is rendered. The pixels
+of all pages of one request share one budget (``max_total_pixels``), checked from the headers before any
+page is decoded; pages are then decoded one at a time (:func:`image_pages`). A PDF is rendered in a child
+process (:class:`PdfRenderers`) with a time budget (``pdf_timeout_s``): a small file whose page draws nested
+forms a billion times is killed there, instead of pinning a core and PDFium's lock. Every client mistake
+is an :class:`InvalidRequest` (400) and every limit an :class:`RequestTooLarge` (413) naming the field,
+the limit's engine argument and its value.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import io
+import logging
+import multiprocessing
 import re
 import threading
 import warnings
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from universal_predictors.errors import InvalidRequest, RequestTooLarge
+from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
+
+logger = logging.getLogger(__name__)
 
 #: Pillow's names for the formats a client may send as an image.
 IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "WEBP")
@@ -39,6 +52,27 @@ class Limits:
     max_pixels: int
     max_pages: int
     pdf_dpi: int
+    max_total_pixels: int
+    pdf_timeout_s: float
+
+
+class PixelBudget:
+    """The pixels one request may decode, across all its images, frames and pages (``max_total_pixels``)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limit = limits.max_total_pixels
+        self.left = limits.max_total_pixels
+
+    def take(self, width: int, height: int, field: str) -> None:
+        if width * height > self.left:
+            used = self.limit - self.left
+            raise RequestTooLarge(
+                f"{field}: the request's images and pages add up to more than {self.limit} pixels ({used} before "
+                f"this {width}x{height} one); the limit max_total_pixels is {self.limit}",
+                param=field,
+                code="too_many_pixels",
+            )
+        self.left -= width * height
 
 
 @dataclass
@@ -127,8 +161,17 @@ def _image_dpi(image: Image.Image) -> int | None:
     return value if 100 <= value <= 1200 else None
 
 
-def open_image(data: bytes, index: int, field: str, limits: Limits) -> list[Page]:
-    """A PNG, JPEG, TIFF (every frame) or WebP (first frame) as RGB pages; the header is checked first."""
+def image_pages(
+    data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget | None = None
+) -> Iterator[Page]:
+    """A PNG, JPEG, TIFF (every frame) or WebP (first frame) as RGB pages, decoded one at a time (blocking:
+    iterate it off the event loop). Every frame's size is checked (``max_pixels``, ``budget``) from the
+    headers when the generator is created, before the first frame is decoded."""
+    image, frames = _open_checked(data, field, limits, budget)
+    return _decode_frames(image, frames, index, field)
+
+
+def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget | None) -> tuple[Image.Image, int]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -147,21 +190,35 @@ def open_image(data: bytes, index: int, field: str, limits: Limits) -> list[Page
         raise InvalidRequest(f"{field}: the image could not be read", param=field, code="invalid_image") from None
     frames = getattr(image, "n_frames", 1) if image.format == "TIFF" else 1
     _check_pages(frames, field, limits)
-    pages: list[Page] = []
     try:
-        for number in range(frames):
+        for number in range(frames):  # headers only: seeking a TIFF reads its directory, not its pixels
             image.seek(number)
             _check_pixels(image.width, image.height, field, limits)
-            image.load()
-            frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
-            pages.append(Page(index, number + 1 if frames > 1 else None, _to_rgb(frame), _image_dpi(image)))
+            if budget is not None:
+                budget.take(image.width, image.height, field if frames == 1 else f"{field} frame {number + 1}")
+        image.seek(0)
     except RequestTooLarge:
         raise
     except Exception:
         raise InvalidRequest(
             f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
         ) from None
-    return pages
+    return image, frames
+
+
+def _decode_frames(image: Image.Image, frames: int, index: int, field: str) -> Iterator[Page]:
+    for number in range(frames):
+        try:
+            image.seek(number)
+            image.load()
+            frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
+            page = Page(index, number + 1 if frames > 1 else None, _to_rgb(frame), _image_dpi(image))
+        except Exception:
+            raise InvalidRequest(
+                f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
+            ) from None
+        yield page
+    image.close()
 
 
 def _sniff(data: bytes) -> str:
@@ -173,12 +230,14 @@ def _sniff(data: bytes) -> str:
     return ""
 
 
-def render_pdf(data: bytes, index: int, field: str, limits: Limits) -> list[Page]:
-    """Every page of a PDF rendered at ``limits.pdf_dpi`` with PDFium; sizes checked before rendering."""
+def render_pdf_pages(
+    data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget | None = None
+) -> Iterator[Page]:
+    """Every page of a PDF rendered at ``limits.pdf_dpi`` with PDFium, one at a time; every page's size is
+    checked (``max_pixels``, ``budget``) before the first is rendered."""
     import pypdfium2
 
     scale = limits.pdf_dpi / 72
-    pages: list[Page] = []
     with _PDFIUM_LOCK:
         try:
             document = pypdfium2.PdfDocument(data)
@@ -192,16 +251,19 @@ def render_pdf(data: bytes, index: int, field: str, limits: Limits) -> list[Page
                 raise InvalidRequest(f"{field}: the PDF has no pages", param=field, code="invalid_document")
             _check_pages(count, field, limits)
             for number in range(count):
+                width_pt, height_pt = document.get_page_size(number)
+                width, height = round(width_pt * scale), round(height_pt * scale)
+                _check_pixels(width, height, f"{field} page {number + 1}", limits)
+                if budget is not None:
+                    budget.take(width, height, f"{field} page {number + 1}")
+            for number in range(count):
                 page = document[number]
                 try:
-                    width_pt, height_pt = page.get_size()
-                    width, height = round(width_pt * scale), round(height_pt * scale)
-                    _check_pixels(width, height, f"{field} page {number + 1}", limits)
                     bitmap = page.render(scale=scale, may_draw_forms=True)
                     image = bitmap.to_pil().convert("RGB")
                 finally:
                     page.close()
-                pages.append(Page(index, number + 1, image, limits.pdf_dpi))
+                yield Page(index, number + 1, image, limits.pdf_dpi)
         except (InvalidRequest, RequestTooLarge):
             raise
         except Exception:
@@ -210,25 +272,133 @@ def render_pdf(data: bytes, index: int, field: str, limits: Limits) -> list[Page
             ) from None
         finally:
             document.close()
-    return pages
 
 
-def decode_inputs(images: list[str] | None, document: str | None, limits: Limits) -> list[Page]:
-    """All pages of one request, in order (blocking: run it off the event loop). ``max_pages`` bounds each
-    document (a PDF, a multi-page TIFF); the number of images is the caller's to bound."""
-    pages: list[Page] = []
-    if document is not None:
-        data = decode_base64(document, "document", limits.max_image_bytes)
-        _check_bytes(data, "document", limits)
-        if not is_pdf(data):
-            raise InvalidRequest("document: is not a PDF", param="document", code="invalid_document")
-        pages += render_pdf(data, 0, "document", limits)
-    for index, value in enumerate(images or []):
-        field = f"images[{index}]"
-        data = decode_base64(value, field, limits.max_image_bytes)
-        _check_bytes(data, field, limits)
-        pages += open_image(data, index, field, limits)
-    return pages
+#: How long a render process may take to start (import PDFium) before its time budget starts.
+START_TIMEOUT_S = 60.0
+#: Start method of PDF render processes: "spawn" is safe in a process with engine threads running.
+_MP = multiprocessing.get_context("spawn")
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the predictor dies, so a render never outlives it."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _render_child(conn: Connection, data: bytes, index: int, field: str, limits: Limits, pixels_left: int) -> None:
+    """The render process: each page as ``("page", number, (width, height), rgb_bytes)``, then ``("done",)``;
+    a client mistake or a limit as ``("error", class_name, message, param, code)``."""
+    _die_with_parent()
+    import pypdfium2  # noqa: F401  (imported before the clock starts: "ready" starts it)
+
+    conn.send(("ready",))
+    budget = PixelBudget(limits)
+    budget.left = pixels_left
+    try:
+        for page in render_pdf_pages(data, index, field, limits, budget):
+            conn.send(("page", page.page, page.image.size, page.image.tobytes()))
+        conn.send(("done", limits.max_total_pixels - budget.left))
+    except APIError as error:
+        conn.send(("error", type(error).__name__, error.message, error.param, error.code))
+    finally:
+        conn.close()
+
+
+class PdfRenderers:
+    """PDF renders in child processes, at most ``workers`` at once, each killed when its ``pdf_timeout_s``
+    runs out or its request is cancelled (the client left)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._slots: asyncio.Semaphore | None = None
+
+    async def pages(
+        self, data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget
+    ) -> AsyncIterator[Page]:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        async with self._slots:
+            receiver, sender = _MP.Pipe(duplex=False)
+            process = _MP.Process(target=_render_child, args=(sender, data, index, field, limits, budget.left),
+                                  name=f"pdf-render-{field}", daemon=True)  # fmt: skip
+            process.start()
+            sender.close()
+            loop = asyncio.get_running_loop()
+            # The budget counts time waiting for the renderer (from when it has started, not the interpreter's
+            # start-up), not the caller's time recognising pages.
+            time_left = limits.pdf_timeout_s
+            started = False
+            outcome = "finished"
+            try:
+                while True:
+                    waited_from = loop.time()
+                    try:
+                        message = await asyncio.wait_for(
+                            asyncio.to_thread(_receive, receiver), max(0.0, time_left) if started else START_TIMEOUT_S
+                        )
+                    except TimeoutError:
+                        outcome = f"over pdf_timeout_s ({limits.pdf_timeout_s:g} s)"
+                        raise RequestTooLarge(
+                            f"{field}: rendering the PDF took longer than the limit pdf_timeout_s "
+                            f"({limits.pdf_timeout_s:g} s); the document is too complex to render",
+                            param=field,
+                            code="render_timeout",
+                        ) from None
+                    if message is not None and message[0] == "ready":
+                        started = True
+                        continue
+                    time_left -= loop.time() - waited_from
+                    if message is None:  # the process died (killed for memory, a PDFium crash)
+                        raise InvalidRequest(
+                            f"{field}: the PDF could not be rendered", param=field, code="invalid_document"
+                        )
+                    if message[0] == "done":
+                        budget.left = budget.limit - message[1]
+                        return
+                    if message[0] == "error":
+                        _, kind, text, param, code = message
+                        error = RequestTooLarge if kind == "RequestTooLarge" else InvalidRequest
+                        raise error(text, param=param, code=code)
+                    _, number, size, pixels = message
+                    yield Page(index, number, Image.frombytes("RGB", size, pixels), limits.pdf_dpi)
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled (the client left)"
+                raise
+            finally:
+                # Done, over its time budget, or cancelled: never let it render on.
+                if process.is_alive() and outcome != "finished":
+                    logger.warning("%s: stopping the PDF render process %s: %s", field, process.pid, outcome)
+                process.kill()  # SIGKILL; a finished one has nothing left to do
+                process.join(2)
+                receiver.close()
+
+
+def _receive(conn: Connection) -> Any:
+    """The next message, or None once the render process has gone without saying why."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def decode_document(document: str, field: str, limits: Limits) -> bytes:
+    data = decode_base64(document, field, limits.max_image_bytes)
+    _check_bytes(data, field, limits)
+    if not is_pdf(data):
+        raise InvalidRequest(f"{field}: is not a PDF", param=field, code="invalid_document")
+    return data
+
+
+def decode_image_bytes(value: str, field: str, limits: Limits) -> bytes:
+    data = decode_base64(value, field, limits.max_image_bytes)
+    _check_bytes(data, field, limits)
+    return data
 
 
 def _check_bytes(data: bytes, field: str, limits: Limits) -> None:

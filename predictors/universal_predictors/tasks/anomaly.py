@@ -29,11 +29,11 @@ from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
 from universal_predictors.anomaly.detector import DetectorSpec, FitFailed, FittedDetector, fit
 from universal_predictors.anomaly.features import FeatureSpace, FieldKind
 from universal_predictors.anomaly.normalize import Normalization
-from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, valid_name
+from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, LoadLimits, SkippedFile, valid_name
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.config import Backend, Task
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
-from universal_predictors.http import field_path, parse_json
+from universal_predictors.http import field_path, loads_json, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,10 @@ class AnomalyPredictor(UniversalPredictor):
             importlib.import_module(f"pyod.models.{module}")
         self.backend = Backend.PYOD
         self.detectors: dict[str, FittedDetector] = {}
+        # New names whose fit is under way: each holds a max_detectors slot from its check to its end, so
+        # concurrent fits cannot all pass the check and exceed the limit together.
+        self._reserved: set[str] = set()
+        self.skipped: list[SkippedFile] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=args.engine_threads, thread_name_prefix=f"engine-{self.name}"
@@ -143,7 +147,10 @@ class AnomalyPredictor(UniversalPredictor):
             self.store = DetectorStore(self.config.state_dir)
             self.store.prepare()  # an unwritable state dir stops start-up: persistence was asked for
             started = time.monotonic()
-            for detector in self.store.load_all():
+            limits = LoadLimits(args.max_rows, args.max_features, args.max_cells, args.max_categories,
+                                args.max_detectors)  # fmt: skip
+            loaded, self.skipped = self.store.load_all(limits)
+            for detector in loaded:
                 self.detectors[detector.spec.name] = detector
             logger.info("loaded %d anomaly detectors from %s in %.1fs", len(self.detectors), self.store.root,
                         time.monotonic() - started)  # fmt: skip
@@ -223,13 +230,6 @@ class AnomalyPredictor(UniversalPredictor):
             raise InvalidRequest(f"{where}: {message}", param=where, code="invalid_value") from None
         self._check_size(body.data, len(body.schema_) if body.schema_ is not None else None)
         name = body.detector
-        if name not in self.detectors and len(self.detectors) >= self.args.max_detectors:
-            raise InvalidRequest(
-                f"detector: {len(self.detectors)} detectors exist, the limit (engine arg max_detectors); "
-                "delete one first",
-                param="detector",
-                code="too_many_detectors",
-            )
         store = self.store
         args = self.args
 
@@ -259,13 +259,28 @@ class AnomalyPredictor(UniversalPredictor):
                     detector.persist_error = f"saving to the state directory failed: {exc.strerror or exc}"
             return detector
 
-        replaced = name in self.detectors
         lock = self._lock(name)
         await lock.acquire()
-        loop = asyncio.get_running_loop()
+        # Holding the name's lock, no other fit or delete of this name runs; checking and reserving a slot
+        # with no await in between makes the limit hold across names too.
+        replaced = name in self.detectors
+        reserved = False
         try:
-            future = loop.run_in_executor(self._executor, job)
+            if not replaced:
+                held = len(self.detectors) + len(self._reserved)
+                if held >= self.args.max_detectors:
+                    raise InvalidRequest(
+                        f"detector: {len(self.detectors)} detectors exist and {len(self._reserved)} more are being "
+                        f"fitted; the limit is {self.args.max_detectors} (engine arg max_detectors); delete one first",
+                        param="detector",
+                        code="too_many_detectors",
+                    )
+                self._reserved.add(name)
+                reserved = True
+            future = asyncio.get_running_loop().run_in_executor(self._executor, job)
         except BaseException:
+            if reserved:
+                self._reserved.discard(name)
             lock.release()
             raise
 
@@ -276,6 +291,8 @@ class AnomalyPredictor(UniversalPredictor):
                 if not done.cancelled() and done.exception() is None:
                     self.detectors[name] = done.result()
             finally:
+                if reserved:
+                    self._reserved.discard(name)
                 lock.release()
 
         future.add_done_callback(install)
@@ -299,8 +316,6 @@ class AnomalyPredictor(UniversalPredictor):
 
     async def infer(self, instances: list[Any]) -> list[Any]:
         """Score instances (numeric rows, objects, or JSON strings of either) with the default detector."""
-        import json
-
         name = self._default_detector_name()
         if name is None:
             raise InvalidRequest(
@@ -313,10 +328,7 @@ class AnomalyPredictor(UniversalPredictor):
         rows: list[Any] = []
         for index, instance in enumerate(instances):
             if isinstance(instance, str):  # v2 BYTES tensors carry each row as a JSON string
-                try:
-                    instance = json.loads(instance)
-                except json.JSONDecodeError:
-                    raise InvalidRequest(f"instances[{index}]: not a JSON row", param=f"instances[{index}]") from None
+                instance = loads_json(instance, f"instances[{index}]", f"instances[{index}]")
             rows.append(instance)
         raw, normalized, _ = await self.score_rows(detector, rows)
         threshold = detector.threshold
@@ -374,7 +386,10 @@ class AnomalyPredictor(UniversalPredictor):
         async def list_route(request: Request) -> Response:
             self.require_ready()
             listed = [self.detectors[name].summary() for name in sorted(self.detectors)]
-            return JSONResponse({"object": "list", "persistence": self.store is not None, "data": listed})
+            result: dict[str, Any] = {"object": "list", "persistence": self.store is not None, "data": listed}
+            if self.skipped:  # files in the state directory not loaded at start, and why
+                result["skipped"] = [skipped.as_json() for skipped in self.skipped]
+            return JSONResponse(result)
 
         def path_name(request: Request) -> str:
             name = str(request.path_params.get("name", ""))

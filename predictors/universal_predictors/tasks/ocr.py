@@ -8,6 +8,9 @@ engine thread, so the event loop only moves bytes; pages of concurrent requests 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,9 +21,19 @@ from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
-from universal_predictors.http import parse_json
+from universal_predictors.http import CLIENT_CLOSED, parse_json
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
-from universal_predictors.ocr.images import Limits, Page, decode_base64, decode_inputs, is_pdf, open_image, render_pdf
+from universal_predictors.ocr.images import (
+    Limits,
+    Page,
+    PdfRenderers,
+    PixelBudget,
+    decode_base64,
+    decode_document,
+    decode_image_bytes,
+    image_pages,
+    is_pdf,
+)
 from universal_predictors.ocr.layout import Line, assemble
 
 
@@ -43,6 +56,11 @@ class OcrEngineArgs(BaseModel):
     max_pages: int = Field(default=32, ge=1, description="Pages of one PDF or frames of one TIFF.")
     max_images: int = Field(default=16, ge=1, description="Entries of images[] in one request.")
     pdf_dpi: int = Field(default=200, ge=50, le=600, description="Resolution PDF pages are rendered at.")
+    max_total_pixels: int = Field(
+        default=100_000_000, ge=10_000, description="Pixels of all images, frames and pages of one request."
+    )
+    pdf_timeout_s: float = Field(default=60.0, gt=0, description="Longest a PDF may take to render (a process).")
+    pdf_workers: int = Field(default=2, ge=1, le=64, description="PDF render processes at once.")
     # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
     languages: str | None = None
     # rapidocr
@@ -58,7 +76,8 @@ class OcrEngineArgs(BaseModel):
     tesseract_cmd: str = "tesseract"
 
     def limits(self) -> Limits:
-        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi)
+        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_total_pixels,
+                      self.pdf_timeout_s)  # fmt: skip
 
 
 class OcrRequest(BaseModel):
@@ -78,6 +97,16 @@ class OcrRequest(BaseModel):
     @classmethod
     def _split(cls, value: Any) -> Any:
         return _codes(value) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class Read:
+    """A page read: where it came from, its size, its lines (its image already released)."""
+
+    index: int
+    page: int | None
+    size: tuple[int, int]
+    lines: list[Line]
 
 
 class OcrPredictor(UniversalPredictor):
@@ -135,6 +164,7 @@ class OcrPredictor(UniversalPredictor):
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.ocr = engine
         self.limits = args.limits()
+        self.renderers = PdfRenderers(args.pdf_workers)
         self.batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
             engine.recognise_batch,
             model_name=self.name,
@@ -164,6 +194,8 @@ class OcrPredictor(UniversalPredictor):
                 "max_images": self.engine_args.max_images,
                 "max_body_bytes": self.engine_args.max_body_bytes,
                 "pdf_dpi": limits.pdf_dpi,
+                "max_total_pixels": limits.max_total_pixels,
+                "pdf_timeout_s": limits.pdf_timeout_s,
             },
             **self.ocr.describe(),
         }
@@ -174,16 +206,73 @@ class OcrPredictor(UniversalPredictor):
     async def recognise(self, pages: list[Page], languages: tuple[str, ...]) -> list[list[Line]]:
         return await self.batcher.submit_many([Job(page.image, languages, page.dpi) for page in pages])
 
+    async def _input_pages(self, value: str, index: int, field: str, budget: PixelBudget, *, document: bool | None
+                           ) -> AsyncGenerator[Page, None]:  # fmt: skip
+        """The pages of one input, decoded (or rendered) one at a time. ``document``: True for a PDF, False
+        for an image, None to tell by the bytes (KServe instances)."""
+        if document is None:
+            data = await asyncio.to_thread(decode_base64, value, field, self.limits.max_image_bytes)
+            document = is_pdf(data)
+            value_bytes: bytes | None = data
+        else:
+            value_bytes = None
+        if document:
+            if value_bytes is None:
+                value_bytes = await asyncio.to_thread(decode_document, value, field, self.limits)
+            async for page in self.renderers.pages(value_bytes, index, field, self.limits, budget):
+                yield page
+            return
+        data = (
+            value_bytes
+            if value_bytes is not None
+            else await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
+        )
+        frames = await asyncio.to_thread(image_pages, data, index, field, self.limits, budget)
+        async for page in _in_thread(frames):
+            yield page
+
+    async def _read_pages(self, sources: list[AsyncGenerator[Page, None]], languages: tuple[str, ...]
+                          ) -> list[Read]:  # fmt: skip
+        """Recognise pages as they are decoded, in windows of at most ``max_batch_size`` pages and about
+        ``max_pixels`` pixels: a window's images are released once read, so a request never holds all its
+        decoded pages at once."""
+        args: OcrEngineArgs = self.engine_args
+        out: list[Read] = []
+        window: list[Page] = []
+        pixels = 0
+
+        async def flush() -> None:
+            nonlocal window, pixels
+            lines = await self.recognise(window, languages)
+            out.extend(
+                Read(page.index, page.page, page.image.size, found) for page, found in zip(window, lines, strict=True)
+            )
+            window, pixels = [], 0  # the window's images go with it
+
+        try:
+            for source in sources:
+                async for page in source:
+                    window.append(page)
+                    pixels += page.image.width * page.image.height
+                    if len(window) >= args.max_batch_size or pixels >= self.limits.max_pixels:
+                        await flush()
+            if window:
+                await flush()
+        finally:  # however this ends (an error, cancelled): a PDF render process stops now, not at GC
+            for source in sources:
+                await source.aclose()
+        return out
+
     @staticmethod
-    def _result(page: Page, lines: list[Line], return_boxes: bool) -> dict[str, Any]:
-        text, confidence, ordered = assemble(lines)
-        item: dict[str, Any] = {"index": page.index}
-        if page.page is not None:
-            item["page"] = page.page
+    def _result(read: Read, return_boxes: bool) -> dict[str, Any]:
+        text, confidence, ordered = assemble(read.lines)
+        item: dict[str, Any] = {"index": read.index}
+        if read.page is not None:
+            item["page"] = read.page
         item["text"] = text
         item["confidence"] = round(confidence, 4)
         if return_boxes:
-            item["width"], item["height"] = page.image.size
+            item["width"], item["height"] = read.size
             item["boxes"] = [line.as_json() for line in ordered]
         return item
 
@@ -204,24 +293,25 @@ class OcrPredictor(UniversalPredictor):
                 code="too_many_images",
             )
         languages = self._languages(body.languages)
-        pages = await asyncio.to_thread(decode_inputs, body.images, body.document, self.limits)
-        results = await self.recognise(pages, languages)
-        data = [self._result(page, lines, body.return_boxes) for page, lines in zip(pages, results, strict=True)]
+        budget = PixelBudget(self.limits)
+        sources: list[AsyncGenerator[Page, None]] = []
+        if body.document is not None:
+            sources.append(self._input_pages(body.document, 0, "document", budget, document=True))
+        else:
+            # Every image's headers are checked against the budget before the first is decoded.
+            for index, value in enumerate(body.images or []):
+                field = f"images[{index}]"
+                raw = await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
+                frames = await asyncio.to_thread(image_pages, raw, index, field, self.limits, budget)
+                sources.append(_in_thread(frames))
+        read = await self._read_pages(sources, languages)
+        data = [self._result(item, body.return_boxes) for item in read]
         return {
             "object": "list",
             "model": self.name,
             "data": data,
-            "usage": {"images": len(body.images or []) or 1, "pages": len(pages)},
+            "usage": {"images": len(body.images or []) or 1, "pages": len(read)},
         }
-
-    def _decode_instance(self, value: Any, position: int) -> list[Page]:
-        field = f"instances[{position}]"
-        if not isinstance(value, str):
-            raise InvalidRequest(f"{field}: must be a base64 image or PDF string", param=field)
-        data = decode_base64(value, field, self.limits.max_image_bytes)
-        if is_pdf(data):
-            return render_pdf(data, position, field, self.limits)
-        return open_image(data, position, field, self.limits)
 
     async def infer(self, instances: list[Any]) -> list[Any]:
         """KServe v1/v2: each instance a base64 image or PDF -> {text, confidence[, pages]}."""
@@ -230,14 +320,18 @@ class OcrPredictor(UniversalPredictor):
                 f"instances: {len(instances)} inputs; the limit max_images is {self.engine_args.max_images}",
                 param="instances",
             )
-        decoded = await asyncio.gather(
-            *(asyncio.to_thread(self._decode_instance, value, i) for i, value in enumerate(instances))
-        )
-        flat = [page for pages in decoded for page in pages]
-        results = iter(await self.recognise(flat, tuple(self.default_languages)))
+        for position, value in enumerate(instances):
+            if not isinstance(value, str):
+                field = f"instances[{position}]"
+                raise InvalidRequest(f"{field}: must be a base64 image or PDF string", param=field)
+        budget = PixelBudget(self.limits)
+        sources = [
+            self._input_pages(value, i, f"instances[{i}]", budget, document=None) for i, value in enumerate(instances)
+        ]
+        read = await self._read_pages(sources, tuple(self.default_languages))
         outputs: list[Any] = []
-        for pages in decoded:
-            items = [self._result(page, next(results), False) for page in pages]
+        for position in range(len(instances)):
+            items = [self._result(item, False) for item in read if item.index == position]
             if len(items) == 1 and items[0].get("page") is None:
                 outputs.append({"text": items[0]["text"], "confidence": items[0]["confidence"]})
             else:
@@ -252,6 +346,30 @@ class OcrPredictor(UniversalPredictor):
             body = await parse_json(request, OcrRequest, self.engine_args.max_body_bytes)
             self.check_model(body.model)
             self.require_ready()
-            return JSONResponse(await self.ocr_request(body))
+            # A client that leaves stops its request: decoding, a PDF render process, queued pages.
+            work = asyncio.ensure_future(self.ocr_request(body))
+            gone = asyncio.ensure_future(_until_disconnect(request))
+            try:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if work.done():
+                    return JSONResponse(work.result())
+                return Response(status_code=CLIENT_CLOSED)  # nobody is listening; for logs and metrics
+            finally:
+                for task in (work, gone):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
 
         router.add_api_route("/v1/ocr", ocr, methods=["POST"])
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body is already read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _in_thread(pages: Iterator[Page]) -> AsyncGenerator[Page, None]:
+    """Iterate a blocking page iterator (decoding) on worker threads, one page at a time."""
+    while (page := await asyncio.to_thread(next, pages, None)) is not None:
+        yield page

@@ -31,7 +31,7 @@ from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, Task
 from universal_predictors.devices import detect_device, dtype_for, release_memory
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.http import parse_json, validation_error
+from universal_predictors.http import loads_json, parse_json, validation_error
 from universal_predictors.tasks.embed import EmbeddingService, EmbedEngineArgs, TransformersEncoder
 
 RerankMode = Literal["cross-encoder", "bi-encoder"]
@@ -263,12 +263,12 @@ class RerankPredictor(UniversalPredictor):
         """KServe v1/v2: each instance is a rerank request object (or its JSON text)."""
         out = []
         for index, instance in enumerate(instances):
+            where = f"instances[{index}]"
+            raw = loads_json(instance, where, where) if isinstance(instance, str) else instance
             try:
-                raw = json.loads(instance) if isinstance(instance, str) else instance
                 body = RerankRequest.model_validate(raw)
-            except ValueError as exc:
-                detail = validation_error(exc).message if isinstance(exc, ValidationError) else "not valid JSON"
-                raise InvalidRequest(f"instances[{index}]: {detail}", param=f"instances[{index}]") from None
+            except ValidationError as exc:
+                raise InvalidRequest(f"{where}: {validation_error(exc).message}", param=where) from None
             out.append((await self.rerank(body))["results"])
         return out
 

@@ -40,7 +40,13 @@ from universal_predictors.base import StartupError
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
-from universal_predictors.generation.engine import Engine, EngineCapabilities, GenerationChunk, GenerationRequest
+from universal_predictors.generation.engine import (
+    Engine,
+    EngineCapabilities,
+    GenerationChunk,
+    GenerationRequest,
+    beyond_capacity,
+)
 from universal_predictors.generation.engines.common import drain_tokens
 
 logger = logging.getLogger(__name__)
@@ -399,7 +405,10 @@ class LlamaCppEngine(Engine):
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
-        if self._outstanding + sequences > self.largs.max_queue + 1:  # the waiting ones + the one running
+        capacity = self.largs.max_queue + 1  # the waiting ones + the one running
+        if sequences > capacity:
+            raise beyond_capacity(sequences, capacity, "one running + engine arg max_queue")
+        if self._outstanding + sequences > capacity:
             raise self._overloaded()
 
     def _overloaded(self) -> Unavailable:
@@ -518,7 +527,7 @@ class LlamaCppEngine(Engine):
                 logprobs = self._log_softmax(self._logits()) if params.logprobs is not None else None
                 if matcher is not None and masks is not None:
                     if matcher.is_error():
-                        raise RuntimeError(f"constrained decoding failed: {matcher.get_error()}")
+                        raise constraints.matcher_failure(matcher)
                     allowed = constraints.unpack_masks(constraints.fill_masks([matcher], masks), self._n_vocab)
                     self._logits()[~allowed[0]] = -np.inf
                 token = int(sampler.sample(llm._ctx, -1))

@@ -35,6 +35,7 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    beyond_capacity,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -181,7 +182,10 @@ class TransformersEngine(Engine):
         return {"device": self.device, "max_batch_size": self.targs.max_batch_size, "max_queue": self.targs.max_queue}
 
     def check_capacity(self, sequences: int = 1) -> None:
-        if self._outstanding + sequences > self.targs.max_batch_size + self.targs.max_queue:
+        capacity = self.targs.max_batch_size + self.targs.max_queue
+        if sequences > capacity:
+            raise beyond_capacity(sequences, capacity, "engine args max_batch_size + max_queue")
+        if self._outstanding + sequences > capacity:
             waiting = max(0, self._outstanding - self.targs.max_batch_size)
             raise Unavailable(
                 f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
@@ -346,7 +350,7 @@ class TransformersEngine(Engine):
                     scores[eos] = float("-inf")
             if seq.matcher is not None and seq.matcher.is_error():
                 seq.finished = True
-                seq.send(RuntimeError(f"constrained decoding failed: {seq.matcher.get_error()}"))
+                seq.send(constraints.matcher_failure(seq.matcher))
                 continue
             token = self._pick(scores, params.temperature, params.top_p, seq.generator)
             seq.generated.append(token)

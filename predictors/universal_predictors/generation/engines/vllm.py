@@ -33,7 +33,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.devices import release_memory
-from universal_predictors.errors import Unavailable
+from universal_predictors.errors import RequestTooLarge, Unavailable
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -41,6 +41,7 @@ from universal_predictors.generation.engine import (
     GenerationRequest,
     TokenLogprob,
     TopLogprob,
+    beyond_capacity,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -270,7 +271,10 @@ class VllmEngine(Engine):
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
-        if self._outstanding + sequences > self._running + self._max_queue:
+        capacity = self._running + self._max_queue
+        if sequences > capacity:
+            raise beyond_capacity(sequences, capacity, "engine args max_num_seqs + max_queue")
+        if self._outstanding + sequences > capacity:
             waiting = max(0, self._outstanding - self._running)
             raise Unavailable(
                 f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
@@ -279,7 +283,12 @@ class VllmEngine(Engine):
 
         try:  # vLLM's own limits (max_num_queued_reqs, max_num_queued_tokens) when they are set
             self._llm.check_admission(sequences)
-        except (QueueOverflowError, MaxQueuedTokensError):
+        except (QueueOverflowError, MaxQueuedTokensError) as exc:
+            if self._outstanding == 0:  # refused by an idle engine: it never fits, waiting cannot help
+                raise RequestTooLarge(
+                    f"The request is larger than vLLM ever queues at once ({exc}); send fewer or shorter prompts.",
+                    code="request_too_large",
+                ) from None
             raise Unavailable("The model is overloaded; retry shortly.", code="overloaded") from None
 
     def _set_waiting(self, change: int) -> None:

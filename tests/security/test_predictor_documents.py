@@ -1,0 +1,146 @@
+"""Hostile documents on a real OCR predictor (RapidOCR): a tiny PDF that would render for hours is stopped at
+its time budget or when its client leaves, without holding up other PDFs; a multi-frame TIFF cannot decode
+more pixels than the request's budget. The hostile files are built here."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.predictors import ocr_samples as samples
+from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.security.predictor_fixtures import openai_error
+from universal_predictors.config import Backend, PredictorConfig, Task
+
+PDF_TIMEOUT_S = 20
+MAX_PIXELS = 4_000_000
+MAX_TOTAL_PIXELS = 10_000_000
+
+
+def nested_forms_pdf(depth: int = 6, repeats: int = 10) -> bytes:
+    """A one-page PDF of about 2 KB whose page draws form F{depth}; each form draws the one below it ``repeats``
+    times and the last fills the page: ``repeats ** depth`` full-page fills (10**6: hours of PDFium)."""
+    objects: list[bytes] = []
+
+    def add(body: bytes) -> int:
+        objects.append(body)
+        return len(objects)
+
+    def stream(dictionary: bytes, content: bytes) -> bytes:
+        length = str(len(content)).encode()
+        return b"<< " + dictionary + b" /Length " + length + b" >>\nstream\n" + content + b"\nendstream"
+
+    form = b"/Type /XObject /Subtype /Form /BBox [0 0 612 792]"
+    inner = add(stream(form, b"0 0 612 792 re f"))
+    for _ in range(depth):
+        resources = b" /Resources << /XObject << /F " + str(inner).encode() + b" 0 R >> >>"
+        inner = add(stream(form + resources, b"/F Do " * repeats))
+    content = add(stream(b"", b"/F Do"))
+    page = add(b"<< /Type /Page /Parent " + str(content + 2).encode() + b" 0 R /MediaBox [0 0 612 792] /Contents "
+               + str(content).encode() + b" 0 R /Resources << /XObject << /F " + str(inner).encode()
+               + b" 0 R >> >> >>")  # fmt: skip
+    pages = add(b"<< /Type /Pages /Kids [" + str(page).encode() + b" 0 R] /Count 1 >>")
+    catalog = add(b"<< /Type /Catalog /Pages " + str(pages).encode() + b" 0 R >>")
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += str(number).encode() + b" 0 obj\n" + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 " + str(len(objects) + 1).encode() + b"\n0000000000 65535 f \n"
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size " + str(len(objects) + 1).encode() + b" /Root " + str(catalog).encode() + b" 0 R >>\n"
+    out += b"startxref\n" + str(xref).encode() + b"\n%%EOF\n"
+    return bytes(out)
+
+
+def white_tiff(frames: int, side: int) -> bytes:
+    """``frames`` white ``side`` x ``side`` bilevel frames, compressed to a few kilobytes."""
+    frame = Image.new("1", (side, side), 1)
+    buffer = io.BytesIO()
+    frame.save(buffer, "TIFF", save_all=True, append_images=[frame] * (frames - 1), compression="tiff_lzw")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ocr_predictor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    engine_args = {"pdf_timeout_s": str(PDF_TIMEOUT_S), "max_pixels": str(MAX_PIXELS),
+                   "max_total_pixels": str(MAX_TOTAL_PIXELS)}  # fmt: skip
+    config = PredictorConfig(model_name="ocr", task=Task.OCR, backend=Backend.RAPIDOCR, source="builtin",
+                             engine_args=engine_args)  # fmt: skip
+    with running_predictor(config, tmp_path_factory.mktemp("security-ocr")) as predictor:
+        yield predictor
+
+
+def ocr(predictor: PredictorProcess, timeout: float = 120, **body: Any) -> httpx.Response:
+    with predictor.client(timeout=timeout) as client:
+        return client.post("/v1/ocr", json=body)
+
+
+def test_the_hostile_pdf_is_small() -> None:
+    assert len(nested_forms_pdf()) < 3000
+
+
+def test_a_pdf_over_its_render_budget_is_stopped_while_other_pdfs_are_read(ocr_predictor: PredictorProcess) -> None:
+    hostile = base64.b64encode(nested_forms_pdf()).decode()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(ocr, ocr_predictor, 60, document=hostile)
+        normal = pool.submit(ocr, ocr_predictor, 60, document=samples.b64(samples.pdf()))
+        read = normal.result()
+        refused = slow.result()
+    assert read.status_code == 200, read.text
+    assert [item["page"] for item in read.json()["data"]] == [1, 2]
+    error = openai_error(refused, 413)
+    assert error["code"] == "render_timeout"
+    assert error["param"] == "document"
+    assert f"pdf_timeout_s ({PDF_TIMEOUT_S} s)" in error["message"]
+
+
+def test_a_client_leaving_stops_its_pdf_render(ocr_predictor: PredictorProcess) -> None:
+    hostile = base64.b64encode(nested_forms_pdf()).decode()
+    with pytest.raises(httpx.ReadTimeout):
+        ocr(ocr_predictor, 2, document=hostile)  # leaves long before the budget runs out
+    stopped = "stopping the PDF render process"
+    deadline = time.monotonic() + PDF_TIMEOUT_S  # before its own budget could have stopped it
+    while not any(stopped in line and "the client left" in line for line in ocr_predictor.log_tail(200).splitlines()):
+        assert time.monotonic() < deadline, "the render process was not stopped when the client left"
+        time.sleep(0.2)
+    after = ocr(ocr_predictor, document=samples.b64(samples.pdf()))
+    assert after.status_code == 200, after.text
+
+
+def test_tiff_frames_over_the_requests_pixel_budget_are_a_413_before_decoding(ocr_predictor: PredictorProcess) -> None:
+    tiff = white_tiff(frames=4, side=2000)  # 4 x 4,000,000 pixels against a budget of 10,000,000
+    assert len(tiff) < 100_000
+    error = openai_error(ocr(ocr_predictor, images=[base64.b64encode(tiff).decode()]), 413)
+    assert error["code"] == "too_many_pixels"
+    assert error["param"] == "images[0] frame 3"
+    assert f"the limit max_total_pixels is {MAX_TOTAL_PIXELS}" in error["message"]
+
+
+def test_the_pixel_budget_spans_all_images_of_a_request(ocr_predictor: PredictorProcess) -> None:
+    one = base64.b64encode(white_tiff(frames=1, side=2000)).decode()  # 4,000,000 pixels each
+    assert ocr(ocr_predictor, images=[one, one]).status_code == 200
+    error = openai_error(ocr(ocr_predictor, images=[one, one, one]), 413)
+    assert error["param"] == "images[2]"
+    assert "max_total_pixels" in error["message"]
+
+
+def test_tiff_frames_within_the_budget_are_read_frame_by_frame(ocr_predictor: PredictorProcess) -> None:
+    first, second = samples.font_samples()[:2]
+    buffer = io.BytesIO()
+    first.image.save(buffer, "TIFF", save_all=True, append_images=[second.image])
+    response = ocr(ocr_predictor, images=[samples.b64(buffer.getvalue())])
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [(item["index"], item["page"]) for item in data] == [(0, 1), (0, 2)]
+    assert samples.similarity(first.text, data[0]["text"]) >= samples.SIMILARITY_THRESHOLD
+    assert samples.similarity(second.text, data[1]["text"]) >= samples.SIMILARITY_THRESHOLD
