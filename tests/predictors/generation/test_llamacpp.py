@@ -315,13 +315,14 @@ def test_auto_picks_llamacpp_for_a_gguf_pattern_and_reports_the_file(small_queue
     assert card["context_length"] == 256  # the explicit n_ctx
 
 
-def test_more_sequences_than_the_queue_holds_get_503_with_retry_after(small_queue_predictor: PredictorProcess) -> None:
+def test_more_sequences_than_the_engine_ever_holds_get_413_not_a_503(small_queue_predictor: PredictorProcess) -> None:
     client = openai.OpenAI(base_url=small_queue_predictor.openai_url, api_key="unused", max_retries=0, timeout=60)
     ok = client.completions.create(model="tiny-llama", prompt="The river", max_tokens=4, n=2, temperature=0)
     assert len(ok.choices) == 2  # one running + one queued fit
     for stream in (False, True):
         with pytest.raises(openai.APIStatusError) as info:
             client.completions.create(model="tiny-llama", prompt="The river", max_tokens=4, n=3, stream=stream)
-        assert info.value.status_code == 503
-        assert int(info.value.response.headers["Retry-After"]) >= 1
-        assert info.value.body["code"] == "overloaded"  # type: ignore[index]
+        # Never admissible, however idle the engine: retrying cannot help, so no 503 and no Retry-After.
+        assert info.value.status_code == 413
+        assert "Retry-After" not in info.value.response.headers
+        assert info.value.body["code"] == "too_many_sequences"  # type: ignore[index]
