@@ -97,8 +97,7 @@ COPY gateway /src/gateway
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
       --no-deps --force-reinstall /src \
- && rm -rf /src/build /src/*.egg-info \
- && python -c "import cv2, llama_cpp, rapidocr_onnxruntime, torch, universal_predictors"
+ && rm -rf /src/build /src/*.egg-info
 
 # ------------------------------------------------------------------------------------------------------------
 FROM runtime AS control-plane
@@ -135,10 +134,13 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends libgomp1 tesseract-ocr tesseract-ocr-eng \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log
 COPY --from=predictor-cpu-venv /opt/venv /opt/venv
-# RapidOCR's packaged ONNX models under the path examples/cluster/rapidocr.yaml names.
+# RapidOCR's packaged ONNX models under the path examples/cluster/rapidocr.yaml names; then every engine's
+# native libraries load (a missing shared library fails the build, not the first request).
 RUN mkdir -p /opt/models \
  && ln -s "$(python -c 'import pathlib, rapidocr_onnxruntime as r; print(pathlib.Path(r.__file__).parent / "models")')" \
-      /opt/models/rapidocr
+      /opt/models/rapidocr \
+ && python -c "import cv2, llama_cpp, onnxruntime, pyod, rapidocr_onnxruntime, torch, universal_predictors" \
+ && tesseract --version >/dev/null
 USER 1000:1000
 WORKDIR /cache
 EXPOSE 8080

@@ -15,6 +15,7 @@ Skipped unless ``UNIVERSAL_RUNTIME_IMAGE_TESTS=1`` and the images exist (``make 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import shutil
@@ -67,10 +68,9 @@ def _skip_reason() -> str | None:
 
 
 _reason = _skip_reason()
-pytestmark = [
-    pytest.mark.skipif(_reason is not None, reason=_reason or ""),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+#: The async tests share the module's event loop with the cluster fixture.
+in_cluster_loop = pytest.mark.asyncio(loop_scope="module")
 
 
 def _inspect(image: str) -> dict[str, Any]:
@@ -211,6 +211,7 @@ async def _answers(http: httpx.AsyncClient, url: str) -> bool:
         return False
 
 
+@in_cluster_loop
 async def test_operator_image_renders_the_examples_and_kubectl_shows_them_ready(cluster: ImageCluster) -> None:
     for example in ("minilm-embed", "rapidocr", "qwen-chat"):
         await cluster.apply(load_manifest(f"cluster/{example}.yaml"))
@@ -243,11 +244,28 @@ async def rendered_predictor(cluster: ImageCluster, name: str, model_dir: Path |
         await write_status(cluster.client, isvc, status)
         await eventually(lambda: _routed(cluster, name, url), within=30)
         yield container_name
-        # Nothing was written outside the pod's volumes: the read-only root leaves nothing for podman diff.
+        # Nothing was written outside the pod's volumes (podman's own /etc files and mount points aside).
         diff = await podman("diff", container_name)
-        assert diff.stdout.split() == []
-        top = await podman("top", container_name, "user", "group")
-        assert {tuple(line.split()) for line in top.stdout.strip().splitlines()[1:]} == {("1000", "1000")}
+        changed = [line.split(maxsplit=1)[1] for line in diff.stdout.strip().splitlines()]
+        assert [path for path in changed if not _podman_bookkeeping(path, args)] == []
+        # The serving process: uid/gid 1000 (real, effective, saved, fs), no capabilities, no privilege gain.
+        status = await podman("exec", container_name, "cat", "/proc/1/status")
+        fields = dict(line.split(":", 1) for line in status.stdout.splitlines())
+        assert fields["Uid"].split() == ["1000"] * 4
+        assert fields["Gid"].split() == ["1000"] * 4
+        assert int(fields["CapEff"], 16) == 0
+        assert fields["NoNewPrivs"].strip() == "1"
+
+
+#: Files podman itself writes into every container (its network and identity files).
+PODMAN_FILES = {"/etc", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/run", "/run/.containerenv"}
+
+
+def _podman_bookkeeping(path: str, args: list[str]) -> bool:
+    """Whether ``path`` in ``podman diff`` is podman's doing: its own files, a mount point or a parent of one."""
+    mounts = [value.split(":")[0] for flag, value in itertools.pairwise(args) if flag == "--tmpfs"]
+    mounts += [value.split(":")[1] for flag, value in itertools.pairwise(args) if flag == "--volume"]
+    return path in PODMAN_FILES or any(mount == path or mount.startswith(path + "/") for mount in mounts)
 
 
 def _routed(cluster: ImageCluster, name: str, url: str) -> bool:
@@ -260,6 +278,7 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
+@in_cluster_loop
 async def test_predictor_image_runs_the_rendered_minilm_pod_and_answers_embeddings_through_the_gateway(
     cluster: ImageCluster, model_files: Path
 ) -> None:
@@ -273,6 +292,7 @@ async def test_predictor_image_runs_the_rendered_minilm_pod_and_answers_embeddin
         assert _cosine(cat, kitten) > _cosine(cat, revenue) + 0.2
 
 
+@in_cluster_loop
 async def test_predictor_image_runs_the_rendered_ocr_pod_with_its_packaged_models(cluster: ImageCluster) -> None:
     lines = ["Invoice number 2024", "Total due in thirty days"]
     image = samples.b64(samples.encode(samples.render(lines, samples.body_font())))
@@ -281,3 +301,46 @@ async def test_predictor_image_runs_the_rendered_ocr_pod_with_its_packaged_model
         assert response.status_code == 200, response.text
         [item] = response.json()["data"]
         assert samples.similarity(" ".join(lines), item["text"]) >= samples.SIMILARITY_THRESHOLD
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the storage initializer leaves for examples/cluster/qwen-chat.yaml, with a tiny random Llama in GGUF
+    named to match its ``source.file`` glob (``*q4_k_m.gguf``): no hub is reachable here."""
+    from tests.predictors.generation.tiny_llama import LlamaShape, build_llama, write_gguf
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    folder = root / "models"
+    folder.mkdir()
+    # The example's n_ctx (8192) within the model's context, as Qwen2.5's 32k is.
+    write_gguf(build_llama(root / "hf", LlamaShape(context=8192)), folder / "tiny-llama-q4_k_m.gguf")
+    for path in (root, folder, *folder.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # readable by the pod's uid 1000
+    return folder
+
+
+@in_cluster_loop
+async def test_predictor_image_runs_the_rendered_llama_cpp_chat_pod_and_answers_through_the_gateway(
+    cluster: ImageCluster, tiny_gguf_dir: Path
+) -> None:
+    async with rendered_predictor(cluster, "qwen-chat", tiny_gguf_dir):
+        client = AsyncOpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = await client.chat.completions.create(
+            model="qwen2.5-0.5b-instruct", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+        )
+        streamed = [
+            chunk.choices[0].delta.content or ""
+            async for chunk in await client.chat.completions.create(
+                model="qwen2.5-0.5b-instruct",
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+            )
+            if chunk.choices
+        ]
+        await client.close()
+        assert reply.usage is not None
+        assert 1 <= reply.usage.completion_tokens <= 8
+        # Greedy on both calls: the stream spells the same text.
+        assert "".join(streamed) == reply.choices[0].message.content
