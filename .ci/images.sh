@@ -17,6 +17,9 @@ VERSION="$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pypro
 REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 REGISTRY="${IMAGE_REGISTRY:-ghcr.io/universal-runtime}"
 BASE_IMAGE="localhost/universal-runtime-base:bookworm"
+# The model image's base: Debian's static busybox (sh, ln, ls, sleep: what KServe's modelcar runs), as the
+# Dockerfile's public default is busybox.
+BUSYBOX_IMAGE="localhost/universal-runtime-busybox:bookworm"
 # The names the chart and the operator's defaults use (charts/universal-runtime/values.yaml).
 CONTROL_PLANE_IMAGE="$REGISTRY/universal-runtime:$VERSION"
 PREDICTOR_CPU_IMAGE="$REGISTRY/predictor-cpu:$VERSION"
@@ -66,6 +69,26 @@ make_base() {
   fi
 }
 
+make_busybox() {
+  if podman image exists "$BUSYBOX_IMAGE"; then
+    return
+  fi
+  local dir
+  dir="$(mktemp -d)"
+  (cd "$dir" && apt-get download -q busybox-static 2>/dev/null >/dev/null) || {
+    apt-get update -qq && (cd "$dir" && apt-get download -q busybox-static >/dev/null)
+  }
+  mkdir "$dir/root"
+  dpkg-deb -x "$dir"/busybox-static_*.deb "$dir/root"
+  for applet in sh ln ls sleep cat id; do
+    ln -s busybox "$dir/root/bin/$applet"
+  done
+  rm -rf "$dir/root/usr/share/doc"
+  mkdir -p "$dir/root/tmp" "$dir/root/mnt" && chmod 1777 "$dir/root/tmp"
+  tar -C "$dir/root" -c . | podman import --quiet --change 'CMD ["sh"]' - "$BUSYBOX_IMAGE" >/dev/null
+  rm -rf "$dir"
+}
+
 make_wheelhouse() {
   local key stamp="$WHEELHOUSE/.key"
   key="$(cat pyproject.toml constraints.txt <(printf '%s\n' "${WHEEL_SPECS[@]}") | sha256sum | cut -c1-16)"
@@ -91,7 +114,7 @@ build() {  # build TARGET IMAGE [EXTRA ARGS...]
     --build-context "wheelhouse=$WHEELHOUSE" \
     --build-arg PYTHON_OFFLINE=1 \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
-    --build-arg "MODEL_BASE_IMAGE=$BASE_IMAGE" \
+    --build-arg "MODEL_BASE_IMAGE=$BUSYBOX_IMAGE" \
     --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
     "$@" . >/dev/null
   echo "images: $image $(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1 / 1e6}')" \
@@ -102,6 +125,7 @@ build_all() {
   : >"$TIMINGS"
   step setup-podman setup_podman
   step base make_base
+  step busybox make_busybox
   step wheelhouse make_wheelhouse
   step control-plane build control-plane "$CONTROL_PLANE_IMAGE"
   step predictor-cpu build predictor-cpu "$PREDICTOR_CPU_IMAGE"

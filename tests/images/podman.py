@@ -66,13 +66,15 @@ def run_args(
     image: str | None = None,
     model_dir: Path | None = None,
     publish: Mapping[int, int] | None = None,
+    volumes_dir: Path | None = None,
 ) -> list[str]:
     """``podman run`` arguments (without ``podman``) for the predictor pod of ``isvc``.
 
     ``model_dir`` is what KServe's storage initializer wrote (or the modelcar's /models): mounted read-only at
     /mnt/models, as KServe v0.16.0 pkg/webhook/admission/pod/storage_initializer_injector.go mounts the
     provision location (read-only unless the storage.kserve.io/readonly annotation says "false"), and a
-    non-empty STORAGE_URI env var is rewritten to that path there. ``publish`` maps host ports to container ports.
+    non-empty STORAGE_URI env var is rewritten to that path there. ``publish`` maps host ports to container ports;
+    ``volumes_dir`` is an empty folder where the pod's emptyDir volumes are made.
     """
     predictor = isvc["spec"]["predictor"]
     container = predictor_container(isvc)
@@ -85,7 +87,8 @@ def run_args(
         raise Untranslatable(f"securityContext fields {sorted(set(pod_security) - _POD_SECURITY)}, "
                              f"{sorted(set(security) - _CONTAINER_SECURITY)}")  # fmt: skip
 
-    args = ["run", "--detach", "--name", name]
+    # Kubernetes ignores an image's HEALTHCHECK (the probes are the pod's), and so does this pod.
+    args = ["run", "--detach", "--name", name, "--no-healthcheck"]
     user = security.get("runAsUser", pod_security.get("runAsUser"))
     group = security.get("runAsGroup", pod_security.get("runAsGroup"))
     if user is not None:
@@ -128,12 +131,19 @@ def run_args(
     for mount in container.get("volumeMounts", []):
         volume = volumes[mount["name"]]
         if "emptyDir" in volume:
-            # An emptyDir is a fresh, world-writable directory; with medium Memory and a sizeLimit, a sized tmpfs.
-            options = "rw,mode=0777"
-            size = (volume["emptyDir"] or {}).get("sizeLimit")
-            if size:
-                options += f",size={_bytes(size)}"
-            args += ["--tmpfs", f"{mount['mountPath']}:{options}"]
+            empty_dir = volume["emptyDir"] or {}
+            if empty_dir.get("medium") == "Memory":
+                size = empty_dir.get("sizeLimit")
+                args += ["--tmpfs", f"{mount['mountPath']}:rw" + (f",size={_bytes(size)}" if size else "")]
+            else:
+                # A fresh world-writable directory on the node, as the kubelet makes it (podman 4.3's --tmpfs takes
+                # its mode from the image's directory, not from mode=, and copies the image's files up).
+                if volumes_dir is None:
+                    raise Untranslatable(f"emptyDir {mount['name']}: give volumes_dir")
+                host = volumes_dir / mount["name"]
+                host.mkdir(parents=True)
+                host.chmod(0o777)
+                args += ["--volume", f"{host}:{mount['mountPath']}"]
         else:
             raise Untranslatable(f"volume {mount['name']}: {sorted(set(volume) - {'name'})}")
     storage = any(var["name"] == STORAGE_URI_ENV and var.get("value") for var in container.get("env", []))
