@@ -253,8 +253,8 @@ async def rendered_predictor(cluster: ImageCluster, name: str, model_dir: Path |
         changed = [line.split(maxsplit=1)[1] for line in diff.stdout.strip().splitlines()]
         assert [path for path in changed if not _podman_bookkeeping(path, args)] == []
         # The serving process: uid/gid 1000 (real, effective, saved, fs), no capabilities, no privilege gain.
-        status = await podman("exec", container_name, "cat", "/proc/1/status")
-        fields = dict(line.split(":", 1) for line in status.stdout.splitlines())
+        proc_status = await podman("exec", container_name, "cat", "/proc/1/status")
+        fields = dict(line.split(":", 1) for line in proc_status.stdout.splitlines())
         assert fields["Uid"].split() == ["1000"] * 4
         assert fields["Gid"].split() == ["1000"] * 4
         assert int(fields["CapEff"], 16) == 0
