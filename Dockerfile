@@ -52,8 +52,10 @@ RUN groupadd --gid 1000 runtime \
 FROM runtime AS venv
 ENV PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/venv
-# pyproject.toml, constraints.txt and README.md only: this layer is rebuilt when the pins change, not the code.
-COPY pyproject.toml constraints.txt README.md /src/
+# pyproject.toml and constraints.txt only: the dependency layers are rebuilt when the pins change, not the code
+# (pyproject's readme is an empty stand-in: documentation edits do not reinstall torch).
+COPY pyproject.toml constraints.txt /src/
+RUN touch /src/README.md
 
 FROM venv AS control-plane-venv
 # Package sources (ARGs are declared in each stage that reads them: podman does not carry them into derived
@@ -161,7 +163,8 @@ RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev build-essential cmake ninja-build \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
-COPY pyproject.toml constraints.txt README.md /src/
+COPY pyproject.toml constraints.txt /src/
+RUN touch /src/README.md
 # vLLM brings its CUDA torch; the `vllm` extra adds the shared schema check. constraints.txt's CPU torch pin is
 # not applied here (vLLM pins the CUDA torch it was built with).
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \

@@ -72,9 +72,13 @@ def first_answer(url: str, served_name: str, started: float) -> float:
     with httpx.Client(timeout=60) as http:
         while time.monotonic() - started < DEADLINE_S:
             try:
-                response = http.post(f"{url}/v1/embeddings", json={"model": served_name, "input": ["wake up"]})
+                # The predictor's OpenAI routes (the gateway maps /v1 onto them).
+                body = {"model": served_name, "input": ["wake up"]}
+                response = http.post(f"{url}/openai/v1/embeddings", json=body)
                 if response.status_code == 200:
                     return time.monotonic() - started
+                if response.status_code != 503:
+                    raise SystemExit(f"{url}: {response.status_code} {response.text[:200]}")
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
