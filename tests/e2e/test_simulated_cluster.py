@@ -258,18 +258,20 @@ async def test_kubectl_delete_stops_the_predictor_and_the_model_leaves_the_model
 async def test_a_predictor_killed_while_serving_is_reported_failed_with_its_exit_code(
     cluster: SimulatedCluster,
 ) -> None:
-    # The Standard-mode model of the test above (applied again: idempotent when it already exists).
-    manifest = _minilm("minilm-standard", "minilm-standard", mode="Standard", minReplicas=0, idleTimeout=STANDARD_IDLE)
+    # A Standard-mode model of its own with a long idle timeout: with the short one above the gateway could stop
+    # the model as idle before a busy machine reports the crash, and a stopped model is Idle, not Failed.
+    manifest = _minilm("minilm-crash", "minilm-crash", mode="Standard", minReplicas=0, idleTimeout="10m")
     await cluster.apply(manifest)
-    await cluster.embed("minilm-standard", ["make sure it runs"])
-    pid = cluster.kserve.pid(NS, "minilm-standard")
+    await eventually(lambda: cluster.phase("minilm-crash") == "Ready", within=LOAD_WITHIN)
+    await cluster.embed("minilm-crash", ["make sure it runs"])
+    pid = cluster.kserve.pid(NS, "minilm-crash")
     assert pid is not None
     os.kill(pid, 9)
 
-    await eventually(lambda: cluster.phase("minilm-standard") == "Failed", within=60)
+    await eventually(lambda: cluster.phase("minilm-crash") == "Failed", within=60)
     # Killed by SIGKILL: a container's exit code 128 + 9, as the kubelet reports it.
-    assert "exit code 137" in cluster.model("minilm-standard")["status"]["message"]
-    assert cluster.kserve.pid(NS, "minilm-standard") is None
+    assert "exit code 137" in cluster.model("minilm-crash")["status"]["message"]
+    assert cluster.kserve.pid(NS, "minilm-crash") is None
 
 
 async def test_a_predictor_that_exits_while_loading_is_reported_failed_with_its_last_log_lines(
