@@ -351,6 +351,20 @@ SOURCE_CASES = {
         source: /mnt/models
         """,
     ),
+    # KServe v0.16.0 storage_initializer_injector.go: an oci:// STORAGE_URI becomes a modelcar sidecar (with
+    # enableModelcar) whose /models the predictor sees at /mnt/models, the same path as a fetched source.
+    "oci:// model image (a KServe modelcar, the Dockerfile's model target): STORAGE_URI, read at /mnt/models": (
+        with_spec("source: {uri: 'oci://registry.example.com/model-all-minilm-l6-v2:0.1.0'}"),
+        """
+        env:
+        - {name: STORAGE_URI, value: "oci://registry.example.com/model-all-minilm-l6-v2:0.1.0"}
+        - {name: HOME, value: /cache}
+        - {name: XDG_CACHE_HOME, value: /cache}
+        - {name: HF_HOME, value: /cache/huggingface}
+        - {name: HF_HUB_OFFLINE, value: "1"}
+        source: /mnt/models
+        """,
+    ),
     "absolute path baked into the image: no STORAGE_URI, the path itself": (
         with_spec("source: {uri: /opt/models/minilm}"),
         """
