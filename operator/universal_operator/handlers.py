@@ -171,20 +171,8 @@ async def _reconcile_model(
         try:
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:
-            code = api_error_code(exc)
-            refused = code in (400, 422) or denied_by_webhook(exc)
-            if code == 403 and not refused:
-                # RBAC (or OwnerReferencesPermissionEnforcement): a missing grant, never the spec's fault.
-                await report_forbidden(state, plain, model, exc, retry)
-            if refused:
-                # KServe's or Knative's admission webhook refused the child: a spec problem, not a blip.
-                await report_invalid_spec(
-                    state, plain, reconcile.SpecError("spec", f"the InferenceService was rejected: {exc}")
-                )
-                return None
-            raise kopf.TemporaryError(
-                f"applying the InferenceService failed ({code}): {exc}", delay=RETRY_DELAY
-            ) from exc
+            await report_refused_write(state, plain, model, exc, retry, "spec", "the InferenceService")
+            return None
         if actual is None:
             # kopf.event, not kopf.info: posting.level (WARNING, below) would drop a Normal one.
             kopf.event(
@@ -233,18 +221,25 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
     try:
         await state.api.apply_service_account(desired)
     except ApiError as exc:
-        code = api_error_code(exc)
-        refused = code in (400, 422) or denied_by_webhook(exc)
-        if code == 403 and not refused:
-            await report_forbidden(state, body, model, exc, retry)
-        if refused:
-            await report_invalid_spec(
-                state, body, reconcile.SpecError("spec.source", f"the ServiceAccount was rejected: {exc}")
-            )
-            return False
-        raise kopf.TemporaryError(f"applying the ServiceAccount failed ({code}): {exc}", delay=RETRY_DELAY) from exc
+        await report_refused_write(state, body, model, exc, retry, "spec.source", "the ServiceAccount")
+        return False
     logger.info("applied ServiceAccount %s/%s for the storage initializer's credentials", namespace, name)
     return True
+
+
+async def report_refused_write(
+    state: OperatorState, body: dict[str, Any], model: UniversalModel, exc: ApiError, retry: int, field: str, what: str
+) -> None:
+    """An apply of ``what`` failed: a webhook's denial is the spec's problem (reported, no retry); anything else
+    raises kopf.TemporaryError, after reporting a 403 as a missing grant (RBAC or OwnerReferencesPermissionEnforcement,
+    never the spec's fault)."""
+    code = api_error_code(exc)
+    if code in (400, 422) or denied_by_webhook(exc):
+        await report_invalid_spec(state, body, reconcile.SpecError(field, f"{what} was rejected: {exc}"))
+        return
+    if code == 403:
+        await report_forbidden(state, body, model, exc, retry)
+    raise kopf.TemporaryError(f"applying {what} failed ({code}): {exc}", delay=RETRY_DELAY) from exc
 
 
 async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: reconcile.SpecError) -> None:
