@@ -630,6 +630,75 @@ def test_32_concurrent_streams_match_their_solo_greedy_outputs(
     assert asyncio.run(together()) == alone
 
 
+COUNTS_SCHEMA = {
+    "type": "object",
+    "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["flags"],
+    "additionalProperties": False,
+}
+
+
+#: Eight different requests, each with its own constraint, sampling and stop: (label, chat request fields).
+def _schema_format(name: str, schema: dict[str, object]) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+MIXED_REQUESTS: list[tuple[str, dict[str, object]]] = [
+    ("city schema, greedy", {"response_format": _schema_format("c", CITY_SCHEMA), "temperature": 0}),
+    ("flags schema, seeded", {"response_format": _schema_format("f", COUNTS_SCHEMA), "temperature": 0.9, "seed": 7}),
+    ("json object, greedy", {"response_format": {"type": "json_object"}, "temperature": 0}),
+    ("forced tool call", {"tools": [WEATHER_TOOL], "temperature": 0,
+                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ("free text with logprobs", {"temperature": 0, "logprobs": True, "top_logprobs": 2}),
+    ("free text, seeded", {"temperature": 1.0, "seed": 11}),
+    ("free text with a stop string", {"temperature": 0, "stop": ["e"]}),
+    ("city schema, seeded", {"response_format": _schema_format("c", CITY_SCHEMA), "temperature": 1.0, "seed": 3}),
+]  # fmt: skip
+
+
+def test_8_concurrent_streams_with_different_constraints_match_their_solo_outputs(
+    predictor: PredictorProcess, engine_case: EngineCase
+) -> None:
+    """Each sequence keeps its own constraint, sampler, seed and stops while batched with the others."""
+
+    async def one(aclient: openai.AsyncOpenAI, index: int, fields: dict[str, object]) -> tuple[str, str, object]:
+        stream = await aclient.chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=[{"role": "user", "content": f"Request {index}: weather in Oslo?"}],
+            max_tokens=40, stream=True, **fields,
+        )  # fmt: skip
+        text, arguments, finish = "", "", None
+        tokens: list[str] = []
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            text += choice.delta.content or ""
+            arguments += "".join(c.function.arguments or "" for c in choice.delta.tool_calls or [] if c.function)
+            tokens += [t.token for t in (choice.logprobs.content or [])] if choice.logprobs else []
+            finish = choice.finish_reason or finish
+        return text + arguments, "".join(tokens), finish
+
+    async def run(together: bool) -> list[tuple[str, str, object]]:
+        async with openai.AsyncOpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0) as aclient:
+            calls = [one(aclient, i, fields) for i, (_, fields) in enumerate(MIXED_REQUESTS)]
+            if together:
+                return list(await asyncio.gather(*calls))
+            return [await call for call in calls]
+
+    alone = asyncio.run(run(together=False))
+    together = asyncio.run(run(together=True))
+    for (label, fields), solo, batched in zip(MIXED_REQUESTS, alone, together, strict=True):
+        assert batched == solo, label
+        if "response_format" in fields and fields["response_format"] != {"type": "json_object"} and solo[2] == "stop":
+            response_format = fields["response_format"]
+            assert isinstance(response_format, dict)
+            jsonschema.validate(json.loads(solo[0]), response_format["json_schema"]["schema"])
+        if "stop" in fields:
+            assert "e" not in solo[0], label
+    # The constraints really differed: the outputs are not all one shape.
+    assert len({solo[0] for solo in alone}) == len(alone)
+
+
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(
     predictor: PredictorProcess, client: openai.OpenAI
 ) -> None:

@@ -302,7 +302,7 @@ def test_an_n_ctx_beyond_the_training_context_stops_start_up_with_one_line(tiny_
 def small_queue_predictor(gguf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
     config = PredictorConfig(
         model_name="tiny-llama", task=Task.GENERATE, backend=Backend.AUTO, source=str(gguf_folder),
-        source_file="quant/*Q8_0.gguf", engine_args={"max_queue": "1", "n_ctx": "256"},
+        source_file="quant/*Q8_0.gguf", engine_args={"max_queue": "1", "n_ctx": "256", "n_parallel": "1"},
     )  # fmt: skip
     with running_predictor(config, tmp_path_factory.mktemp("llamacpp-small-queue")) as predictor:
         yield predictor

@@ -1,15 +1,28 @@
-"""The llama.cpp engine: one GGUF model, one engine thread, a bounded queue of waiting sequences.
+"""The llama.cpp engine: one GGUF model, ``n_parallel`` slots decoded together, a bounded queue behind them.
 
-llama-cpp-python's ``Llama`` holds one context with one KV cache, so the engine thread runs one
-sequence at a time, in arrival order; the KV cache of the previous sequence is kept and its longest
-common prefix with the next prompt is reused (chat turns and ``n`` choices share their prompt). The
-decode loop is ours rather than ``Llama.generate`` so that each sequence gets its own sampler chain
-(seed, penalties, ``ignore_eos``), logprobs come from the logits llama.cpp already computed, a JSON
-schema constraint masks those logits in place (llguidance) before the sampler chain reads them, and an
-abandoned sequence (client gone, stop string matched) is dropped between two tokens.
+Continuous batching on llama-cpp-python's low-level API. One engine thread owns the llama.cpp context,
+whose KV cache has one stream per slot (a llama.cpp sequence id, ``n_ctx`` tokens each). Every step is
+one ``llama_decode`` of a batch holding the next token of each generating sequence and, in what room is
+left of ``n_batch``, chunks of the prompts still being read: a request joins between two steps, a
+finished or abandoned one leaves between two steps, and a long prompt never stalls the running streams.
+A new sequence takes the free slot whose cache shares the longest prefix with its prompt (system prompts,
+chat history, ``n`` choices), so only the rest is evaluated. Each sequence has its own sampler chain
+(seed, penalties, ``ignore_eos``) run in C; only rows that ask for logprobs or carry a JSON schema
+constraint touch the logits in Python (llguidance masks them in place before the sampler reads them).
+Detokenization is incremental, on the event loop side.
 
-``n_ctx`` is the GGUF's training context, capped by what the container's memory limit (cgroup, not
-the host's RAM) leaves for the KV cache once the weights are in: :func:`plan_context`.
+Why the low-level API rather than driving llama.cpp's own ``llama-server`` behind our OpenAI layer:
+llguidance constraints (the same ones the transformers engine enforces, checked once by the OpenAI
+layer) need the logits between decode and sampling, which the server exposes only when built with Rust;
+the token-exact stops, per-token logprobs of the model before masking, and the per-sequence cancellation
+the OpenAI layer relies on map one to one onto this loop; and the measured cost of the Python step is
+small beside the decode (``bench/generation_llamacpp.py`` compares against ``llama-server`` built from
+the same vendored llama.cpp; the README's performance section has the numbers).
+
+``n_ctx`` (per slot) is the GGUF's training context, capped by what the container's memory limit
+(cgroup, not the host's RAM) leaves for the KV cache of all slots once the weights are in; ``n_parallel``
+defaults from the CPUs (:func:`default_parallel`) and drops until each slot keeps a useful context:
+:func:`plan_slots`.
 """
 
 from __future__ import annotations
@@ -19,14 +32,16 @@ import contextlib
 import ctypes
 import fnmatch
 import gc
+import itertools
 import logging
 import math
 import os
 import queue
 import random
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +60,7 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    SamplingParams,
     beyond_capacity,
 )
 from universal_predictors.generation.engines.common import drain_tokens
@@ -60,6 +76,10 @@ RESERVE_BYTES = 512 * MIB
 RESERVE_FRACTION = 0.10
 #: A computed context smaller than this means the model does not really fit: refuse to start.
 MIN_CONTEXT = 256
+#: Below this context per slot (or the training context, if smaller), the default uses fewer slots.
+USEFUL_SLOT_CONTEXT = 4096
+#: The most slots the default picks (llama-server's own automatic choice is 4, tools/server/server.cpp).
+MAX_DEFAULT_PARALLEL = 8
 #: cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
 _UNLIMITED = 1 << 60
 
@@ -69,17 +89,24 @@ class LlamaCppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    #: Context size; default: the GGUF's training context capped by the memory limit.
+    #: Context of each slot (prompt + output of one sequence); default: the GGUF's training context capped
+    #: by the memory limit shared among the slots.
     n_ctx: int | None = Field(default=None, ge=16)
+    #: Sequences decoded together (slots); default: two per CPU, 2 to 8, fewer when memory leaves a slot
+    #: less than a useful context (:func:`plan_slots`).
+    n_parallel: int | None = Field(default=None, ge=1, le=256)
     #: Layers offloaded to the GPU: -1 all (when llama.cpp was built with GPU support), 0 none.
     n_gpu_layers: int = Field(default=-1, ge=-1)
     #: CPU threads for decoding; default: half the CPUs this container may use (llama.cpp's threads spin,
     #: and a second thread per core, or a neighbour's load, slows decoding down). Prompt processing
     #: uses all of them.
     n_threads: int | None = Field(default=None, ge=1, le=1024)
-    #: Prompt tokens evaluated per llama.cpp batch.
+    #: Tokens per llama.cpp batch: one per generating sequence, the rest prompt chunks.
     n_batch: int = Field(default=512, ge=1, le=65536)
-    #: Sequences that may wait behind the running one; more are refused with 503 and Retry-After.
+    #: Flash attention (llama.cpp's fused kernel). Off by default, as llama-cpp-python's ``Llama`` has it:
+    #: its f16 accumulation moves logprobs in the third decimal.
+    flash_attn: bool = False
+    #: Sequences that may wait for a free slot; more are refused with 503 and Retry-After.
     max_queue: int = Field(default=64, ge=1, le=100_000)
 
 
@@ -178,17 +205,19 @@ class ModelShape:
         )
 
 
-def plan_context(shape: ModelShape, weights_bytes: int, memory_limit: int | None, requested: int | None) -> int:
-    """``n_ctx``: the training context, capped by the KV cache that fits in ``memory_limit`` after the
-    weights and a reserve (``None``: no cap). An explicit ``requested`` wins if it is valid.
-    ValueError says what does not fit, with the numbers."""
+def plan_context(
+    shape: ModelShape, weights_bytes: int, memory_limit: int | None, requested: int | None, slots: int = 1
+) -> int:
+    """``n_ctx`` of each of ``slots`` slots: the training context, capped by the KV cache of all slots that
+    fits in ``memory_limit`` after the weights and a reserve (``None``: no cap). An explicit ``requested``
+    wins if it is valid. ValueError says what does not fit, with the numbers."""
     if memory_limit is None:
         fit = shape.train_context
         budget = None
     else:
         reserve = max(RESERVE_BYTES, int(memory_limit * RESERVE_FRACTION))
         budget = memory_limit - weights_bytes - reserve
-        fit = max(0, budget) // max(1, shape.kv_bytes_per_token)
+        fit = max(0, budget) // max(1, shape.kv_bytes_per_token * slots)
 
     def mib(n: int) -> str:
         return f"{n / MIB:.0f} MiB"
@@ -199,10 +228,12 @@ def plan_context(shape: ModelShape, weights_bytes: int, memory_limit: int | None
         if requested > fit:
             assert memory_limit is not None
             assert budget is not None
+            each = f" for each of {slots} slots (n_parallel)" if slots > 1 else ""
             raise ValueError(
-                f"n_ctx={requested} needs {mib(requested * shape.kv_bytes_per_token)} of KV cache, but the memory "
-                f"limit {mib(memory_limit)} leaves {mib(max(0, budget))} after the weights ({mib(weights_bytes)}) "
-                f"and a reserve; lower n_ctx or raise the memory limit"
+                f"n_ctx={requested} needs {mib(requested * shape.kv_bytes_per_token)} of KV cache{each}, but the "
+                f"memory limit {mib(memory_limit)} leaves {mib(max(0, budget))} after the weights "
+                f"({mib(weights_bytes)}) and a reserve; lower n_ctx{' or n_parallel' if slots > 1 else ''} "
+                f"or raise the memory limit"
             )
         return requested
     n_ctx = min(shape.train_context, fit)
@@ -210,10 +241,48 @@ def plan_context(shape: ModelShape, weights_bytes: int, memory_limit: int | None
         assert memory_limit is not None
         raise ValueError(
             f"the model does not fit: the memory limit {mib(memory_limit)} leaves room for {fit} tokens of KV "
-            f"cache ({shape.kv_bytes_per_token} bytes each) after the weights ({mib(weights_bytes)}); "
-            f"raise the memory limit"
+            f"cache ({shape.kv_bytes_per_token} bytes each){' per slot' if slots > 1 else ''} after the weights "
+            f"({mib(weights_bytes)}); raise the memory limit{' or lower n_parallel' if slots > 1 else ''}"
         )
     return n_ctx
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    same = np.asarray(a[:n], dtype=np.int64) == np.asarray(b[:n], dtype=np.int64)
+    return n if bool(same.all()) else int(np.argmin(same))
+
+
+def default_parallel(cpus: int) -> int:
+    """Slots when none are asked for: two per CPU, at least 2 (a second stream hides the first one's
+    sampling and streaming time), at most :data:`MAX_DEFAULT_PARALLEL`."""
+    return max(2, min(MAX_DEFAULT_PARALLEL, 2 * cpus))
+
+
+def plan_slots(
+    shape: ModelShape,
+    weights_bytes: int,
+    memory_limit: int | None,
+    n_ctx: int | None,
+    n_parallel: int | None,
+    cpus: int,
+) -> tuple[int, int]:
+    """``(n_ctx per slot, n_parallel)``. Explicit values win when they fit (ValueError with the numbers
+    otherwise). By default, the most slots up to :func:`default_parallel` whose context stays at least
+    :data:`USEFUL_SLOT_CONTEXT` (or ``n_ctx`` when given, or the training context when smaller); one
+    slot when memory allows no more."""
+    if n_parallel is not None:
+        return plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=n_parallel), n_parallel
+    useful = n_ctx if n_ctx is not None else min(USEFUL_SLOT_CONTEXT, shape.train_context)
+    for slots in range(default_parallel(cpus), 1, -1):
+        with contextlib.suppress(ValueError):
+            context = plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=slots)
+            if context >= useful:
+                return context, slots
+    return plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=1), 1
 
 
 def default_threads() -> int:
@@ -234,19 +303,84 @@ def default_threads() -> int:
 
 @dataclass(eq=False)
 class _Seq:
+    """One sequence, from admission to its last token. Fields below ``grammar`` belong to the engine thread."""
+
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
     grammar: str | None  # llguidance grammar of the constraint, checked before admission
     abandoned: bool = False  # set from the event loop: the consumer went away
+    slot: _Slot | None = None
+    pending: list[int] = field(default_factory=list)  # tokens to evaluate next: a prompt's rest, then the last sampled
+    sampler: Any = None
+    matcher: Any = None
+    stops: frozenset[int] = frozenset()
+    generated: int = 0
 
     def send(self, item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
+    @property
+    def prefilling(self) -> bool:
+        return self.generated == 0
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A llama.cpp sequence id with its own part of the KV cache, and the tokens that part holds."""
+
+    seq_id: int
+    cached: list[int] = field(default_factory=list)
+    seq: _Seq | None = None
+    last_used: int = 0
+
+
+class _Batch:
+    """A ``llama_batch`` whose arrays are numpy buffers, filled a slice at a time rather than item by item.
+
+    Each token belongs to one sequence: ``seq_id[i]`` points at ``seq[i]``, so the sequence ids are one
+    int32 array as well. Not built by ``llama_batch_init``, so never handed to ``llama_batch_free``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        int_p = ctypes.POINTER(ctypes.c_int32)
+        self._seq_ptrs = (int_p * capacity)(
+            *(ctypes.cast(self.seq.ctypes.data + 4 * i, int_p) for i in range(capacity))
+        )
+        self.struct = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.tokens.ctypes.data_as(int_p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(int_p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(int_p),
+            seq_id=self._seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self.size = 0
+
+    def clear(self) -> None:
+        self.size = 0
+
+    def add(self, tokens: Sequence[int], start: int, seq_id: int, want_logits: bool) -> int:
+        """Append ``tokens`` at positions ``start..`` of ``seq_id``; returns the batch index of the last one."""
+        n, k = self.size, len(tokens)
+        self.tokens[n : n + k] = tokens
+        self.pos[n : n + k] = np.arange(start, start + k, dtype=np.int32)
+        self.seq[n : n + k] = seq_id
+        self.logits[n : n + k] = 0
+        self.logits[n + k - 1] = 1 if want_logits else 0
+        self.size = n + k
+        return n + k - 1
+
 
 class LlamaCppEngine(Engine):
-    """A GGUF model on llama.cpp."""
+    """A GGUF model on llama.cpp, decoding ``n_parallel`` sequences in one batch."""
 
     backend = Backend.LLAMACPP
     EngineArgs = LlamaCppArgs
@@ -263,24 +397,27 @@ class LlamaCppEngine(Engine):
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self.gpu_offload = bool(llama_cpp.llama_supports_gpu_offload()) and args.n_gpu_layers != 0
+        self.n_threads_batch = default_threads()
+        self.n_threads = args.n_threads or max(1, self.n_threads_batch // 2)
         try:
             self.metadata = self._read_metadata(self.path)
             self.shape = ModelShape.from_metadata(self.metadata)
             # Offloaded weights and cache live in GPU memory, which the cgroup limit does not cover.
             limit = None if self.gpu_offload else (container_memory_limit() or physical_memory())
-            self.n_ctx = plan_context(self.shape, self.path.stat().st_size, limit, args.n_ctx)
+            self.n_ctx, self.n_parallel = plan_slots(
+                self.shape, self.path.stat().st_size, limit, args.n_ctx, args.n_parallel, self.n_threads_batch
+            )
         except ValueError as exc:
             raise StartupError(f"{self.path.name}: {exc}") from None
         self.memory_limit = limit
-        self.n_threads_batch = default_threads()
-        self.n_threads = args.n_threads or max(1, self.n_threads_batch // 2)
         self._queue: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
         #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
         self._outstanding = 0
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})  # token bytes, without / with specials
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._llm: Any = None
+        self._model: Any = None
+        self._ctx: Any = None
 
     @staticmethod
     def _read_metadata(path: Path) -> dict[str, str]:
@@ -298,36 +435,51 @@ class LlamaCppEngine(Engine):
     # -- lifecycle ------------------------------------------------------------------------------------
 
     def load(self) -> None:
-        self._llm = llama_cpp.Llama(
-            str(self.path),
-            n_ctx=self.n_ctx,
-            n_batch=min(self.largs.n_batch, self.n_ctx),
-            n_gpu_layers=self.largs.n_gpu_layers if self.gpu_offload else 0,
-            n_threads=self.n_threads,
-            n_threads_batch=max(self.n_threads, self.n_threads_batch),
-            verbose=False,
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = self.largs.n_gpu_layers if self.gpu_offload else 0
+        self._model = llama_internals.LlamaModel(path_model=str(self.path), params=model_params, verbose=False)
+        params = llama_cpp.llama_context_default_params()
+        # One KV stream per slot (not unified): a slot's context is its own, so a sequence never finds the
+        # cache full, and attention reads only its own sequence's cells.
+        params.n_ctx = self.n_ctx * self.n_parallel
+        params.n_seq_max = self.n_parallel
+        params.kv_unified = False
+        self._n_batch = max(self.n_parallel, min(self.largs.n_batch, params.n_ctx))
+        params.n_batch = self._n_batch
+        params.n_ubatch = min(self._n_batch, 512)
+        params.n_threads = self.n_threads
+        params.n_threads_batch = max(self.n_threads, self.n_threads_batch)
+        params.no_perf = True
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.largs.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
-        llm = self._llm
-        self._n_vocab = int(llm.n_vocab())
-        self._vocab_ptr = llm._model.vocab
+        self._ctx = llama_internals.LlamaContext(model=self._model, params=params, verbose=False)
+        self._memory = llama_cpp.llama_get_memory(self._ctx.ctx)
+        self._n_vocab = int(self._model.n_vocab())
+        self._vocab_ptr = self._model.vocab
         self._eos = frozenset(t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab_ptr, t))
-        if not self._eos and llm.token_eos() >= 0:
-            self._eos = frozenset({int(llm.token_eos())})
+        if not self._eos and self._model.token_eos() >= 0:
+            self._eos = frozenset({int(self._model.token_eos())})
         self._lltokenizer: Any = None
         try:
             self._lltokenizer = constraints.llamacpp_tokenizer(self._vocab_ptr, self._n_vocab, sorted(self._eos))
         except ValueError as exc:  # a vocabulary llguidance cannot read: constrained requests get a 400
             logger.warning("constrained decoding unavailable for this vocabulary: %s", exc)
-        bos, eos = int(llm.token_bos()), int(llm.token_eos())
+        bos, eos = int(self._model.token_bos()), int(self._model.token_eos())
         self._special = {
             "bos_token": self.token_text(bos) if bos >= 0 else "",
             "eos_token": self.token_text(eos) if eos >= 0 else "",
         }
+        self._slots = [_Slot(seq_id) for seq_id in range(self.n_parallel)]
+        self._batch = _Batch(self._n_batch)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.config.model_name}", daemon=True)
         self._thread.start()
         logger.info(
-            "llama.cpp engine: %s, n_ctx %d (training %d, memory limit %s), %s, %d threads",
+            "llama.cpp engine: %s, %d slots x n_ctx %d (training %d, memory limit %s), %s, %d threads",
             self.path.name,
+            self.n_parallel,
             self.n_ctx,
             self.shape.train_context,
             f"{self.memory_limit // MIB} MiB" if self.memory_limit else "GPU",
@@ -340,9 +492,10 @@ class LlamaCppEngine(Engine):
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self._llm is not None:
-            self._llm.close()
-            self._llm = None
+        for resource in (self._ctx, self._model):
+            if resource is not None:
+                resource.close()
+        self._ctx = self._model = None
         gc.collect()
 
     # -- tokenizer ------------------------------------------------------------------------------------
@@ -361,7 +514,7 @@ class LlamaCppEngine(Engine):
 
     def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
         # special=True: special tokens written in the text are parsed as such, as transformers does.
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
+        return list(self._model.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         # Not Llama.detokenize: it drops the first space after BOS (a SentencePiece habit) and truncates
@@ -398,6 +551,7 @@ class LlamaCppEngine(Engine):
         return {
             "gguf_file": self.path.name,
             "n_ctx": self.n_ctx,
+            "n_parallel": self.n_parallel,
             "training_context": self.shape.train_context,
             "gpu_offload": self.gpu_offload,
             "n_threads": self.n_threads,
@@ -405,14 +559,14 @@ class LlamaCppEngine(Engine):
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
-        capacity = self.largs.max_queue + 1  # the waiting ones + the one running
+        capacity = self.largs.max_queue + self.n_parallel  # the waiting ones + one per slot
         if sequences > capacity:
-            raise beyond_capacity(sequences, capacity, "one running + engine arg max_queue")
+            raise beyond_capacity(sequences, capacity, "engine args n_parallel + max_queue")
         if self._outstanding + sequences > capacity:
             raise self._overloaded()
 
     def _overloaded(self) -> Unavailable:
-        waiting = max(0, self._outstanding - 1)
+        waiting = max(0, self._outstanding - self.n_parallel)
         return Unavailable(f"The model is overloaded ({waiting} sequences waiting); retry shortly.",
                            code="overloaded")  # fmt: skip
 
@@ -437,42 +591,178 @@ class LlamaCppEngine(Engine):
         seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar)
         self._outstanding += 1
         self._queue.put(seq)
-        metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._queue.qsize())
         try:
             async with contextlib.aclosing(drain_tokens(self, seq.out, params.logprobs is not None)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            seq.abandoned = True  # the engine thread stops it before its next token
+            seq.abandoned = True  # the engine thread drops it before its next step
             self._outstanding -= 1
 
     # -- the engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
-            seq = self._queue.get()
-            metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._queue.qsize())
-            if seq is None:
+        waiting: deque[_Seq] = deque()
+        running: list[_Seq] = []
+        model = self.config.model_name
+        try:
+            while not self._stopping:
+                # New arrivals: wait for one when idle, else take what came in since the last step.
+                try:
+                    while True:
+                        item = self._queue.get(block=not (running or waiting))
+                        if item is None:
+                            return
+                        waiting.append(item)
+                except queue.Empty:
+                    pass
+                for seq in [s for s in running if s.abandoned]:
+                    self._release(seq, running)
+                while waiting and waiting[0].abandoned:
+                    waiting.popleft()
+                while waiting and (slot := self._free_slot(waiting[0])) is not None:
+                    seq = waiting.popleft()
+                    if not seq.abandoned:
+                        self._admit(seq, slot, running)
+                metrics.QUEUE_DEPTH.labels(model).set(len(waiting))
+                if running:
+                    self._step(running)
+        finally:
+            failure = RuntimeError("the engine is shutting down")
+            for seq in [*running, *waiting]:
+                seq.send(failure)
+            while True:
+                try:
+                    left = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not None:
+                    left.send(failure)
+
+    def _free_slot(self, seq: _Seq) -> _Slot | None:
+        """The free slot whose cache shares the longest prefix with the prompt, else the least recently used."""
+        free = [slot for slot in self._slots if slot.seq is None]
+        if not free:
+            return None
+        prompt = list(seq.request.prompt_ids)
+        return max(free, key=lambda slot: (common_prefix(slot.cached, prompt), -slot.last_used))
+
+    def _admit(self, seq: _Seq, slot: _Slot, running: list[_Seq]) -> None:
+        """Put ``seq`` into ``slot``: keep the cached common prefix (the last prompt token is always evaluated
+        again, as its logits pick the first token), build its sampler and constraint matcher."""
+        prompt = list(seq.request.prompt_ids)
+        common = min(common_prefix(slot.cached, prompt), len(prompt) - 1)
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, common, -1):
+            # This model's cache cannot be cut (recurrent): start the slot afresh.
+            llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+            common = 0
+        del slot.cached[common:]
+        try:
+            seq.matcher = constraints.matcher(self._lltokenizer, seq.grammar) if seq.grammar is not None else None
+        except Exception as exc:  # a failed sequence fails alone
+            seq.send(RuntimeError(f"generation failed: {exc}"))
+            return
+        seq.sampler = self._sampler(seq.request.params)
+        seq.stops = frozenset(seq.request.params.stop_token_ids) | (
+            frozenset() if seq.request.params.ignore_eos else self._eos
+        )
+        seq.pending = prompt[common:]
+        seq.slot, slot.seq = slot, seq
+        running.append(seq)
+        metrics.PROMPT_TOKENS.labels(self.config.model_name).inc(len(seq.pending))
+
+    def _release(self, seq: _Seq, running: list[_Seq]) -> None:
+        slot = seq.slot
+        if slot is not None:
+            slot.seq = None
+            slot.last_used = next(_USE_COUNTER)
+        seq.slot = None
+        running.remove(seq)
+        if seq.sampler is not None:
+            seq.sampler.close()
+            seq.sampler = None
+
+    def _step(self, running: list[_Seq]) -> None:
+        """One ``llama_decode``: a token from each generating sequence, then prompt chunks up to ``n_batch``
+        (a long prompt is evaluated over several steps while the others keep streaming), then sampling."""
+        batch = self._batch
+        batch.clear()
+        outputs: list[tuple[_Seq, int]] = []
+        for seq in sorted(running, key=lambda s: s.prefilling):  # generating ones first: they always fit
+            room = batch.capacity - batch.size
+            if room <= 0:
                 break
-            if seq.abandoned:
-                continue
+            slot = seq.slot
+            assert slot is not None
+            take = seq.pending[:room]
+            last = len(take) == len(seq.pending)
+            index = batch.add(take, len(slot.cached), slot.seq_id, want_logits=last)
+            slot.cached.extend(take)
+            del seq.pending[: len(take)]
+            if last:
+                outputs.append((seq, index))
+        batch.struct.n_tokens = batch.size
+        code = llama_cpp.llama_decode(self._ctx.ctx, batch.struct)
+        if code != 0:
+            self._decode_failed(code, running)
+            return
+        for seq, index in outputs:
             try:
-                self._generate_one(seq)
+                self._sample(seq, index, running)
             except Exception as exc:  # a failed sequence fails alone, not the engine
                 logger.exception("generation failed")
                 seq.send(RuntimeError(f"generation failed: {exc}"))
-                with contextlib.suppress(Exception):
-                    self._llm.reset()  # the cache state is unknown: start the next sequence afresh
-        while True:  # whoever still waits learns that the engine is gone
-            try:
-                left = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if left is not None:
-                left.send(RuntimeError("the engine is shutting down"))
+                self._release(seq, running)
 
-    def _sampler(self, seq: _Seq) -> Any:
+    def _decode_failed(self, code: int, running: list[_Seq]) -> None:
+        """The batch's sequences fail (their cache state is unknown: the slots start afresh); the engine goes on."""
+        logger.error("llama_decode returned %d for a batch of %d tokens", code, self._batch.size)
+        failure = RuntimeError(f"generation failed: llama_decode returned {code}")
+        for seq in list(running):
+            if seq.slot is not None:
+                llama_cpp.llama_memory_seq_rm(self._memory, seq.slot.seq_id, -1, -1)
+                seq.slot.cached.clear()
+            seq.send(failure)
+            self._release(seq, running)
+
+    def _sample(self, seq: _Seq, index: int, running: list[_Seq]) -> None:
         params = seq.request.params
+        ctx = self._ctx.ctx
+        logprobs = None
+        if params.logprobs is not None or seq.matcher is not None:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, index), shape=(self._n_vocab,))
+            # The model's logprobs, before the constraint masks the logits in place for the sampler.
+            if params.logprobs is not None:
+                logprobs = self._log_softmax(logits)
+            if seq.matcher is not None:
+                if seq.matcher.is_error():
+                    raise constraints.matcher_failure(seq.matcher)
+                masks = constraints.allocate_masks(1, self._n_vocab)
+                allowed = constraints.unpack_masks(constraints.fill_masks([seq.matcher], masks), self._n_vocab)
+                logits[~allowed[0]] = -np.inf
+        token = int(llama_cpp.llama_sampler_sample(seq.sampler.sampler, ctx, index))
+        lp, top = 0.0, list[tuple[int, float]]()
+        if logprobs is not None and params.logprobs is not None:
+            lp, top = self._chosen_and_top(logprobs, token, params.logprobs)
+        seq.generated += 1
+        complete = False
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
+            complete = seq.matcher.is_stopped()
+        # A complete value ends at the EOS its mask now forces, or here when no EOS may or can follow.
+        finish: str | None = None
+        if token in seq.stops or (complete and (params.ignore_eos or seq.generated >= params.max_tokens)):
+            finish = "stop"
+        elif seq.generated >= params.max_tokens:
+            finish = "length"
+        metrics.TOKENS_GENERATED.labels(self.config.model_name).inc()
+        seq.send((token, lp, top, finish))
+        if finish is not None:
+            self._release(seq, running)
+        else:
+            seq.pending = [token]
+
+    def _sampler(self, params: SamplingParams) -> Any:
         sampler = llama_internals.LlamaSampler()
         bias = {t: -math.inf for t in self._eos} if params.ignore_eos else {}
         if bias:
@@ -489,74 +779,6 @@ class LlamaCppEngine(Engine):
             seed = params.seed if params.seed is not None else random.getrandbits(32)
             sampler.add_dist(seed & 0xFFFFFFFF)
         return sampler
-
-    def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Keep the KV cache of the longest common prefix with the previous sequence (at least the last
-        prompt token is evaluated again: its logits pick the first token); returns the kept length."""
-        llm = self._llm
-        limit = min(int(llm.n_tokens), len(prompt) - 1)
-        common = 0
-        if limit > 0:
-            same = np.asarray(llm.input_ids[:limit]) == np.asarray(prompt[:limit], dtype=np.intc)
-            common = limit if bool(same.all()) else int(np.argmin(same))
-        if common and not llm._ctx.kv_cache_seq_rm(-1, common, -1):
-            common = 0  # this model's cache cannot be truncated (recurrent): start afresh
-        if common:
-            llm.n_tokens = common
-        else:
-            llm.reset()
-        return common
-
-    def _generate_one(self, seq: _Seq) -> None:
-        llm = self._llm
-        params = seq.request.params
-        prompt = list(seq.request.prompt_ids)
-        kept = self._reuse_prefix(prompt)
-        sampler = self._sampler(seq)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
-        model = self.config.model_name
-        pending = prompt[kept:]
-        metrics.PROMPT_TOKENS.labels(model).inc(len(pending))
-        matcher = constraints.matcher(self._lltokenizer, seq.grammar) if seq.grammar is not None else None
-        masks = constraints.allocate_masks(1, self._n_vocab) if matcher is not None else None
-        generated = 0
-        try:
-            while not (seq.abandoned or self._stopping):
-                llm.eval(pending)
-                # The model's logprobs, before the constraint masks the logits in place for the sampler.
-                logprobs = self._log_softmax(self._logits()) if params.logprobs is not None else None
-                if matcher is not None and masks is not None:
-                    if matcher.is_error():
-                        raise constraints.matcher_failure(matcher)
-                    allowed = constraints.unpack_masks(constraints.fill_masks([matcher], masks), self._n_vocab)
-                    self._logits()[~allowed[0]] = -np.inf
-                token = int(sampler.sample(llm._ctx, -1))
-                lp, top = 0.0, list[tuple[int, float]]()
-                if logprobs is not None and params.logprobs is not None:
-                    lp, top = self._chosen_and_top(logprobs, token, params.logprobs)
-                generated += 1
-                complete = False
-                if matcher is not None:
-                    matcher.consume_token(token)
-                    complete = matcher.is_stopped()
-                # A complete value ends at the EOS its mask now forces, or here when no EOS may or can follow.
-                finish: str | None = None
-                if token in stops or (complete and (params.ignore_eos or generated >= params.max_tokens)):
-                    finish = "stop"
-                elif generated >= params.max_tokens:
-                    finish = "length"
-                metrics.TOKENS_GENERATED.labels(model).inc()
-                seq.send((token, lp, top, finish))
-                if finish is not None:
-                    return
-                pending = [token]
-        finally:
-            sampler.close()
-
-    def _logits(self) -> np.ndarray[Any, np.dtype[np.float32]]:
-        """The last position's logits: a view of llama.cpp's buffer, which the sampler reads."""
-        pointer = llama_cpp.llama_get_logits_ith(self._llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
 
     @staticmethod
     def _log_softmax(logits: np.ndarray[Any, np.dtype[np.float32]]) -> np.ndarray[Any, np.dtype[np.float64]]:
@@ -575,3 +797,7 @@ class LlamaCppEngine(Engine):
             best = best[np.argsort(-logprobs[best], kind="stable")]
             top = [(int(t), float(logprobs[t])) for t in best]
         return float(logprobs[token]), top
+
+
+#: Orders slot use, for least-recently-used choice among slots whose caches share nothing with a prompt.
+_USE_COUNTER = itertools.count(1)
