@@ -281,7 +281,7 @@ async def _kubectl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(argv, proc.returncode or 0, stdout.decode(), stderr.decode())
 
 
-async def _gateway_service(client: AsyncClient) -> tuple[str, str, int]:
+async def gateway_service(client: AsyncClient) -> tuple[str, str, int]:
     """(namespace, name, port) of the chart's gateway Service: exactly one in the cluster."""
     services = [svc async for svc in client.list(Service, namespace="*", labels=GATEWAY_SERVICE_LABELS)]
     found = [
@@ -342,7 +342,7 @@ async def real_cluster(workdir: Path, *, openai_timeout: float) -> AsyncIterator
                 f"{cleared.stderr.strip()}"
             )
         await client.create(Namespace(metadata=ObjectMeta(name=REAL_NAMESPACE)))
-        namespace, name, port = await _gateway_service(client)
+        namespace, name, port = await gateway_service(client)
         async with port_forward(namespace, name, port) as url:
             openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=openai_timeout)
             cluster = RealCluster(client, openai, workdir, REAL_NAMESPACE)
