@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: help venv system-deps serve test test-vllm images test-images lint format typecheck layering unit crd crd-check demo demo-serve operator bench clean
+.PHONY: help venv system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -45,9 +45,16 @@ images: venv
 test-images: venv
 	VENV=$(VENV) bash .ci/images.sh all
 
-lint: venv
+lint: venv shellcheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The shell scripts: CI's and the kind cluster's (e2e/kind/, which CI cannot run: shellcheck is their check).
+# shellcheck comes from Debian's package when missing (needs root, as on CI).
+SHELL_SCRIPTS := .ci/run $(wildcard .ci/*.sh e2e/kind/*.sh)
+shellcheck:
+	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
+	shellcheck $(SHELL_SCRIPTS)
 
 format: venv
 	$(VENV)/bin/ruff format .

@@ -59,7 +59,8 @@ cgroup_manager = "cgroupfs"'
 }
 
 make_base() {
-  local tar="$CACHE/base-bookworm-$(echo "$BASE_PACKAGES" | sha256sum | cut -c1-12).tar"
+  local tar
+  tar="$CACHE/base-bookworm-$(echo "$BASE_PACKAGES" | sha256sum | cut -c1-12).tar"
   if [ ! -s "$tar" ]; then
     mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" bookworm "$tar.part"
     mv "$tar.part" "$tar"
@@ -101,7 +102,7 @@ make_wheelhouse() {
     2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
   # The same opencv version without display libraries (the Dockerfile swaps it in for rapidocr's opencv-python).
   local opencv
-  opencv="$(ls "$WHEELHOUSE" | sed -n 's/^opencv_python-\([^-]*\)-.*/\1/p')"
+  opencv="$(find "$WHEELHOUSE" -maxdepth 1 -name 'opencv_python-*' -printf '%f\n' | sed -n 's/^opencv_python-\([^-]*\)-.*/\1/p')"
   "$VENV/bin/pip" wheel --quiet --no-deps -w "$WHEELHOUSE" "opencv-python-headless==$opencv"
   rm -f "$WHEELHOUSE"/universal_runtime-*.whl  # the project itself is copied into the build as source
   echo "$key" >"$stamp"

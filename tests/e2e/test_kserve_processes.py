@@ -5,12 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 from lightkube import AsyncClient
 
 from tests.conftest import EXAMPLES, eventually
 from tests.factories import render
 from tests.support.kserve_processes import kserve_processes, render_launch
 from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator
+
+#: The stand-in itself under test: nothing to run against a real cluster.
+pytestmark = pytest.mark.stand_in
 
 
 def test_the_stand_in_runs_the_rendered_container_with_only_port_and_pod_paths_replaced(tmp_path: Path) -> None:
