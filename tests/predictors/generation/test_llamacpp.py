@@ -1,6 +1,6 @@
 """The llama.cpp engine beyond the shared conformance suite: agreement with transformers on the same
 weights, the context plan from a cgroup memory limit, ``--source-file`` matching, start-up errors and
-the bounded queue.
+the bounded queue, and continuous batching (slots, prefix reuse, chunked prompts).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 pytest.importorskip("llama_cpp", reason="the llamacpp engine needs llama-cpp-python")
 
@@ -35,6 +36,7 @@ from universal_predictors.generation.engines.llamacpp import (
     container_memory_limit,
     find_gguf,
     plan_context,
+    plan_slots,
 )
 
 GIB = 1 << 30
@@ -176,6 +178,130 @@ def test_both_engines_report_the_models_vocabulary_size(
 def test_llamacpp_rejects_out_of_vocabulary_prompt_ids(llama_engine: LlamaCppEngine) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         run(llama_engine, [0, 10_000], max_tokens=2)
+
+
+# -- continuous batching ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def batching_engine(tiny_llama_gguf: Path) -> Iterator[LlamaCppEngine]:
+    """Two slots and a small batch, so prompt chunking shows with short prompts."""
+    engine = LlamaCppEngine(config_for(tiny_llama_gguf, Backend.LLAMACPP), LlamaCppArgs(n_parallel=2, n_batch=16))
+    engine.load()
+    yield engine
+    engine.unload()
+
+
+def prompt_tokens_evaluated() -> float:
+    return REGISTRY.get_sample_value("universal_predictor_prompt_tokens_total", {"model": "tiny-llama"}) or 0.0
+
+
+def test_a_prompt_sharing_a_cached_prefix_evaluates_only_the_rest_and_each_slot_keeps_its_own(
+    batching_engine: LlamaCppEngine,
+) -> None:
+    engine = batching_engine
+    system = engine.tokenize("You are a weather service. Answer in one line. " * 3, add_special_tokens=True)
+    before = prompt_tokens_evaluated()
+    ids = run(engine, system, max_tokens=4, temperature=0.0)[0]
+    assert prompt_tokens_evaluated() - before == len(system)  # a cold slot reads the whole prompt
+    # The next turn extends it: only what the slot does not hold is read (the cache holds the prompt and
+    # every generated token but the last; the last prompt token is always read again for its logits).
+    turn = system + engine.tokenize(" Oslo?", add_special_tokens=False)
+    cached = system + ids[:-1]
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(cached, turn, strict=False)) if a != b), min(len(cached), len(turn))
+    )
+    before = prompt_tokens_evaluated()
+    run(engine, turn, max_tokens=4, temperature=0.0)
+    assert prompt_tokens_evaluated() - before == len(turn) - min(shared, len(turn) - 1)
+    assert len(turn) - min(shared, len(turn) - 1) < len(turn) // 2
+    # An unrelated prompt takes the other slot (least recently used), so the first slot's cache survives.
+    run(engine, engine.tokenize("Completely different words here", add_special_tokens=True), max_tokens=2)
+    before = prompt_tokens_evaluated()
+    again = run(engine, turn, max_tokens=4, temperature=0.0)
+    assert prompt_tokens_evaluated() - before == 1
+    assert again[0] == run(engine, turn, max_tokens=4, temperature=0.0)[0]
+
+
+def test_a_long_prompt_is_read_in_chunks_while_a_running_stream_keeps_streaming(
+    batching_engine: LlamaCppEngine,
+) -> None:
+    engine = batching_engine
+    short = engine.tokenize("Go on and on", add_special_tokens=True)
+    long = engine.tokenize("a long document about rivers " * 40, add_special_tokens=True)[:200]
+
+    async def go() -> tuple[int, int, list[int]]:
+        streamed = 0
+        long_started = asyncio.Event()
+        at_long_start: list[int] = []
+
+        async def stream_short() -> None:
+            nonlocal streamed
+            request = GenerationRequest("a", short, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+            async for chunk in engine.generate(request):
+                streamed += len(chunk.token_ids)
+                long_started.set()  # the stream is running: now the long prompt arrives
+
+        async def stream_long() -> list[int]:
+            await long_started.wait()
+            ids: list[int] = []
+            request = GenerationRequest("b", long, SamplingParams(max_tokens=3, temperature=0.0))
+            async for chunk in engine.generate(request):
+                if not ids:
+                    at_long_start.append(streamed)
+                ids += chunk.token_ids
+            return ids
+
+        short_task = asyncio.create_task(stream_short())
+        long_ids = await stream_long()
+        at_end = streamed
+        await short_task
+        return at_long_start[0], at_end, long_ids
+
+    at_first_long_token, _, long_ids = asyncio.run(go())
+    solo_long = run(engine, long, max_tokens=3, temperature=0.0)[0]  # afterwards: a cold cache above
+    # 16-token batches: one token of the running stream and 15 prompt tokens each, so the 200-token
+    # prompt takes 14 steps, in each of which the stream got a token (never one step swallowing it all),
+    # and the long prompt's answer is the same as when it ran alone.
+    assert at_first_long_token >= 8
+    assert at_first_long_token < 80  # the long prompt did not wait for the stream to finish
+    assert long_ids == solo_long
+
+
+def test_concurrent_sequences_beyond_the_slots_wait_and_all_match_their_solo_outputs(
+    batching_engine: LlamaCppEngine,
+) -> None:
+    engine = batching_engine
+    prompts = [engine.tokenize(f"Item {i}: the market in Lima", add_special_tokens=True) for i in range(5)]
+    alone = [run(engine, p, max_tokens=6, temperature=0.8, seed=i)[0] for i, p in enumerate(prompts)]
+
+    async def together() -> list[list[int]]:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            ids: list[int] = []
+            request = GenerationRequest(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=i))
+            async for chunk in engine.generate(request):
+                ids += chunk.token_ids
+            return ids
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    assert asyncio.run(together()) == alone  # 5 sequences through 2 slots: 3 waited, none changed
+
+
+def test_slots_default_from_cpus_and_shrink_until_each_keeps_a_useful_context() -> None:
+    # Plenty of memory: two slots per CPU (at least 2, at most 8), each with the training context.
+    assert plan_slots(SEVEN_B, 4 * GIB, 64 * GIB, None, None, cpus=2) == (32768, 4)
+    assert plan_slots(SEVEN_B, 4 * GIB, 256 * GIB, None, None, cpus=16) == (32768, 8)
+    assert plan_slots(SEVEN_B, 4 * GIB, 64 * GIB, None, None, cpus=1) == (32768, 2)
+    # 8 GiB: the cache left after the weights and a reserve, shared by 4 slots of 6553 tokens.
+    assert plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, None, None, cpus=2) == (6553, 4)
+    # 5 GiB: 4096 tokens of cache in all; split, no slot would keep a useful context: one slot.
+    assert plan_slots(SEVEN_B, 4 * GIB, 5 * GIB, None, None, cpus=2) == (4096, 1)
+    # Explicit values win when they fit, and are refused with the numbers when they do not.
+    assert plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, None, 2, cpus=2) == (13107, 2)
+    assert plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, 2048, None, cpus=2) == (2048, 4)
+    with pytest.raises(ValueError, match=r"for each of 8 slots \(n_parallel\).*lower n_ctx or n_parallel"):
+        plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, 4096, 8, cpus=2)
 
 
 # -- the context plan ----------------------------------------------------------------------------------

@@ -78,6 +78,8 @@ RESERVE_FRACTION = 0.10
 MIN_CONTEXT = 256
 #: Below this context per slot (or the training context, if smaller), the default uses fewer slots.
 USEFUL_SLOT_CONTEXT = 4096
+#: A free slot is chosen for its cached prefix only when that covers more than this share of the prompt.
+SLOT_SIMILARITY = 0.1
 #: The most slots the default picks (llama-server's own automatic choice is 4, tools/server/server.cpp).
 MAX_DEFAULT_PARALLEL = 8
 #: cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
@@ -640,12 +642,19 @@ class LlamaCppEngine(Engine):
                     left.send(failure)
 
     def _free_slot(self, seq: _Seq) -> _Slot | None:
-        """The free slot whose cache shares the longest prefix with the prompt, else the least recently used."""
+        """The free slot whose cache shares the longest prefix with the prompt when that prefix is more than
+        :data:`SLOT_SIMILARITY` of the prompt, else the least recently used one (whose cache is worth least).
+        llama-server picks its slots the same way (``--slot-prompt-similarity``, default 0.1:
+        tools/server/server-context.cpp, common/common.h of the vendored llama.cpp)."""
         free = [slot for slot in self._slots if slot.seq is None]
         if not free:
             return None
-        prompt = list(seq.request.prompt_ids)
-        return max(free, key=lambda slot: (common_prefix(slot.cached, prompt), -slot.last_used))
+        prompt = seq.request.prompt_ids
+        shared = {slot.seq_id: common_prefix(slot.cached, prompt) for slot in free}
+        best = max(free, key=lambda slot: (shared[slot.seq_id], -slot.last_used))
+        if shared[best.seq_id] > SLOT_SIMILARITY * len(prompt):
+            return best
+        return min(free, key=lambda slot: slot.last_used)
 
     def _admit(self, seq: _Seq, slot: _Slot, running: list[_Seq]) -> None:
         """Put ``seq`` into ``slot``: keep the cached common prefix (the last prompt token is always evaluated
