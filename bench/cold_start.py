@@ -41,8 +41,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), *(str(ROOT / part) for part in ("operator", "predictors", "gateway"))]
 
-from tests.images.podman import podman_sync, run_args  # noqa: E402
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
+from tests.support.podman import podman_sync, run_args  # noqa: E402
 from universal_operator.config import parse_config  # noqa: E402
 from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
 from universal_predictors.config import resolve_source  # noqa: E402

@@ -33,7 +33,7 @@ from lightkube import AsyncClient
 from openai import AsyncOpenAI
 
 from tests.conftest import eventually, load_manifest
-from tests.images.podman import podman, podman_sync, run_args
+from tests.support.podman import podman, podman_sync, run_args
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import free_port
 from tests.support.kserve_standin import kserve_standin, ready_status, write_status
