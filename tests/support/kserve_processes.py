@@ -201,7 +201,6 @@ def render_launch(
         )
     if command[0] in ("python", "python3"):
         command[0] = python
-    container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
 
     argv: list[str] = []
     port_set = False
@@ -234,17 +233,14 @@ def render_launch(
     if "/tmp" in mounts:
         env.setdefault("TMPDIR", str(mounts["/tmp"]))
 
-    probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
-    probe_port = probe.get("port", container_port)
-    if probe_port not in (container_port, "http1"):
-        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe_port} is not the container port")
+    ready_path = readiness_path(container)
     home = Path(env.get("HOME") or next(iter(mounts.values()), Path.cwd()))
     return Launch(
         argv=[command[0], *argv],
         env=env,
         cwd=home if home.is_dir() else Path.cwd(),
         port=port,
-        ready_path=str(probe.get("path") or "/"),
+        ready_path=ready_path,
     )
 
 
@@ -252,8 +248,9 @@ def readiness_path(container: Mapping[str, Any]) -> str:
     """The path of the container's HTTP readiness probe (``/`` without one), which must probe the serving port."""
     container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
     probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
-    if probe.get("port", container_port) not in (container_port, "http1"):
-        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe.get('port')} is not the container port")
+    probe_port = probe.get("port", container_port)
+    if probe_port not in (container_port, "http1"):
+        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe_port} is not the container port")
     return str(probe.get("path") or "/")
 
 
