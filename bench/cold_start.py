@@ -6,14 +6,18 @@ Model: examples/cluster/minilm-embed.yaml (all-MiniLM-L6-v2, from the gt-all-min
 reachable here), rendered by the operator. Three ways to start it, each measured ``--runs`` times:
 
 * process: ``python -m universal_predictors`` on this machine with the rendered arguments (the local runtime);
-* container, fetched: the storage step copies the model's files into a fresh folder (what KServe's storage
-  initializer leaves in its emptyDir), then the rendered pod runs in the predictor image (podman);
-* container, modelcar: the rendered pod with /mnt/models from the baked model image (``make images``).
+* container, fetched: the storage step, KServe's own storage code (``kserve_storage``, what the storage-initializer
+  init container runs; :mod:`tests.support.storage_initializer`), fills a fresh provision volume from the model's
+  local copy (no hub is reachable: its local-copy path links the files), then the rendered pod runs in the predictor
+  image (podman) with that volume at /mnt/models;
+* container, modelcar: the model image's init check and sidecar as KServe runs them for an ``oci://`` source, then
+  the rendered pod reading /mnt/models through the sidecar's process namespace (``make images``).
 
 The clock starts when the start is requested (the first request arriving at zero, held by the activator) and
 stops at the first embeddings answer; the request is retried until the predictor accepts it, as the activator
 holds it. Each line prints the median against the predictor's own load time (its "is ready (..., N s)" log
-line), the rest being process or container start, imports and the storage step. Nothing is asserted.
+line), the rest being process or container start, imports and the init step (storage initializer or modelcar,
+its own column). Nothing is asserted.
 Needs root and podman for the container rows (``make images`` first); the process row runs anywhere.
 """
 
@@ -30,7 +34,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,15 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), *(str(ROOT / part) for part in ("operator", "predictors", "gateway"))]
 
-from tests.images.podman import podman_sync, run_args  # noqa: E402
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
+from tests.support import storage_initializer  # noqa: E402
+from tests.support.podman import (  # noqa: E402
+    Modelcar,
+    modelcar_args,
+    modelcar_init_args,
+    podman_sync,
+    run_args,
+)
 from universal_operator.config import parse_config  # noqa: E402
 from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
 from universal_predictors.config import resolve_source  # noqa: E402
@@ -56,13 +66,15 @@ DEADLINE_S = 300.0
 class Run:
     cold_start_s: float
     own_load_s: float | None
-    storage_s: float = 0.0
+    init_s: float = 0.0  # the storage initializer, or the modelcar init check and sidecar
 
 
-def rendered() -> tuple[dict[str, Any], Any]:
-    """The example's UniversalModel and the InferenceService the operator renders for it."""
+def rendered(source_uri: str | None = None) -> tuple[dict[str, Any], Any]:
+    """The example's UniversalModel (its source replaced by ``source_uri``) and the InferenceService rendered for it."""
     manifest = yaml.safe_load((ROOT / "examples/cluster/minilm-embed.yaml").read_text())
     manifest["metadata"].update(namespace="default", uid="bench-cold-start")
+    if source_uri is not None:
+        manifest["spec"]["source"] = {"uri": source_uri}
     model = parse_model(manifest)
     return desired_inference_service(model, parse_config({})), model
 
@@ -106,42 +118,43 @@ def process_run(model: Any) -> Run:
         return Run(elapsed, own_load(log.read()))
 
 
-@contextlib.contextmanager
-def model_image_files(image: str) -> Iterator[Path]:
-    mounted = Path(podman_sync("image", "mount", image).stdout.strip())
-    try:
-        yield mounted / "models"
-    finally:
-        podman_sync("image", "unmount", image, check=False)
-
-
-def container_run(isvc: dict[str, Any], model: Any, image: str, model_dir: Path | None) -> Run:
+def container_run(isvc: dict[str, Any], model: Any, image: str, model_image: str | None) -> Run:
+    """One cold start of the rendered pod: the storage step (``model_image`` None) or a modelcar, then the pod."""
     port = free_port()
     name = f"cold-start-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as cleanup:
+        os.chmod(scratch, 0o755)
+        volume = Path(scratch) / storage_initializer.PROVISION_VOLUME
+        model_dir = links = modelcar = None
         started = time.monotonic()
-        storage_s = 0.0
-        if model_dir is None:  # the storage step: a fresh copy per pod, as the storage initializer's emptyDir
-            model_dir = Path(scratch) / "models"
-            shutil.copytree(resolve_source(MODEL_SOURCE), model_dir, ignore=shutil.ignore_patterns("__pycache__"))
-            os.chmod(scratch, 0o755)
-            storage_s = time.monotonic() - started
-        volumes = Path(scratch) / "volumes"
-        pod = run_args(isvc, name=name, image=image, model_dir=model_dir, publish={port: 8080}, volumes_dir=volumes)
+        if model_image is None:  # the storage-initializer init container, into a fresh provision volume
+            init = storage_initializer.command(resolve_source(MODEL_SOURCE), volume)
+            subprocess.run(init, check=True, capture_output=True, cwd=storage_initializer.REPO_ROOT)
+            model_dir, links = volume, storage_initializer.linked_folder(volume)
+        else:  # the modelcar init check, then its sidecar linking /models into the shared volume
+            podman_sync(*modelcar_init_args(model_image))
+            modelcar = Modelcar(container=f"{name}-modelcar", volume=volume)
+            podman_sync(*modelcar_args(model_image, name=modelcar.container, volume=volume))
+            cleanup.callback(podman_sync, "rm", "--force", "--time", "0", modelcar.container, check=False)
+            while not (volume / "models").is_symlink():
+                time.sleep(0.02)
+        init_s = time.monotonic() - started
+        pod = run_args(isvc, name=name, image=image, model_dir=model_dir, links=links, modelcar=modelcar,
+                       publish={port: 8080}, volumes_dir=Path(scratch) / "volumes")  # fmt: skip
         podman_sync(*pod)
         try:
             elapsed = first_answer(f"http://127.0.0.1:{port}", model.served_name, started)
             logs = podman_sync("logs", name, check=False)
         finally:
             podman_sync("rm", "--force", "--time", "5", name, check=False)
-        return Run(elapsed, own_load(logs.stdout + logs.stderr), storage_s)
+        return Run(elapsed, own_load(logs.stdout + logs.stderr), init_s)
 
 
 def summary(label: str, runs: list[Run]) -> str:
     cold = statistics.median(run.cold_start_s for run in runs)
     loads = [run.own_load_s for run in runs if run.own_load_s is not None]
     load = statistics.median(loads) if loads else float("nan")
-    storage = statistics.median(run.storage_s for run in runs)
+    storage = statistics.median(run.init_s for run in runs)
     return (
         f"| {label} | {cold:.1f} s | {load:.1f} s | {cold / load:.1f}x | {storage:.1f} s |"
         if loads
@@ -162,17 +175,14 @@ def main() -> None:
         podman_sync("image", "exists", image, check=False).returncode == 0 for image in (args.image, args.model_image)
     )
     if images:
-        rows.append(
-            ("container, storage step", [container_run(isvc, model, args.image, None) for _ in range(args.runs)])
-        )
-        with model_image_files(args.model_image) as files:
-            rows.append(
-                ("container, modelcar", [container_run(isvc, model, args.image, files) for _ in range(args.runs)])
-            )
+        fetched = [container_run(isvc, model, args.image, None) for _ in range(args.runs)]
+        oci_isvc, _ = rendered(f"oci://{args.model_image}")
+        modelcar = [container_run(oci_isvc, model, args.image, args.model_image) for _ in range(args.runs)]
+        rows += [("container, storage step", fetched), ("container, modelcar", modelcar)]
     else:
         print(f"(container rows skipped: podman or {args.image} / {args.model_image} missing; run `make images`)")
     print(f"all-MiniLM-L6-v2, median of {args.runs} cold starts, {os.cpu_count()} CPUs")
-    print("| start | first request -> first answer | predictor's own load | ratio | storage step |")
+    print("| start | first request -> first answer | predictor's own load | ratio | init step |")
     print("|---|---|---|---|---|")
     for label, runs in rows:
         print(summary(label, runs))

@@ -33,11 +33,11 @@ from lightkube import AsyncClient
 from openai import AsyncOpenAI
 
 from tests.conftest import eventually, load_manifest
-from tests.images.podman import podman, podman_sync, run_args
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import free_port
 from tests.support.kserve_standin import kserve_standin, ready_status, write_status
 from tests.support.kube_emulator import ServedEmulator, serve_emulator
+from tests.support.podman import podman, podman_sync, run_args
 
 #: The images under test: what .ci/images.sh built (it names them in these variables), else its default names.
 IMAGES = {
@@ -56,7 +56,8 @@ NS = "default"
 LOAD_WITHIN = 240.0
 
 
-def _skip_reason() -> str | None:
+def image_tier_skip_reason() -> str | None:
+    """Why the image tier cannot run here (None: it can)."""
     if os.environ.get("UNIVERSAL_RUNTIME_IMAGE_TESTS") != "1":
         return "the image tier runs from .ci/images.sh (make test-images), which sets UNIVERSAL_RUNTIME_IMAGE_TESTS=1"
     if shutil.which("podman") is None:
@@ -67,7 +68,7 @@ def _skip_reason() -> str | None:
     return None
 
 
-_reason = _skip_reason()
+_reason = image_tier_skip_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 #: The async tests share the module's event loop with the cluster fixture.
 in_cluster_loop = pytest.mark.asyncio(loop_scope="module")

@@ -27,6 +27,18 @@ KServe records it; ``observedGeneration`` is the child workload's.
   answers 504 when no byte of the response came within it (knative-v1.16.0 cmd/activator/main.go,
   pkg/http/handler/timeout.go; default 300 s, pkg/apis/config/defaults.go).
 * Deleting an InferenceService, or leaving :func:`kserve_processes`, terminates its process.
+
+Two modes (``mode=``), the same statuses and scaling in both:
+
+* ``"process"`` (the default, fast): the rendered command runs on this host, in this virtualenv
+  (:func:`render_launch`); the storage initializer resolves a storage URI to its local copy (``sources``).
+* ``"container"``: each pod runs as a podman container of the image the operator rendered, under its
+  securityContext, limits and emptyDir volumes (:func:`tests.support.podman.run_args`), attached, so its exit is
+  the pod's. Before it, KServe's init step runs: for a fetched source the storage initializer with KServe's own
+  storage code (:mod:`tests.support.storage_initializer`, kserve-storage) fills the pod's provision volume, bound
+  read-only at /mnt/models; for an ``oci://`` source the modelcar init check and the modelcar sidecar (KServe
+  v0.16.0 pkg/utils/storage.go), whose /models the predictor reads through the shared process namespace. Pods are
+  stopped as the kubelet stops them (``podman stop``: SIGTERM, the grace period, SIGKILL). Needs podman and root.
 """
 
 from __future__ import annotations
@@ -39,10 +51,11 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from lightkube import AsyncClient
@@ -50,6 +63,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret, ServiceAccount
 
 from tests.predictors.harness import free_port
+from tests.support import storage_initializer
 from tests.support.kserve_standin import (
     DEFAULT_VERSION,
     Child,
@@ -60,6 +74,16 @@ from tests.support.kserve_standin import (
     ready_status,
     stopped_status,
     write_status,
+)
+from tests.support.podman import (
+    OCI_PREFIX,
+    Modelcar,
+    Untranslatable,
+    modelcar_args,
+    modelcar_image,
+    modelcar_init_args,
+    podman,
+    run_args,
 )
 from universal_operator.kube import InferenceService
 from universal_operator.reconcile import (
@@ -97,7 +121,11 @@ DEFAULT_STARTUP_S = 600.0
 #: Log lines carried into a failure message (KServe carries the container's termination message).
 FAILURE_LOG_LINES = 12
 
+#: How long the modelcar sidecar may take to link /models into the shared volume.
+MODELCAR_LINK_S = 30.0
+
 Key = tuple[str, str]  # (namespace, name)
+Mode = Literal["process", "container"]
 
 
 class LaunchFailed(Exception):
@@ -173,7 +201,6 @@ def render_launch(
         )
     if command[0] in ("python", "python3"):
         command[0] = python
-    container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
 
     argv: list[str] = []
     port_set = False
@@ -206,18 +233,25 @@ def render_launch(
     if "/tmp" in mounts:
         env.setdefault("TMPDIR", str(mounts["/tmp"]))
 
-    probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
-    probe_port = probe.get("port", container_port)
-    if probe_port not in (container_port, "http1"):
-        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe_port} is not the container port")
+    ready_path = readiness_path(container)
     home = Path(env.get("HOME") or next(iter(mounts.values()), Path.cwd()))
     return Launch(
         argv=[command[0], *argv],
         env=env,
         cwd=home if home.is_dir() else Path.cwd(),
         port=port,
-        ready_path=str(probe.get("path") or "/"),
+        ready_path=ready_path,
     )
+
+
+def readiness_path(container: Mapping[str, Any]) -> str:
+    """The path of the container's HTTP readiness probe (``/`` without one), which must probe the serving port."""
+    container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
+    probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
+    probe_port = probe.get("port", container_port)
+    if probe_port not in (container_port, "http1"):
+        raise LaunchFailed(f"InvalidSpec: the readiness probe's port {probe_port} is not the container port")
+    return str(probe.get("path") or "/")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,7 +269,7 @@ def container_exit_code(returncode: int) -> int:
 
 @dataclass
 class Replica:
-    """One running predictor process (a pod)."""
+    """One running pod: the predictor process, or ``podman run`` attached to its container (container mode)."""
 
     process: asyncio.subprocess.Process
     port: int
@@ -244,6 +278,8 @@ class Replica:
     ready: bool = False
     stopping: bool = False
     exited: asyncio.Task[int] | None = None
+    container: str | None = None
+    sidecar: str | None = None  # the modelcar
 
     @property
     def pid(self) -> int:
@@ -296,6 +332,7 @@ class PredictorWorkload:
         self._failure_info: dict[str, Any] | None = None  # lastFailureInfo: sticky until a stop wipes it
         self._loaded_before = False  # activeModelState Loaded (kept through rollouts and zero pods)
         self._waking: asyncio.Task[Replica] | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._connections: set[_Connection] = set()
         self._last_activity = time.monotonic()
         # A Service's address outlives its pods: one port per InferenceService (Standard), or the proxy's.
@@ -500,8 +537,9 @@ class PredictorWorkload:
     def _storage_initializer(self, storage_uri: str, credentials: Mapping[str, str]) -> Path:
         """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy.
 
-        A gated source (``ProcessKServe.gated``) is refused as the hub refuses it: without the HF_TOKEN it
-        accepts among the ``credentials`` (see :meth:`_storage_credentials`).
+        This is the "hub" of both modes: process mode reads the copy in place; container mode hands its path to
+        KServe's storage code (:meth:`_fetch`). A gated source (``ProcessKServe.gated``) is refused as the hub
+        refuses it: without the HF_TOKEN it accepts among the ``credentials`` (see :meth:`_storage_credentials`).
         """
         wanted_token = self.kserve.gated.get(storage_uri.rstrip("/"))
         if wanted_token is not None and credentials.get("HF_TOKEN") != wanted_token:
@@ -531,36 +569,22 @@ class PredictorWorkload:
         if report_loading:
             await self._report("loading", loading_status(self.isvc, **self._shared(), loaded_before=self._loaded_before,
                                                          failure_info=self._failure_info))  # fmt: skip
+        self.root.mkdir(parents=True, exist_ok=True)
+        log_path = self.root / f"predictor-{generation}-{self.launches}.log"
         try:
-            launch = render_launch(
-                self.isvc,
-                port=port,
-                mounts=self._mounts(generation, await self._storage_credentials()),
-                secrets=await self._secrets(),
-                python=self.kserve.python,
-            )
+            if self.kserve.mode == "container":
+                replica, ready_path = await self._run_pod(generation, port, log_path)
+            else:
+                replica, ready_path = await self._run_process(generation, port, log_path)
         except LaunchFailed as failure:
             await self._fail(failure)
             raise
-        self.root.mkdir(parents=True, exist_ok=True)
-        log_path = self.root / f"predictor-{generation}-{self.launches}.log"
-        with log_path.open("wb") as log:
-            process = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                cwd=launch.cwd,
-                # The image's environment is the host's here (PATH, the virtualenv); the pod's env on top.
-                env={**os.environ, **launch.env},
-            )
-        self.kserve.started_pids.append(process.pid)
-        replica = Replica(process=process, port=port, generation=generation, log_path=log_path)
-        replica.exited = asyncio.create_task(process.wait())
+        self.kserve.started_pids.append(replica.pid)
+        replica.exited = asyncio.create_task(replica.process.wait())
         self.replica = replica
         self._tasks.append(asyncio.create_task(self._watch_exit(replica)))
         try:
-            await self._wait_ready(replica, launch.ready_path)
+            await self._wait_ready(replica, ready_path)
         except LaunchFailed as failure:
             await self._terminate()
             await self._fail(failure)
@@ -571,6 +595,119 @@ class PredictorWorkload:
         self._loaded_before = True
         await self._report("serving", self._ready(replicas=1))
         return replica
+
+    async def _run_process(self, generation: int, port: int, log_path: Path) -> tuple[Replica, str]:
+        """Process mode: the rendered command on this host (:func:`render_launch`)."""
+        launch = render_launch(
+            self.isvc,
+            port=port,
+            mounts=self._mounts(generation, await self._storage_credentials()),
+            secrets=await self._secrets(),
+            python=self.kserve.python,
+        )
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *launch.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=launch.cwd,
+                # The image's environment is the host's here (PATH, the virtualenv); the pod's env on top.
+                env={**os.environ, **launch.env},
+            )
+        return Replica(process=process, port=port, generation=generation, log_path=log_path), launch.ready_path
+
+    async def _run_pod(self, generation: int, port: int, log_path: Path) -> tuple[Replica, str]:
+        """Container mode: KServe's init step (:meth:`_fetch` or :meth:`_modelcar`), then the rendered container,
+        attached (``podman run`` ends when the container does), its port published on ``port``."""
+        container = predictor_container(self.isvc)
+        ready_path = readiness_path(container)
+        container_port = int(((container.get("ports") or [{}])[0]).get("containerPort") or DEFAULT_HTTP_PORT)
+        pod = self.root / f"pod-{generation}-{self.launches}"
+        pod.mkdir(parents=True)
+        name = f"ur-{self.key[0]}-{self.key[1]}-{generation}-{self.launches}-{uuid.uuid4().hex[:6]}"
+        storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
+        model_dir = links = modelcar = None
+        try:
+            if storage_uri and storage_uri.startswith(OCI_PREFIX):
+                modelcar = await self._modelcar(storage_uri, name, pod)
+            elif storage_uri:
+                model_dir, links = await self._fetch(storage_uri, await self._storage_credentials(), pod)
+            try:
+                args = run_args(
+                    self.isvc, name=name, model_dir=model_dir, links=links, modelcar=modelcar,
+                    publish={port: container_port}, volumes_dir=pod / "volumes", secrets=await self._secrets(),
+                    detach=False,
+                )  # fmt: skip
+            except Untranslatable as exc:
+                raise LaunchFailed(f"InvalidSpec: {exc}") from None
+            with log_path.open("wb") as log:
+                process = await asyncio.create_subprocess_exec(
+                    "podman", *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT
+                )
+        except BaseException:
+            if modelcar is not None:
+                await podman("rm", "--force", "--time", "0", "--ignore", modelcar.container, check=False)
+            raise
+        self.kserve.started_containers.append(name)
+        replica = Replica(
+            process=process, port=port, generation=generation, log_path=log_path, container=name,
+            sidecar=modelcar.container if modelcar is not None else None,
+        )  # fmt: skip
+        return replica, ready_path
+
+    async def _fetch(self, storage_uri: str, credentials: Mapping[str, str], pod: Path) -> tuple[Path, Path | None]:
+        """The storage-initializer init container: KServe's storage code fills the pod's provision volume.
+
+        The hub is not reachable: the URI's local copy (:meth:`_storage_initializer`) is what Storage is handed, so
+        it takes its local-copy path and links the files (see :mod:`tests.support.storage_initializer`). The init
+        container gets the credential env of the pod's ServiceAccount. Returns the volume and the linked folder.
+        """
+        source = self._storage_initializer(storage_uri, credentials)
+        out_dir = pod / storage_initializer.PROVISION_VOLUME
+        log_path = pod / "storage-initializer.log"
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *storage_initializer.command(source, out_dir, python=self.kserve.python),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=storage_initializer.REPO_ROOT,
+                env={**os.environ, **credentials},
+            )
+            code = await process.wait()
+        if code != 0:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-FAILURE_LOG_LINES:])
+            raise LaunchFailed(f"storage-initializer: exited {code}\n{tail}", exit_code=code)
+        return out_dir, storage_initializer.linked_folder(out_dir)
+
+    async def _modelcar(self, storage_uri: str, name: str, pod: Path) -> Modelcar:
+        """An ``oci://`` source as KServe v0.16.0 runs it (pkg/utils/storage.go ConfigureModelcarToContainer): the
+        modelcar-init check, then the modelcar sidecar linking its /models into the pod's shared emptyDir.
+
+        The kubelet starts kserve-container first and KServe sets MODEL_INIT_MODE=async so the runtime waits for
+        the link; the predictor does not read that variable, so the sidecar is started first and its link awaited.
+        """
+        image = modelcar_image(storage_uri)
+        check = await podman(*modelcar_init_args(image), check=False)
+        if check.returncode != 0:
+            raise LaunchFailed(
+                f"modelcar-init: {image}: /models does not exist or is empty, or the image is missing "
+                f"(exit {check.returncode}) {check.stderr.strip()}",
+                exit_code=check.returncode,
+            )
+        car = Modelcar(container=f"{name}-modelcar", volume=pod / storage_initializer.PROVISION_VOLUME)
+        started = await podman(*modelcar_args(image, name=car.container, volume=car.volume), check=False)
+        if started.returncode != 0:
+            raise LaunchFailed(f"modelcar: {image}: {started.stderr.strip()}", exit_code=started.returncode)
+        self.kserve.started_containers.append(car.container)
+        deadline = time.monotonic() + MODELCAR_LINK_S
+        while not (car.volume / "models").is_symlink():
+            if time.monotonic() > deadline:
+                await podman("rm", "--force", "--time", "0", "--ignore", car.container, check=False)
+                raise LaunchFailed(f"modelcar: {image} did not link /models within {MODELCAR_LINK_S:.0f}s")
+            await asyncio.sleep(0.1)
+        return car
 
     async def _wait_ready(self, replica: Replica, path: str) -> None:
         """Poll the readiness probe until it passes; the process exiting or the deadline is a failure."""
@@ -599,6 +736,7 @@ class PredictorWorkload:
             if self.replica is not replica or replica.stopping or not replica.ready:
                 return  # stopped on purpose, or _start saw it exit and reported it
             self.replica = None
+            await self._finish(self._remove_containers(replica))
             await self._fail(LaunchFailed(replica.log_tail() or f"the predictor exited with {code}", exit_code=code))
 
     async def _fail(self, failure: LaunchFailed) -> None:
@@ -615,16 +753,39 @@ class PredictorWorkload:
         if replica is None:
             return
         replica.stopping = True
+        await self._finish(self._stop(replica))
+
+    async def _finish(self, cleanup: Coroutine[Any, Any, None]) -> None:
+        """Run a pod's cleanup to its end even when the caller is cancelled (:meth:`delete` awaits what is left)."""
+        task = asyncio.create_task(cleanup)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(task)
+
+    async def _stop(self, replica: Replica) -> None:
         assert replica.exited is not None
+        if not replica.exited.done() and replica.container is not None:
+            # The kubelet's stop, by podman: SIGTERM to the container, SIGKILL after the grace period.
+            grace = str(max(1, round(self.kserve.grace_period)))
+            await podman("stop", "--time", grace, replica.container, check=False)
         if not replica.exited.done():
-            with contextlib.suppress(ProcessLookupError):
-                replica.process.terminate()
+            if replica.container is None:
+                with contextlib.suppress(ProcessLookupError):
+                    replica.process.terminate()
             try:
                 await asyncio.wait_for(asyncio.shield(replica.exited), self.kserve.grace_period)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     replica.process.kill()
                 await replica.exited
+        await self._remove_containers(replica)
+
+    @staticmethod
+    async def _remove_containers(replica: Replica) -> None:
+        """The pod's containers are gone with it (the predictor's ``--rm`` aside, the modelcar sidecar)."""
+        for name in (replica.container, replica.sidecar):
+            if name is not None:
+                await podman("rm", "--force", "--time", "0", "--ignore", name, check=False)
 
     # -- Knative: the activator and the autoscaler ---------------------------------------------------
 
@@ -763,6 +924,8 @@ class PredictorWorkload:
             with contextlib.suppress(asyncio.CancelledError, LaunchFailed):
                 await self._waking
         await self._terminate()
+        if self._cleanups:  # a stop the cancelled tasks began: the pod is gone only when it ends
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._proxy is not None:
             self._proxy.close()
             await self._proxy.wait_closed()
@@ -786,8 +949,13 @@ class ProcessKServe:
         python: str = sys.executable,
         grace_period: float = 15.0,
         version: KServeVersion = DEFAULT_VERSION,
+        mode: Mode = "process",
     ) -> None:
+        if mode not in ("process", "container"):
+            raise ValueError(f"mode must be 'process' or 'container', not {mode!r}")
         self.client = client
+        #: "process": predictors run on this host; "container": pods run in podman (see the module's docstring).
+        self.mode = mode
         self.version = version
         self.workdir = workdir
         self.sources = dict(sources)
@@ -797,8 +965,10 @@ class ProcessKServe:
         self.python = python
         self.grace_period = grace_period
         self.workloads: dict[Key, PredictorWorkload] = {}
-        #: Every process id this stand-in started, so a caller can check none outlived it.
+        #: Every process id this stand-in started (container mode: the attached ``podman run``), so a caller can
+        #: check none outlived it; in container mode also every container's name.
         self.started_pids: list[int] = []
+        self.started_containers: list[str] = []
 
     def workload(self, namespace: str, name: str) -> PredictorWorkload | None:
         return self.workloads.get((namespace, name))
@@ -808,6 +978,12 @@ class ProcessKServe:
         workload = self.workloads.get((namespace, name))
         replica = workload.replica if workload is not None else None
         return replica.pid if replica is not None else None
+
+    def container(self, namespace: str, name: str) -> str | None:
+        """Container mode: the running predictor container's name, or None when none runs."""
+        workload = self.workloads.get((namespace, name))
+        replica = workload.replica if workload is not None else None
+        return replica.container if replica is not None else None
 
     async def run(self) -> None:
         """List, then watch from the list's version; list again after a dropped watch (runs until cancelled)."""

@@ -2,8 +2,9 @@
 
 :func:`run_args` translates the ``kserve-container`` the operator rendered, field by field, into ``podman run``
 flags: command and args, env, the pod's and the container's securityContext, memory and CPU limits, emptyDir
-volumes as tmpfs, and KServe's storage-initializer output read-only at /mnt/models. A field it does not know
-fails the translation (a new rendered field must be given its podman meaning here, not silently dropped).
+volumes as tmpfs, and KServe's storage-initializer output read-only at /mnt/models, or an ``oci://`` model image
+as KServe's modelcar sidecar shows it (:func:`modelcar_args`). A field it does not know fails the translation (a
+new rendered field must be given its podman meaning here, not silently dropped).
 """
 
 from __future__ import annotations
@@ -12,15 +13,25 @@ import asyncio
 import json
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from universal_operator.reconcile import CONTAINER_NAME
 
-#: KServe v0.16.0 pkg/constants/constants.go: DefaultModelLocalMountPath and CustomSpecStorageUriEnvVarKey.
+#: KServe v0.16.0 pkg/constants/constants.go: DefaultModelLocalMountPath, CustomSpecStorageUriEnvVarKey, OciURIPrefix,
+#: ModelInitModeEnvVarKey.
 MODEL_MOUNT_PATH = "/mnt/models"
 STORAGE_URI_ENV = "STORAGE_URI"
+OCI_PREFIX = "oci://"
+MODEL_INIT_MODE_ENV = "MODEL_INIT_MODE"
+#: KServe v0.16.0 pkg/utils/storage.go: what the modelcar sidecar (CreateModelcarContainer) and its init container
+#: (CreateModelcarInitContainer) run; the sidecar's limits are the configmap's cpuModelcar/memoryModelcar defaults
+#: (config/configmap/inferenceservice.yaml). $$ is the sidecar shell's pid, in the pod's shared process namespace.
+MODELCAR_COMMAND = f"ln -sf /proc/$$/root/models {MODEL_MOUNT_PATH} && sleep infinity"
+MODELCAR_INIT_CHECK = '[ -d /models ] && [ "$(ls -A /models)" ]'
+MODELCAR_LIMITS = {"cpu": "10m", "memory": "15Mi"}
 
 #: Container fields the translation honours (the rest of the rendered container must be absent).
 _CONTAINER_FIELDS = {
@@ -37,6 +48,38 @@ _DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 class Untranslatable(Exception):
     """The rendered pod has a field this translation does not know how to give podman."""
+
+
+@dataclass(frozen=True)
+class Modelcar:
+    """A running modelcar sidecar: its container (whose processes the pod shares) and the pod's /mnt emptyDir."""
+
+    container: str
+    volume: Path
+
+
+def modelcar_image(storage_uri: str) -> str:
+    """The model image of an ``oci://`` storage URI (ConfigureModelcarToContainer trims the prefix)."""
+    return storage_uri.removeprefix(OCI_PREFIX)
+
+
+def modelcar_init_args(image: str) -> list[str]:
+    """``podman run`` arguments for the modelcar init container: the image has a non-empty /models."""
+    return ["run", "--rm", "--pull=never", "--no-healthcheck", "--entrypoint", "sh", image, "-c", MODELCAR_INIT_CHECK]
+
+
+def modelcar_args(image: str, *, name: str, volume: Path) -> list[str]:
+    """``podman run`` arguments for the modelcar sidecar: links its /models into the shared /mnt, then sleeps.
+
+    KServe gives it no securityContext (unless uidModelcar is configured): the image's own user runs it.
+    """
+    volume.mkdir(parents=True, exist_ok=True)
+    volume.chmod(0o777)  # an emptyDir is world-writable
+    return [
+        "run", "--detach", "--rm", "--pull=never", "--no-healthcheck", "--name", name,
+        "--memory", str(_bytes(MODELCAR_LIMITS["memory"])), "--cpus", _cpus(MODELCAR_LIMITS["cpu"]),
+        "--volume", f"{volume}:{Path(MODEL_MOUNT_PATH).parent}", "--entrypoint", "sh", image, "-c", MODELCAR_COMMAND,
+    ]  # fmt: skip
 
 
 def predictor_container(isvc: Mapping[str, Any]) -> dict[str, Any]:
@@ -67,14 +110,25 @@ def run_args(
     model_dir: Path | None = None,
     publish: Mapping[int, int] | None = None,
     volumes_dir: Path | None = None,
+    links: Path | None = None,
+    modelcar: Modelcar | None = None,
+    secrets: Mapping[tuple[str, str], str] | None = None,
+    detach: bool = True,
 ) -> list[str]:
     """``podman run`` arguments (without ``podman``) for the predictor pod of ``isvc``.
 
     ``model_dir`` is what KServe's storage initializer wrote (or the modelcar's /models): mounted read-only at
     /mnt/models, as KServe v0.16.0 pkg/webhook/admission/pod/storage_initializer_injector.go mounts the
     provision location (read-only unless the storage.kserve.io/readonly annotation says "false"), and a
-    non-empty STORAGE_URI env var is rewritten to that path there. ``publish`` maps host ports to container ports;
-    ``volumes_dir`` is an empty folder where the pod's emptyDir volumes are made.
+    non-empty STORAGE_URI env var is rewritten to that path there. ``links``: a host folder the files in
+    ``model_dir`` link into (KServe's storage code links a local source instead of copying it), bound read-only
+    at its own path. ``modelcar``: an ``oci://`` source as KServe runs it instead (v0.16.0 pkg/utils/storage.go
+    ConfigureModelcarToContainer): the pod shares the sidecar's process namespace, mounts the shared emptyDir at
+    /mnt (writable) where the sidecar linked /models, and gets MODEL_INIT_MODE=async; STORAGE_URI is left as
+    written (CommonStorageInitialization returns before its rewrite when the source is a modelcar).
+    ``publish`` maps host ports to container ports; ``volumes_dir`` is an empty folder where the pod's emptyDir
+    volumes are made; ``secrets`` resolves ``secretKeyRef`` env, (Secret, key) -> value, as the kubelet does.
+    ``detach=False`` runs the pod attached (its output on podman's) and removes it when it ends.
     """
     predictor = isvc["spec"]["predictor"]
     container = predictor_container(isvc)
@@ -88,7 +142,7 @@ def run_args(
                              f"{sorted(set(security) - _CONTAINER_SECURITY)}")  # fmt: skip
 
     # Kubernetes ignores an image's HEALTHCHECK (the probes are the pod's), and so does this pod.
-    args = ["run", "--detach", "--name", name, "--no-healthcheck"]
+    args = ["run", "--detach" if detach else "--rm", "--name", name, "--no-healthcheck"]
     user = security.get("runAsUser", pod_security.get("runAsUser"))
     group = security.get("runAsGroup", pod_security.get("runAsGroup"))
     if user is not None:
@@ -120,12 +174,24 @@ def run_args(
         args += ["--cpus", _cpus(limits["cpu"])]
 
     for var in container.get("env", []):
-        if "value" not in var:
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if "value" in var:
+            value = var["value"]
+        elif ref is not None and secrets is not None:
+            if (ref["name"], ref["key"]) not in secrets:
+                if ref.get("optional"):
+                    continue
+                raise Untranslatable(
+                    f"CreateContainerConfigError: secret {ref['name']!r} has no key {ref['key']!r} (env {var['name']})"
+                )
+            value = secrets[(ref["name"], ref["key"])]
+        else:
             raise Untranslatable(f"env {var['name']} from {sorted(set(var) - {'name'})}")
-        value = var["value"]
-        if var["name"] == STORAGE_URI_ENV and value:
+        if var["name"] == STORAGE_URI_ENV and value and modelcar is None:
             value = MODEL_MOUNT_PATH
         args += ["--env", f"{var['name']}={value}"]
+    if modelcar is not None:
+        args += ["--env", f"{MODEL_INIT_MODE_ENV}=async"]
 
     volumes = {volume["name"]: volume for volume in predictor.get("volumes", [])}
     for mount in container.get("volumeMounts", []):
@@ -147,10 +213,15 @@ def run_args(
         else:
             raise Untranslatable(f"volume {mount['name']}: {sorted(set(volume) - {'name'})}")
     storage = any(var["name"] == STORAGE_URI_ENV and var.get("value") for var in container.get("env", []))
-    if storage:
+    if storage and modelcar is not None:
+        args += ["--pid", f"container:{modelcar.container}"]
+        args += ["--volume", f"{modelcar.volume}:{Path(MODEL_MOUNT_PATH).parent}"]
+    elif storage:
         if model_dir is None:
             raise Untranslatable("STORAGE_URI is set: give the storage initializer's output as model_dir")
         args += ["--volume", f"{model_dir}:{MODEL_MOUNT_PATH}:ro"]
+        if links is not None:
+            args += ["--volume", f"{links}:{links}:ro"]
     for host_port, container_port in (publish or {}).items():
         args += ["--publish", f"127.0.0.1:{host_port}:{container_port}"]
 
