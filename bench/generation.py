@@ -10,8 +10,9 @@ through the real OpenAI client so TTFT is measured as a client sees it.
 Comparisons:
 - transformers at concurrency 8 vs the same backend at concurrency 1 (batching; goal >= 3x aggregate
   tokens/s; KServe's huggingfaceserver transformers backend serves one request at a time, i.e. 1x);
-- llamacpp vs llama-cpp-python's own OpenAI server on the same GGUF (goal >= 0.95x, <= +5 ms TTFT): slot
-  ``compare_llamacpp`` below, filled by the llama.cpp engine's owner;
+- llamacpp vs llama.cpp's own ``llama-server`` (built from the same vendored llama.cpp) and llama-cpp-python's
+  server on the same GGUFs, two model sizes, c=1 and c=8 (goal >= 0.9x llama-server's tokens/s, TTFT at c=8
+  within 1.5x): ``bench/generation_llamacpp.py``;
 - vllm vs vLLM's own OpenAI server (goal >= 0.95x): slot ``compare_vllm`` below.
 """
 
@@ -124,10 +125,7 @@ def compare_transformers(model_dir: Path, args: argparse.Namespace, log_dir: Pat
 
 
 def compare_llamacpp(model_dir: Path, args: argparse.Namespace, log_dir: Path) -> None:
-    """Our llamacpp backend vs ``python -m llama_cpp.server`` on the same GGUF (c=1 and c=8), same threads.
-
-    Rounds alternate between the two servers and the best round of each counts, so a neighbour's load
-    on a shared machine hits both alike."""
+    """Our llamacpp backend vs ``llama-server`` and ``python -m llama_cpp.server`` (c=1 and c=8, two sizes)."""
     from bench.generation_llamacpp import compare_llamacpp as run
 
     run(model_dir, args, log_dir, measure, prompt_of)
@@ -147,6 +145,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--only", choices=["transformers", "llamacpp", "vllm"], default=None)
+    parser.add_argument("--sizes", default="small,large", help="llamacpp: model sizes to run (small ~30M, large ~160M)")
     args = parser.parse_args()
     print(
         f"# generation bench {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "

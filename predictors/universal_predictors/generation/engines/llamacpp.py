@@ -732,13 +732,22 @@ class LlamaCppEngine(Engine):
         if code != 0:
             self._decode_failed(code, running)
             return
+        tokens: list[tuple[_Seq, Any]] = []
         for seq, index in outputs:
             try:
-                self._sample(seq, index, running)
+                tokens.append((seq, self._sample(seq, index, running)))
             except Exception as exc:  # a failed sequence fails alone, not the engine
                 logger.exception("generation failed")
-                seq.send(RuntimeError(f"generation failed: {exc}"))
+                tokens.append((seq, RuntimeError(f"generation failed: {exc}")))
                 self._release(seq, running)
+        # One wake-up of the event loop per step, not one per sequence: each wake-up costs the loop a
+        # self-pipe round trip and, on a machine with as many decode threads as cores, a decode thread its core.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Seq, Any]]] = {}
+        for seq, item in tokens:
+            by_loop.setdefault(seq.loop, []).append((seq, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _decode_failed(self, code: int, running: list[_Seq]) -> None:
         """The batch's sequences fail (their cache state is unknown: the slots start afresh); the engine goes on."""
@@ -751,7 +760,8 @@ class LlamaCppEngine(Engine):
             seq.send(failure)
             self._release(seq, running)
 
-    def _sample(self, seq: _Seq, index: int, running: list[_Seq]) -> None:
+    def _sample(self, seq: _Seq, index: int, running: list[_Seq]) -> Any:
+        """Pick the sequence's next token; returns what its consumer gets (:data:`common.TokenItem`)."""
         params = seq.request.params
         ctx = self._ctx.ctx
         logprobs = None
@@ -782,11 +792,11 @@ class LlamaCppEngine(Engine):
         elif seq.generated >= params.max_tokens:
             finish = "length"
         metrics.TOKENS_GENERATED.labels(self.config.model_name).inc()
-        seq.send((token, lp, top, finish))
         if finish is not None:
             self._release(seq, running)
         else:
             seq.pending = [token]
+        return (token, lp, top, finish)
 
     def _sampler(self, params: SamplingParams) -> Any:
         sampler = llama_internals.LlamaSampler()
@@ -823,6 +833,12 @@ class LlamaCppEngine(Engine):
             best = best[np.argsort(-logprobs[best], kind="stable")]
             top = [(int(t), float(logprobs[t])) for t in best]
         return float(logprobs[token]), top
+
+
+def _deliver(items: list[tuple[_Seq, Any]]) -> None:
+    """On the event loop: hand each sequence its token (or failure)."""
+    for seq, item in items:
+        seq.out.put_nowait(item)
 
 
 #: Orders slot use, for least-recently-used choice among slots whose caches share nothing with a prompt.
