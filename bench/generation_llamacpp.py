@@ -5,11 +5,11 @@ and llama-cpp-python's ``python -m llama_cpp.server``, on the same GGUF, streame
     .venv/bin/python bench/generation.py --only llamacpp [--sizes small,large]
 
 Two random Llamas (the bench's ~30M and a ~160M one), concurrency 1 and 8. Every server gets the same
-slots (8), context per slot, threads (the physical cores, llama.cpp's default) and attention kernel (flash
-attention off, our default). llama_cpp.server has no slots: it serves one request at a time, as a user of
-it gets. Rounds alternate between the servers and each side's best round counts, so a neighbour's load on
-a shared machine hits them alike. Goal: >= 0.9x llama-server's tokens/s at c=1 and c=8, and p50 TTFT at c=8
-within 1.5x of llama-server's.
+slots (8), context per slot and attention kernel (flash attention off, our default), and its own default
+threads, as a user gets them (llama-server: the physical cores; ours and llama_cpp.server: half the CPUs).
+llama_cpp.server has no slots: it serves one request at a time. Rounds alternate between the servers and
+each side's best round counts, so a neighbour's load on a shared machine hits them alike.
+Goal: >= 0.9x llama-server's tokens/s at c=1 and c=8, and p50 TTFT at c=8 within 1.5x of llama-server's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from bench.llama_server import build_llama_server
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama, write_gguf
 from tests.predictors.harness import free_port, running_predictor, stop
 from universal_predictors.config import Backend, PredictorConfig, Task
-from universal_predictors.generation.engines.llamacpp import default_threads, physical_cores
 
 ROUNDS = 2
 SLOTS = 8
@@ -58,9 +57,8 @@ def compare_llamacpp(
 ) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     llama_server = build_llama_server()
-    threads, batch_threads = physical_cores(), default_threads()
     prompt = prompt_of(args.prompt_tokens, model_dir)  # the same tokenizer for every size
-    print_header(threads)
+    print_header()
     for size in (getattr(args, "sizes", None) or "small,large").split(","):
         shape = SIZES[size]
         hf_dir = model_dir if size == "small" else build_llama(log_dir / f"llama-{size}", shape)
@@ -68,17 +66,17 @@ def compare_llamacpp(
         params = gguf.stat().st_size / 4 / 1e6
         config = PredictorConfig(
             model_name="bench", task=Task.GENERATE, backend=Backend.LLAMACPP, source=str(gguf),
-            engine_args={"n_ctx": str(CONTEXT_PER_SLOT), "n_parallel": str(SLOTS), "n_threads": str(threads)},
+            engine_args={"n_ctx": str(CONTEXT_PER_SLOT), "n_parallel": str(SLOTS)},
         )  # fmt: skip
         native_port, python_port = free_port(), free_port()
         native = [str(llama_server), "-m", str(gguf), "--alias", "bench", "--host", "127.0.0.1",
                   "--port", str(native_port), "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT_PER_SLOT),
-                  "-t", str(threads), "-tb", str(batch_threads), "-fa", "off", "--no-webui",
+                  "-fa", "off", "--no-webui",
                   # The test tokenizer's template is not one its chat parser knows; completions need none.
                   "--no-jinja", "--chat-template", "chatml"]  # fmt: skip
         python = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
-                  "--n_ctx", str(CONTEXT_PER_SLOT), "--n_threads", str(threads), "--n_threads_batch",
-                  str(batch_threads), "--host", "127.0.0.1", "--port", str(python_port), "--verbose", "false",
+                  "--n_ctx", str(CONTEXT_PER_SLOT), "--host", "127.0.0.1", "--port", str(python_port),
+                  "--verbose", "false",
                   # Its default cuts a running stream short when another request arrives; serve each to the end.
                   "--interrupt_requests", "false"]  # fmt: skip
         with (
@@ -110,9 +108,9 @@ def compare_llamacpp(
                       flush=True)  # fmt: skip
 
 
-def print_header(threads: int) -> None:
+def print_header() -> None:
     print(f"llamacpp vs llama-server (anchor) and llama_cpp.server; {SLOTS} slots of {CONTEXT_PER_SLOT} tokens, "
-          f"{threads} decode threads, best of {ROUNDS} alternating rounds; "
+          f"each server's default threads, best of {ROUNDS} alternating rounds; "
           "goal >= 0.9x tok/s, TTFT at c=8 <= 1.5x")  # fmt: skip
     print(
         "| model | concurrency | ours tok/s | llama-server tok/s | ratio | p50 TTFT ours / llama-server | "
