@@ -6,6 +6,7 @@ the bounded queue, and continuous batching (slots, prefix reuse, chunked prompts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -304,6 +305,50 @@ def test_slots_default_from_cpus_and_shrink_until_each_keeps_a_useful_context() 
         plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, 4096, 8, cpus=2)
 
 
+def test_a_quantized_kv_cache_holds_more_context_and_serves_with_flash_attention(tiny_llama_gguf: Path) -> None:
+    # q8_0 K and V: 34 bytes per 32 values instead of 64, so the same memory holds 1.88x the tokens.
+    q8 = dataclasses.replace(SEVEN_B, k_bytes=34 / 32, v_bytes=34 / 32)
+    assert q8.kv_bytes_per_token == 32 * 8 * 128 * 2 * 34 // 32
+    assert plan_slots(q8, 4 * GIB, 8 * GIB, None, None, cpus=2) == (12336, 4)
+    engine = LlamaCppEngine(config_for(tiny_llama_gguf, Backend.LLAMACPP),
+                            LlamaCppArgs(type_k="q8_0", type_v="q8_0", n_parallel=1))  # fmt: skip
+    engine.load()
+    try:
+        assert engine.describe()["flash_attn"] is True  # a quantized V cache needs it: turned on
+        assert engine.describe()["kv_cache_types"] == "q8_0/q8_0"
+        prompt = engine.tokenize("The river in Paris", add_special_tokens=True)
+        ids, _, finish, _ = run(engine, prompt, max_tokens=8, temperature=0.0)
+        assert len(ids) == 8
+        assert finish == "length"
+    finally:
+        engine.unload()
+
+
+def test_the_gpus_free_memory_caps_an_offloaded_models_context_and_is_named_when_short() -> None:
+    # Every layer on the GPU: the weights and the cache live in its memory, not under the cgroup limit.
+    assert plan_slots(SEVEN_B, 4 * GIB, 8 * GIB, None, None, cpus=2, limit_name="the GPUs' free memory") == (6553, 4)
+    with pytest.raises(ValueError, match=r"the GPUs' free memory \(6144 MiB\).*or raise the GPUs' free memory"):
+        plan_slots(SEVEN_B, 4 * GIB, 6 * GIB, 32768, 1, cpus=2, limit_name="the GPUs' free memory")
+
+
+@pytest.mark.parametrize(
+    ("engine_arg", "message"),
+    [
+        ("type_v=q8_0 flash_attn=false", "type_v=q8_0 needs flash_attn"),
+        ("tensor_split=3,x", "tensor_split '3,x': comma-separated numbers"),
+        ("split_mode=diagonal", "split_mode"),
+    ],
+)
+def test_gpu_engine_arguments_are_checked_at_start_up_with_one_line(
+    tiny_llama_gguf: Path, engine_arg: str, message: str
+) -> None:
+    args = [f"--engine-arg={pair}" for pair in engine_arg.split()]
+    result = run_predictor_cli(["--model_name=m", "--task=generate", "--backend=llamacpp",
+                                f"--source={tiny_llama_gguf}", *args])  # fmt: skip
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1]
+
+
 # -- the context plan ----------------------------------------------------------------------------------
 
 # A 7B-class shape: 32 layers, 8 KV heads of 128: 128 KiB of f16 KV cache per token.
@@ -345,7 +390,7 @@ def test_an_explicit_n_ctx_wins_but_must_fit_memory_and_the_training_context() -
     assert plan_context(SEVEN_B, weights_bytes=4 * GIB, memory_limit=64 * GIB, requested=2048) == 2048
     with pytest.raises(ValueError, match=r"n_ctx=65536 exceeds the model's training context \(32768\)"):
         plan_context(SEVEN_B, weights_bytes=4 * GIB, memory_limit=64 * GIB, requested=65536)
-    with pytest.raises(ValueError, match=r"n_ctx=32768 needs 4096 MiB of KV cache.*memory limit 6144 MiB"):
+    with pytest.raises(ValueError, match=r"n_ctx=32768 needs 4096 MiB of KV cache.*the memory limit \(6144 MiB\)"):
         plan_context(SEVEN_B, weights_bytes=4 * GIB, memory_limit=6 * GIB, requested=32768)
 
 

@@ -41,14 +41,14 @@ import random
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import llama_cpp
 import numpy as np
 from llama_cpp import _internals
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from universal_predictors import metrics
 from universal_predictors.base import StartupError
@@ -86,6 +86,28 @@ MAX_DEFAULT_PARALLEL = 8
 _UNLIMITED = 1 << 60
 
 
+#: KV cache types llama.cpp accepts (llama-server's ``--cache-type-k``; common/arg.cpp) -> (ggml type, bytes per
+#: element: a q8_0 block is 32 values in 34 bytes, q4_0 32 in 18, ...).
+CACHE_TYPES: Mapping[str, tuple[int, float]] = {
+    "f32": (llama_cpp.GGML_TYPE_F32, 4.0),
+    "f16": (llama_cpp.GGML_TYPE_F16, 2.0),
+    "q8_0": (llama_cpp.GGML_TYPE_Q8_0, 34 / 32),
+    "q5_1": (llama_cpp.GGML_TYPE_Q5_1, 24 / 32),
+    "q5_0": (llama_cpp.GGML_TYPE_Q5_0, 22 / 32),
+    "q4_1": (llama_cpp.GGML_TYPE_Q4_1, 20 / 32),
+    "q4_0": (llama_cpp.GGML_TYPE_Q4_0, 18 / 32),
+    "iq4_nl": (llama_cpp.GGML_TYPE_IQ4_NL, 18 / 32),
+}
+CacheType = Literal["f32", "f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
+SPLIT_MODES = {
+    "none": llama_cpp.LLAMA_SPLIT_MODE_NONE,
+    "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+    "row": llama_cpp.LLAMA_SPLIT_MODE_ROW,
+}
+#: Context per slot on a GPU whose free memory cannot be read (no NVML): a bound, not the training context.
+DEFAULT_GPU_CONTEXT = 8192
+
+
 class LlamaCppArgs(BaseModel):
     """``--engine-arg`` keys of the llama.cpp engine."""
 
@@ -106,11 +128,48 @@ class LlamaCppArgs(BaseModel):
     n_threads: int | None = Field(default=None, ge=1, le=1024)
     #: Tokens per llama.cpp batch: one per generating sequence, the rest prompt chunks.
     n_batch: int = Field(default=512, ge=1, le=65536)
-    #: Flash attention (llama.cpp's fused kernel). Off by default, as llama-cpp-python's ``Llama`` has it:
-    #: its f16 accumulation moves logprobs in the third decimal.
-    flash_attn: bool = False
+    #: Flash attention (llama.cpp's fused kernel). Default: llama.cpp's own choice per device when layers are
+    #: offloaded to a GPU (llama-cpp-python's ``Llama`` would force it off there); off on CPU, where its f16
+    #: accumulation moves logprobs in the third decimal; on whenever ``type_v`` is quantized, which needs it.
+    flash_attn: bool | None = None
+    #: KV cache element types (llama-server's ``--cache-type-k/-v``): quantized caches hold more context.
+    type_k: CacheType = "f16"
+    type_v: CacheType = "f16"
+    #: How a model is split over several GPUs: by layer, by row, or not at all (``main_gpu`` only).
+    split_mode: Literal["none", "layer", "row"] = "layer"
+    #: The GPU for the whole model (``split_mode=none``) or for intermediate results.
+    main_gpu: int = Field(default=0, ge=0)
+    #: Share of the model per GPU, comma-separated (``"3,1"``); default: by free memory, llama.cpp's choice.
+    tensor_split: str | None = None
     #: Sequences that may wait for a free slot; more are refused with 503 and Retry-After.
     max_queue: int = Field(default=64, ge=1, le=100_000)
+
+    @field_validator("tensor_split")
+    @classmethod
+    def _shares(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            shares = [float(part) for part in value.split(",")]
+        except ValueError:
+            raise ValueError(f"tensor_split {value!r}: comma-separated numbers, one per GPU (e.g. 3,1)") from None
+        if not shares or any(share < 0 for share in shares) or sum(shares) <= 0:
+            raise ValueError(f"tensor_split {value!r}: non-negative shares, not all zero")
+        if len(shares) > llama_cpp.llama_max_devices():
+            raise ValueError(f"tensor_split {value!r}: at most {llama_cpp.llama_max_devices()} GPUs")
+        return value
+
+    def flash_attention(self, gpu: bool) -> bool | None:
+        """True/False, or None for llama.cpp's own choice (on a GPU). ValueError when the caches need it."""
+        quantized_v = self.type_v not in ("f32", "f16")
+        if quantized_v and self.flash_attn is False:
+            raise ValueError(f"type_v={self.type_v} needs flash_attn (llama.cpp quantizes the V cache only with "
+                             "flash attention); drop flash_attn=false or use type_v=f16")  # fmt: skip
+        if self.flash_attn is not None:
+            return self.flash_attn
+        if quantized_v:
+            return True
+        return None if gpu else False
 
 
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------
@@ -170,6 +229,28 @@ def physical_memory() -> int:
         return 8 << 30
 
 
+def gpu_free_memory(devices: Sequence[int] | None = None) -> int | None:
+    """Free memory of the GPUs this container sees (NVML: the device plugin exposes only the pod's GPUs),
+    summed over ``devices`` (default: all); None when NVML is not there to ask (no driver, no pynvml)."""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+        chosen = [d for d in (devices if devices is not None else range(count)) if 0 <= d < count]
+        return sum(int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(d)).free) for d in chosen)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the KV cache size depends on, from GGUF metadata."""
@@ -179,11 +260,14 @@ class ModelShape:
     kv_heads: int
     key_dim: int
     value_dim: int
+    #: Bytes per cached element of K and of V (``type_k``/``type_v``): f16, llama.cpp's default, is 2.
+    k_bytes: float = 2.0
+    v_bytes: float = 2.0
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """f16 K and V for every layer: llama.cpp's default cache type."""
-        return self.layers * self.kv_heads * (self.key_dim + self.value_dim) * 2
+        """K and V of one token for every layer, in the cache types chosen (f16 unless set)."""
+        return math.ceil(self.layers * self.kv_heads * (self.key_dim * self.k_bytes + self.value_dim * self.v_bytes))
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str]) -> ModelShape:
@@ -209,11 +293,17 @@ class ModelShape:
 
 
 def plan_context(
-    shape: ModelShape, weights_bytes: int, memory_limit: int | None, requested: int | None, slots: int = 1
+    shape: ModelShape,
+    weights_bytes: int,
+    memory_limit: int | None,
+    requested: int | None,
+    slots: int = 1,
+    limit_name: str = "the memory limit",
 ) -> int:
     """``n_ctx`` of each of ``slots`` slots: the training context, capped by the KV cache of all slots that
-    fits in ``memory_limit`` after the weights and a reserve (``None``: no cap). An explicit ``requested``
-    wins if it is valid. ValueError says what does not fit, with the numbers."""
+    fits in ``memory_limit`` (``limit_name``: the container's memory limit, or the GPU's free memory) after
+    the weights and a reserve (``None``: no cap). An explicit ``requested`` wins if it is valid. ValueError
+    says what does not fit, with the numbers."""
     if memory_limit is None:
         fit = shape.train_context
         budget = None
@@ -233,19 +323,19 @@ def plan_context(
             assert budget is not None
             each = f" for each of {slots} slots (n_parallel)" if slots > 1 else ""
             raise ValueError(
-                f"n_ctx={requested} needs {mib(requested * shape.kv_bytes_per_token)} of KV cache{each}, but the "
-                f"memory limit {mib(memory_limit)} leaves {mib(max(0, budget))} after the weights "
+                f"n_ctx={requested} needs {mib(requested * shape.kv_bytes_per_token)} of KV cache{each}, but "
+                f"{limit_name} ({mib(memory_limit)}) leaves {mib(max(0, budget))} after the weights "
                 f"({mib(weights_bytes)}) and a reserve; lower n_ctx{' or n_parallel' if slots > 1 else ''} "
-                f"or raise the memory limit"
+                f"or raise {limit_name}"
             )
         return requested
     n_ctx = min(shape.train_context, fit)
     if n_ctx < min(MIN_CONTEXT, shape.train_context):
         assert memory_limit is not None
         raise ValueError(
-            f"the model does not fit: the memory limit {mib(memory_limit)} leaves room for {fit} tokens of KV "
+            f"the model does not fit: {limit_name} ({mib(memory_limit)}) leaves room for {fit} tokens of KV "
             f"cache ({shape.kv_bytes_per_token} bytes each){' per slot' if slots > 1 else ''} after the weights "
-            f"({mib(weights_bytes)}); raise the memory limit{' or lower n_parallel' if slots > 1 else ''}"
+            f"({mib(weights_bytes)}); raise {limit_name}{' or lower n_parallel' if slots > 1 else ''}"
         )
     return n_ctx
 
@@ -272,20 +362,21 @@ def plan_slots(
     n_ctx: int | None,
     n_parallel: int | None,
     cpus: int,
+    limit_name: str = "the memory limit",
 ) -> tuple[int, int]:
     """``(n_ctx per slot, n_parallel)``. Explicit values win when they fit (ValueError with the numbers
     otherwise). By default, the most slots up to :func:`default_parallel` whose context stays at least
     :data:`USEFUL_SLOT_CONTEXT` (or ``n_ctx`` when given, or the training context when smaller); one
     slot when memory allows no more."""
     if n_parallel is not None:
-        return plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=n_parallel), n_parallel
+        return plan_context(shape, weights_bytes, memory_limit, n_ctx, n_parallel, limit_name), n_parallel
     useful = n_ctx if n_ctx is not None else min(USEFUL_SLOT_CONTEXT, shape.train_context)
     for slots in range(default_parallel(cpus), 1, -1):
         with contextlib.suppress(ValueError):
-            context = plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=slots)
+            context = plan_context(shape, weights_bytes, memory_limit, n_ctx, slots, limit_name)
             if context >= useful:
                 return context, slots
-    return plan_context(shape, weights_bytes, memory_limit, n_ctx, slots=1), 1
+    return plan_context(shape, weights_bytes, memory_limit, n_ctx, 1, limit_name), 1
 
 
 def default_threads() -> int:
@@ -403,16 +494,13 @@ class LlamaCppEngine(Engine):
         self.n_threads_batch = default_threads()
         self.n_threads = args.n_threads or max(1, self.n_threads_batch // 2)
         try:
+            self.flash_attn = args.flash_attention(self.gpu_offload)
             self.metadata = self._read_metadata(self.path)
-            self.shape = ModelShape.from_metadata(self.metadata)
-            # Offloaded weights and cache live in GPU memory, which the cgroup limit does not cover.
-            limit = None if self.gpu_offload else (container_memory_limit() or physical_memory())
-            self.n_ctx, self.n_parallel = plan_slots(
-                self.shape, self.path.stat().st_size, limit, args.n_ctx, args.n_parallel, self.n_threads_batch
-            )
+            shape = ModelShape.from_metadata(self.metadata)
+            self.shape = replace(shape, k_bytes=CACHE_TYPES[args.type_k][1], v_bytes=CACHE_TYPES[args.type_v][1])
+            self.n_ctx, self.n_parallel, self.memory_limit = self._plan(args)
         except ValueError as exc:
             raise StartupError(f"{self.path.name}: {exc}") from None
-        self.memory_limit = limit
         self._queue: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
         #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
         self._outstanding = 0
@@ -421,6 +509,32 @@ class LlamaCppEngine(Engine):
         self._stopping = False
         self._model: Any = None
         self._ctx: Any = None
+
+    def _plan(self, args: LlamaCppArgs) -> tuple[int, int, int | None]:
+        """``(n_ctx per slot, n_parallel, the memory limit planned against)``.
+
+        On CPU, or with part of the layers on a GPU, the container's memory limit holds the weights and the
+        cache of the layers left on the CPU. With every layer offloaded both live in GPU memory, which the
+        cgroup does not cover: the GPUs' free memory caps the context (the split's GPUs: ``main_gpu`` alone
+        with ``split_mode=none``), and where it cannot be read, :data:`DEFAULT_GPU_CONTEXT` does."""
+        weights = self.path.stat().st_size
+        on_gpu = self.shape.layers if args.n_gpu_layers < 0 else min(args.n_gpu_layers, self.shape.layers)
+        share = on_gpu / max(1, self.shape.layers) if self.gpu_offload else 0.0
+        if share < 1.0:
+            limit = container_memory_limit() or physical_memory()
+            cpu_shape = replace(self.shape, k_bytes=self.shape.k_bytes * (1 - share),
+                                v_bytes=self.shape.v_bytes * (1 - share))  # fmt: skip
+            n_ctx, slots = plan_slots(cpu_shape, int(weights * (1 - share)), limit, args.n_ctx, args.n_parallel,
+                                      self.n_threads_batch)  # fmt: skip
+            return n_ctx, slots, limit
+        devices = [args.main_gpu] if args.split_mode == "none" else None
+        free = gpu_free_memory(devices)
+        shape = self.shape
+        if free is None and args.n_ctx is None:
+            shape = replace(shape, train_context=min(shape.train_context, DEFAULT_GPU_CONTEXT))
+        n_ctx, slots = plan_slots(shape, weights, free, args.n_ctx, args.n_parallel, self.n_threads_batch,
+                                  limit_name="the GPUs' free memory")  # fmt: skip
+        return n_ctx, slots, free
 
     @staticmethod
     def _read_metadata(path: Path) -> dict[str, str]:
@@ -440,6 +554,12 @@ class LlamaCppEngine(Engine):
     def load(self) -> None:
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = self.largs.n_gpu_layers if self.gpu_offload else 0
+        model_params.split_mode = SPLIT_MODES[self.largs.split_mode]
+        model_params.main_gpu = self.largs.main_gpu
+        if self.largs.tensor_split is not None:
+            shares = [float(part) for part in self.largs.tensor_split.split(",")]
+            self._tensor_split = (ctypes.c_float * llama_cpp.llama_max_devices())(*shares)  # kept alive with the model
+            model_params.tensor_split = self._tensor_split
         self._model = llama_internals.LlamaModel(path_model=str(self.path), params=model_params, verbose=False)
         params = llama_cpp.llama_context_default_params()
         # One KV stream per slot (not unified): a slot's context is its own, so a sequence never finds the
@@ -557,6 +677,8 @@ class LlamaCppEngine(Engine):
             "n_parallel": self.n_parallel,
             "training_context": self.shape.train_context,
             "gpu_offload": self.gpu_offload,
+            "flash_attn": self.flash_attn,
+            "kv_cache_types": f"{self.largs.type_k}/{self.largs.type_v}",
             "n_threads": self.n_threads,
             "max_queue": self.largs.max_queue,
         }
