@@ -115,15 +115,18 @@ class CacheShape:
         )
 
 
-def step_reserve_bytes(shape: CacheShape, *, prefill_chunk: int, max_rows: int, context: int) -> int:
+def step_reserve_bytes(
+    shape: CacheShape, *, prefill_chunk: int, max_rows: int, context: int, eager_attention: bool = False
+) -> int:
     """An estimate of one forward step's transient memory beside the KV cache: a prefill chunk's hidden
-    states, projections and MLP (input and output of a block alive at once), its attention scores where
-    SDPA falls back to the math kernel (fp32, every head, against a full context), and the last
-    position's fp32 logits of every row with their log-softmax copy."""
+    states, projections and MLP (input and output of a block alive at once), the last position's fp32
+    logits of every row with their log-softmax copy, and, with eager attention only, the chunk's attention
+    scores (fp32, every head, against a full context). SDPA with a padding mask runs the memory-efficient
+    kernel on CUDA, which never holds the score matrix."""
     activations = 2 * prefill_chunk * (4 * shape.hidden + 3 * shape.intermediate) * shape.dtype_bytes
-    scores = prefill_chunk * shape.heads * context * 4
     logits = max_rows * shape.vocab * 8
-    return activations + scores + logits
+    scores = prefill_chunk * shape.heads * context * 4 if eager_attention else 0
+    return activations + logits + scores
 
 
 def token_budget(
@@ -135,6 +138,7 @@ def token_budget(
     prefill_chunk: int,
     max_rows: int,
     context: int,
+    eager_attention: bool = False,
 ) -> int:
     """Tokens of KV cache the running batch may hold on GPUs with ``free_bytes`` of ``total_bytes`` free
     after the weights are loaded.
@@ -145,7 +149,9 @@ def token_budget(
     layer at a time), hence ``layers / (layers + 1)`` of it for the cache itself.
     """
     kept_back = int(total_bytes * (1 - utilization))
-    reserve = step_reserve_bytes(shape, prefill_chunk=prefill_chunk, max_rows=max_rows, context=context)
+    reserve = step_reserve_bytes(
+        shape, prefill_chunk=prefill_chunk, max_rows=max_rows, context=context, eager_attention=eager_attention
+    )
     usable = free_bytes - kept_back - reserve
     if usable <= 0:
         return 0
@@ -312,6 +318,7 @@ class TransformersEngine(Engine):
             prefill_chunk=self.targs.prefill_chunk,
             max_rows=self.targs.max_batch_size,
             context=self._context,
+            eager_attention=self.targs.attn_implementation == "eager",
         )
         if budget < MIN_TOKEN_BUDGET:
             raise RuntimeError(
