@@ -803,7 +803,7 @@ def test_parse_model_rejects_a_non_scalar_engine_arg_naming_its_key(value: objec
 def test_state_claim_is_mounted_and_passed_as_state_dir() -> None:
     from universal_operator.config import OperatorConfig
     from universal_operator.reconcile import desired_inference_service, parse_model
-    from universal_predictors.config import GPUS_ENV, PredictorConfig
+    from universal_predictors.config import PredictorConfig
 
     model = parse_model(
         {

@@ -57,7 +57,8 @@ def test_a_gpu_given_to_a_cpu_only_torch_names_the_build() -> None:
     for backend in (Backend.TRANSFORMERS, Backend.VLLM):
         reason = gpu_unusable_reason(backend, 1)
         assert reason is not None
-        assert f"{GPUS_ENV}=1" in reason and f"torch {torch.__version__} is a CPU-only build" in reason
+        assert f"{GPUS_ENV}=1" in reason
+        assert f"torch {torch.__version__} is a CPU-only build" in reason
         assert "\n" not in reason
 
 
@@ -67,7 +68,9 @@ def test_a_gpu_given_to_llama_cpp_without_gpu_offload_names_the_build() -> None:
         pytest.skip("this llama-cpp-python was built with GPU offload")
     reason = gpu_unusable_reason(Backend.LLAMACPP, 2)
     assert reason is not None
-    assert "given 2 GPUs" in reason and "built without GPU offload" in reason and "GGML_CUDA=on" in reason
+    assert "given 2 GPUs" in reason
+    assert "built without GPU offload" in reason
+    assert "GGML_CUDA=on" in reason
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs the CPU build of torch")
@@ -80,4 +83,5 @@ def test_a_generate_predictor_given_a_gpu_it_cannot_use_stops_at_start_up_with_o
     )
     assert result.returncode == 2
     [line] = [line for line in result.stderr.splitlines() if line.startswith("universal_predictors: error:")]
-    assert "CPU-only build" in line and f"{GPUS_ENV}=1" in line
+    assert "CPU-only build" in line
+    assert f"{GPUS_ENV}=1" in line

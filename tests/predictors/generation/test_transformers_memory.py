@@ -215,10 +215,14 @@ def test_an_oom_in_a_prefill_fails_only_the_arrivals_with_503_and_the_running_se
     before = oom_counter()
     steps: list[str] = []
     armed = False
+    decoding = asyncio.Event()  # set from the engine thread once the running sequence decodes
+    loop: asyncio.AbstractEventLoop | None = None
 
     def hook(stage: str, rows: int, columns: int) -> None:
         nonlocal armed
         steps.append(stage)
+        if stage == "decode" and loop is not None:
+            loop.call_soon_threadsafe(decoding.set)
         if armed and stage == "prefill":
             armed = False
             steps.append("oom")
@@ -227,10 +231,10 @@ def test_an_oom_in_a_prefill_fails_only_the_arrivals_with_503_and_the_running_se
     engine.step_hook = hook
 
     async def go() -> tuple[list[int], BaseException | None, list[int]]:
-        nonlocal armed
+        nonlocal armed, loop
+        loop = asyncio.get_running_loop()
         running = asyncio.ensure_future(generate(engine, prompts[0], 300))  # long: still running after the OOM
-        while "decode" not in steps:
-            await asyncio.sleep(0.01)
+        await decoding.wait()
         armed = True
         error: BaseException | None = None
         try:
@@ -245,10 +249,12 @@ def test_an_oom_in_a_prefill_fails_only_the_arrivals_with_503_and_the_running_se
     finally:
         engine.unload()
     assert isinstance(error, Unavailable)
-    assert error.status_code == 503 and error.code == "out_of_memory"
+    assert error.status_code == 503
+    assert error.code == "out_of_memory"
     assert error.headers() == {"Retry-After": "1"}
     assert "decode" in steps[steps.index("oom") :]  # the running sequence kept decoding after the OOM
-    assert len(running) == 300 and running[:24] == solo[0]  # and was not disturbed by it
+    assert len(running) == 300
+    assert running[:24] == solo[0]
     assert after == solo[2]
     assert oom_counter() == before + 1
 
@@ -310,7 +316,8 @@ def test_an_oom_reaches_the_client_as_503_with_retry_after_unary_and_as_an_error
     assert unary.json()["error"]["code"] == "out_of_memory"
     # A stream's 200 went out at admission; the failure is its last event, OpenAI-shaped.
     assert events[-1]["error"]["code"] == "out_of_memory"
-    assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["finish_reason"] == "length"
 
 
 # -- several GPUs ------------------------------------------------------------------------------------
