@@ -51,9 +51,11 @@ DRY_SHAPE = LlamaShape()
 LLAMA_CPP_VERSION = "0.3.36"
 CARRY_LIMIT = 64 << 20
 #: What the sdist needs to build (no tests, docs, examples, models or web UI): see prepare().
-SDIST_DROP = ("/tests/", "/docs/", "/examples/", "/models/", "/tools/server/public", "/tools/server/webui", "/media/",
-              "/.github/", "/gguf-py/", "/ggml/src/ggml-vulkan/", "/ggml/src/ggml-sycl/", "/ggml/src/ggml-cann/",
-              "/ggml/src/ggml-opencl/", "/ggml/src/ggml-musa/", "/ggml/src/ggml-kompute/", "/scripts/")  # fmt: skip
+SDIST_DROP = ("/.git/", "/tests/", "/docs/", "/examples/", "/models/", "/benches/", "/media/", "/.github/",
+              "/gguf-py/", "/scripts/", "/tools/server/public", "/tools/server/webui", "/tools/ui/",
+              "/ggml/src/ggml-vulkan/", "/ggml/src/ggml-sycl/", "/ggml/src/ggml-cann/", "/ggml/src/ggml-opencl/",
+              "/ggml/src/ggml-musa/", "/ggml/src/ggml-kompute/", "/ggml/src/ggml-hexagon/", "/ggml/src/ggml-metal/",
+              "/ggml/src/ggml-webgpu/", "/ggml/src/ggml-openvino/")  # fmt: skip
 #: Runtime packages of the predictors that the GPU machine (torch, transformers, sentence-transformers) lacks.
 CARRIED_PACKAGES = ("kserve==0.21.0", "llguidance", "jsonschema", "openai", "gguf", "scikit-build-core")
 
@@ -326,7 +328,10 @@ def install(carry: Path) -> None:
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(carry / "wheels")]
     subprocess.run([*pip, *(p.split("==")[0] for p in CARRIED_PACKAGES)], check=True)
     [sdist] = carry.glob("llama_cpp_python-*.tar.gz")
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DLLAMA_CURL=OFF",
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DLLAMA_CURL=OFF "
+           # the trimmed sdist has no tests, examples or tools sources (llama-cpp-python adds mtmd itself)
+           "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_APP=OFF "
+           "-DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF",
            "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4)}  # fmt: skip
     started = time.monotonic()
     subprocess.run([*pip, "--no-build-isolation", "--no-deps", str(sdist)], check=True, env=env)
