@@ -20,7 +20,7 @@ from universal_operator.reconcile import (
     desired_service_account,
     parse_model,
 )
-from universal_predictors.config import PredictorConfig
+from universal_predictors.config import GPUS_ENV, PredictorConfig
 
 EMBED = """
 metadata: {name: minilm}
@@ -292,6 +292,13 @@ def test_hardware_renders_to_scheduling_image_resources_and_volumes(manifest_yam
     got = pick(predictor, expected)
     got["containers"] = [pick(c, expected["containers"][0]) for c in predictor["containers"]]
     assert got == expected
+
+
+def test_a_gpu_pod_is_told_how_many_gpus_it_got_so_an_engine_that_cannot_use_them_stops_at_start_up() -> None:
+    env = at(render(with_spec("resources: {profile: amd, gpus: 2}", LLAMA_GPU)), "spec.predictor.containers[0].env")
+    assert {"name": GPUS_ENV, "value": "2"} in env
+    cpu_env = at(render(EMBED), "spec.predictor.containers[0].env")
+    assert GPUS_ENV not in {item["name"] for item in cpu_env}
 
 
 def test_no_resources_means_no_resources_block() -> None:

@@ -26,6 +26,7 @@ from universal_operator.spec import (
 )
 from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
+    GPUS_ENV,
     MODEL_MOUNT_PATH,
     PREDICTOR_MODULE,
     STATE_MOUNT_PATH,
@@ -332,6 +333,10 @@ def _env(model: UniversalModel) -> list[dict[str, Any]]:
         # The storage initializer fetched the model; the predictor must not reach for the hub itself.
         {"name": "HF_HUB_OFFLINE", "value": "1" if spec.source.is_remote else "0"},
     ]
+    if spec.resources.gpus > 0:
+        # The predictor cannot see its own extended-resource limits (the downward API has none for them):
+        # told how many GPUs it got, it refuses to start on an engine that would leave them unused.
+        env.append({"name": GPUS_ENV, "value": str(spec.resources.gpus)})
     taken = {item["name"] for item in env}
     for var in spec.env:
         if var.name in taken:

@@ -27,6 +27,9 @@ STATE_MOUNT_PATH = "/var/lib/universal-runtime/state"
 PREDICTOR_MODULE = "universal_predictors"
 #: Set by a local supervisor to its pid: the predictor exits once that process is no longer its parent.
 PARENT_PID_ENV = "UNIVERSAL_RUNTIME_PARENT_PID"
+#: Set by the operator to ``spec.resources.gpus`` on a GPU pod: a predictor given GPUs that its engine
+#: cannot use (a CPU-only torch, llama-cpp-python without GPU offload) stops at start-up saying so.
+GPUS_ENV = "UNIVERSAL_RUNTIME_GPUS"
 #: A token shared by the gateway and its predictors: set in a predictor's environment, the predictor
 #: answers only requests that carry it in UPSTREAM_TOKEN_HEADER (probes and /metrics excepted).
 UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"

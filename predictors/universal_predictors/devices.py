@@ -1,8 +1,12 @@
-"""Device and dtype choice: CUDA, then Apple's MPS, then the CPU."""
+"""Device and dtype choice: CUDA, then Apple's MPS, then the CPU; whether an allocated GPU is usable."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
+
+from universal_predictors.config import GPUS_ENV, Backend
 
 
 def detect_device(requested: str | None = None) -> str:
@@ -26,7 +30,7 @@ def dtype_for(device: str, requested: str | None = None) -> Any:
     if requested and requested != "auto":
         return getattr(torch, requested)
     if device == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16() else torch.float16
     if device == "mps":
         return torch.float16
     return torch.float32
@@ -41,3 +45,83 @@ def release_memory(device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+def native_bf16() -> bool:
+    """Whether the current CUDA device computes in bf16 natively (compute capability 8.0 and later).
+
+    ``torch.cuda.is_bf16_supported()`` alone also answers True where bf16 is only emulated (T4, V100: it
+    tries to allocate a bf16 tensor, which works anywhere); torch 2.13 ``torch/cuda/__init__.py``
+    ``is_bf16_supported(including_emulation=False)`` checks the capability only (ROCm: always True).
+    """
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def model_dtype(device: str, requested: str | None, checkpoint: Any, *, bf16: bool | None = None) -> Any:
+    """The dtype to load a checkpoint saved in ``checkpoint`` (a torch dtype, its name, or None) on ``device``.
+
+    An explicit request wins. On CUDA the checkpoint's own half precision is kept (fp16 stays fp16, bf16
+    stays bf16), fp32 or unknown becomes bf16, and bf16 becomes fp16 on a GPU without native bf16
+    (``bf16``, default :func:`native_bf16`): vLLM 0.32's rule (``vllm/config/model.py``
+    ``_resolve_auto_dtype``, ``vllm/platforms/cuda.py`` ``supported_dtypes``). Elsewhere as
+    :func:`dtype_for` (fp32 on the CPU: its half-precision kernels are slow or missing).
+    """
+    import torch
+
+    if (requested and requested != "auto") or device != "cuda":
+        return dtype_for(device, requested)
+    if isinstance(checkpoint, str):
+        checkpoint = getattr(torch, checkpoint, None)
+    native = native_bf16() if bf16 is None else bf16
+    if checkpoint == torch.float16:
+        return torch.float16
+    return torch.bfloat16 if native else torch.float16
+
+
+def allocated_gpus(environ: Mapping[str, str] = os.environ) -> int:
+    """How many GPUs the operator gave this pod (``UNIVERSAL_RUNTIME_GPUS``, rendered from
+    ``spec.resources.gpus``); 0 when unset (local runs, CPU models).
+
+    Not ``NVIDIA_VISIBLE_DEVICES``: NVIDIA's CUDA base images set it to ``all`` whether or not the device
+    plugin allocated anything, so it cannot tell a GPU pod from a CPU pod on the CUDA image."""
+    value = environ.get(GPUS_ENV, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
+    """One line naming what is missing when the pod was given ``gpus`` GPUs and ``backend`` cannot use
+    them (a CPU-only torch, llama-cpp-python built without GPU offload, no device visible); else None.
+
+    vLLM is checked without touching CUDA (its engine forks, which a CUDA runtime initialised here would
+    break): only whether torch is a CPU build."""
+    if gpus <= 0:
+        return None
+    given = f"the pod was given {gpus} GPU{'s' if gpus > 1 else ''} ({GPUS_ENV}={gpus})"
+    if backend is Backend.LLAMACPP:
+        import llama_cpp
+
+        if not llama_cpp.llama_supports_gpu_offload():
+            return (
+                f"{given} but llama-cpp-python {llama_cpp.__version__} was built without GPU offload (no CUDA or "
+                'ROCm backend): install a GPU build (CMAKE_ARGS="-DGGML_CUDA=on" pip install llama-cpp-python), '
+                "as the predictor-cuda image does"
+            )
+        return None
+    if backend not in (Backend.TRANSFORMERS, Backend.VLLM):
+        return None
+    import torch
+
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (
+            f"{given} but torch {torch.__version__} is a CPU-only build: install a CUDA build of torch "
+            "(the predictor-cuda image has one)"
+        )
+    if backend is Backend.TRANSFORMERS and not torch.cuda.is_available():
+        return (
+            f"{given} but torch {torch.__version__} (CUDA {torch.version.cuda or torch.version.hip}) sees no GPU: "
+            "the container got no GPU device (check the node's NVIDIA container runtime, the profile's "
+            "runtimeClassName, and CUDA_VISIBLE_DEVICES)"
+        )
+    return None

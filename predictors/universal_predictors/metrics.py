@@ -39,6 +39,11 @@ INTER_TOKEN_LATENCY = Histogram(
 )  # fmt: skip
 TOKENS_GENERATED = Counter("universal_predictor_generated_tokens_total", "Tokens generated.", ["model"])
 PROMPT_TOKENS = Counter("universal_predictor_prompt_tokens_total", "Prompt tokens processed.", ["model"])
+OUT_OF_MEMORY = Counter(
+    "universal_predictor_out_of_memory_total",
+    "Engine steps that ran out of GPU memory (their sequences got 503 with Retry-After).",
+    ["model"],
+)
 CANCELLED = Counter(
     "universal_predictor_cancelled_total", "Generations stopped because the client went away.", ["model"]
 )

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from universal_predictors.base import StartupError, UniversalPredictor, parse_engine_args
 from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,9 @@ class GeneratePredictor(UniversalPredictor):
         args = parse_engine_args(
             cls.EngineArgs, config.engine_args, f"the {self.backend.value} backend of task {self.task.value}"
         )
+        unusable = gpu_unusable_reason(self.backend, allocated_gpus())
+        if unusable is not None:
+            raise StartupError(unusable)
         self.engine_impl = cls(config, args)
         self.service = GenerationService(self.engine_impl, config.model_name)
 

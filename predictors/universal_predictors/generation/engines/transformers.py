@@ -1,11 +1,18 @@
 """The transformers engine: continuous batching of every active sequence on one engine thread.
 
 Each step runs ONE forward pass for all active sequences: new arrivals are prefilled together
-(left-padded) and their KV cache merged into the running batch; then every sequence decodes one token
-per step. Rows are left-padded to a common length and the attention mask hides the padding, so a
-sequence sees exactly the tokens it would see alone. Finished or abandoned sequences leave the batch
-at the next step (their rows dropped from the cache). Tokens go back to each request's asyncio queue
-with ``call_soon_threadsafe``: the event loop never waits on the model.
+(left-padded, in chunks of ``prefill_chunk`` tokens) and their KV cache merged into the running batch;
+then every sequence decodes one token per step. Rows are left-padded to a common length and the
+attention mask hides the padding, so a sequence sees exactly the tokens it would see alone. Finished or
+abandoned sequences leave the batch at the next step (their rows dropped from the cache). Tokens go back
+to each request's asyncio queue with ``call_soon_threadsafe``: the event loop never waits on the model.
+
+Memory: a waiting sequence joins the batch only while the batch's worst-case KV cache (rows x the
+longest prompt + max_tokens among them, the padded layout) fits a token budget: ``max_batch_tokens``,
+or on CUDA what the free GPU memory after loading holds (:func:`token_budget`). The context is capped at
+that budget, so a sequence alone always fits. A CUDA out-of-memory error fails only the sequences of the
+step it hit (a prefill: the arrivals; a merge or decode: the batch) with 503 and ``Retry-After``, then
+gives the allocator's cache back. Several GPUs: the model is sharded over them (``device_map``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
-from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.devices import detect_device, model_dtype, release_memory
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
 from universal_predictors.generation.engine import (
@@ -58,6 +66,115 @@ class TransformersArgs(BaseModel):
     batch_wait_ms: float = Field(default=2.0, ge=0, le=1000)
     max_model_len: int | None = Field(default=None, ge=16)
     attn_implementation: str = "sdpa"
+    #: The batch's KV-cache budget in tokens (rows x the longest prompt + max_tokens); default: unbounded on
+    #: the CPU, computed from the free GPU memory after loading on CUDA (see :func:`token_budget`).
+    max_batch_tokens: int | None = Field(default=None, ge=16)
+    #: The share of each GPU's memory this process may fill (vLLM's name and default).
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    #: Prompt tokens per prefill forward step (split over the rows prefilled together): bounds the
+    #: activations of a long prompt, which would otherwise grow with its length in one step.
+    prefill_chunk: int = Field(default=512, ge=1, le=1_000_000)
+
+
+#: The smallest KV-cache budget worth serving with: below it the model is refused at load.
+MIN_TOKEN_BUDGET = 16
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a model's KV cache and one forward step cost, from its Hugging Face config."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, config: Any, dtype_bytes: int) -> CacheShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        hidden = int(text.hidden_size)
+        return cls(
+            layers=int(text.num_hidden_layers),
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            heads=heads,
+            hidden=hidden,
+            intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+            vocab=int(text.vocab_size),
+            dtype_bytes=dtype_bytes,
+        )
+
+
+def step_reserve_bytes(
+    shape: CacheShape, *, prefill_chunk: int, max_rows: int, context: int, eager_attention: bool = False
+) -> int:
+    """An estimate of one forward step's transient memory beside the KV cache: a prefill chunk's hidden
+    states, projections and MLP (input and output of a block alive at once), the last position's fp32
+    logits of every row with their log-softmax copy, and, with eager attention only, the chunk's attention
+    scores (fp32, every head, against a full context). SDPA with a padding mask runs the memory-efficient
+    kernel on CUDA, which never holds the score matrix."""
+    activations = 2 * prefill_chunk * (4 * shape.hidden + 3 * shape.intermediate) * shape.dtype_bytes
+    logits = max_rows * shape.vocab * 8
+    scores = prefill_chunk * shape.heads * context * 4 if eager_attention else 0
+    return activations + logits + scores
+
+
+def token_budget(
+    free_bytes: int,
+    total_bytes: int,
+    shape: CacheShape,
+    *,
+    utilization: float,
+    prefill_chunk: int,
+    max_rows: int,
+    context: int,
+    eager_attention: bool = False,
+) -> int:
+    """Tokens of KV cache the running batch may hold on GPUs with ``free_bytes`` of ``total_bytes`` free
+    after the weights are loaded.
+
+    The process may fill ``utilization`` of the total (vLLM's ``gpu_memory_utilization``): what is free
+    beyond the ``1 - utilization`` share kept back, less one step's :func:`step_reserve_bytes`, holds the
+    cache plus one layer's copy in flight (a merge, a trim or a decode's append rebuilds the cache one
+    layer at a time), hence ``layers / (layers + 1)`` of it for the cache itself.
+    """
+    kept_back = int(total_bytes * (1 - utilization))
+    reserve = step_reserve_bytes(
+        shape, prefill_chunk=prefill_chunk, max_rows=max_rows, context=context, eager_attention=eager_attention
+    )
+    usable = free_bytes - kept_back - reserve
+    if usable <= 0:
+        return 0
+    return usable * shape.layers // ((shape.layers + 1) * shape.kv_bytes_per_token)
+
+
+def device_map_for(device: str, requested: str, gpus: int) -> str | None:
+    """``device_map`` for ``from_pretrained``: ``"auto"`` (accelerate's balanced split of the layers
+    over every visible GPU) when ``device: auto`` resolved to CUDA and the pod has more than one GPU;
+    None (the whole model on ``device``) otherwise. An explicit device (``cuda:1``) keeps one GPU."""
+    if requested == "auto" and device == "cuda" and gpus > 1:
+        return "auto"
+    return None
+
+
+def out_of_memory(stage: str) -> Unavailable:
+    """The 503 a sequence gets when a CUDA out-of-memory error hits the step it was in."""
+    return Unavailable(
+        f"The GPU ran out of memory during this request's {stage} step; retry shortly "
+        "(a shorter prompt or a smaller max_tokens needs less).",
+        code="out_of_memory",
+        retry_after=1.0,
+    )
 
 
 @dataclass(eq=False)
@@ -75,6 +192,11 @@ class _Seq:
     next_token: int | None = None  # sampled, not yet in the KV cache
     abandoned: bool = False  # set from the event loop when the consumer goes away
     finished: bool = False
+
+    @property
+    def cost(self) -> int:
+        """The most cache tokens this sequence can hold: its prompt and every token it may generate."""
+        return len(self.request.prompt_ids) + self.request.params.max_tokens
 
     def send(self, item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
@@ -98,22 +220,49 @@ class TransformersEngine(Engine):
         self.device = "cpu"
         #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
         self._outstanding = 0
+        #: The batch's KV-cache budget in tokens; None: unbounded.
+        self.token_budget: int | None = None
+        #: Called on the engine thread before every forward step with (stage, rows, columns); a test seam
+        #: (an exception it raises is the step's: e.g. ``torch.OutOfMemoryError``), None in service.
+        self.step_hook: Callable[[str, int, int], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
     def load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+        self._torch = torch
         source = Path(self.config.source)
         self.device = detect_device(self.targs.device)
-        dtype = dtype_for(self.device, self.targs.dtype)
+        hf_config = AutoConfig.from_pretrained(source, local_files_only=True)
+        # transformers 5 names the checkpoint's dtype ``config.dtype`` (``torch_dtype`` before 4.56).
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = model_dtype(self.device, self.targs.dtype, checkpoint_dtype)
+        gpus = torch.cuda.device_count() if self.device == "cuda" else 0
+        device_map = device_map_for(self.device, self.targs.device, gpus)
         self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        placement: dict[str, Any] = {"device_map": device_map} if device_map else {}
         model: Any = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, local_files_only=True, attn_implementation=self.targs.attn_implementation
+            source,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=self.targs.attn_implementation,
+            **placement,
         )
-        self.model: Any = model.to(self.device)
+        if device_map is None:
+            model = model.to(self.device)
+        else:
+            # accelerate puts what does not fit the GPUs on the CPU or disk: far too slow to serve from.
+            spilled = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"})
+            if spilled:
+                raise RuntimeError(
+                    f"the model does not fit the {gpus} GPUs: device_map placed layers on {', '.join(spilled)}"
+                )
+        self.model: Any = model
         self.model.eval()
+        #: Where the inputs go: the embedding's device (the first GPU of a sharded model).
+        self._input_device = self.model.get_input_embeddings().weight.device
         eos: set[int] = set()
         with contextlib.suppress(OSError):
             gen = GenerationConfig.from_pretrained(source, local_files_only=True)
@@ -124,6 +273,12 @@ class TransformersEngine(Engine):
         self._eos = frozenset(eos)
         limits = [getattr(self.model.config, "max_position_embeddings", None), self.targs.max_model_len]
         self._context = min(x for x in limits if x) if any(limits) else 2048
+        self.token_budget = self.targs.max_batch_tokens
+        if self.token_budget is None and self._input_device.type == "cuda":
+            self.token_budget = self._gpu_token_budget(dtype)
+        if self.token_budget is not None:
+            # A sequence alone must always fit the budget: the context is what the budget can hold.
+            self._context = min(self._context, self.token_budget)
         self._vocab = int(self.model.config.vocab_size)
         # The logits width (config.vocab_size) may exceed the tokenizer's: llguidance masks the rest.
         self._lltokenizer: Any = None
@@ -132,13 +287,46 @@ class TransformersEngine(Engine):
         except ValueError as exc:  # a slow (Python) tokenizer: constrained requests get a 400
             logger.warning("constrained decoding unavailable for this tokenizer: %s", exc)
         self._masks = constraints.allocate_masks(self.targs.max_batch_size, self._vocab)
-        self._torch = torch
         # transformers renamed ``past_key_values`` to ``cache``; pass whichever this version takes.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.config.model_name}", daemon=True)
         self._thread.start()
-        logger.info("transformers engine on %s (%s), context %d", self.device, dtype, self._context)
+        logger.info(
+            "transformers engine on %s (%s%s), context %d, batch KV budget %s tokens",
+            self.device,
+            dtype,
+            f", sharded over {gpus} GPUs" if device_map else "",
+            self._context,
+            self.token_budget if self.token_budget is not None else "unbounded",
+        )
+
+    def _gpu_token_budget(self, dtype: Any) -> int:
+        """:func:`token_budget` from the free memory of every GPU the model's weights are on, now."""
+        torch = self._torch
+        indices = sorted({p.device.index or 0 for p in self.model.parameters() if p.device.type == "cuda"})
+        free = total = 0
+        for index in indices:
+            device_free, device_total = torch.cuda.mem_get_info(index)
+            free, total = free + device_free, total + device_total
+        shape = CacheShape.from_config(self.model.config, torch.empty((), dtype=dtype).element_size())
+        budget = token_budget(
+            free,
+            total,
+            shape,
+            utilization=self.targs.gpu_memory_utilization,
+            prefill_chunk=self.targs.prefill_chunk,
+            max_rows=self.targs.max_batch_size,
+            context=self._context,
+            eager_attention=self.targs.attn_implementation == "eager",
+        )
+        if budget < MIN_TOKEN_BUDGET:
+            raise RuntimeError(
+                f"no room for a KV cache: {free >> 20} MiB of {total >> 20} MiB GPU memory free after loading the "
+                f"weights, {shape.kv_bytes_per_token >> 10} KiB per token, gpu_memory_utilization="
+                f"{self.targs.gpu_memory_utilization}: use a larger GPU, more GPUs, or a smaller dtype or model"
+            )
+        return budget
 
     def unload(self) -> None:
         self._stopping = True
@@ -179,7 +367,13 @@ class TransformersEngine(Engine):
         return self._vocab
 
     def describe(self) -> dict[str, Any]:
-        return {"device": self.device, "max_batch_size": self.targs.max_batch_size, "max_queue": self.targs.max_queue}
+        return {
+            "device": self.device,
+            "max_batch_size": self.targs.max_batch_size,
+            "max_queue": self.targs.max_queue,
+            "max_batch_tokens": self.token_budget,
+            "prefill_chunk": self.targs.prefill_chunk,
+        }
 
     def check_capacity(self, sequences: int = 1) -> None:
         capacity = self.targs.max_batch_size + self.targs.max_queue
@@ -236,48 +430,103 @@ class TransformersEngine(Engine):
     def _run(self) -> None:
         torch = self._torch
         active: list[_Seq] = []
+        waiting: deque[_Seq] = deque()  # taken from the incoming queue, not yet in the batch
         cache: Any = None
         mask: Any = None  # [rows, cache length] 1 = real token
         with torch.inference_mode():
             while not self._stopping:
-                arrivals: list[_Seq] = []
-                if not active:
+                if not active and not waiting:
                     first = self._incoming.get()
                     if first is None:
                         break
-                    arrivals.append(first)
+                    waiting.append(first)
                     if self.targs.batch_wait_ms > 0:
                         time.sleep(self.targs.batch_wait_ms / 1000)  # let concurrent requests join the prefill
-                while len(active) + len(arrivals) < self.targs.max_batch_size:
-                    try:
-                        item = self._incoming.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        self._stopping = True
-                        break
-                    arrivals.append(item)
-                arrivals = [s for s in arrivals if not s.abandoned and self._start_matcher(s)]
-                metrics.QUEUE_DEPTH.labels(self.config.model_name).set(self._incoming.qsize())
+                self._take_incoming(waiting)
+                arrivals = self._admit(active, waiting)
+                metrics.QUEUE_DEPTH.labels(self.config.model_name).set(len(waiting) + self._incoming.qsize())
+                stage = "prefill"
+                hit: list[_Seq] = []  # the sequences an out-of-memory error failed in this step
                 try:
                     if arrivals:
                         new_cache, new_mask = self._prefill(arrivals)
+                        stage = "merge"
                         if active:
                             cache, mask = self._merge(cache, mask, new_cache, new_mask)
                         else:
                             cache, mask = new_cache, new_mask
+                        new_cache = new_mask = None
                         active += arrivals
+                    stage = "decode"
                     active, cache, mask = self._drop_done(active, cache, mask)
                     if active:
                         cache, mask = self._decode(active, cache, mask)
                         active, cache, mask = self._drop_done(active, cache, mask)
+                except torch.OutOfMemoryError:
+                    # A prefill builds its own cache: the running batch's is untouched and keeps going. A merge,
+                    # a trim or a decode rebuilds the batch's cache layer by layer: it is lost, and so is the batch.
+                    hit = arrivals if stage == "prefill" else list(dict.fromkeys(active + arrivals))
+                    if stage != "prefill":
+                        active, cache, mask = [], None, None
+                    new_cache = new_mask = None
                 except Exception as exc:  # a failed step fails its sequences, not the engine
                     logger.exception("generation step failed")
                     for seq in active + arrivals:
                         seq.send(RuntimeError(f"generation failed: {exc}"))
                     active, cache, mask = [], None, None
-        for seq in active:
+                if hit:  # outside the handler: the traceback, and the tensors its frames hold, are gone now
+                    self._out_of_memory(hit, stage)
+        for seq in active + list(waiting):
             seq.send(RuntimeError("the engine is shutting down"))
+
+    def _take_incoming(self, waiting: deque[_Seq]) -> None:
+        """Move what has arrived to ``waiting``, without blocking; the stop marker stops the engine."""
+        while True:
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._stopping = True
+                return
+            waiting.append(item)
+
+    def _admit(self, active: list[_Seq], waiting: deque[_Seq]) -> list[_Seq]:
+        """The waiting sequences that join the batch now, first come first served: while the batch has
+        fewer than ``max_batch_size`` rows and its worst-case cache (rows x the largest prompt + max_tokens,
+        as the rows are padded to one length) stays within the token budget. The first that does not fit
+        waits for rows to finish, and so does everything behind it (a long request is not starved)."""
+        arrivals: list[_Seq] = []
+        rows = len(active)
+        widest = max((s.cost for s in active), default=0)
+        while waiting and rows < self.targs.max_batch_size:
+            seq = waiting[0]
+            if seq.abandoned:
+                waiting.popleft()
+                continue
+            if self.token_budget is not None and rows and (rows + 1) * max(widest, seq.cost) > self.token_budget:
+                break
+            waiting.popleft()
+            if self._start_matcher(seq):
+                arrivals.append(seq)
+                rows += 1
+                widest = max(widest, seq.cost)
+        return arrivals
+
+    def _out_of_memory(self, hit: list[_Seq], stage: str) -> None:
+        """Fail the sequences a CUDA out-of-memory error hit with a 503, then give the cached blocks back."""
+        metrics.OUT_OF_MEMORY.labels(self.config.model_name).inc()
+        logger.warning("out of GPU memory during %s: %d sequences fail with 503", stage, len(hit))
+        for seq in hit:
+            seq.finished = True
+            seq.send(out_of_memory(stage))
+        release_memory(self.device)  # gc.collect(), then torch.cuda.empty_cache() on CUDA
+
+    def _forward(self, stage: str, **inputs: Any) -> Any:
+        if self.step_hook is not None:
+            rows, columns = inputs["input_ids"].shape
+            self.step_hook(stage, int(rows), int(columns))
+        return self.model(**inputs)
 
     def _start_matcher(self, seq: _Seq) -> bool:
         """Give a constrained sequence its matcher; False (the sequence failed alone) if it cannot start."""
@@ -299,20 +548,42 @@ class TransformersEngine(Engine):
             prompt = list(seq.request.prompt_ids)
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = ids.to(self._input_device), mask.to(self._input_device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        # Chunks of columns, ``prefill_chunk`` tokens a step over all rows, each attending to the cache of
+        # the chunks before it: the same attention as one pass, with activations bounded by the chunk.
+        step = max(1, self.targs.prefill_chunk // len(seqs))
+        cache: Any = None
+        out: Any = None
+        for start in range(0, width, step):
+            end = min(width, start + step)
+            past = {self._cache_kwarg: cache} if cache is not None else {}
+            out = self._forward(
+                "prefill",
+                input_ids=ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, start:end],
+                use_cache=True,
+                logits_to_keep=1,
+                **past,
+            )
+            cache = self._cache_of(out)
         metrics.PROMPT_TOKENS.labels(self.config.model_name).inc(int(mask.sum()))
         self._sample(seqs, out.logits[:, -1, :])
-        return self._cache_of(out), mask
+        return cache, mask
 
     def _decode(self, seqs: list[_Seq], cache: Any, mask: Any) -> tuple[Any, Any]:
         torch = self._torch
-        ids = torch.tensor([[s.next_token] for s in seqs], dtype=torch.long, device=self.device)
+        ids = torch.tensor([[s.next_token] for s in seqs], dtype=torch.long, device=self._input_device)
         positions = mask.sum(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones((len(seqs), 1), dtype=mask.dtype, device=mask.device)], dim=1)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache}
+        out = self._forward(
+            "decode",
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: cache},
         )
         metrics.BATCH_SIZE.labels(self.config.model_name).observe(len(seqs))
         self._sample(seqs, out.logits[:, -1, :])
@@ -393,9 +664,6 @@ class TransformersEngine(Engine):
 
     # -- KV cache surgery -----------------------------------------------------------------------------
 
-    def _layers(self, cache: Any) -> list[tuple[Any, Any]]:
-        return [(layer.keys, layer.values) for layer in cache.layers]
-
     def _merge(self, cache: Any, mask: Any, new_cache: Any, new_mask: Any) -> tuple[Any, Any]:
         """Stack two batches' caches, left-padding the shorter one so the last columns line up."""
         torch = self._torch
@@ -412,13 +680,17 @@ class TransformersEngine(Engine):
             zeros = torch.zeros(shape, dtype=t.dtype, device=t.device)
             return torch.cat([zeros, t], dim=-2 if t.dim() == 4 else -1)
 
-        layers = [
-            (
-                torch.cat([pad(k1, width - a_len), pad(k2, width - b_len)]),
-                torch.cat([pad(v1, width - a_len), pad(v2, width - b_len)]),
+        layers = []
+        # One layer at a time, each source layer let go of once copied: the peak is the cache plus one
+        # layer, not two whole caches.
+        for old, new in zip(cache.layers, new_cache.layers, strict=True):
+            layers.append(
+                (
+                    torch.cat([pad(old.keys, width - a_len), pad(new.keys, width - b_len)]),
+                    torch.cat([pad(old.values, width - a_len), pad(new.values, width - b_len)]),
+                )
             )
-            for (k1, v1), (k2, v2) in zip(self._layers(cache), self._layers(new_cache), strict=True)
-        ]
+            old.keys = old.values = new.keys = new.values = None
         merged_mask = torch.cat([pad(mask, width - a_len), pad(new_mask, width - b_len)])
         return DynamicCache(ddp_cache_data=layers, config=self.model.config), merged_mask
 
@@ -438,8 +710,11 @@ class TransformersEngine(Engine):
         start = int((mask.sum(0) > 0).nonzero()[0])  # the first column any remaining row uses
         from transformers.cache_utils import DynamicCache
 
-        layers = [
-            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-            for k, v in self._layers(cache)
-        ]
+        layers = []
+        for layer in cache.layers:  # one layer at a time, as in _merge; each on its own GPU when sharded
+            rows = index.to(layer.keys.device)
+            layers.append(
+                (layer.keys.index_select(0, rows)[:, :, start:], layer.values.index_select(0, rows)[:, :, start:])
+            )
+            layer.keys = layer.values = None
         return [seqs[i] for i in keep], DynamicCache(ddp_cache_data=layers, config=self.model.config), mask[:, start:]
