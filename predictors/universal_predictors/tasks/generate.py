@@ -42,7 +42,7 @@ class GeneratePredictor(UniversalPredictor):
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
         args = parse_engine_args(
-            cls.EngineArgs, config.engine_args, f"the {self.backend.value} backend of task {self.task.value}"
+            cls.EngineArgs, config.engine_args_for(self.backend), f"the {self.backend.value} backend of task {self.task.value}"
         )
         self.engine_impl = cls(config, args)
         self.service = GenerationService(self.engine_impl, config.model_name)
@@ -53,6 +53,9 @@ class GeneratePredictor(UniversalPredictor):
 
     def unload(self) -> None:
         self.engine_impl.unload()
+
+    def health(self) -> str | None:
+        return self.engine_impl.health()
 
     def describe(self) -> dict[str, Any]:
         if not self.ready:
