@@ -34,12 +34,17 @@ class ModelNeverAppeared(Exception):
 def wait_for_model(path: str, timeout_s: float, interval_s: float = 0.5) -> None:
     """Return once ``path`` is a file or a non-empty directory; ModelNeverAppeared after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    announced = False
     while True:
         try:
             if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
                 return
         except OSError:
             pass  # a dangling link while the sidecar starts: keep waiting
+        if not announced:
+            logging.getLogger(PROG).info("waiting up to %gs for the model to appear at %s (%s=async)", timeout_s, path,
+                                         MODEL_INIT_MODE_ENV)  # fmt: skip
+            announced = True
         if time.monotonic() >= deadline:
             raise ModelNeverAppeared(
                 f"the model did not appear at {path} within {timeout_s:g}s ({MODEL_INIT_MODE_ENV}=async: "
