@@ -72,7 +72,9 @@ class UniversalPredictor(kserve.Model):
         self.engine = True  # KServe awaits start_engine(): that is where loading runs, in the background
         self.backend: Backend = config.backend
         self.engine_args = parse_engine_args(
-            self.EngineArgs, config.engine_args_for(config.backend), f"the {config.backend.value} backend of task {self.task.value}"
+            self.EngineArgs,
+            config.engine_args_for(config.backend),
+            f"the {config.backend.value} backend of task {self.task.value}",
         )
         self.loaded_at: float | None = None
 

@@ -82,10 +82,7 @@ def nvml_gpu_count() -> int:
         return present
     usable = 0
     for entry in (item.strip() for item in visible.split(",")):
-        if entry.startswith(("GPU-", "MIG-")):
-            usable += 1
-        elif entry.isdigit() and int(entry) < present:
-            usable += 1
-        else:
+        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < present)):
             break
+        usable += 1
     return min(usable, present)

@@ -42,7 +42,9 @@ class GeneratePredictor(UniversalPredictor):
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
         args = parse_engine_args(
-            cls.EngineArgs, config.engine_args_for(self.backend), f"the {self.backend.value} backend of task {self.task.value}"
+            cls.EngineArgs,
+            config.engine_args_for(self.backend),
+            f"the {self.backend.value} backend of task {self.task.value}",
         )
         self.engine_impl = cls(config, args)
         self.service = GenerationService(self.engine_impl, config.model_name)

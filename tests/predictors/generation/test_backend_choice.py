@@ -97,7 +97,8 @@ def resolve(
     result = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps([str(source), engine_args])],
                             capture_output=True, text=True, timeout=300, env=environment, check=False)  # fmt: skip
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert lines, result.stdout[-3000:]
     backend, count = json.loads(lines[0].removeprefix("RESULT "))
     calls = log.read_text().split() if log.exists() else []
     return backend, count, calls
