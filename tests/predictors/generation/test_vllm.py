@@ -176,10 +176,12 @@ def fitted_predictor(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFact
     config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.VLLM, source=str(tiny_llama_dir),
                              engine_args=FIT_ENGINE_ARGS)  # fmt: skip
     # VLLM_CPU_KVCACHE_SPACE (.ci/vllm.sh sets it) would replace kv_cache_memory_bytes: vllm 0.32 platforms/cpu.py
-    # ("Legacy setting"); empty, it is ignored.
-    env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": ""}
-    with running_predictor(config, tmp_path_factory.mktemp("vllm-fit"), env=env, ready_within=400) as predictor:
-        yield predictor
+    # ("Legacy setting"); it must be absent (the CPU worker reads an empty one as a number).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        with running_predictor(config, tmp_path_factory.mktemp("vllm-fit"), env={"VLLM_HOST_IP": "127.0.0.1"},
+                               ready_within=400) as predictor:  # fmt: skip
+            yield predictor
 
 
 def test_by_default_the_context_is_fitted_to_the_kv_cache_and_reported(fitted_predictor: PredictorProcess) -> None:
