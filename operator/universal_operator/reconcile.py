@@ -30,6 +30,7 @@ from universal_predictors.config import (
     MODEL_MOUNT_PATH,
     PREDICTOR_MODULE,
     STATE_MOUNT_PATH,
+    TASK_BACKENDS,
     Backend,
     PredictorConfig,
     render_engine_arg,
@@ -61,6 +62,23 @@ CONTAINER_NAME = "kserve-container"
 #: vLLM's engine argument that shards one model over several GPUs.
 TENSOR_PARALLEL_ARG = "tensor_parallel_size"
 CACHE_DIR = "/cache"
+#: vLLM's engine argument that skips torch.compile and CUDA graphs (nothing to recompile on a wake).
+EAGER_ARG = "enforce_eager"
+#: Where a profile's compile-cache claim is mounted, and the caches pointed into it: vLLM keeps its
+#: torch.compile artifacts under VLLM_CACHE_ROOT (vllm 0.32 envs.py, default ~/.cache/vllm: the emptyDir,
+#: gone at scale to zero; compilation/backends.py writes torch_compile_cache there), Triton its kernels
+#: under TRITON_CACHE_DIR (default ~/.triton/cache).
+COMPILE_CACHE_DIR = "/var/cache/universal-runtime/compile"
+COMPILE_CACHE_ENV = {"VLLM_CACHE_ROOT": f"{COMPILE_CACHE_DIR}/vllm", "TRITON_CACHE_DIR": f"{COMPILE_CACHE_DIR}/triton"}
+#: The predictor's probes. Liveness asks KServe's /v2/health/live, which answers as soon as the HTTP server
+#: runs and stays up while a model loads (loading is off the event loop), so a slow load is never killed;
+#: a dead engine ends the process itself (readiness fails first). The startup probe holds liveness off until
+#: the server listens (imports, a modelcar's model appearing), for at most spec.scaling.startupTimeout.
+LIVE_PATH = "/v2/health/live"
+PROBE_PERIOD_S = 10
+PROBE_TIMEOUT_S = 5
+#: Six unanswered liveness probes in a row (a minute): the server is hung, not busy.
+LIVENESS_FAILURES = 6
 #: The per-model ServiceAccount that hands spec.source.credentialsSecret to KServe's storage initializer.
 STORAGE_ACCOUNT_SUFFIX = "-storage"
 SERVICE_ACCOUNT_API_VERSION = "v1"
@@ -201,6 +219,9 @@ def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> di
             needed.setdefault(where, []).append(FEATURE_TOLERATIONS)
         if profile.runtime_class_name:
             needed.setdefault(where, []).append(FEATURE_RUNTIME_CLASS)
+    if compile_cache_claim(model, config) is not None:
+        where = f"spec.resources.profile {spec.resources.profile or config.default_profile!r} (compileCacheClaim)"
+        needed.setdefault(where, []).extend([FEATURE_PVC, FEATURE_PVC_WRITE])
     if spec.state is not None:
         needed["spec.state"] = [FEATURE_PVC, FEATURE_PVC_WRITE]
         if config.pod_security.fs_group is not None:
@@ -276,6 +297,7 @@ def predictor_config(
     *,
     source: str | None = None,
     state_dir: str | None = None,
+    engine_arg_defaults: dict[Backend, dict[str, str]] | None = None,
 ) -> PredictorConfig:
     """The predictor's command line as a config: the one contract cluster and local runs share.
 
@@ -300,6 +322,7 @@ def predictor_config(
         source=source,
         source_file=spec.source.file,
         engine_args=engine_args,
+        engine_arg_defaults=engine_arg_defaults or {},
         http_port=http_port,
         state_dir=state_dir,
     )
@@ -311,7 +334,69 @@ def resolved_backend(model: UniversalModel) -> Backend:
     return resolve_backend(spec.task, spec.backend, spec.source.uri, spec.source.file, spec.resources.gpus)
 
 
-def _env(model: UniversalModel) -> list[dict[str, Any]]:
+def possible_backends(model: UniversalModel) -> tuple[Backend, ...]:
+    """The backends the predictor may run: the resolved one, or every one of the task's when that is ``auto``."""
+    backend = resolved_backend(model)
+    return TASK_BACKENDS[model.spec.task] if backend is Backend.AUTO else (backend,)
+
+
+def scales_to_zero(model: UniversalModel, config: OperatorConfig) -> bool:
+    """Whether the model's replicas go away when idle: Knative with minReplicas 0, or Standard mode where the
+    gateway stops idle models (KServe releases that have the stop annotation)."""
+    scaling = model.spec.scaling
+    if scaling.mode is ScalingMode.KNATIVE:
+        return scaling.min_replicas == 0
+    return kserve.can_stop(config.kserve.release, scaling.mode)
+
+
+def compile_cache_claim(model: UniversalModel, config: OperatorConfig) -> str | None:
+    """The profile's compile-cache claim, for a model that may run vLLM (the only engine that compiles)."""
+    try:
+        profile = config.profile(model.spec.resources.profile)
+    except KeyError:  # an unknown profile: check_servable names it
+        return None
+    if profile is None or Backend.VLLM not in possible_backends(model):
+        return None
+    return profile.compile_cache_claim
+
+
+def engine_arg_defaults(model: UniversalModel, config: OperatorConfig) -> dict[Backend, dict[str, str]]:
+    """Engine-arg defaults by backend, for the backends the predictor may run (it applies only its own's).
+
+    The profile's ``engineArgs``; and for vLLM on a model that scales to zero without a compile cache,
+    ``enforce_eager=true``: every wake would otherwise torch.compile the model and capture its CUDA graphs
+    again, into an emptyDir that is gone at the next scale to zero (a minute or more of a cold start on
+    large models, paid by the request that woke it), where eager mode costs decode speed instead. A
+    profile's or the model's own ``enforce_eager`` wins; a compile-cache claim keeps compilation.
+    """
+    profile = config.profile(model.spec.resources.profile)
+    defaults: dict[Backend, dict[str, str]] = {}
+    for backend in possible_backends(model):
+        given = profile.engine_args.get(backend, {}) if profile is not None else {}
+        defaults[backend] = {key: render_engine_arg(value) for key, value in given.items()}
+    if Backend.VLLM in defaults and scales_to_zero(model, config) and compile_cache_claim(model, config) is None:
+        defaults[Backend.VLLM].setdefault(EAGER_ARG, "true")
+    return {backend: args for backend, args in defaults.items() if args}
+
+
+def predictor_probes(model: UniversalModel) -> dict[str, Any]:
+    """Readiness, liveness and startup probes of the predictor container (see LIVE_PATH)."""
+    startup_s = parse_duration(model.spec.scaling.startup_timeout).total_seconds()
+    live = {"httpGet": {"path": LIVE_PATH, "port": DEFAULT_HTTP_PORT}, "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": PROBE_TIMEOUT_S}  # fmt: skip
+    return {
+        # Ready only once the model is loaded and its engine alive: the predictor's v2 readiness says exactly that.
+        "readinessProbe": {
+            "httpGet": {"path": "/v2/health/ready", "port": DEFAULT_HTTP_PORT},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {**live, "failureThreshold": LIVENESS_FAILURES},
+        "startupProbe": {**live, "failureThreshold": max(1, -(-int(startup_s) // PROBE_PERIOD_S))},
+    }
+
+
+def _env(model: UniversalModel, extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The predictor container's environment.
 
     Credentials are not here: the predictor reads the files the storage initializer fetched, offline
@@ -337,6 +422,7 @@ def _env(model: UniversalModel) -> list[dict[str, Any]]:
         # The predictor cannot see its own extended-resource limits (the downward API has none for them):
         # told how many GPUs it got, it refuses to start on an engine that would leave them unused.
         env.append({"name": GPUS_ENV, "value": str(spec.resources.gpus)})
+    env += [{"name": name, "value": value} for name, value in (extra or {}).items()]
     taken = {item["name"] for item in env}
     for var in spec.env:
         if var.name in taken:
@@ -572,21 +658,17 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
     profile = config.profile(spec.resources.profile)
     scaling = spec.scaling
     knative = scaling.mode is ScalingMode.KNATIVE
+    compile_claim = compile_cache_claim(model, config)
 
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": _image(model, profile, config),
         "imagePullPolicy": config.images.pull_policy,
         "command": ["python", "-m", PREDICTOR_MODULE],
-        "args": predictor_config(model).to_args(),
-        "env": _env(model),
+        "args": predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, config)).to_args(),
+        "env": _env(model, COMPILE_CACHE_ENV if compile_claim else {}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
-        # Ready only once the model is loaded: the predictor's v2 readiness says exactly that.
-        "readinessProbe": {
-            "httpGet": {"path": "/v2/health/ready", "port": DEFAULT_HTTP_PORT},
-            "periodSeconds": 5,
-            "failureThreshold": 3,
-        },
+        **predictor_probes(model),
         "securityContext": container_security_context(config),
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_DIR},
@@ -607,6 +689,9 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
         if spec.state.sub_path:
             mount["subPath"] = spec.state.sub_path
         container["volumeMounts"].append(mount)
+    if compile_claim is not None:
+        volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": compile_claim}})
+        container["volumeMounts"].append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
     if spec.resources.gpus > 0:
         shm: dict[str, Any] = {"medium": "Memory"}
         if profile is not None and profile.shm_size:

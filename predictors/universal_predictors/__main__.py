@@ -17,6 +17,41 @@ from collections.abc import Sequence
 from universal_predictors.config import PARENT_PID_ENV, PredictorConfig, resolve_source
 
 PROG = "universal_predictors"
+#: KServe's signal that the model may appear only after the predictor starts: its pod webhook sets
+#: MODEL_INIT_MODE=async on the predictor of a modelcar (KServe v0.16.0 pkg/utils/storage.go,
+#: ConfigureModelcarToContainer; pkg/constants/constants.go ModelInitModeEnvVarKey), whose sidecar links
+#: /mnt/models into the shared volume only once it runs.
+MODEL_INIT_MODE_ENV = "MODEL_INIT_MODE"
+#: How long a predictor in that mode waits for its model to appear (seconds; the env var overrides it).
+MODEL_WAIT_ENV = "UNIVERSAL_RUNTIME_MODEL_WAIT_SECONDS"
+MODEL_WAIT_DEFAULT_S = 600.0
+
+
+class ModelNeverAppeared(Exception):
+    """The model path stayed missing or empty for the whole wait."""
+
+
+def wait_for_model(path: str, timeout_s: float, interval_s: float = 0.5) -> None:
+    """Return once ``path`` is a file or a non-empty directory; ModelNeverAppeared after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        try:
+            if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+                return
+        except OSError:
+            pass  # a dangling link while the sidecar starts: keep waiting
+        if not announced:
+            logging.getLogger(PROG).info("waiting up to %gs for the model to appear at %s (%s=async)", timeout_s, path,
+                                         MODEL_INIT_MODE_ENV)  # fmt: skip
+            announced = True
+        if time.monotonic() >= deadline:
+            raise ModelNeverAppeared(
+                f"the model did not appear at {path} within {timeout_s:g}s ({MODEL_INIT_MODE_ENV}=async: "
+                f"KServe's modelcar sidecar provides it); check the modelcar container's image and logs, or "
+                f"raise {MODEL_WAIT_ENV}"
+            )
+        time.sleep(interval_s)
 
 
 def watch_parent(parent: int, interval_s: float = 1.0) -> threading.Thread:
@@ -56,6 +91,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+
+    if os.environ.get(MODEL_INIT_MODE_ENV) == "async" and config.source.startswith("/"):
+        try:
+            timeout_s = float(os.environ.get(MODEL_WAIT_ENV) or MODEL_WAIT_DEFAULT_S)
+            wait_for_model(config.source, timeout_s)
+        except ValueError:
+            print(f"{PROG}: error: {MODEL_WAIT_ENV} must be a number of seconds", file=sys.stderr)
+            return 2
+        except ModelNeverAppeared as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 1
 
     from universal_predictors.base import StartupError
     from universal_predictors.registry import EXTRAS, predictor_class

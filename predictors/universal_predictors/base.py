@@ -33,6 +33,9 @@ logger = logging.getLogger("universal_predictors")
 
 Handler = Callable[..., Awaitable[Response]]
 
+#: How often a loaded predictor asks its engine whether it can still serve.
+HEALTH_INTERVAL_S = 2.0
+
 
 class StartupError(Exception):
     """A configuration the predictor cannot start with; printed as one line, exit status 2."""
@@ -69,7 +72,9 @@ class UniversalPredictor(kserve.Model):
         self.engine = True  # KServe awaits start_engine(): that is where loading runs, in the background
         self.backend: Backend = config.backend
         self.engine_args = parse_engine_args(
-            self.EngineArgs, config.engine_args, f"the {config.backend.value} backend of task {self.task.value}"
+            self.EngineArgs,
+            config.engine_args_for(config.backend),
+            f"the {config.backend.value} backend of task {self.task.value}",
         )
         self.loaded_at: float | None = None
 
@@ -92,6 +97,11 @@ class UniversalPredictor(kserve.Model):
     def describe(self) -> dict[str, Any]:
         """Extra fields for ``/openai/v1/models``."""
         return {}
+
+    def health(self) -> str | None:
+        """None while the loaded model can serve; otherwise why not (a dead engine process, a sticky
+        device error). Non-blocking. Once loaded, a reason makes readiness fail and the process exit."""
+        return None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -118,6 +128,25 @@ class UniversalPredictor(kserve.Model):
         self.loaded_at = time.time()
         self.ready = True
         logger.info("%s is ready (backend %s, %.1fs)", self.name, self.backend.value, time.monotonic() - started)
+        self._health_watch = asyncio.create_task(self.watch_health(), name="health-watch")
+
+    async def watch_health(self, interval_s: float = HEALTH_INTERVAL_S) -> None:
+        """Exit the process once :meth:`health` reports the model can no longer serve.
+
+        A replica whose engine died would otherwise stay Ready and answer every request with a 500. The
+        exit is what lets Kubernetes (or the local supervisor) restart it; readiness already fails from the
+        moment the reason appears (``/v2/health/ready`` asks :meth:`health` itself)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self.ready:  # stopping: unloading ends the engine on purpose
+                return
+            reason = self.health()
+            if reason is not None:
+                self.ready = False
+                logger.error("%s can no longer serve: %s; exiting", self.name, reason)
+                print(f"universal_predictors: error: {self.name!r} can no longer serve: {reason}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                os._exit(1)
 
     def stop(self) -> None:
         self.ready = False
@@ -195,9 +224,13 @@ def common_routes(predictor: UniversalPredictor) -> APIRouter:
     router = APIRouter()
 
     async def ready() -> Response:
-        # KServe's own /v2/health/ready answers 200 before any model is loaded; this one does not.
-        if predictor.ready:
+        # KServe's own /v2/health/ready answers 200 before any model is loaded; this one does not, nor
+        # once the engine behind a loaded model has died (the health watch then ends the process).
+        reason = predictor.health() if predictor.ready else None
+        if predictor.ready and reason is None:
             return JSONResponse({"ready": True})
+        if reason is not None:
+            return error_response(Unavailable(f"{predictor.name}: {reason}", code="engine_dead", retry_after=5))
         return error_response(Unavailable(f"{predictor.name} is loading", code="model_loading", retry_after=5))
 
     async def models(request: Request) -> Response:

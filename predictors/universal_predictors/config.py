@@ -150,6 +150,11 @@ class PredictorConfig(BaseModel):
     source_file: str | None = Field(default=None, description="A glob picking one file inside the source.")
     revision: str | None = Field(default=None, description="The source revision (hf:// sources in local mode).")
     engine_args: dict[str, str] = Field(default_factory=dict, description="Backend-specific key=value arguments.")
+    engine_arg_defaults: dict[Backend, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Engine arguments by backend (an operator profile's), applied under ``engine_args`` for "
+        "the backend the predictor runs only: with ``auto`` they do not steer the choice, nor fail it.",
+    )
     http_port: Annotated[int, Field(ge=1, le=65535)] = DEFAULT_HTTP_PORT
     http_host: str | None = Field(
         default=None,
@@ -168,6 +173,17 @@ class PredictorConfig(BaseModel):
                 raise ValueError(f"engine argument key {key!r} must match {_ENGINE_ARG_KEY.pattern}")
         return value
 
+    @field_validator("engine_arg_defaults")
+    @classmethod
+    def _engine_arg_default_keys(cls, value: dict[Backend, dict[str, str]]) -> dict[Backend, dict[str, str]]:
+        for args in value.values():
+            cls._engine_arg_keys(args)
+        return value
+
+    def engine_args_for(self, backend: Backend) -> dict[str, str]:
+        """The engine arguments ``backend`` runs with: its defaults, then ``engine_args`` over them."""
+        return {**self.engine_arg_defaults.get(backend, {}), **self.engine_args}
+
     def to_args(self) -> list[str]:
         """The command-line arguments (after ``python -m universal_predictors``).
 
@@ -184,6 +200,11 @@ class PredictorConfig(BaseModel):
         if self.revision:
             args.append(f"--revision={self.revision}")
         args += [f"--engine-arg={key}={value}" for key, value in sorted(self.engine_args.items())]
+        args += [
+            f"--engine-arg-default={backend.value}:{key}={value}"
+            for backend, defaults in sorted(self.engine_arg_defaults.items())
+            for key, value in sorted(defaults.items())
+        ]
         if self.state_dir:
             args.append(f"--state-dir={self.state_dir}")
         args.append(f"--http_port={self.http_port}")
@@ -208,6 +229,8 @@ class PredictorConfig(BaseModel):
         parser.add_argument("--source-file", dest="source_file", default=None)
         parser.add_argument("--revision", default=None)
         parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="KEY=VALUE")
+        parser.add_argument("--engine-arg-default", dest="engine_arg_defaults", action="append", default=[],
+                            metavar="BACKEND:KEY=VALUE")  # fmt: skip
         parser.add_argument("--state-dir", dest="state_dir", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
         parser.add_argument("--http-host", dest="http_host", default=None)
@@ -222,6 +245,13 @@ class PredictorConfig(BaseModel):
             if not sep or not key:
                 raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
             engine_args[key] = value
+        defaults: dict[Backend, dict[str, str]] = {}
+        for item in ns.engine_arg_defaults:
+            backend, colon, pair = item.partition(":")
+            key, sep, value = pair.partition("=")
+            if not colon or not sep or not key or backend not in {b.value for b in Backend}:
+                raise ValueError(f"--engine-arg-default {item!r}: expected BACKEND:KEY=VALUE")
+            defaults.setdefault(Backend(backend), {})[key] = value
         return cls(
             model_name=ns.model_name,
             task=Task(ns.task),
@@ -230,6 +260,7 @@ class PredictorConfig(BaseModel):
             source_file=ns.source_file,
             revision=ns.revision,
             engine_args=engine_args,
+            engine_arg_defaults=defaults,
             http_port=ns.http_port,
             http_host=ns.http_host,
             state_dir=ns.state_dir,

@@ -333,6 +333,9 @@ CONTAINER_FIELDS = {
     "readinessProbe", "resources", "securityContext", "startupProbe", "terminationMessagePath",
     "terminationMessagePolicy", "volumeMounts",
 }  # fmt: skip
+#: ProbeMask and HandlerMask (knative-v1.16.0 fieldmask.go): what a probe may hold.
+PROBE_FIELDS = {"initialDelaySeconds", "timeoutSeconds", "periodSeconds", "successThreshold", "failureThreshold"}
+PROBE_HANDLERS = ("httpGet", "tcpSocket", "exec", "grpc")
 #: k8s_validation.go (reservedPaths, reservedEnvVars), knative-v1.16.0.
 RESERVED_PATHS = {"/", "/dev", "/dev/log"}
 RESERVED_ENV = {"PORT", "K_SERVICE", "K_CONFIGURATION", "K_REVISION"}
@@ -426,6 +429,39 @@ def knative_annotation_problems(annotations: dict[str, str], prefix: str = "") -
     return problems
 
 
+def knative_probe_problems(probe: JSON | None, port: JSON, where: str, readiness: bool) -> list[str]:
+    """A serving container's liveness or readiness probe as Knative checks it (knative-v1.16.0
+    k8s_validation.go ValidateUserContainer -> validateProbe, validateReadinessProbe after
+    v1/revision_defaults.go applyReadinessProbeDefaults set successThreshold 1). The startup probe is only
+    subject to the container mask there."""
+    if probe is None:
+        return []
+    problems = _disallowed([f"{where}.{k}" for k in probe if k not in PROBE_FIELDS and k not in PROBE_HANDLERS])
+    handlers = [k for k in PROBE_HANDLERS if probe.get(k) is not None]
+    if not handlers:
+        problems.append(f"expected exactly one, got neither: {where}.exec, {where}.grpc, {where}.httpGet, "
+                        f"{where}.tcpSocket")  # fmt: skip
+    elif len(handlers) > 1:
+        problems.append(f"expected exactly one, got both: {', '.join(f'{where}.{h}' for h in handlers)}")
+    for handler in ("httpGet", "tcpSocket"):
+        probe_port = (probe.get(handler) or {}).get("port")
+        if isinstance(probe_port, str) and probe_port != port.get("name"):
+            problems.append(f"invalid value: {probe_port}: {where}.{handler}.port")
+    if readiness:
+        for key, least in (("periodSeconds", 0), ("initialDelaySeconds", 0), ("successThreshold", 1)):
+            value = probe.get(key, 1 if key == "successThreshold" else 0)
+            if value < least:
+                problems.append(f"expected {least} <= {value} <= 2147483647: {where}.{key}")
+        if probe.get("periodSeconds", 0) == 0:
+            problems += [f"{key} is disallowed when periodSeconds is zero: {where}.{key}"
+                         for key in ("failureThreshold", "timeoutSeconds") if probe.get(key)]  # fmt: skip
+        else:
+            for key in ("timeoutSeconds", "failureThreshold"):
+                if probe.get(key, 1) < 1:  # Kubernetes' defaults (1, 3) are applied when the period is set
+                    problems.append(f"expected 1 <= {probe[key]} <= 2147483647: {where}.{key}")
+    return problems
+
+
 def knative_revision_problems(isvc: JSON, cluster: Cluster) -> list[str]:
     """What Knative's webhook refuses in the revision template KServe builds from the predictor.
 
@@ -488,6 +524,10 @@ def knative_revision_problems(isvc: JSON, cluster: Cluster) -> list[str]:
     for c, container in enumerate(predictor.get("containers") or []):
         where = f"{spec_path}.containers[{c}]"
         problems += _disallowed([f"{where}.{k}" for k in container if k not in CONTAINER_FIELDS])
+        if c == 0:  # the serving container (the one with the port); sidecars' probes are masked only
+            port = (container.get("ports") or [{}])[0]
+            problems += knative_probe_problems(container.get("livenessProbe"), port, f"{where}.livenessProbe", False)
+            problems += knative_probe_problems(container.get("readinessProbe"), port, f"{where}.readinessProbe", True)
         for e, env in enumerate(container.get("env") or []):
             if env.get("name") in RESERVED_ENV:
                 problems.append(f'"{env["name"]}" is a reserved environment variable: {where}.env[{e}].name')

@@ -250,6 +250,12 @@ class Engine(ABC):
         """Extra fields for ``/openai/v1/models`` (the OpenAI layer adds ``context_length``)."""
         return {}
 
+    def health(self) -> str | None:
+        """None while the loaded engine can still generate; otherwise why it cannot (its engine process
+        died, a sticky device error). Cheap and non-blocking: readiness and the predictor's health watch
+        call it on the event loop, and a reason makes the predictor unready and exit."""
+        return None
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 (byte-level BPE

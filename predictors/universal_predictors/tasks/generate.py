@@ -43,7 +43,9 @@ class GeneratePredictor(UniversalPredictor):
         except EngineUnavailable as exc:
             raise StartupError(str(exc)) from None
         args = parse_engine_args(
-            cls.EngineArgs, config.engine_args, f"the {self.backend.value} backend of task {self.task.value}"
+            cls.EngineArgs,
+            config.engine_args_for(self.backend),
+            f"the {self.backend.value} backend of task {self.task.value}",
         )
         unusable = gpu_unusable_reason(self.backend, allocated_gpus())
         if unusable is not None:
@@ -57,6 +59,9 @@ class GeneratePredictor(UniversalPredictor):
 
     def unload(self) -> None:
         self.engine_impl.unload()
+
+    def health(self) -> str | None:
+        return self.engine_impl.health()
 
     def describe(self) -> dict[str, Any]:
         if not self.ready:

@@ -145,3 +145,70 @@ def test_auto_may_pick_vllm_only_for_an_architecture_vllm_implements(tiny_llama_
     (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
     assert not VllmEngine.supports(config(unknown))
     assert not VllmEngine.supports(config(tmp_path / "missing"))
+
+
+def test_the_engine_is_built_with_the_openai_servers_batch_defaults(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On this CPU vLLM's tables give the server and the library the same numbers, so the GPU's table is put
+    # in their place: vllm 0.32 engine/arg_utils.py get_batch_defaults for an H100 (70 GB and up, not A100).
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from universal_predictors.generation.engines.vllm import VllmArgs, build_engine_args, engine_config
+
+    h100 = ({UsageContext.LLM_CLASS: 16384, UsageContext.OPENAI_API_SERVER: 8192},
+            {UsageContext.LLM_CLASS: 1024, UsageContext.OPENAI_API_SERVER: 1024})  # fmt: skip
+    monkeypatch.setattr(AsyncEngineArgs, "get_batch_defaults", classmethod(lambda cls, world_size: h100))
+    args = VllmArgs.model_validate({"dtype": "float32", "max_model_len": "256"})
+    scheduler = engine_config(build_engine_args(str(tiny_llama_dir), args)).scheduler_config
+    # The library's context (ENGINE_CONTEXT) has no entry there: it would get 128 sequences, 2,048 tokens.
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (1024, 8192)
+
+
+#: No max_model_len: vLLM fits the context to this KV cache (1 KiB a token for the tiny model in fp32:
+#: 2 layers x K and V x 1 KV head x 64 x 4 bytes; one block is kept back), under the model's 512 positions.
+FIT_ENGINE_ARGS = {"dtype": "float32", "enforce_eager": "true", "kv_cache_memory_bytes": "512K"}
+
+
+@pytest.fixture(scope="module")
+def fitted_predictor(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.VLLM, source=str(tiny_llama_dir),
+                             engine_args=FIT_ENGINE_ARGS)  # fmt: skip
+    # VLLM_CPU_KVCACHE_SPACE (.ci/vllm.sh sets it) would replace kv_cache_memory_bytes: vllm 0.32 platforms/cpu.py
+    # ("Legacy setting"); it must be absent (the CPU worker reads an empty one as a number).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        with running_predictor(config, tmp_path_factory.mktemp("vllm-fit"), env={"VLLM_HOST_IP": "127.0.0.1"},
+                               ready_within=400) as predictor:  # fmt: skip
+            yield predictor
+
+
+def test_by_default_the_context_is_fitted_to_the_kv_cache_and_reported(fitted_predictor: PredictorProcess) -> None:
+    [card] = httpx.get(f"{fitted_predictor.openai_url}/models", timeout=30).json()["data"]
+    fitted = card["max_model_len"]
+    assert 0 < fitted < 512, card  # the model has 512 positions; 512 KiB of cache holds fewer
+    assert card["context_length"] == fitted
+    client = openai.OpenAI(base_url=fitted_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=" river" * (fitted + 8), max_tokens=4)
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    answer = client.completions.create(model=MODEL, prompt="The river in Paris", max_tokens=8, temperature=0)
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 8
+
+
+def test_a_dead_engine_core_fails_readiness_and_ends_the_predictor(fitted_predictor: PredictorProcess) -> None:
+    # Last in this module: it ends the fixture's predictor. vLLM's engine core is a child process; killing it
+    # is the failure a GPU fault or the OOM killer causes.
+    import psutil
+
+    children = psutil.Process(fitted_predictor.process.pid).children(recursive=True)
+    assert children, "vLLM's engine core should run in its own process"
+    for child in children:
+        child.kill()
+    assert fitted_predictor.process.wait(timeout=120) == 1
+    log = fitted_predictor.log_path.read_text(errors="replace")
+    [line] = [line for line in log.splitlines() if line.startswith("universal_predictors: error:")]
+    assert "engine core is dead" in line

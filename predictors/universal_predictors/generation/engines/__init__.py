@@ -50,25 +50,55 @@ def engine_class(backend: Backend) -> type[Engine]:
     return cls
 
 
-def _cuda_available() -> bool:
+def _gpu_for_vllm() -> bool:
+    """A GPU is visible and torch is a CUDA build, judged without initialising CUDA (see
+    :func:`universal_predictors.devices.nvml_gpu_count`: vLLM must be free to fork its engine core)."""
     try:
         import torch
     except ImportError:
         return False
-    return bool(torch.cuda.is_available())
+    if torch.version.cuda is None:  # a CPU (or ROCm) build: vLLM's CUDA platform cannot run here
+        return False
+    from universal_predictors.devices import nvml_gpu_count
+
+    return nvml_gpu_count() > 0
+
+
+def engine_arg_keys(backend: Backend) -> frozenset[str] | None:
+    """The ``--engine-arg`` keys ``backend``'s engine knows, or None when it cannot be imported here."""
+    try:
+        return frozenset(engine_class(backend).EngineArgs.model_fields)
+    except EngineUnavailable:
+        return None
 
 
 def resolve_backend(config: PredictorConfig) -> Backend:
-    """What ``auto`` means for this model on this machine (explicit backends pass through)."""
+    """What ``auto`` means for this model on this machine (explicit backends pass through).
+
+    A GGUF source runs on llama.cpp. Otherwise vLLM when a GPU is visible, vllm is installed and
+    implements the architecture, else transformers; and of those, only an engine that knows every
+    ``--engine-arg`` key given: a key only transformers knows (``device_map``) picks transformers on a
+    GPU node rather than stopping the pod, and a key no candidate knows is named by the last one's check.
+    """
     if config.backend is not Backend.AUTO:
         return config.backend
     if config.source_file or is_gguf(config.source, None):
-        chosen, why = Backend.LLAMACPP, "the source is a GGUF file"
-    elif _cuda_available() and importlib.util.find_spec("vllm") is not None and _vllm_supports(config):
-        chosen, why = Backend.VLLM, "a GPU is present, vllm is installed and supports the architecture"
-    else:
-        chosen, why = Backend.TRANSFORMERS, "no GGUF source and no usable vLLM"
-    logger.info("backend auto resolved to %s: %s", chosen.value, why)
+        logger.info("backend auto resolved to %s: the source is a GGUF file", Backend.LLAMACPP.value)
+        return Backend.LLAMACPP
+    candidates: list[tuple[Backend, str]] = []
+    if _gpu_for_vllm() and importlib.util.find_spec("vllm") is not None and _vllm_supports(config):
+        candidates.append((Backend.VLLM, "a GPU is present, vllm is installed and supports the architecture"))
+    candidates.append((Backend.TRANSFORMERS, "no GGUF source and no usable vLLM"))
+    given = set(config.engine_args)
+    for backend, why in candidates:
+        known = engine_arg_keys(backend)
+        unknown = sorted(given - known) if known is not None else []
+        if not unknown:
+            logger.info("backend auto resolved to %s: %s", backend.value, why)
+            return backend
+        logger.info("backend auto passed over %s: engine args %s are not its own", backend.value, ", ".join(unknown))
+    chosen = candidates[-1][0]
+    logger.info("backend auto resolved to %s: no candidate knows every engine arg", chosen.value)
     return chosen
 
 

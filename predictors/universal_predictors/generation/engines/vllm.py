@@ -50,11 +50,18 @@ logger = logging.getLogger(__name__)
 
 #: AsyncEngineArgs fields that are not engine arguments here: the model is the predictor's source.
 _NOT_ARGS = frozenset({"model"})
-#: Where our defaults differ from vLLM's (an ``--engine-arg`` with the same key replaces them): compact JSON
-#: under constraints (vLLM only allows that with an explicit backend; xgrammar is what `auto` picks first),
-#: since free whitespace is where a weak model stalls until max_tokens.
+#: Where our defaults differ from vLLM's (an ``--engine-arg`` with the same key replaces them):
+#: * compact JSON under constraints (vLLM only allows that with an explicit backend; xgrammar is what `auto`
+#:   picks first), since free whitespace is where a weak model stalls until max_tokens;
+#: * ``max_model_len=-1``: vLLM fits the context to the KV-cache memory it measured instead of taking the
+#:   model's whole context (131,072 for Llama-3.1-8B, which one L4's cache cannot hold for one sequence,
+#:   so the engine would refuse to start). vllm 0.32 config/model.py (_get_and_verify_max_len: -1 starts
+#:   from the derived length) and v1/core/kv_cache_utils.py (_auto_fit_max_model_len: the largest length
+#:   that fits every worker's cache, or the full one when it fits); the engine core reports the fitted
+#:   value back (v1/engine/core_client.py _apply_ready_response), and /openai/v1/models shows it.
 _DEFAULTS: dict[str, Any] = {
-    "structured_outputs_config": json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
+    "structured_outputs_config": json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    "max_model_len": "-1",
 }
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -156,6 +163,35 @@ def build_engine_args(source: str, args: BaseModel) -> AsyncEngineArgs:
     return AsyncEngineArgs.from_cli_args(namespace)
 
 
+def engine_config(engine_args: AsyncEngineArgs) -> Any:
+    """vLLM's whole configuration as ``vllm serve`` makes it: with the OpenAI server's usage context.
+
+    ``AsyncLLM.from_engine_args`` defaults to ``UsageContext.ENGINE_CONTEXT``, for which vLLM has no batch
+    defaults and falls back to the scheduler's (128 sequences, 2,048 batched tokens); ``vllm serve`` builds
+    with ``OPENAI_API_SERVER`` (vllm 0.32 entrypoints/launchers/api_server/entry.py,
+    build_async_engine_client_from_engine_args), whose defaults follow the GPU: 1,024 sequences and 8,192
+    batched tokens on an H100/H200, 16,384 from 160 GB, 256 and 2,048 elsewhere (engine/arg_utils.py
+    get_batch_defaults, _set_default_max_num_seqs_and_batched_tokens_args). An engine arg still wins.
+    """
+    from vllm.usage.usage_lib import UsageContext
+
+    return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+def start_async_llm(engine_args: AsyncEngineArgs) -> Any:
+    """vLLM's ``AsyncLLM`` built as the OpenAI server builds it (same entry.py): config, then the engine."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_vllm_config(
+        vllm_config=engine_config(engine_args),
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+
+
 class VllmEngine(Engine):
     """A Hugging Face model directory served by vLLM's async engine."""
 
@@ -196,12 +232,11 @@ class VllmEngine(Engine):
 
     def load(self) -> None:
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args = build_engine_args(self.config.source, self.args)
         # Built off the event loop (this is a worker thread): AsyncLLM starts its output handler on
         # the serving loop at the first request.
-        self._llm = AsyncLLM.from_engine_args(engine_args)
+        self._llm = start_async_llm(engine_args)
         self.device = str(current_platform.device_type)
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
@@ -269,6 +304,14 @@ class VllmEngine(Engine):
             "max_queue": self._max_queue,
             "engine_args": set_args,
         }
+
+    def health(self) -> str | None:
+        # vLLM's client watches its engine-core processes and marks itself dead when one exits
+        # (vllm 0.32 v1/engine/core_client.py start_engine_core_monitor); AsyncLLM.errored reads that flag
+        # and the output handler's state (v1/engine/async_llm.py errored, what check_health raises on).
+        if self._llm is not None and self._llm.errored:
+            return "vLLM's engine core is dead (its process exited or its output handler failed)"
+        return None
 
     def check_capacity(self, sequences: int = 1) -> None:
         capacity = self._running + self._max_queue
