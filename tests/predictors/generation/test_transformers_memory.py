@@ -280,6 +280,29 @@ def test_an_oom_in_a_decode_fails_the_whole_batch_with_503_and_the_next_request_
     assert oom_counter() == before + 1
 
 
+def test_a_sticky_device_error_marks_the_engine_dead_for_readiness_and_refuses_what_follows(
+    tiny_llama_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = loaded(tiny_llama_dir)
+
+    def hook(step: str, rows: int, columns: int) -> None:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected by the test)")
+
+    engine.step_hook = hook
+    try:
+        assert engine.health() is None
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            run_all(engine, [prompts[0]], 4)
+        assert engine.health() == (
+            "the GPU reported an unrecoverable error: CUDA error: an illegal memory access was encountered "
+            "(injected by the test)"
+        )
+        with pytest.raises(Unavailable, match="the predictor restarts"):  # refused, not left waiting
+            run_all(engine, [prompts[1]], 4)
+    finally:
+        engine.unload()
+
+
 @pytest.fixture
 def app_predictor(tiny_llama_dir: Path) -> Iterator[GeneratePredictor]:
     predictor = GeneratePredictor(config_for(tiny_llama_dir))

@@ -217,6 +217,8 @@ class TransformersEngine(Engine):
         self._incoming: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: Why the device can no longer compute (a sticky CUDA error), for :meth:`health`; None while it can.
+        self._dead: str | None = None
         self.device = "cpu"
         #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
         self._outstanding = 0
@@ -376,6 +378,8 @@ class TransformersEngine(Engine):
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
+        if self._dead is not None:  # the engine thread has stopped: nothing would ever answer
+            raise Unavailable(f"{self._dead}; the predictor restarts", code="engine_dead")
         capacity = self.targs.max_batch_size + self.targs.max_queue
         if sequences > capacity:
             raise beyond_capacity(sequences, capacity, "engine args max_batch_size + max_queue")
@@ -474,10 +478,23 @@ class TransformersEngine(Engine):
                     for seq in active + arrivals:
                         seq.send(RuntimeError(f"generation failed: {exc}"))
                     active, cache, mask = [], None, None
+                    if isinstance(exc, torch.AcceleratorError):
+                        # A device-side fault (illegal address, ECC, launch failure) poisons the CUDA context for
+                        # the rest of the process: every later kernel fails too (torch 2.13 raises
+                        # AcceleratorError for cudaError results, c10/cuda/CUDAException.h). Only a new process
+                        # recovers: health() says so, readiness fails and the predictor exits.
+                        self._dead = f"the GPU reported an unrecoverable error: {exc}".splitlines()[0]
+                        for seq in waiting:
+                            seq.send(RuntimeError(self._dead))
+                        waiting.clear()
+                        break
                 if hit:  # outside the handler: the traceback, and the tensors its frames hold, are gone now
                     self._out_of_memory(hit, stage)
         for seq in active + list(waiting):
             seq.send(RuntimeError("the engine is shutting down"))
+
+    def health(self) -> str | None:
+        return self._dead
 
     def _take_incoming(self, waiting: deque[_Seq]) -> None:
         """Move what has arrived to ``waiting``, without blocking; the stop marker stops the engine."""
