@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--only", choices=["transformers", "llamacpp", "vllm"], default=None)
     parser.add_argument("--sizes", default="small,large", help="llamacpp: model sizes to run (small ~30M, large ~160M)")
+    parser.add_argument("--threads", type=int, default=None, help="llamacpp: decode threads for ours and llama-server")
     args = parser.parse_args()
     print(
         f"# generation bench {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "

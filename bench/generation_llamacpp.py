@@ -58,6 +58,10 @@ def compare_llamacpp(
     log_dir.mkdir(parents=True, exist_ok=True)
     llama_server = build_llama_server()
     prompt = prompt_of(args.prompt_tokens, model_dir)  # the same tokenizer for every size
+    # --threads N gives ours and llama-server N decode threads; by default each runs with its own default.
+    forced = getattr(args, "threads", None)
+    threads = {"n_threads": str(forced)} if forced else {}
+    native_threads = ["-t", str(forced)] if forced else []
     print_header()
     for size in (getattr(args, "sizes", None) or "small,large").split(","):
         shape = SIZES[size]
@@ -66,12 +70,12 @@ def compare_llamacpp(
         params = gguf.stat().st_size / 4 / 1e6
         config = PredictorConfig(
             model_name="bench", task=Task.GENERATE, backend=Backend.LLAMACPP, source=str(gguf),
-            engine_args={"n_ctx": str(CONTEXT_PER_SLOT), "n_parallel": str(SLOTS)},
+            engine_args={"n_ctx": str(CONTEXT_PER_SLOT), "n_parallel": str(SLOTS), **threads},
         )  # fmt: skip
         native_port, python_port = free_port(), free_port()
         native = [str(llama_server), "-m", str(gguf), "--alias", "bench", "--host", "127.0.0.1",
                   "--port", str(native_port), "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT_PER_SLOT),
-                  "-fa", "off", "--no-webui",
+                  "-fa", "off", "--no-webui", *native_threads,
                   # The test tokenizer's template is not one its chat parser knows; completions need none.
                   "--no-jinja", "--chat-template", "chatml"]  # fmt: skip
         python = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "bench",
