@@ -6,7 +6,7 @@ and llama-cpp-python's ``python -m llama_cpp.server``, on the same GGUF, streame
 
 Two random Llamas (the bench's ~30M and a ~160M one), concurrency 1 and 8. Every server gets the same
 slots (8), context per slot and attention kernel (flash attention off, our default), and its own default
-threads, as a user gets them (llama-server: the physical cores; ours and llama_cpp.server: half the CPUs).
+threads, as a user gets them (llama-server and ours: the physical cores; llama_cpp.server: half the CPUs).
 llama_cpp.server has no slots: it serves one request at a time. Rounds alternate between the servers and
 each side's best round counts, so a neighbour's load on a shared machine hits them alike.
 Goal: >= 0.9x llama-server's tokens/s at c=1 and c=8, and p50 TTFT at c=8 within 1.5x of llama-server's.

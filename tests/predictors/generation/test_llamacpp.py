@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,9 @@ from universal_predictors.generation.engines.llamacpp import (
     LlamaCppEngine,
     ModelShape,
     container_memory_limit,
+    default_threads,
     find_gguf,
+    physical_cores,
     plan_context,
     plan_slots,
 )
@@ -347,6 +350,32 @@ def test_gpu_engine_arguments_are_checked_at_start_up_with_one_line(
                                 f"--source={tiny_llama_gguf}", *args])  # fmt: skip
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_llamacpp_predictor_keeps_openmp_threads_spinning_and_every_other_waits_passively(
+    tiny_llama_gguf: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from universal_predictors.__main__ import set_openmp_wait_policy
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    set_openmp_wait_policy(config_for(tiny_llama_gguf, Backend.AUTO))  # a GGUF: auto is llama.cpp
+    assert "OMP_WAIT_POLICY" not in os.environ  # libgomp's default: spin at llama.cpp's barriers
+    set_openmp_wait_policy(config_for(tiny_llama_dir, Backend.TRANSFORMERS))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the environment's own choice wins
+    set_openmp_wait_policy(config_for(tiny_llama_dir, Backend.TRANSFORMERS))
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_decode_threads_default_to_physical_cores_with_hyperthread_siblings_counted_once(tmp_path: Path) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    for cpu in allowed:  # every allowed CPU a hyperthread of one core
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{allowed[0]}-{allowed[-1]}\n")
+    assert physical_cores(tmp_path) == 1
+    for cpu in allowed:  # each its own core
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu}\n")
+    assert physical_cores(tmp_path) == min(len(allowed), default_threads())
 
 
 # -- the context plan ----------------------------------------------------------------------------------

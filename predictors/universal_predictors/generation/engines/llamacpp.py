@@ -121,10 +121,10 @@ class LlamaCppArgs(BaseModel):
     n_parallel: int | None = Field(default=None, ge=1, le=256)
     #: Layers offloaded to the GPU: -1 all (when llama.cpp was built with GPU support), 0 none.
     n_gpu_layers: int = Field(default=-1, ge=-1)
-    #: CPU threads for decoding; default: half the CPUs this container may use. llama.cpp's threads spin
-    #: at their barriers, so a decode thread that loses its core to the HTTP side, a second hyperthread or a
-    #: neighbour stalls the others (on a 2-CPU machine, 2 decode threads served fewer tokens/s than 1
-    #: behind our HTTP layer). Prompt processing uses every CPU allowed.
+    #: CPU threads for decoding; default: the physical cores this container may use (hyperthread siblings
+    #: count once, capped by the cgroup's CPU quota), llama.cpp's own default. Its threads spin at their
+    #: barriers (the predictor leaves OpenMP's wait policy active for llama.cpp), so a core shared with a
+    #: busy neighbour stalls them: lower it on shared nodes. Prompt processing uses every CPU allowed.
     n_threads: int | None = Field(default=None, ge=1, le=1024)
     #: Tokens per llama.cpp batch: one per generating sequence, the rest prompt chunks.
     n_batch: int = Field(default=512, ge=1, le=65536)
@@ -392,6 +392,23 @@ def default_threads() -> int:
     return max(1, cpus)
 
 
+def physical_cores(cpu_root: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Cores among the CPUs this process may use (hyperthread siblings count once), capped like
+    :func:`default_threads`: llama.cpp's own default thread count (``common_cpu_get_num_math``,
+    common/common.cpp), which a second thread per core only slows down."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, (os.cpu_count() or 2) // 2)
+    cores: set[str] = set()
+    for cpu in allowed:
+        try:
+            cores.add((cpu_root / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")  # no topology: count it as its own core
+    return max(1, min(len(cores), default_threads()))
+
+
 # -- the engine ---------------------------------------------------------------------------------------
 
 
@@ -492,7 +509,7 @@ class LlamaCppEngine(Engine):
             raise StartupError(str(exc)) from None
         self.gpu_offload = bool(llama_cpp.llama_supports_gpu_offload()) and args.n_gpu_layers != 0
         self.n_threads_batch = default_threads()
-        self.n_threads = args.n_threads or max(1, self.n_threads_batch // 2)
+        self.n_threads = args.n_threads or physical_cores()
         try:
             self.flash_attn = args.flash_attention(self.gpu_offload)
             self.metadata = self._read_metadata(self.path)
