@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from universal_predictors.config import Task
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Folders whose markdown is not the project's: virtualenvs, caches, vendored sources.
 SKIPPED_DIRS = {"node_modules", "__pycache__", "build", "dist"}
@@ -112,10 +114,10 @@ def broken_links(path: Path) -> list[str]:
     return problems
 
 
-def test_the_repository_has_its_documentation() -> None:
+def test_the_repository_has_its_documentation_and_a_page_per_task() -> None:
     names = {str(p.relative_to(ROOT)) for p in markdown_files()}
     expected = {"README.md", "docs/README.md", "docs/architecture.md", "predictors/README.md"}
-    expected |= {f"docs/tasks/{task}.md" for task in ("generate", "embed", "rerank", "classify", "ner", "ocr", "anomaly")}
+    expected |= {f"docs/tasks/{task.value}.md" for task in Task}  # one page per task
     assert expected <= names, f"missing: {sorted(expected - names)}"
 
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "cluster"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+REGENERATE = "UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py"
 
 #: Where ``kubectl apply -f examples/cluster/`` puts a manifest that names no namespace, and a fixed uid (the
 #: API server's, in a real cluster) so the ownerReferences are stable.
@@ -89,7 +90,7 @@ def header(example: str) -> str:
     config = "the default OperatorConfig" if example not in CONFIGS else "tests/test_golden.py's CONFIGS entry"
     return (
         f"# What the operator renders for examples/cluster/{example}.yaml (namespace {NAMESPACE}) with {config}.\n"
-        "# Generated: UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py (see tests/golden/README.md).\n"
+        f"# Generated: {REGENERATE} (see tests/golden/README.md).\n"
     )
 
 
@@ -101,7 +102,7 @@ def test_the_operator_renders_the_golden_objects_for_each_example(example: str) 
         golden.write_text(header(example) + dump(objects))
         return
     if not golden.exists():
-        pytest.fail(f"{golden.relative_to(ROOT)} is missing; create it with UPDATE_GOLDEN=1 python -m pytest {__file__}")
+        pytest.fail(f"{golden.relative_to(ROOT)} is missing; create it with {REGENERATE}")
     expected = list(yaml.safe_load_all(golden.read_text()))
     if expected != objects:
         diff = difflib.unified_diff(
@@ -111,9 +112,8 @@ def test_the_operator_renders_the_golden_objects_for_each_example(example: str) 
             tofile=f"rendered from examples/cluster/{example}.yaml",
         )
         pytest.fail(
-            "the rendered objects differ from the golden file; if the change is meant, regenerate with "
-            "UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py and review `git diff tests/golden/`:\n"
-            + "".join(diff),
+            f"the rendered objects differ from the golden file; if the change is meant, regenerate with {REGENERATE} "
+            "and review `git diff tests/golden/`:\n" + "".join(diff),
             pytrace=False,
         )
 
