@@ -7,6 +7,7 @@ hyphens, a repeated heading suffixed ``-1``, ``-2``. Links to the web are not fe
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -30,12 +31,10 @@ _EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, 
 def markdown_files() -> list[Path]:
     """The project's markdown: every ``*.md`` outside hidden folders (.venv, .cache, .git) and build output."""
     files = []
-    for path in sorted(ROOT.rglob("*.md")):
-        parts = path.relative_to(ROOT).parts[:-1]
-        if any(part.startswith(".") or part in SKIPPED_DIRS for part in parts):
-            continue
-        files.append(path)
-    return files
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]  # never walk a virtualenv
+        files += [Path(folder) / name for name in names if name.endswith(".md")]
+    return sorted(files)
 
 
 def _prose_lines(text: str) -> list[tuple[int, str]]:
