@@ -81,11 +81,11 @@ serve: venv
 	$(VENV)/bin/universal-runtime serve $(MANIFESTS)
 
 demo: venv
-	$(PY) e2e/simulated_cluster.py
+	$(PY) -m e2e.simulated_cluster
 
 # The same simulated cluster, with predictors running as local processes behind the real gateway.
 demo-serve: venv
-	$(PY) e2e/simulated_cluster.py --serve
+	$(PY) -m e2e.simulated_cluster --serve
 
 operator: venv
 	$(VENV)/bin/universal-runtime operator

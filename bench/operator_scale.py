@@ -30,19 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from lightkube import AsyncClient
+from lightkube.types import PatchType
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from lightkube import AsyncClient  # noqa: E402
-from lightkube.types import PatchType  # noqa: E402
-
-from tests.support.kserve_standin import ready_status  # noqa: E402
-from tests.support.kube_emulator import HARNESS_HEADER, KubeEmulator, ServedEmulator, serve_emulator  # noqa: E402
-from universal_operator import reconcile  # noqa: E402
-from universal_operator.config import OperatorConfig  # noqa: E402
-from universal_operator.crd import custom_resource_definition  # noqa: E402
-from universal_operator.kube import FIELD_MANAGER, InferenceService, UniversalModelResource  # noqa: E402
+from universal_operator import reconcile
+from universal_operator.config import OperatorConfig
+from universal_operator.crd import custom_resource_definition
+from universal_operator.kube import FIELD_MANAGER, InferenceService, UniversalModelResource
+from universal_simcluster.apiserver import HARNESS_HEADER, KubeEmulator, ServedEmulator, serve_emulator
+from universal_simcluster.kserve.standin import ready_status
 
 TIMEOUT = 300.0
 CONCURRENCY = 32

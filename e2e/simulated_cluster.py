@@ -1,8 +1,9 @@
 """A simulated cluster on one machine: API emulator + KServe stand-in + the real operator + real kubectl.
 
-This is what `make demo` runs. It needs no container engine and no Kubernetes binaries beyond kubectl:
+This is what `make demo` runs (`python -m e2e.simulated_cluster` from the repository root). It needs no
+container engine and no Kubernetes binaries beyond kubectl:
 
-1. an in-process Kubernetes API emulator (tests/support/kube_emulator.py) serves the UniversalModel
+1. an in-process Kubernetes API emulator (simcluster/universal_simcluster/apiserver/) serves the UniversalModel
    CRD and KServe's InferenceService on a loopback port, and a kubeconfig for it is written;
 2. the operator runs as a real process (`universal-runtime operator`) against it;
 3. a stand-in for KServe's controller reports every InferenceService Ready;
@@ -12,7 +13,7 @@ This is what `make demo` runs. It needs no container engine and no Kubernetes bi
 Then it keeps serving until Ctrl-C, so you can use kubectl yourself with the printed KUBECONFIG.
 Predictor pods are not run: the InferenceServices are reported Ready by the stand-in.
 
-With --serve, step 3 uses the process stand-in (tests/support/kserve_processes.py): each
+With --serve, step 3 uses the process stand-in (simcluster/universal_simcluster/kserve/processes.py): each
 InferenceService's predictor container runs as a real local process (scaled to zero when idle, woken
 by the next request), and the real gateway routes to them; its URL is printed, so the OpenAI SDK or
 curl can be pointed at it. No model hub is reachable, so only sources the stand-in can provide load
@@ -32,17 +33,16 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from lightkube import AsyncClient
+
+from universal_gateway.app import Gateway
+from universal_gateway.cluster import KubernetesBackends
+from universal_operator.crd import custom_resource_definition
+from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.kserve.processes import kserve_processes
+from universal_simcluster.kserve.standin import kserve_standin
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from lightkube import AsyncClient  # noqa: E402
-
-from tests.support.kserve_processes import kserve_processes  # noqa: E402
-from tests.support.kserve_standin import kserve_standin  # noqa: E402
-from tests.support.kube_emulator import ServedEmulator, serve_emulator  # noqa: E402
-from universal_gateway.app import Gateway  # noqa: E402
-from universal_gateway.cluster import KubernetesBackends  # noqa: E402
-from universal_operator.crd import custom_resource_definition  # noqa: E402
 
 DEFAULT_CONFIG = """\
 images:

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support import admission
-from tests.support.kube_emulator import ServedEmulator, serve_emulator
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.crd import custom_resource_definition
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import KubeApi
 from universal_operator.runner import run_embedded
+from universal_simcluster import admission
+from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -1,4 +1,4 @@
-"""Admission as a cluster applies it to InferenceServices (tests/support/admission.py), and the operator's
+"""Admission as a cluster applies it to InferenceServices (universal_simcluster.admission), and the operator's
 renders going through it: what KServe defaults, what KServe, Knative and Kubernetes refuse.
 
 The InferenceServices here are written as users write them (KServe's docs' custom-predictor shape).
@@ -15,10 +15,10 @@ import yaml
 
 from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, TEST_OPERATOR_CONFIG, cluster_for
 from tests.factories import CONFIG, at, load, model, render
-from tests.support import admission
-from tests.support.admission import Cluster, Denied, admit
 from universal_operator.config import parse_config
 from universal_operator.reconcile import SpecError, desired_inference_service, parse_model
+from universal_simcluster import admission
+from universal_simcluster.admission import Cluster, Denied, admit
 
 DEFAULT = Cluster()
 
@@ -449,8 +449,8 @@ async def test_the_kserve_standin_reports_a_host_label_too_long_as_kserve_does_w
     from lightkube import AsyncClient, KubeConfig
 
     from tests.conftest import eventually
-    from tests.support.kserve_standin import kserve_standin
-    from tests.support.kube_emulator import serve_emulator
+    from universal_simcluster.apiserver import serve_emulator
+    from universal_simcluster.kserve.standin import kserve_standin
 
     name, namespace = "m" * 30, "n" * 23
     obj = isvc(
@@ -479,7 +479,7 @@ async def test_the_kserve_standin_reports_a_host_label_too_long_as_kserve_does_w
 
 
 async def test_the_emulator_admits_inference_service_creates_updates_patches_and_applies(tmp_path: Path) -> None:
-    from tests.support.kube_emulator import serve_emulator
+    from universal_simcluster.apiserver import serve_emulator
 
     path = "/apis/serving.kserve.io/v1beta1/namespaces/default/inferenceservices"
 
@@ -529,7 +529,7 @@ async def test_the_emulator_admits_inference_service_creates_updates_patches_and
 
 
 async def test_an_emulator_without_admission_stores_inference_services_as_written(tmp_path: Path) -> None:
-    from tests.support.kube_emulator import serve_emulator
+    from universal_simcluster.apiserver import serve_emulator
 
     async with serve_emulator(tmp_path, admission=None) as served:
         obj = isvc("spec: {predictor: {nodeSelector: {gpu: l4}}}")

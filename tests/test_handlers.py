@@ -18,10 +18,10 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import Status
 
 from tests.conftest import load_manifest
-from tests.support.kserve_standin import ready_status
 from universal_operator import reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.handlers import OperatorState, mirror_child_event, reconcile_model
+from universal_simcluster.kserve.standin import ready_status
 
 
 class RecordingApi:

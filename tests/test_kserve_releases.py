@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from tests.factories import model
-from tests.support.kserve_standin import KServeVersion
 from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.reconcile import desired_inference_service, request_timeout_seconds
 from universal_operator.spec import ScalingMode
+from universal_simcluster.kserve.standin import KServeVersion
 
 
 def config(version: str = "0.16.0", **knative: Any) -> OperatorConfig:

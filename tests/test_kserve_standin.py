@@ -16,7 +16,11 @@ from lightkube.types import PatchType
 
 from tests.conftest import eventually
 from tests.factories import model
-from tests.support.kserve_standin import (
+from universal_operator.config import OperatorConfig
+from universal_operator.kube import InferenceService
+from universal_operator.reconcile import desired_inference_service, status_from_inference_service
+from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator
+from universal_simcluster.kserve.standin import (
     Child,
     KServeVersion,
     failed_status,
@@ -25,10 +29,6 @@ from tests.support.kserve_standin import (
     ready_status,
     stopped_status,
 )
-from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator
-from universal_operator.config import OperatorConfig
-from universal_operator.kube import InferenceService
-from universal_operator.reconcile import desired_inference_service, status_from_inference_service
 
 VERSIONS = ("0.14.1", "0.15.2", "0.16.0", "0.20.0")
 STOP = "serving.kserve.io/stop"

@@ -19,7 +19,7 @@ import pytest
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import PatchType
 
-from tests.support.kube_emulator import (
+from universal_simcluster.apiserver import (
     KubeEmulator,
     ServedEmulator,
     WriteKey,

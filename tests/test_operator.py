@@ -14,10 +14,10 @@ import yaml
 from lightkube import AsyncClient
 
 from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, eventually, load_manifest
-from tests.support.kserve_standin import Child, loading_status, ready_status
-from tests.support.kube_emulator import ServedEmulator
 from universal_operator import reconcile
 from universal_operator.handlers import OperatorState
+from universal_simcluster.apiserver import ServedEmulator
+from universal_simcluster.kserve.standin import Child, loading_status, ready_status
 
 pytestmark = pytest.mark.operator
 
@@ -263,7 +263,7 @@ async def test_api_errors_converge_to_one_child_without_a_write_storm(
 @pytest.mark.parametrize("operator_config", [{"knative": {"features": GPU_KNATIVE_FEATURES}}], indirect=True)
 async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator, operator: OperatorState) -> None:
     """On a cluster whose Knative enables what the GPU profile needs (and the operator knows it)."""
-    from tests.support.kserve_standin import kserve_standin
+    from universal_simcluster.kserve.standin import kserve_standin
 
     names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
     assert len(names) >= 7

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
-from tests.support import admission
 from universal_operator.config import OperatorConfig
 from universal_operator.reconcile import (
     FAILURE_REASONS,
@@ -30,6 +29,7 @@ from universal_operator.reconcile import (
 )
 from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration
 from universal_predictors.config import PredictorConfig
+from universal_simcluster import admission
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

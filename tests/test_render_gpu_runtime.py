@@ -10,10 +10,10 @@ import json
 import pytest
 
 from tests.factories import CONFIG_YAML, at, load, model, pick, render
-from tests.support.admission import Cluster, Denied, admit
 from universal_operator.config import parse_config
 from universal_operator.reconcile import SpecError, check_servable
 from universal_predictors.config import Backend, PredictorConfig
+from universal_simcluster.admission import Cluster, Denied, admit
 
 GPU_CHAT = """
 metadata: {name: llama}

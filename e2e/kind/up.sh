@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A real cluster for tests/e2e: kind with cert-manager, Istio, Knative Serving and KServe at the versions the
+# A real cluster for the end-to-end suite (e2e/): kind with cert-manager, Istio, Knative Serving and KServe at the versions the
 # README's support matrix names, the project's images built and loaded with `kind load`, and the chart
 # installed with those images. Prints the KUBECONFIG to run the suite with (README, "Real clusters (kind)").
 #
 #   e2e/kind/up.sh
-#   KUBECONFIG=<printed path> UNIVERSAL_RUNTIME_E2E=kubeconfig python -m pytest tests/e2e
+#   KUBECONFIG=<printed path> UNIVERSAL_RUNTIME_E2E=kubeconfig python -m pytest e2e
 #   e2e/kind/down.sh
 #
 # Not run in CI: no kind node image can be fetched on the CI machines. Needs kind, kubectl, helm, docker (or
@@ -171,6 +171,6 @@ helm upgrade --install universal-runtime charts/universal-runtime -n "$RELEASE_N
 say "ready. Run the end-to-end suite against it:"
 echo
 echo "  export KUBECONFIG=$KUBECONFIG_OUT"
-echo "  UNIVERSAL_RUNTIME_E2E=kubeconfig .venv/bin/python -m pytest tests/e2e"
+echo "  UNIVERSAL_RUNTIME_E2E=kubeconfig .venv/bin/python -m pytest e2e"
 echo
 say "remove it with e2e/kind/down.sh"

@@ -19,13 +19,13 @@ from lightkube.core.exceptions import ApiError
 
 from tests.chart.rendering import GATEWAY, NAMESPACE, OPERATOR, Rendered, load_operator_config, render
 from tests.conftest import eventually, load_manifest
-from tests.support.kserve_standin import ready_status
-from tests.support.kube_emulator import HARNESS_HEADER, Access, ServedEmulator, serve_emulator
-from tests.support.rbac import Grant, RbacEmulator, allows, grants_for, rule_grants
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_operator.config import OperatorConfig
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import InferenceService
+from universal_simcluster.apiserver import HARNESS_HEADER, Access, ServedEmulator, serve_emulator
+from universal_simcluster.apiserver.rbac import Grant, RbacEmulator, allows, grants_for, rule_grants
+from universal_simcluster.kserve.standin import ready_status
 
 UM, ISVC = "universalmodels", "inferenceservices"
 CLUSTER_WIDE: dict[str, Any] = {}

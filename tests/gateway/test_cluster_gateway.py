@@ -21,12 +21,12 @@ from openai import AsyncOpenAI
 
 from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
-from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
-from tests.support.rbac import Grant, RbacEmulator, allows
 from universal_gateway.app import Gateway
 from universal_gateway.backends import ModelState
 from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends, rbac_rules
 from universal_predictors.config import PredictorConfig, Task
+from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
+from universal_simcluster.apiserver.rbac import Grant, RbacEmulator, allows
 
 UM = "universalmodels"
 ISVC = "inferenceservices"

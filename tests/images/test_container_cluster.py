@@ -1,7 +1,7 @@
 """The simulated cluster in container mode: every predictor pod is a podman container of the built image.
 
 The real operator (embedded) against the API emulator, manifests applied with the real ``kubectl``, the KServe
-stand-in in container mode (``tests/support/kserve_processes.py``, ``mode="container"``): each InferenceService's
+stand-in in container mode (:mod:`universal_simcluster.kserve.processes`, ``mode="container"``): each InferenceService's
 pod runs the ``predictor-cpu`` image under its rendered securityContext, after KServe's storage initializer (KServe's
 own storage code, the ``kserve-storage`` package) filled its provision volume, or beside the model image as a
 modelcar; the real gateway routes the real ``openai`` client to it. One MiniLM load per scenario, plus the wake.
@@ -25,13 +25,13 @@ from openai import AsyncOpenAI
 
 from tests.conftest import TEST_OPERATOR_CONFIG, embedded_operator, eventually, load_manifest
 from tests.images.test_images import IMAGES, image_tier_skip_reason
-from tests.support.kserve_processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
-from tests.support.kube_emulator import ServedEmulator, serve_emulator
-from tests.support.podman import podman, podman_sync
-from tests.support.storage_initializer import PROVISION_VOLUME
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
+from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.kserve.processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
+from universal_simcluster.kserve.storage_initializer import PROVISION_VOLUME
+from universal_simcluster.podman import podman, podman_sync
 
 _reason = image_tier_skip_reason()
 pytestmark = [

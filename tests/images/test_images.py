@@ -35,9 +35,9 @@ from openai import AsyncOpenAI
 from tests.conftest import eventually, load_manifest
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import free_port
-from tests.support.kserve_standin import kserve_standin, ready_status, write_status
-from tests.support.kube_emulator import ServedEmulator, serve_emulator
-from tests.support.podman import podman, podman_sync, run_args
+from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.kserve.standin import kserve_standin, ready_status, write_status
+from universal_simcluster.podman import podman, podman_sync, run_args
 
 #: The images under test: what .ci/images.sh built (it names them in these variables), else its default names.
 IMAGES = {

@@ -41,7 +41,6 @@ def test_the_dry_run_passes_every_step_and_reports_the_oom_as_503(tmp_path: Path
 
 
 def test_the_carried_sdist_keeps_the_build_files_and_drops_tests_docs_and_models(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT))
     from bench.gpu_smoke import trim_sdist
 
     sdist = tmp_path / "llama_cpp_python-0.3.36.tar.gz"

@@ -6,9 +6,9 @@ it renders, and the gateway routes by the UniversalModel's status. One setup per
 loads as few times as the scaling behaviour under test allows.
 
 By default the cluster is the simulated one (the API emulator and a KServe stand-in running predictor
-processes, ``tests/support/kserve_processes.py``); ``UNIVERSAL_RUNTIME_E2E=kubeconfig`` runs the same tests
+processes, :mod:`universal_simcluster.kserve.processes`); ``UNIVERSAL_RUNTIME_E2E=kubeconfig`` runs the same tests
 against the cluster ``$KUBECONFIG`` names (``e2e/kind/up.sh``), skipping those marked ``stand_in``
-(``tests/e2e/clusters.py``).
+(``e2e/clusters.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import openai
 import pytest
 import pytest_asyncio
 
+from e2e.clusters import SIMULATED, EndToEndCluster, SimulatedCluster, mode, real_cluster, simulated_cluster
 from tests.conftest import eventually, load_manifest
-from tests.e2e.clusters import SIMULATED, EndToEndCluster, SimulatedCluster, mode, real_cluster, simulated_cluster
 from universal_operator.kserve import STOP_ANNOTATION
 
 pytestmark = [pytest.mark.operator, pytest.mark.asyncio(loop_scope="module")]

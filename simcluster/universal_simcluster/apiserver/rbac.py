@@ -1,6 +1,6 @@
 """RBAC for tests: whether rules grant a request, and an API emulator that enforces them.
 
-A request is an :class:`~tests.support.kube_emulator.Access` (verb, API group, plural, subresource,
+A request is an :class:`~universal_simcluster.apiserver.Access` (verb, API group, plural, subresource,
 namespace), as the emulator records it. Rules are Kubernetes ``PolicyRule`` dicts (``apiGroups``,
 ``resources`` with ``plural/subresource`` for subresources, ``verbs``; ``*`` matches anything).
 ``resourceNames`` and ``nonResourceURLs`` are not modelled: a rule carrying either is refused, so a
@@ -33,16 +33,10 @@ import aiohttp.web
 import attrs
 import kmock
 
-from tests.support.kube_emulator import (
-    HARNESS_HEADER,
-    JSON,
-    Access,
-    ApiError,
-    KubeEmulator,
-    ResourceSpec,
-    rbac_verb,
-    status_body,
-)
+from universal_simcluster.apiserver.accounting import Access, rbac_verb
+from universal_simcluster.apiserver.emulator import HARNESS_HEADER, KubeEmulator
+from universal_simcluster.apiserver.errors import ApiError, status_body
+from universal_simcluster.apiserver.resources import JSON, ResourceSpec
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 #: The request being served, while its write is admitted (None for harness requests and internal writes).
@@ -57,7 +51,9 @@ def rule_grants(rule: Mapping[str, Any], access: Access) -> bool:
     """Whether one PolicyRule grants the request (namespace scope is the binding's business)."""
     unsupported = {"resourceNames", "nonResourceURLs"} & set(rule)
     if unsupported:
-        raise ValueError(f"rule {dict(rule)} uses {sorted(unsupported)}, which tests.support.rbac does not model")
+        raise ValueError(
+            f"rule {dict(rule)} uses {sorted(unsupported)}, which universal_simcluster.apiserver.rbac does not model"
+        )
     resource = f"{access.plural}/{access.subresource}" if access.subresource else access.plural
     resources = rule.get("resources") or []
     resource_ok = _matches(resources, resource) or (

@@ -33,12 +33,12 @@ from lightkube.resources.core_v1 import Namespace, Pod, Service
 from openai import AsyncOpenAI
 
 from tests.conftest import TEST_OPERATOR_CONFIG, embedded_operator
-from tests.support.kserve_processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
-from tests.support.kube_emulator import ServedEmulator, serve_emulator
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
 from universal_operator.kube import InferenceService, UniversalModelResource
+from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.kserve.processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
 
 #: The environment variable that selects the cluster, and its values.
 MODE_VARIABLE = "UNIVERSAL_RUNTIME_E2E"

@@ -39,9 +39,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
-from tests.support import admission
 from universal_operator.config import DEFAULT_KSERVE_VERSION
 from universal_operator.kube import InferenceService
+from universal_simcluster import admission
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from lightkube import AsyncClient
 
 from tests.conftest import EXAMPLES, eventually
 from tests.factories import render
-from tests.support.kserve_processes import kserve_processes, render_launch
-from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator
+from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator
+from universal_simcluster.kserve.processes import kserve_processes, render_launch
 
 #: The stand-in itself under test: nothing to run against a real cluster.
 pytestmark = pytest.mark.stand_in

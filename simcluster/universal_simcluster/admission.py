@@ -1,7 +1,7 @@
 """What a real cluster's admission does to an InferenceService, as pure functions over the object.
 
-The API emulator (:mod:`tests.support.kube_emulator`) runs :func:`admit` on every create, update,
-patch and apply of an InferenceService; the KServe stand-in (:mod:`tests.support.kserve_standin`) asks
+The API emulator (:mod:`universal_simcluster.apiserver`) runs :func:`admit` on every create, update,
+patch and apply of an InferenceService; the KServe stand-in (:mod:`universal_simcluster.kserve.standin`) asks
 :func:`reconcile_problems` what KServe's controller would fail on. Each rule names the upstream file
 (repository, path, tag) it imitates.
 

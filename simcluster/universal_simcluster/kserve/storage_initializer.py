@@ -3,8 +3,8 @@
 The real init container (image ``kserve/storage-initializer``) runs ``initializer-entrypoint SRC DEST``, which hands
 its arguments to ``kserve_storage.Storage.download_files`` (KServe v0.20.0
 python/storage-initializer/scripts/initializer-entrypoint; the ``kserve-storage`` 0.21.0 wheel is that package):
-this module is that entrypoint, run as a process (``python -m tests.support.storage_initializer SRC DEST``) so a
-failure ends it with exit code 1 and its log, as the init container's would.
+this module is that entrypoint, run as a process (``python -m universal_simcluster.kserve.storage_initializer SRC
+DEST``) so a failure ends it with exit code 1 and its log, as the init container's would.
 
 No model hub is reachable here, so the caller maps a storage URI (``hf://...``) to its local copy first (the KServe
 stand-in's ``sources``) and hands Storage that local path: ``Storage.download`` takes its local-copy code path
@@ -22,12 +22,13 @@ from pathlib import Path
 
 #: KServe v0.16.0 pkg/constants/constants.go: StorageInitializerVolumeName, the emptyDir the init container fills.
 PROVISION_VOLUME = "kserve-provision-location"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The folder ``universal_simcluster`` imports from (the process runs there, so ``-m`` finds it uninstalled too).
+IMPORT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def command(source: str | Path, out_dir: Path, *, python: str = sys.executable) -> list[str]:
     """The init container's command line: this module as ``initializer-entrypoint SOURCE OUT_DIR``."""
-    return [python, "-m", "tests.support.storage_initializer", str(source), str(out_dir)]
+    return [python, "-m", "universal_simcluster.kserve.storage_initializer", str(source), str(out_dir)]
 
 
 def linked_folder(out_dir: Path) -> Path | None:

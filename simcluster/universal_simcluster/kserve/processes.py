@@ -1,12 +1,12 @@
 """A stand-in for KServe and Knative that runs each InferenceService's predictor as a real local process.
 
-Where :mod:`tests.support.kserve_standin` only writes a Ready status, this one does what the cluster
+Where :mod:`universal_simcluster.kserve.standin` only writes a Ready status, this one does what the cluster
 would: it watches InferenceServices and, per object, runs the rendered ``kserve-container`` (its own
 command and args) on loopback, waits for its readiness probe, and writes KServe's status with
 ``address.url`` pointing at it.
 
 Statuses are those of the chosen KServe release (``version``, a :class:`KServeVersion`), built by
-:mod:`tests.support.kserve_standin`, which cites the upstream source of each: the mode is resolved like
+:mod:`universal_simcluster.kserve.standin`, which cites the upstream source of each: the mode is resolved like
 GetDeploymentMode (an unknown annotation value means the configured default) and fixed at creation, as
 KServe records it; ``observedGeneration`` is the child workload's.
 
@@ -33,12 +33,13 @@ Two modes (``mode=``), the same statuses and scaling in both:
 * ``"process"`` (the default, fast): the rendered command runs on this host, in this virtualenv
   (:func:`render_launch`); the storage initializer resolves a storage URI to its local copy (``sources``).
 * ``"container"``: each pod runs as a podman container of the image the operator rendered, under its
-  securityContext, limits and emptyDir volumes (:func:`tests.support.podman.run_args`), attached, so its exit is
-  the pod's. Before it, KServe's init step runs: for a fetched source the storage initializer with KServe's own
-  storage code (:mod:`tests.support.storage_initializer`, kserve-storage) fills the pod's provision volume, bound
-  read-only at /mnt/models; for an ``oci://`` source the modelcar init check and the modelcar sidecar (KServe
-  v0.16.0 pkg/utils/storage.go), whose /models the predictor reads through the shared process namespace. Pods are
-  stopped as the kubelet stops them (``podman stop``: SIGTERM, the grace period, SIGKILL). Needs podman and root.
+  securityContext, limits and emptyDir volumes (:func:`universal_simcluster.podman.run_args`), attached, so its
+  exit is the pod's. Before it, KServe's init step runs: for a fetched source the storage initializer with KServe's
+  own storage code (:mod:`universal_simcluster.kserve.storage_initializer`, kserve-storage) fills the pod's
+  provision volume, bound read-only at /mnt/models; for an ``oci://`` source the modelcar init check and the
+  modelcar sidecar (KServe v0.16.0 pkg/utils/storage.go), whose /models the predictor reads through the shared
+  process namespace. Pods are stopped as the kubelet stops them (``podman stop``: SIGTERM, the grace period,
+  SIGKILL). Needs podman and root.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import uuid
@@ -62,9 +64,16 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret, ServiceAccount
 
-from tests.predictors.harness import free_port
-from tests.support import storage_initializer
-from tests.support.kserve_standin import (
+from universal_operator.kube import InferenceService
+from universal_operator.reconcile import (
+    ANNOTATION_PROGRESS_DEADLINE,
+    ANNOTATION_RETENTION,
+    CONTAINER_NAME,
+)
+from universal_operator.spec import parse_duration
+from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
+from universal_simcluster.kserve import storage_initializer
+from universal_simcluster.kserve.standin import (
     DEFAULT_VERSION,
     Child,
     KServeVersion,
@@ -75,7 +84,7 @@ from tests.support.kserve_standin import (
     stopped_status,
     write_status,
 )
-from tests.support.podman import (
+from universal_simcluster.podman import (
     OCI_PREFIX,
     Modelcar,
     Untranslatable,
@@ -85,14 +94,6 @@ from tests.support.podman import (
     podman,
     run_args,
 )
-from universal_operator.kube import InferenceService
-from universal_operator.reconcile import (
-    ANNOTATION_PROGRESS_DEADLINE,
-    ANNOTATION_RETENTION,
-    CONTAINER_NAME,
-)
-from universal_operator.spec import parse_duration
-from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,13 @@ MODELCAR_LINK_S = 30.0
 
 Key = tuple[str, str]  # (namespace, name)
 Mode = Literal["process", "container"]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (a replica's or an activator's)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class LaunchFailed(Exception):
@@ -660,7 +668,8 @@ class PredictorWorkload:
         """The storage-initializer init container: KServe's storage code fills the pod's provision volume.
 
         The hub is not reachable: the URI's local copy (:meth:`_storage_initializer`) is what Storage is handed, so
-        it takes its local-copy path and links the files (see :mod:`tests.support.storage_initializer`). The init
+        it takes its local-copy path and links the files (see
+        :mod:`universal_simcluster.kserve.storage_initializer`). The init
         container gets the credential env of the pod's ServiceAccount. Returns the volume and the linked folder.
         """
         source = self._storage_initializer(storage_uri, credentials)
@@ -672,7 +681,7 @@ class PredictorWorkload:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                cwd=storage_initializer.REPO_ROOT,
+                cwd=storage_initializer.IMPORT_ROOT,
                 env={**os.environ, **credentials},
             )
             code = await process.wait()

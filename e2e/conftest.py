@@ -1,10 +1,14 @@
-"""Which cluster tests/e2e runs against (tests/e2e/clusters.py): tests marked ``stand_in`` are skipped on a real one."""
+"""The end-to-end suite's fixtures: which cluster it runs against (e2e/clusters.py; tests marked ``stand_in`` are
+skipped on a real one) and the shared fixtures of tests/conftest.py it builds on (this folder is not below it)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.clusters import KUBECONFIG, MODE_VARIABLE, mode
+from e2e.clusters import KUBECONFIG, MODE_VARIABLE, mode
+from tests.conftest import cluster, crd, operator, operator_config
+
+__all__ = ["cluster", "crd", "operator", "operator_config"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,4 @@
-"""The real-cluster side of tests/e2e/clusters.py, read against the API emulator (no kind cluster runs here):
+"""The real-cluster side of e2e/clusters.py, read against the API emulator (no kind cluster runs here):
 which pod is an InferenceService's replica, how launches are counted, how the chart's gateway Service is found."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod, Service
 from openai import AsyncOpenAI
 
+from e2e.clusters import GATEWAY_SERVICE_LABELS, ISVC_POD_LABEL, RealCluster, gateway_service
 from tests.conftest import eventually
-from tests.e2e.clusters import GATEWAY_SERVICE_LABELS, ISVC_POD_LABEL, RealCluster, gateway_service
-from tests.support.kube_emulator import ServedEmulator
+from universal_simcluster.apiserver import ServedEmulator
 
 NS = "default"
 

@@ -1,0 +1,79 @@
+"""Label and field selectors, compiled into predicates as the API server applies them to lists and watches."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from universal_simcluster.apiserver.paths import get_path
+from universal_simcluster.apiserver.resources import Path_
+
+
+def _split_terms(selector: str) -> list[str]:
+    terms, depth, current = [], 0, ""
+    for char in selector:
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += char
+    terms.append(current)
+    return [term.strip() for term in terms if term.strip()]
+
+
+_SET_TERM = re.compile(r"^\s*([^\s!=()]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def parse_label_selector(selector: str) -> Callable[[Mapping[str, str]], bool]:
+    """Compile ``k=v,k!=v,k,!k,k in (a,b),k notin (a,b)`` into a predicate over labels."""
+    checks: list[Callable[[Mapping[str, str]], bool]] = []
+    for term in _split_terms(selector):
+        if m := _SET_TERM.match(term):
+            key, op, raw = m.group(1), m.group(2), m.group(3)
+            values = frozenset(v.strip() for v in raw.split(",") if v.strip())
+            if op == "in":
+                checks.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
+            else:
+                checks.append(lambda labels, k=key, vs=values: labels.get(k) not in vs)
+        elif "!=" in term:
+            key, value = (s.strip() for s in term.split("!=", 1))
+            checks.append(lambda labels, k=key, v=value: labels.get(k) != v)
+        elif "=" in term:
+            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
+            checks.append(lambda labels, k=key, v=value: labels.get(k) == v)
+        elif term.startswith("!"):
+            absent = term[1:].strip()
+            checks.append(lambda labels, k=absent: k not in labels)
+        else:
+            checks.append(lambda labels, k=term: k in labels)
+    return lambda labels: all(check(labels) for check in checks)
+
+
+def parse_field_selector(selector: str) -> Callable[[Mapping[str, Any]], bool]:
+    """Compile ``path=v,path==v,path!=v`` (dotted paths, e.g. ``metadata.name``) into a predicate."""
+    checks: list[Callable[[Mapping[str, Any]], bool]] = []
+    for term in _split_terms(selector):
+        negate = "!=" in term
+        key, value = (s.strip() for s in term.replace("!=", "=").replace("==", "=").split("=", 1))
+        path = tuple(key.split("."))
+
+        def check(obj: Mapping[str, Any], p: Path_ = path, v: str = value, neg: bool = negate) -> bool:
+            actual = get_path(obj, p)
+            text = "" if actual is None else str(actual).lower() if isinstance(actual, bool) else str(actual)
+            return (text != v) if neg else (text == v)
+
+        checks.append(check)
+    return lambda obj: all(check(obj) for check in checks)
+
+
+def matcher(params: Mapping[str, str], name: str | None = None) -> Callable[[Mapping[str, Any]], bool]:
+    """A request's ``labelSelector`` and ``fieldSelector`` (and, for a watch of one object, its name) together."""
+    labels = parse_label_selector(params.get("labelSelector", ""))
+    fields = parse_field_selector(params.get("fieldSelector", ""))
+    return lambda obj: (
+        (name is None or obj.get("metadata", {}).get("name") == name)
+        and labels(obj.get("metadata", {}).get("labels") or {})
+        and fields(obj)
+    )

@@ -1,0 +1,102 @@
+"""Storage: one global resourceVersion, an append-only event log per resource and server-side apply's owners.
+
+The objects themselves live in kmock's store (``KubernetesEmulator._objects``: each key keeps its history and a
+deletion mark); this module stamps every write with the next resourceVersion, keeps the log a watch resumes from
+(``watch?resourceVersion=N`` replays exactly what came after ``N``) and wakes the watches waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import kmock
+
+from universal_simcluster.apiserver.patch import Managers
+from universal_simcluster.apiserver.resources import JSON
+
+#: A stored object's key: (canonical resource, namespace or None, name).
+Key = tuple[kmock.resource, str | None, str]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One watch event as logged: the resourceVersion it was written at, its type and the object."""
+
+    rv: int
+    type: str
+    obj: JSON
+
+
+class Store:
+    """The versioned side of the object store (the objects are kmock's, passed to each call)."""
+
+    def __init__(self) -> None:
+        self.rv = 1
+        self.log: dict[kmock.resource, list[Event]] = {}
+        self._log_rvs: dict[kmock.resource, list[int]] = {}
+        #: Server-side apply's field owners, per object.
+        self.managers: dict[Key, Managers] = {}
+        self.wakeup = asyncio.Event()
+        self.closed = False
+
+    def wake(self) -> None:
+        """Wake every watch waiting for the next event."""
+        self.wakeup.set()
+        self.wakeup = asyncio.Event()
+
+    def close(self) -> None:
+        """End every watch stream (they see ``closed`` once woken)."""
+        self.closed = True
+        self.wake()
+
+    def events(self, canon: kmock.resource) -> list[Event]:
+        """The event log of a resource (the live list: a watch reads on from its cursor)."""
+        return self.log.setdefault(canon, [])
+
+    def cursor_after(self, canon: kmock.resource, rv: int) -> int:
+        """The log position of the first event written after resourceVersion ``rv``."""
+        return bisect.bisect_right(self._log_rvs.setdefault(canon, []), rv)
+
+    def commit(self, objects: MutableMapping[Any, Any], key: Key, new: JSON, event: str) -> JSON:
+        """Stamp the next resourceVersion on ``new``, store it (or its deletion) and log the watch event."""
+        self.rv += 1
+        new["metadata"]["resourceVersion"] = str(self.rv)
+        if event == "DELETED":
+            objects[key].delete()
+            self.managers.pop(key, None)
+        elif key in objects:
+            objects[key].history.append(new)
+        else:
+            objects[key] = new
+        self.events(key[0]).append(Event(self.rv, event, new))
+        self._log_rvs.setdefault(key[0], []).append(self.rv)
+        self.wake()
+        return new
+
+
+def current(objects: MutableMapping[Any, Any], key: Key) -> JSON | None:
+    """The live object at ``key`` (None: absent or deleted)."""
+    if key not in objects:
+        return None
+    obj = objects[key]
+    return None if obj.deleted else obj.raw
+
+
+def select(
+    objects: MutableMapping[Any, Any],
+    canon: kmock.resource,
+    namespace: str | None,
+    predicate: Callable[[JSON], bool],
+) -> list[JSON]:
+    """The live objects of a resource (in ``namespace``, or all) that match, sorted by namespace and name."""
+    found = [
+        obj.raw
+        for (res, ns, _), obj in objects.items()
+        if res == canon and not obj.deleted and (namespace is None or ns == namespace) and predicate(obj.raw)
+    ]
+    found.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+    return found
