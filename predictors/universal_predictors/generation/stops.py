@@ -1,5 +1,8 @@
 """Stop strings matched across token boundaries: a possible prefix of a stop is held back until it
-cannot be one, and nothing from a stop string on is ever emitted."""
+cannot be one, and nothing from a stop string on is ever emitted.
+
+The output stops where a stop string is first completed (of two that complete at the same character,
+the longer), so the result is the same however the text arrives in pieces."""
 
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buffer = self.held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, buffer.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buffer[: min(hits)], True
+            return buffer[: min(hits)[1]], True
         keep = 0
         for stop in self.stops:  # the longest buffer suffix that could still grow into a stop string
             for size in range(min(len(stop) - 1, len(buffer)), 0, -1):
