@@ -22,7 +22,7 @@ from universal_predictors.generation.tools.base import ParsedToolCalls
 _STRING = r'"((?:[^"\\]|\\.)*)"'
 #: After a call's arguments object: the name, when it comes after them, and the object's ``}``.
 _TAIL = rf'\s*(?:,\s*"name"\s*:\s*{_STRING}\s*)?\}}'
-_NAME_AFTER = re.compile(rf'\s*,\s*"name"\s*:\s*{_STRING}')
+NAME_AFTER = re.compile(rf'\s*,\s*"name"\s*:\s*{_STRING}')
 
 
 def openai_call_id() -> str:
@@ -66,7 +66,7 @@ def json_value_end(text: str) -> int | None:
     return None
 
 
-def _unquote(raw: str) -> str | None:
+def unquote(raw: str) -> str | None:
     with contextlib.suppress(ValueError):
         value = json.loads(f'"{raw}"')
         return value if isinstance(value, str) else None
@@ -84,7 +84,7 @@ def split_call(fragment: str, head: re.Pattern[str]) -> tuple[str, str] | None:
     tail = re.compile(_TAIL + r"\s*").fullmatch(rest[end:]) if end is not None else None
     if end is None or tail is None or (match.group(1) is None) == (tail.group(1) is None):
         return None  # not a call, or the name missing or given twice
-    name = _unquote(match.group(1) or tail.group(1))
+    name = unquote(match.group(1) or tail.group(1))
     try:
         args = json.loads(rest[:end])
     except ValueError:
@@ -275,13 +275,13 @@ class JSONCallStreamer:
                 head = syntax.head.match(rest)
                 if head is None or not rest[head.end() :]:
                     return out
-                name = _unquote(head.group(1)) if head.group(1) is not None else None
+                name = unquote(head.group(1)) if head.group(1) is not None else None
                 if head.group(1) is None and rest[head.end()] == "{":  # the name follows the arguments
                     end = json_value_end(rest[head.end() :])
-                    after = _NAME_AFTER.match(rest, head.end() + end) if end is not None else None
+                    after = NAME_AFTER.match(rest, head.end() + end) if end is not None else None
                     if after is None:
                         return out
-                    name = _unquote(after.group(1))
+                    name = unquote(after.group(1))
                 if rest[head.end()] != "{" or name not in self.known:
                     self.mode = "whole"  # not a call we can stream: decided at the end
                     return out

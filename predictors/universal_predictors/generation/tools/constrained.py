@@ -13,14 +13,14 @@ from typing import Any
 
 from universal_predictors.generation.tools.base import ParsedToolCalls
 from universal_predictors.generation.tools.calls import (
-    _NAME_AFTER,
+    NAME_AFTER,
     ArgumentsStream,
-    _unquote,
     call_head,
     json_value_end,
     loose_call,
     split_call,
     tool_call,
+    unquote,
 )
 
 _HEAD = call_head(("arguments",))
@@ -77,13 +77,13 @@ class ConstrainedCallStreamer:
                     return out
                 # The name comes first or is the only tool's; else it follows the arguments: wait for it.
                 only = next(iter(self.known)) if len(self.known) == 1 else None
-                name = _unquote(head.group(1)) if head.group(1) is not None else only
+                name = unquote(head.group(1)) if head.group(1) is not None else only
                 if name is None and rest[head.end()] == "{":
                     end = json_value_end(rest[head.end() :])
-                    after = _NAME_AFTER.match(rest, head.end() + end) if end is not None else None
+                    after = NAME_AFTER.match(rest, head.end() + end) if end is not None else None
                     if after is None:
                         return out
-                    name = _unquote(after.group(1))
+                    name = unquote(after.group(1))
                 if rest[head.end()] != "{" or name not in self.known:
                     self.mode = "whole"  # not a call we can stream: decided at the end
                     return out
