@@ -4,6 +4,8 @@ emitted, and text is held back only while it could still be the start of a stop.
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,7 +22,7 @@ def pieces(draw: st.DrawFn) -> list[str]:
     text = draw(TEXT)
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
     bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def expected(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -62,14 +64,14 @@ def test_nothing_of_a_stop_string_or_after_it_is_ever_emitted(chunks: list[str],
 @given(pieces(), STOPS)
 def test_text_is_held_back_at_most_the_longest_stop_minus_one_character(chunks: list[str], stops: list[str]) -> None:
     longest = max(len(s) for s in stops)
-    emitted, stopped, progress = run(chunks, stops)
+    _, stopped, progress = run(chunks, stops)
     for seen, emitted_so_far in progress[:-1] if stopped else progress:
         assert len(seen) - len(emitted_so_far) <= longest - 1
 
 
 @given(pieces(), STOPS)
 def test_held_text_is_only_a_possible_start_of_a_stop(chunks: list[str], stops: list[str]) -> None:
-    emitted, stopped, progress = run(chunks, stops)
+    _, stopped, progress = run(chunks, stops)
     for seen, emitted_so_far in progress[:-1] if stopped else progress:
         held = seen[len(emitted_so_far) :]
         assert not held or any(s.startswith(held) for s in stops)

@@ -30,7 +30,7 @@ LLAMA31 = (
 LLAMA32 = (
     '{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}'
     '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\' }}'
-    '{{- \'{"name": "\' + tool_call.name + \'", \' }}{{- \'"parameters": \' }}{{- tool_call.arguments | tojson }}'
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
 )
 MISTRAL_V03 = (
     '{%- if tools is not none and (message == user_messages[-1]) %}{{- "[AVAILABLE_TOOLS] [" }}'
@@ -76,7 +76,8 @@ def test_an_unknown_parser_name_stops_start_up_naming_the_known_ones(tmp_path: P
         GeneratePredictor(config(tmp_path, tool_call_parser="qwen"))
     message = str(error.value)
     assert "\n" not in message
-    assert "'tool_call_parser'" in message and "'qwen'" in message
+    assert "'tool_call_parser'" in message
+    assert "'qwen'" in message
     assert "hermes, llama3_json, mistral" in message
 
 

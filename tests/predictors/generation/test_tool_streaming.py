@@ -8,6 +8,7 @@ streamed content and call pieces, assembled as the openai client assembles them,
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -31,7 +32,9 @@ QWEN = (
 #: Llama 3.1-8B-Instruct with custom tools; 3.2 separates several calls with ";".
 LLAMA = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
 LLAMA_PYTHON_TAG = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
-LLAMA_TWO_CALLS = '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'
+LLAMA_TWO_CALLS = (
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'
+)
 #: Mistral-7B-Instruct-v0.3, with the [TOOL_CALLS] token kept and (special tokens skipped) dropped.
 MISTRAL = (
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, '
@@ -128,7 +131,7 @@ def test_any_split_of_model_text_streams_what_the_unary_response_says(
     fmt, text, _, _ = case
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=20)))
     bounds = [0, *cuts, len(text)]
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     parser = TOOL_PARSERS[fmt]
     content, calls = streamed(parser, chunks)
     message = unary(parser, text)
@@ -171,4 +174,5 @@ def test_mistral_call_ids_are_nine_alphanumerics_as_its_template_requires() -> N
     message = unary(TOOL_PARSERS["mistral"], MISTRAL)
     _, calls = streamed(TOOL_PARSERS["mistral"], split(MISTRAL, 5))
     for call_id in [c["id"] for c in message["tool_calls"]] + [c["id"] for c in calls]:
-        assert len(call_id) == 9 and call_id.isalnum()
+        assert len(call_id) == 9
+        assert call_id.isalnum()

@@ -40,7 +40,9 @@ def tool_parser_named(name: str) -> ToolParser:
         return TOOL_PARSERS[name]
     except KeyError:
         known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"engine arg {TOOL_CALL_PARSER_ARG!r}: no tool-call parser {name!r} (known: {known})") from None
+        raise ValueError(
+            f"engine arg {TOOL_CALL_PARSER_ARG!r}: no tool-call parser {name!r} (known: {known})"
+        ) from None
 
 
 def choose_tool_parser(name: str | None, chat_template: str | None) -> tuple[ToolParser, str]:
