@@ -7,6 +7,7 @@ engine's own ``EngineArgs`` validate ``--engine-arg`` keys at start-up.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,12 +15,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from universal_predictors.base import StartupError, UniversalPredictor, parse_engine_args
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
+from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named
 from universal_predictors.http import parse_json
 
 
@@ -27,6 +29,25 @@ class _DeferredArgs(BaseModel):
     """Accepts anything: the chosen engine's own model validates the keys in ``__init__``."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def _without_tool_call_parser(config: PredictorConfig) -> tuple[Callable[[Backend], str | None], PredictorConfig]:
+    """``tool_call_parser`` is the OpenAI layer's engine arg, not an engine's: the config without it (for
+    the backend choice and the engine's own args), and the value it gives a backend."""
+    key = TOOL_CALL_PARSER_ARG
+
+    def value(backend: Backend) -> str | None:
+        return config.engine_args_for(backend).get(key)
+
+    stripped = config.model_copy(
+        update={
+            "engine_args": {k: v for k, v in config.engine_args.items() if k != key},
+            "engine_arg_defaults": {
+                b: {k: v for k, v in args.items() if k != key} for b, args in config.engine_arg_defaults.items()
+            },
+        }
+    )
+    return value, stripped
 
 
 class GeneratePredictor(UniversalPredictor):
@@ -37,7 +58,14 @@ class GeneratePredictor(UniversalPredictor):
 
     def __init__(self, config: PredictorConfig) -> None:
         super().__init__(config)
+        tool_call_parser, config = _without_tool_call_parser(config)
         self.backend = resolve_backend(config)
+        parser = tool_call_parser(self.backend)
+        if parser is not None:
+            try:
+                tool_parser_named(parser)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
         try:
             cls = engine_class(self.backend)
         except EngineUnavailable as exc:
@@ -51,10 +79,11 @@ class GeneratePredictor(UniversalPredictor):
         if unusable is not None:
             raise StartupError(unusable)
         self.engine_impl = cls(config, args)
-        self.service = GenerationService(self.engine_impl, config.model_name)
+        self.service = GenerationService(self.engine_impl, config.model_name, parser)
 
     def load(self) -> bool:
         self.engine_impl.load()
+        _ = self.service.tool_parser  # chosen (and logged) now that the chat template is known
         return True
 
     def unload(self) -> None:

@@ -1,0 +1,198 @@
+"""Turning an OpenAI request into engine requests: capability checks, prompts (chat templates, token-id
+prompts), the context check, sampling parameters per choice (``n``, per-choice seeds), and the JSON-schema
+constraint ``response_format`` or a forced tool choice needs. Every refusal happens here, before any
+generation starts."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.generation.engine import (
+    Engine,
+    GenerationRequest,
+    JSONSchemaConstraint,
+    NoChatTemplate,
+    SamplingParams,
+)
+from universal_predictors.generation.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+)
+
+#: ``max_tokens`` when a completions request names none (OpenAI's legacy default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class Plan:
+    """A validated request, ready to run: one entry per choice."""
+
+    prompts: list[list[int]]  # per prompt
+    jobs: list[tuple[int, GenerationRequest]]  # (prompt index, request) per choice
+    stops: list[str]
+    prompt_tokens: int
+
+
+def context_error(context: int, prompt: int, requested: int | None) -> InvalidRequest:
+    asked = f" and {requested} tokens requested for the completion" if requested else ""
+    return InvalidRequest(
+        f"This model's maximum context length is {context} tokens. However, the prompt is {prompt} tokens{asked}; "
+        f"at least one token must remain for the completion. Shorten the prompt.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def tool_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint | None, str | None]:
+    """The constraint a forced tool choice needs, and the forced function's name (named choice)."""
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None, None
+    if not body.tools:
+        raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        for tool in body.tools:
+            if tool.function.name == choice.function.name:
+                return JSONSchemaConstraint(tool.function.parameters, param="tools"), tool.function.name
+        raise InvalidRequest(f"tool_choice: no tool named {choice.function.name!r}", param="tool_choice")
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "arguments": t.function.parameters,
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in body.tools
+    ]
+    return JSONSchemaConstraint(options[0] if len(options) == 1 else {"anyOf": options}, param="tools"), None
+
+
+class RequestPlanner:
+    """Validates chat and completions requests against one engine and plans their choices."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _check_capabilities(self, body: SamplingFields, logprobs: int | None) -> None:
+        caps = self.engine.capabilities
+        backend = self.engine.backend.value
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name) and not caps.penalties:
+                raise InvalidRequest(f"{name}: the {backend} backend does not support penalties", param=name)
+        if logprobs is not None:
+            if not caps.logprobs:
+                raise InvalidRequest(f"logprobs: the {backend} backend does not return logprobs", param="logprobs")
+            if logprobs > caps.max_top_logprobs:
+                raise InvalidRequest(
+                    f"top_logprobs: at most {caps.max_top_logprobs} on the {backend} backend", param="top_logprobs"
+                )
+
+    def _params(
+        self, body: SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None, choice: int
+    ) -> SamplingParams:
+        context = self.engine.context_length
+        if prompt_len >= context:
+            raise context_error(context, prompt_len, max_tokens)
+        remaining = context - prompt_len
+        seed = body.seed + choice if body.seed is not None else None
+        return SamplingParams(
+            max_tokens=min(max_tokens, remaining) if max_tokens is not None else remaining,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+        )
+
+    def _plan(
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: JSONSchemaConstraint | None,
+    ) -> Plan:
+        if constraint is not None and not self.engine.capabilities.constraints:
+            raise InvalidRequest(
+                f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
+                param=constraint.param,
+            )
+        if constraint is not None and constraint.schema is not None:
+            from universal_predictors.generation.constraints import check_schema
+
+            try:  # one verdict on every engine (vLLM's own backend would silently ignore what it lacks)
+                check_schema(constraint.schema)
+            except ValueError as exc:
+                raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for i in range(body.n):
+                params = self._params(body, len(ids), max_tokens, logprobs, i)
+                jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint)))
+        self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
+        return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for m in body.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            messages.append(message)
+        tools = [t.model_dump() for t in body.tools] if body.tools else None
+        try:
+            text = self.engine.apply_chat_template(messages, tools)
+        except NoChatTemplate as exc:
+            raise InvalidRequest(
+                f"{exc}; use /v1/completions with a prompt instead", param="messages", code="chat_template_missing"
+            ) from None
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    def plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, str | None]:
+        """The plan, and the forced function's name when ``tool_choice`` names one."""
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self._check_capabilities(body, logprobs)
+        constraint, forced = tool_constraint(body)
+        if constraint is None and body.response_format is not None:
+            if body.response_format.type == "json_object":
+                constraint = JSONSchemaConstraint(None)
+            elif body.response_format.type == "json_schema":
+                assert body.response_format.json_schema is not None
+                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        ids = self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return self._plan(body, [ids], max_tokens, logprobs, constraint), forced
+
+    def plan_completion(self, body: CompletionRequest) -> Plan:
+        self._check_capabilities(body, body.logprobs)
+        if body.suffix:
+            raise InvalidRequest("suffix: not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequest("best_of: only best_of == n is supported", param="best_of")
+        if isinstance(body.prompt, str):
+            prompts = [self.engine.tokenize(body.prompt, add_special_tokens=True)]
+        elif body.prompt and isinstance(body.prompt[0], int):
+            prompts = [[int(t) for t in body.prompt]]
+        else:
+            prompts = [self.engine.tokenize(str(p), add_special_tokens=True) for p in body.prompt]
+        if any(not ids for ids in prompts):
+            raise InvalidRequest("prompt: must not be empty", param="prompt")
+        vocab = self.engine.vocab_size
+        if any(t < 0 or t >= vocab for ids in prompts for t in ids):
+            raise InvalidRequest(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._plan(body, prompts, max_tokens, body.logprobs, None)
