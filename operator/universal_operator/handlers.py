@@ -397,7 +397,9 @@ async def mirror_child_event(
         return  # an invalid parent already says so in its status
 
 
-async def follow_predictor_report(state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None) -> None:
+async def follow_predictor_report(
+    state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None
+) -> None:
     """The gateway wrote which backend the predictor runs (``status.predictorReport``): reconcile when that changes
     the backend the status reports.
 
@@ -407,6 +409,8 @@ async def follow_predictor_report(state: OperatorState, body: Mapping[str, Any],
     status says that backend the next event finds nothing to do: no loop.
     """
     plain = _plain(body)
+    if plain.get("metadata", {}).get("deletionTimestamp"):
+        return
     try:
         model = reconcile.parse_model(plain)
     except reconcile.SpecError:

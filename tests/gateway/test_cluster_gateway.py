@@ -484,7 +484,8 @@ async def test_after_serving_a_model_whose_status_says_auto_the_gateway_records_
     await eventually(lambda: state(backends) is ModelState.IDLE)
 
     def status_patches() -> int:
-        return sum(1 for a in cluster.emulator.access_log if (a.verb, a.plural, a.subresource) == ("patch", UM, "status"))
+        log = cluster.emulator.access_log
+        return sum(1 for a in log if (a.verb, a.plural, a.subresource) == ("patch", UM, "status"))
 
     client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
     # Nothing asked before a request reached the model; the one that woke it finds the status still Idle.
@@ -496,9 +497,10 @@ async def test_after_serving_a_model_whose_status_says_auto_the_gateway_records_
 
     # Ready, and a request served: the gateway asks the predictor and records what it runs.
     await asyncio.gather(*(client.embeddings.create(model=SERVED, input=f"served {i}") for i in range(3)))
-    model = await eventually(lambda: (cluster.emulator.get_object(UM, "default", "embedder") or {})["status"].get(
-        "predictorReport"))  # fmt: skip
-    assert model == {"backend": "transformers", "generation": generation}
+    def report() -> Any:
+        return (cluster.emulator.get_object(UM, "default", "embedder") or {})["status"].get("predictorReport")
+
+    assert await eventually(report) == {"backend": "transformers", "generation": generation}
     await client.embeddings.create(model=SERVED, input="nothing more to learn")
     assert status_patches() == 1  # once per generation, however many requests
     # Its one write is the status subresource, which rbac_rules grants (a spec it cannot change).
