@@ -604,6 +604,14 @@ class UniversalModelStatus(_Model):
             "predictor (auto)."
         ),
     )
+    message: str | None = Field(default=None, description="The most useful thing to know right now.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description=(
+            "Ready, SpecValid, InferenceServiceReady and (Standard mode) IdleStop, with reasons and transition times."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
 
     @field_validator("predictor_report", mode="wrap")
     @classmethod
@@ -614,14 +622,6 @@ class UniversalModelStatus(_Model):
         except ValidationError:
             return None
         return report
-    message: str | None = Field(default=None, description="The most useful thing to know right now.")
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        description=(
-            "Ready, SpecValid, InferenceServiceReady and (Standard mode) IdleStop, with reasons and transition times."
-        ),
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
 
 
 class UniversalModel(BaseModel):

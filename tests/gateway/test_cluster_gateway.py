@@ -497,6 +497,7 @@ async def test_after_serving_a_model_whose_status_says_auto_the_gateway_records_
 
     # Ready, and a request served: the gateway asks the predictor and records what it runs.
     await asyncio.gather(*(client.embeddings.create(model=SERVED, input=f"served {i}") for i in range(3)))
+
     def report() -> Any:
         return (cluster.emulator.get_object(UM, "default", "embedder") or {})["status"].get("predictorReport")
 
