@@ -424,3 +424,71 @@ async def test_another_writers_env_entry_is_kept_and_causes_no_rewrite_over_two_
     assert cluster.emulator.write_count(ISVC, "default", "minilm") == 0
     env = _child(cluster, "minilm")["spec"]["predictor"]["containers"][0]["env"]  # type: ignore[index]
     assert {"name": "OTEL_SERVICE_NAME", "value": "minilm"} in env
+
+
+def _backend_column(table: str, name: str) -> str:
+    header, *rows = table.strip().splitlines()
+    column = header.split().index("BACKEND")
+    [row] = [r.split() for r in rows if r.split()[0] == name]
+    return row[column]
+
+
+# The repair timer would also get there, a repair interval later: it is kept out of the way, so the status follows
+# the report because the operator reacts to it.
+@pytest.mark.parametrize("operator_config", [{"repairIntervalSeconds": 600.0}], indirect=True)
+async def test_the_backend_the_predictor_reports_replaces_auto_in_kubectl_get_um_for_that_generation_only(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    """Generation on a GPU with backend auto: only the predictor knows; the gateway's status.predictorReport says."""
+    manifest: dict[str, Any] = {
+        "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+        "kind": "UniversalModel",
+        "metadata": {"name": "gpu-llama", "namespace": "default"},
+        "spec": {
+            "task": "generate",
+            "source": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"},
+            "resources": {"gpus": 1},
+        },
+    }
+    await _apply_text(cluster, manifest, tmp_path)
+    child = await eventually(lambda: _child(cluster, "gpu-llama"))
+    await cluster.emulator.put_status(ISVC, "default", "gpu-llama", ready_status(child))
+
+    def status_of() -> dict[str, Any]:
+        return dict((_model(cluster, "gpu-llama") or {}).get("status") or {})
+
+    await eventually(lambda: status_of().get("phase") == "Ready")
+    model = _model(cluster, "gpu-llama") or {}
+    assert model["status"]["backend"] == "auto"
+    table = await cluster.kubectl("get", "um", "gpu-llama")
+    assert _backend_column(table.stdout, "gpu-llama") == "auto"
+
+    # The gateway's write, after it served a request: what the predictor's card said, for this generation.
+    generation = model["metadata"]["generation"]
+    child_before = _child(cluster, "gpu-llama")
+    child_writes = cluster.emulator.write_count(ISVC, "default", "gpu-llama")
+    report = {"backend": "vllm", "generation": generation}
+    await cluster.emulator.put_status(UM, "default", "gpu-llama", {"predictorReport": report})
+
+    await eventually(lambda: status_of().get("backend") == "vllm")
+    table = await cluster.kubectl("get", "um", "gpu-llama")
+    assert _backend_column(table.stdout, "gpu-llama") == "vllm"
+    # The report changes no spec: nothing re-rendered, the InferenceService (and so its pods) untouched.
+    assert _child(cluster, "gpu-llama") == child_before
+    assert cluster.emulator.write_count(ISVC, "default", "gpu-llama") == child_writes
+    assert status_of()["predictorReport"] == report
+
+    # A new spec may run another engine: auto again until the predictor is asked for that generation.
+    patched = await cluster.kubectl(
+        "patch", "um", "gpu-llama", "--type=merge", "-p", '{"spec": {"engineArgs": {"max_model_len": 4096}}}'
+    )
+    assert patched.returncode == 0, patched.stderr
+
+    def reconciled() -> dict[str, Any]:
+        status = status_of()
+        assert status.get("observedGeneration") == generation + 1
+        return status
+
+    status = await eventually(reconciled)
+    assert status["backend"] == "auto"
+    assert _backend_column((await cluster.kubectl("get", "um", "gpu-llama")).stdout, "gpu-llama") == "auto"

@@ -392,6 +392,55 @@ def test_status_names_served_name_resolved_backend_and_child() -> None:
     }
 
 
+GPU_AUTO = """
+metadata: {name: llama, generation: 4}
+spec:
+  task: generate
+  source: {uri: hf://meta-llama/Llama-3.1-8B-Instruct}
+  resources: {gpus: 1}
+"""
+
+
+def gpu_auto_model(report: dict[str, Any] | None, spec_yaml: str = GPU_AUTO) -> Any:
+    """The GPU generation model whose backend only its predictor can tell, with the gateway's report if any."""
+    body = manifest(spec_yaml)
+    if report is not None:
+        body["status"] = {"predictorReport": report}
+    return parse_model(body)
+
+
+def backend(model: Any) -> str:
+    return str(status_from_inference_service(child(READY_2_COPIES), model, now=T0)["backend"])
+
+
+def test_a_gpu_generation_model_reports_auto_until_its_predictor_says_which_backend_it_runs() -> None:
+    assert backend(gpu_auto_model(None)) == "auto"
+    assert backend(gpu_auto_model({"backend": "vllm", "generation": 4})) == "vllm"
+    assert backend(gpu_auto_model({"backend": "transformers", "generation": 4})) == "transformers"
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"backend": "vllm", "generation": 3},  # seen for the spec before: the current one may run another
+        {"backend": "rapidocr", "generation": 4},  # not a generation backend
+        {"backend": "auto", "generation": 4},
+        {"backend": "a-new-engine", "generation": 4},
+        {"backend": "vllm"},  # unreadable (no generation): ignored, never an invalid spec
+    ],
+    ids=["older-generation", "not-the-tasks", "auto", "unknown", "unreadable"],
+)
+def test_a_report_for_another_generation_or_backend_leaves_auto(report: dict[str, Any]) -> None:
+    assert backend(gpu_auto_model(report)) == "auto"
+
+
+def test_a_backend_the_spec_decides_is_never_overridden_by_a_report() -> None:
+    explicit = GPU_AUTO.replace("task: generate", "task: generate\n  backend: transformers")
+    assert backend(gpu_auto_model({"backend": "vllm", "generation": 4}, explicit)) == "transformers"
+    gguf = QWEN.replace("generation: 3", "generation: 4")  # auto, decided by the GGUF source
+    assert backend(gpu_auto_model({"backend": "vllm", "generation": 4}, gguf)) == "llamacpp"
+
+
 def model_with_conditions(conditions_yaml: str) -> Any:
     body = manifest(QWEN)
     body["status"] = {"conditions": load(conditions_yaml)}

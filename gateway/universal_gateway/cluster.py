@@ -39,6 +39,7 @@ from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_gateway.predictor_report import PredictorReporter
 from universal_operator.kube import InferenceService, UniversalModelResource
 from universal_operator.spec import parse_duration
 from universal_predictors.config import Task
@@ -92,7 +93,9 @@ STANDARD_MODE_HINT = (
 def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
     """The RBAC rules the gateway's ServiceAccount needs, and nothing more.
 
-    Watching UniversalModels is all a Knative-only gateway does; ``patch`` on InferenceServices is for the
+    Watching UniversalModels is all a Knative-only gateway reads; its one write is ``patch`` on their ``status``
+    subresource, which cannot change a spec: ``status.predictorReport``, the backend a predictor says it runs
+    (:mod:`universal_gateway.predictor_report`). ``patch`` on InferenceServices is for the
     Standard-mode TTL (the stop annotation), and ``list`` on EndpointSlices for its idle check (every ready
     replica of the predictor Service is asked). A Role per watched namespace or one ClusterRole grants
     these; the tests hold the gateway to exactly this list.
@@ -102,7 +105,12 @@ def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
             "apiGroups": [UniversalModelResource._api_info.resource.group],
             "resources": [UniversalModelResource._api_info.plural],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        {
+            "apiGroups": [UniversalModelResource._api_info.resource.group],
+            "resources": [f"{UniversalModelResource._api_info.plural}/status"],
+            "verbs": ["patch"],
+        },
     ]
     if standard_mode:
         rules.append(
@@ -260,6 +268,7 @@ class KubernetesBackends(Backends):
         self._health = {namespace: _WatchHealth() for namespace in self._namespaces}
         self._synced = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
+        self._reporter = PredictorReporter(lambda: self.client)
 
     @property
     def client(self) -> AsyncClient:
@@ -278,6 +287,7 @@ class KubernetesBackends(Backends):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self._reporter.close()
         if self._http is not None:
             await self._http.close()
         if self._client is not None:
@@ -449,6 +459,8 @@ class KubernetesBackends(Backends):
                     raise Unavailable(f"The model {name!r} has no address yet; it is being created.",
                                       code="model_loading", retry_after=5)  # fmt: skip
             yield model.address
+        # Relayed: the predictor is up, so it can say which backend ``auto`` chose without being woken.
+        self._reporter.served(model.key, model.body, model.address, self.upstream_token)
 
     async def _wake(self, model: ClusterModel) -> None:
         """Remove the stop annotation once for all waiting requests and wait until Ready (bounded)."""

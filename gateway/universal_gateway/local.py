@@ -30,9 +30,10 @@ import aiohttp
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_gateway.manifests import Manifest
+from universal_gateway.predictor_report import ask_backend
 from universal_operator.reconcile import predictor_config, resolved_backend
 from universal_operator.spec import parse_duration
-from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, resolve_source
+from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, Backend, resolve_source
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class LocalModel:
     last_load_seconds: float | None = None
     handled_exits: set[int] = field(default_factory=set)
     watchers: set[asyncio.Task[None]] = field(default_factory=set)
+    #: The backend the running predictor says it runs, where the spec leaves it to the predictor (``auto``).
+    running_backend: Backend | None = None
 
     @property
     def name(self) -> str:
@@ -278,8 +281,19 @@ class LocalSupervisor(Backends):
                 return
             await asyncio.sleep(0.05)
         model.last_load_seconds = time.monotonic() - started
+        model.running_backend = await self._running_backend(model)
         model.state, model.message = ModelState.READY, "Serving."
         logger.info("%s is ready (%.1fs)", model.name, model.last_load_seconds)
+
+    async def _running_backend(self, model: LocalModel) -> Backend | None:
+        """What ``auto`` chose, from the ready predictor's model card (None: the spec decides, or no answer)."""
+        if resolved_backend(model.manifest.model) is not Backend.AUTO or self._session is None:
+            return None
+        try:
+            return await ask_backend(self._session, model.url, self._token)
+        except Exception as exc:  # the card is for ``ps``; serving goes on without it
+            logger.info("%s did not say which backend it runs (%s)", model.name, exc or type(exc).__name__)
+            return None
 
     def _backoff(self, model: LocalModel) -> float:
         recent = [t for t in model.crashes if time.monotonic() - t < CRASH_WINDOW_S]
@@ -356,7 +370,7 @@ class LocalSupervisor(Backends):
         return ModelView(
             name=model.name,
             task=model.manifest.model.spec.task,
-            backend=resolved_backend(model.manifest.model).value,
+            backend=(model.running_backend or resolved_backend(model.manifest.model)).value,
             state=model.state,
             message=model.message,
             endpoint=model.url if model.running() else None,

@@ -105,7 +105,7 @@ def custom_resource_definition() -> dict[str, Any]:
     """The ``apiextensions.k8s.io/v1`` CustomResourceDefinition for UniversalModel."""
     spec_schema = structural_schema(spec.UniversalModelSpec)
     status_schema = _strip_defaults(structural_schema(spec.UniversalModelStatus))
-    status_schema["description"] = "What the operator observed. Written by the operator only."
+    status_schema["description"] = "What the operator observed (predictorReport alone is written by the gateway)."
     root = {
         "type": "object",
         "description": (

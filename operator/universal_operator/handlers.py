@@ -8,7 +8,8 @@ Who writes what:
 - the child InferenceService: server-side apply, one field manager, only when it drifted or is missing;
 - the model's ServiceAccount (only with spec.source.credentialsSecret): read, then server-side applied
   before the InferenceService when it drifted or is missing;
-- the parent's status: one merge patch to ``/status`` when what it says would change;
+- the parent's status: one merge patch to ``/status`` when what it says would change (all of it but
+  ``predictorReport``, which the gateway writes and the operator reads for ``backend``);
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
   timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
 """
@@ -363,6 +364,11 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     async def on_child_event(**kw: Any) -> None:
         await mirror_child_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["models"])
 
+    @kopf.on.event(*um, registry=registry, id="follow-predictor-report")
+    async def on_model_event(**kw: Any) -> None:
+        if kw["event"]["type"] in ("ADDED", "MODIFIED"):
+            await follow_predictor_report(kw["memo"]["state"], kw["body"], kw["children"])
+
     @kopf.on.event(*um, registry=registry, id="forget-deleted")
     def forget(**kw: Any) -> None:
         if kw["event"]["type"] == "DELETED":
@@ -389,6 +395,32 @@ async def mirror_child_event(
         await sync_status(state, parent, _plain(child))
     except reconcile.SpecError:
         return  # an invalid parent already says so in its status
+
+
+async def follow_predictor_report(
+    state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None
+) -> None:
+    """The gateway wrote which backend the predictor runs (``status.predictorReport``): reconcile when that changes
+    the backend the status reports.
+
+    kopf's update handlers never see it (a status change is not a spec change), so this event handler does; the
+    reconcile rewrites the status and, the spec being the same, leaves the InferenceService alone. Only a report
+    for the generation the status already describes counts (a newer spec is being reconciled anyway), and once the
+    status says that backend the next event finds nothing to do: no loop.
+    """
+    plain = _plain(body)
+    if plain.get("metadata", {}).get("deletionTimestamp"):
+        return
+    try:
+        model = reconcile.parse_model(plain)
+    except reconcile.SpecError:
+        return
+    report, generation = model.status.predictor_report, model.metadata.generation
+    if report is None or report.generation != generation or model.status.observed_generation != generation:
+        return
+    if model.status.backend == reconcile.reported_backend(model).value:
+        return
+    await reconcile_model(state, body, children, reason="the predictor reported its backend")
 
 
 def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:

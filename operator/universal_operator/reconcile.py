@@ -334,6 +334,21 @@ def resolved_backend(model: UniversalModel) -> Backend:
     return resolve_backend(spec.task, spec.backend, spec.source.uri, spec.source.file, spec.resources.gpus)
 
 
+def reported_backend(model: UniversalModel) -> Backend:
+    """The backend the status reports: the spec's resolution, or, where that is ``auto``, the one the running
+    predictor reported for this very generation (``status.predictorReport``, which the gateway writes) if it is
+    one of the task's. A report for an earlier generation says nothing about the current spec: ``auto`` again."""
+    backend = resolved_backend(model)
+    report = model.status.predictor_report
+    if backend is not Backend.AUTO or report is None or report.generation != model.metadata.generation:
+        return backend
+    try:
+        running = Backend(report.backend)
+    except ValueError:
+        return backend
+    return running if running in TASK_BACKENDS[model.spec.task] else backend
+
+
 def possible_backends(model: UniversalModel) -> tuple[Backend, ...]:
     """The backends the predictor may run: the resolved one, or every one of the task's when that is ``auto``."""
     backend = resolved_backend(model)
@@ -947,7 +962,7 @@ def status_from_inference_service(
     base: dict[str, Any] = {
         "observedGeneration": generation,
         "servedName": model.served_name,
-        "backend": resolved_backend(model).value,
+        "backend": reported_backend(model).value,
         "inferenceService": model.metadata.name,
         "requestTimeoutSeconds": request_timeout_seconds(model, config),
     }
@@ -1101,7 +1116,7 @@ def status_for_forbidden(model: UniversalModel, refused: str, now: datetime | No
     return {
         "observedGeneration": generation,
         "servedName": model.served_name,
-        "backend": resolved_backend(model).value,
+        "backend": reported_backend(model).value,
         "inferenceService": model.metadata.name,
         "phase": Phase.PENDING.value,
         "message": message,

@@ -12,7 +12,16 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -553,8 +562,22 @@ class Condition(_Model):
     observed_generation: int | None = Field(default=None, description="The spec generation this was judged on.")
 
 
+class PredictorReport(_Model):
+    """What a running predictor said about itself, and for which spec generation.
+
+    The gateway writes it (the one field of the status it writes) after it served a request: only the
+    predictor knows which engine ``backend: auto`` chose for generation on a GPU (whether vLLM imports
+    and supports the architecture), and a predictor that just answered is up, so asking never wakes one.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    backend: str = Field(description="The backend the predictor runs (its /openai/v1/models card).")
+    generation: int = Field(description="The UniversalModel's metadata.generation the predictor was asked for.")
+
+
 class UniversalModelStatus(_Model):
-    """What the operator observed."""
+    """What the operator observed (and, in predictorReport, the gateway)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -573,6 +596,14 @@ class UniversalModelStatus(_Model):
         ),
     )
     inference_service: str | None = Field(default=None, description="The name of the owned InferenceService.")
+    predictor_report: PredictorReport | None = Field(
+        default=None,
+        description=(
+            "The backend the running predictor reported, and for which generation: written by the gateway after "
+            "it served a request; the operator reports it as backend when the spec leaves the choice to the "
+            "predictor (auto)."
+        ),
+    )
     message: str | None = Field(default=None, description="The most useful thing to know right now.")
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -581,6 +612,16 @@ class UniversalModelStatus(_Model):
         ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
+
+    @field_validator("predictor_report", mode="wrap")
+    @classmethod
+    def _unreadable_report_is_none(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> PredictorReport | None:
+        """Another writer's report is a hint, never a reason to judge the spec invalid: unreadable, it is absent."""
+        try:
+            report: PredictorReport | None = handler(value)
+        except ValidationError:
+            return None
+        return report
 
 
 class UniversalModel(BaseModel):

@@ -99,8 +99,12 @@ def test_gateway_bindings_give_its_service_account_the_rules_where_it_watches(
     namespaces = scope.get("watchNamespaces") or [None]
     assert sorted(g.namespace or "" for g in grants) == sorted(ns or "" for ns in namespaces)
     assert all(list(g.rules) == rbac_rules(standard_mode=False) for g in grants)
-    # The gateway's account gets nothing of the operator's.
-    assert not allows(grants, Access("patch", "serving.universal-runtime.dev", UM, "status", "default"))
+    # The gateway's account may write a model's status (its predictorReport), never the model: no spec, no
+    # annotations, no finalizers, nothing of the children.
+    assert allows(grants, Access("patch", "serving.universal-runtime.dev", UM, "status", "default"))
+    assert not allows(grants, Access("patch", "serving.universal-runtime.dev", UM, None, "default"))
+    assert not allows(grants, Access("update", "serving.universal-runtime.dev", UM, "finalizers", "default"))
+    assert not allows(grants, Access("patch", "serving.kserve.io", ISVC, None, "default"))
 
 
 @pytest.mark.parametrize("scope", SCOPES.values(), ids=SCOPES.keys())

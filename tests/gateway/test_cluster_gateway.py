@@ -467,3 +467,42 @@ async def test_a_standard_mode_model_kserve_cannot_stop_is_never_stopped_nor_wok
     assert not backends._stoppable(model, model.last_used + 3600)
     assert backends.upstream_timeout(SERVED) == 42
     assert cluster.emulator.write_count(ISVC, "default", "embedder") == 0
+
+
+async def test_after_serving_a_model_whose_status_says_auto_the_gateway_records_the_backend_its_predictor_runs(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
+) -> None:
+    """What the real predictor's card says lands in status.predictorReport, once per generation, and only
+    once a request reached the model (asking never wakes one)."""
+    base_url, backends = gateway
+    await create(cluster, UM, model_manifest())
+    generation = (cluster.emulator.get_object(UM, "default", "embedder") or {})["metadata"]["generation"]
+    # The operator's status where the spec leaves the backend to the predictor (auto), here scaled to zero.
+    auto = {"backend": "auto", "observedGeneration": generation}
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url, **auto))
+    await backends.wait_synced()
+    await eventually(lambda: state(backends) is ModelState.IDLE)
+
+    def status_patches() -> int:
+        log = cluster.emulator.access_log
+        return sum(1 for a in log if (a.verb, a.plural, a.subresource) == ("patch", UM, "status"))
+
+    client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+    # Nothing asked before a request reached the model; the one that woke it finds the status still Idle.
+    assert status_patches() == 0
+    await client.embeddings.create(model=SERVED, input="a request wakes it")
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url, **auto))
+    await eventually(lambda: state(backends) is ModelState.READY)
+    assert status_patches() == 0
+
+    # Ready, and a request served: the gateway asks the predictor and records what it runs.
+    await asyncio.gather(*(client.embeddings.create(model=SERVED, input=f"served {i}") for i in range(3)))
+
+    def report() -> Any:
+        return (cluster.emulator.get_object(UM, "default", "embedder") or {})["status"].get("predictorReport")
+
+    assert await eventually(report) == {"backend": "transformers", "generation": generation}
+    await client.embeddings.create(model=SERVED, input="nothing more to learn")
+    assert status_patches() == 1  # once per generation, however many requests
+    # Its one write is the status subresource, which rbac_rules grants (a spec it cannot change).
+    assert ("patch", UM) in assert_within_rbac(cluster, standard_mode=False)

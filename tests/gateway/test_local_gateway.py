@@ -276,3 +276,36 @@ def test_ps_without_a_gateway_says_so_in_one_line() -> None:
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "no gateway answers" in line
+
+
+def test_ps_shows_the_backend_the_predictor_chose_where_the_spec_says_auto(tmp_path: Path) -> None:
+    """Generation with gpus and backend auto: the spec cannot tell, so ``ps`` says auto until the predictor runs,
+    then what it chose (here without vLLM or a GPU in the process: transformers)."""
+    from tests.predictors.generation.tiny_llama import build_llama
+
+    llama = build_llama(tmp_path / "llama")
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    (folder / "chat.yaml").write_text(
+        f"""apiVersion: serving.universal-runtime.dev/v1alpha1
+kind: UniversalModel
+metadata: {{name: chat}}
+spec:
+  task: generate
+  servedName: gpu-chat
+  source: {{uri: "{llama}"}}
+  resources: {{gpus: 1}}
+"""
+    )
+    with running_gateway([folder], tmp_path / "gw") as gateway:
+        assert gateway.models()["gpu-chat"]["backend"] == "auto"
+        client = OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=300)
+        client.completions.create(model="gpu-chat", prompt="Once", max_tokens=2)
+        assert gateway.models()["gpu-chat"]["backend"] == "transformers"
+        result = subprocess.run(
+            [sys.executable, "-m", "universal_gateway.cli", "ps", "--url", gateway.url],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        [row] = [r for r in result.stdout.splitlines() if r.startswith("gpu-chat")]
+        assert row.split()[1:4] == ["generate", "transformers", "ready"]

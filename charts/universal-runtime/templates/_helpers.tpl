@@ -135,14 +135,19 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 
 {{/*
 The gateway's rules: exactly universal_gateway.cluster.rbac_rules(standard_mode=...), which the
-chart tests hold it to. It watches UniversalModels (routes come from their status); with
-Standard-mode models it also patches InferenceServices (the serving.kserve.io/stop annotation) and
-lists the predictor Services' EndpointSlices (the idle check asks every ready replica).
+chart tests hold it to. It watches UniversalModels (routes come from their status) and patches their
+status subresource, which cannot change a spec (status.predictorReport: the backend a predictor says
+it runs, where the spec says auto); with Standard-mode models it also patches InferenceServices (the
+serving.kserve.io/stop annotation) and lists the predictor Services' EndpointSlices (the idle check
+asks every ready replica).
 */}}
 {{- define "universal-runtime.gateway.rules" -}}
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels]
   verbs: [get, list, watch]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodels/status]
+  verbs: [patch]
 {{- if .Values.gateway.standardMode }}
 - apiGroups: [serving.kserve.io]
   resources: [inferenceservices]

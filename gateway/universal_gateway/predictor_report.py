@@ -1,0 +1,146 @@
+"""Which backend a running predictor chose, learnt from the predictor itself.
+
+For text generation on a GPU with ``backend: auto`` only the predictor can tell which engine it runs (whether
+vLLM imports there and supports the architecture), so the operator's status says ``auto``. The predictor's
+model card (``GET /openai/v1/models``) names the engine it runs. In a cluster the gateway asks for it after it
+has relayed an answer from the model (the predictor is up then: asking never wakes a model scaled to zero),
+once per spec generation, and merge-patches ``status.predictorReport`` (``patch`` on
+``universalmodels/status``, nothing on the spec); the operator, the one writer of ``status.backend``, reports
+it from there. Locally the supervisor asks once a process is ready and shows it in ``ps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.types import PatchType
+
+from universal_operator.kube import UniversalModelResource
+from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Backend
+
+logger = logging.getLogger(__name__)
+
+#: How long the predictor's model card may take (it is a dictionary, not inference).
+CARD_TIMEOUT_S = 5.0
+#: After a failed ask or write, the next served request may try again this much later.
+RETRY_AFTER_S = 30.0
+#: After the API server refused the write (403: an older chart's RBAC), try again this much later.
+REFUSED_RETRY_AFTER_S = 600.0
+
+STATUS_RBAC_HINT = (
+    "the gateway needs `patch` on universalmodels/status to record which backend a model's predictor runs "
+    "(status.predictorReport): upgrade the Helm chart (the rules of universal_gateway.cluster.rbac_rules)"
+)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+async def ask_backend(session: aiohttp.ClientSession, base_url: str, token: str | None) -> Backend | None:
+    """The backend the predictor at ``base_url`` says it runs; None when its card names none (or only ``auto``)."""
+    headers = {UPSTREAM_TOKEN_HEADER: token} if token else {}
+    timeout = aiohttp.ClientTimeout(total=CARD_TIMEOUT_S)
+    async with session.get(f"{base_url}/openai/v1/models", headers=headers, timeout=timeout) as response:
+        response.raise_for_status()
+        payload: Any = await response.json()
+    cards = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
+        return None
+    try:
+        backend = Backend(str(cards[0].get("backend")))
+    except ValueError:
+        return None
+    return None if backend is Backend.AUTO else backend
+
+
+def generation_to_report(body: dict[str, Any]) -> int | None:
+    """The spec generation whose backend the predictor should be asked for, or None when nothing is to learn.
+
+    Something to learn: the operator's status, for the current generation, says the model is Ready and its
+    backend ``auto``, and no report for that generation is there yet.
+    """
+    generation = (body.get("metadata") or {}).get("generation")
+    status = body.get("status") or {}
+    if not isinstance(generation, int) or status.get("observedGeneration") != generation:
+        return None
+    if status.get("backend") != Backend.AUTO.value or status.get("phase") != "Ready":
+        return None
+    if (status.get("predictorReport") or {}).get("generation") == generation:
+        return None
+    return generation
+
+
+class PredictorReporter:
+    """Asks a model's predictor which backend it runs, once per generation, and records it in the model's status."""
+
+    def __init__(self, client: Callable[[], AsyncClient]) -> None:
+        self._client = client
+        self._session: aiohttp.ClientSession | None = None
+        self._asking: dict[Key, asyncio.Task[None]] = {}
+        #: Per model: the generation last reported, or tried, and the monotonic time before which not to ask again.
+        self._not_before: dict[Key, tuple[int, float]] = {}
+
+    def served(self, key: Key, body: dict[str, Any], address: str | None, token: str | None) -> None:
+        """The gateway relayed an answer from this model: ask its predictor in the background if there is
+        something to learn and no ask for it is under way or recently failed."""
+        generation = generation_to_report(body)
+        if generation is None or address is None:
+            return
+        asking = self._asking.get(key)
+        if asking is not None and not asking.done():
+            return
+        seen, not_before = self._not_before.get(key, (None, 0.0))
+        if seen == generation and time.monotonic() < not_before:
+            return
+        self._asking[key] = asyncio.create_task(self._report(key, generation, address, token), name=f"ask-{key[1]}")
+
+    async def _report(self, key: Key, generation: int, address: str, token: str | None) -> None:
+        namespace, name = key
+        retry = (generation, time.monotonic() + RETRY_AFTER_S)
+        self._not_before[key] = retry
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            backend = await ask_backend(self._session, address, token)
+        except Exception as exc:  # unreachable, an error answer, not JSON: the next served request asks again
+            logger.info("could not ask %s/%s which backend it runs (%s)", namespace, name, exc or type(exc).__name__)
+            return
+        if backend is None:
+            return
+        patch = {"status": {"predictorReport": {"backend": backend.value, "generation": generation}}}
+        try:
+            await self._client().patch(
+                UniversalModelResource.Status, name, patch, namespace=namespace, patch_type=PatchType.MERGE
+            )
+        except ApiError as exc:
+            code = exc.status.code
+            if code == 404:
+                return  # the model is gone
+            refused = code == 403
+            if refused:
+                self._not_before[key] = (generation, time.monotonic() + REFUSED_RETRY_AFTER_S)
+            logger.log(logging.WARNING if refused else logging.INFO,
+                       "could not record that %s/%s runs %s: %s %s%s", namespace, name, backend.value, code,
+                       exc.status.message, f"; {STATUS_RBAC_HINT}" if refused else "")  # fmt: skip
+            return
+        except Exception as exc:  # the API server unreachable: the next served request tries again
+            logger.info("could not record that %s/%s runs %s (%s)", namespace, name, backend.value, exc)
+            return
+        self._not_before[key] = (generation, float("inf"))
+        logger.info("%s/%s runs %s (generation %d)", namespace, name, backend.value, generation)
+
+    async def close(self) -> None:
+        for task in self._asking.values():
+            task.cancel()
+        for task in self._asking.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
