@@ -20,7 +20,7 @@
    granian (ASGI, embedded, on uvloop) if it is installed. Client side: the gateway's own upstream
    client, ``httpx.AsyncClient`` and ``aiohttp.ClientSession`` making the same upstream calls in this
    process. Each line gives the library's throughput and CPU per request as a ratio of ours, next to
-   the A/A spread: ours against ours, its even rounds against its odd ones. A difference inside that
+   the A/A spread: ours against ours, its odd rounds against its even ones. A difference inside that
    spread is not one the run can resolve.
 
 The gateway and the trivial upstream run as their own processes, as deployed (in the load
