@@ -147,12 +147,6 @@ class Catalog(BaseModel):
     def names(self) -> list[str]:
         return [entry.name for entry in self.tasks]
 
-    def entry(self, task: str) -> TaskEntry:
-        for entry in self.tasks:
-            if entry.name == task:
-                return entry
-        raise KeyError(task)
-
     def routes(self) -> list[tuple[TaskEntry, Route]]:
         return [(entry, route) for entry in self.tasks for route in entry.routes]
 
@@ -288,5 +282,5 @@ class RequestSchemas(BaseModel):
 @functools.cache
 def request_schemas() -> RequestSchemas:
     """The committed request schemas (data read from the package, no predictor code imported)."""
-    text = resources.files(__package__ or "universal_predictors").joinpath(REQUEST_SCHEMAS_FILE).read_text()
+    text = resources.files("universal_predictors").joinpath(REQUEST_SCHEMAS_FILE).read_text()
     return RequestSchemas.model_validate(json.loads(text))
