@@ -59,8 +59,9 @@ def spec_schema(crd: dict[str, Any]) -> dict[str, Any]:
 def backend_rule_admits(schema: dict[str, Any], task: str, backend: str) -> bool:
     [rule] = [v for v in schema["x-kubernetes-validations"] if v.get("fieldPath") == ".backend"]
     env = celpy.Environment()
-    verdict = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel({"task": task,
-                                                                                         "backend": backend})})
+    verdict = env.program(env.compile(rule["rule"])).evaluate(
+        {"self": celpy.json_to_cel({"task": task, "backend": backend})}
+    )
     return bool(verdict)
 
 
@@ -139,7 +140,8 @@ async def test_the_gateway_refuses_a_model_of_another_task_on_the_new_route(upst
     async with gateway.serving() as url, httpx.AsyncClient(base_url=url) as client:
         response = await client.post("/v1/translate", json={"model": "minilm", "texts": ["x"], "target": "en"})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == "The model 'minilm' does embed; /v1/translate needs a translate model."
+    message = response.json()["error"]["message"]
+    assert message == "The model 'minilm' does embed; /v1/translate needs a translate model."
 
 
 async def test_the_projects_gateway_serves_no_such_route(upstream: str) -> None:

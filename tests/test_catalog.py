@@ -35,8 +35,8 @@ def test_every_task_has_exactly_one_entry_in_order() -> None:
 
 
 def test_the_registry_and_the_file_pattern_tasks_are_the_catalogs() -> None:
-    assert PREDICTORS == {Task(e.name): e.predictor for e in CATALOG.tasks}
-    assert EXTRAS == {Task(e.name): e.extra for e in CATALOG.tasks}
+    assert {Task(e.name): e.predictor for e in CATALOG.tasks} == PREDICTORS
+    assert {Task(e.name): e.extra for e in CATALOG.tasks} == EXTRAS
     assert FILE_PATTERN_TASKS == (Task.GENERATE, Task.EMBED)
 
 
@@ -94,8 +94,7 @@ def readme_task_table() -> dict[str, list[str]]:
     section = text.split("\n## Tasks\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {
-        cells[0].strip("`"): cells[1:]
-        for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)
+        cells[0].strip("`"): cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)
     }
 
 

@@ -25,7 +25,7 @@ from universal_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, ModelSeries
 from universal_gateway.openapi import openapi_document
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
-from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, UpstreamError, UpstreamPool, Unreachable
+from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, Unavailable

@@ -48,4 +48,3 @@ def multipart_model(content_type: str, body: bytes) -> str:
                     return model
         position = end + 2
     raise InvalidRequest("model: the multipart form needs a 'model' field", param="model")
-

@@ -294,4 +294,3 @@ class UpstreamPool:
             for upstream in idle:
                 upstream.close()
         self._idle.clear()
-

@@ -174,12 +174,20 @@ CATALOG = Catalog(
             predictor=f"{_TASKS}.generate:GeneratePredictor",
             file_pattern=True,
             routes=(
-                _post("chat/completions", "/openai/v1/chat/completions", "OpenAI chat completions",
-                      "universal_predictors.generation.protocol:ChatCompletionRequest"),
-                _post("completions", "/openai/v1/completions", "OpenAI completions",
-                      "universal_predictors.generation.protocol:CompletionRequest"),
+                _post(
+                    "chat/completions",
+                    "/openai/v1/chat/completions",
+                    "OpenAI chat completions",
+                    "universal_predictors.generation.protocol:ChatCompletionRequest",
+                ),
+                _post(
+                    "completions",
+                    "/openai/v1/completions",
+                    "OpenAI completions",
+                    "universal_predictors.generation.protocol:CompletionRequest",
+                ),
             ),
-        ),  # fmt: skip
+        ),
         # vLLM generates only: the embedding predictor has no vLLM encoder (vLLM's pooling runner is not
         # wired in), so embed on vllm is refused at admission rather than admitted to crash-loop.
         TaskEntry(
@@ -223,8 +231,10 @@ CATALOG = Catalog(
             backends=(Backend.RAPIDOCR, Backend.TESSERACT),
             extra="ocr",
             predictor=f"{_TASKS}.ocr:OcrPredictor",
-            routes=(_post("ocr", "/v1/ocr", "Read text in images and PDFs", f"{_TASKS}.ocr:OcrRequest", ModelFrom.FORM),),
-        ),  # fmt: skip
+            routes=(
+                _post("ocr", "/v1/ocr", "Read text in images and PDFs", f"{_TASKS}.ocr:OcrRequest", ModelFrom.FORM),
+            ),
+        ),
         TaskEntry(
             name=Task.ANOMALY,
             summary="anomaly detection with named PyOD detectors fitted at run time",
@@ -235,16 +245,32 @@ CATALOG = Catalog(
                 _post("anomaly/fit", "/v1/anomaly/fit", "Fit a named detector", f"{_TASKS}.anomaly:FitRequest"),
                 _post("anomaly/score", "/v1/anomaly/score", "Score rows", f"{_TASKS}.anomaly:ScoreRequest"),
                 _post("anomaly/detect", "/v1/anomaly/detect", "Flag anomalous rows", f"{_TASKS}.anomaly:DetectRequest"),
-                Route(method="GET", path="anomaly/detectors", upstream="/v1/anomaly/detectors",
-                      operation="list_anomaly_detectors", summary="List the fitted detectors",
-                      model_from=(ModelFrom.QUERY,)),
-                Route(method="GET", path="anomaly/detectors/{name}", upstream="/v1/anomaly/detectors/{name}",
-                      operation="get_anomaly_detector", summary="One fitted detector", model_from=(ModelFrom.QUERY,)),
-                Route(method="DELETE", path="anomaly/detectors/{name}", upstream="/v1/anomaly/detectors/{name}",
-                      operation="delete_anomaly_detector", summary="Delete a fitted detector",
-                      model_from=(ModelFrom.QUERY,)),
+                Route(
+                    method="GET",
+                    path="anomaly/detectors",
+                    upstream="/v1/anomaly/detectors",
+                    operation="list_anomaly_detectors",
+                    summary="List the fitted detectors",
+                    model_from=(ModelFrom.QUERY,),
+                ),
+                Route(
+                    method="GET",
+                    path="anomaly/detectors/{name}",
+                    upstream="/v1/anomaly/detectors/{name}",
+                    operation="get_anomaly_detector",
+                    summary="One fitted detector",
+                    model_from=(ModelFrom.QUERY,),
+                ),
+                Route(
+                    method="DELETE",
+                    path="anomaly/detectors/{name}",
+                    upstream="/v1/anomaly/detectors/{name}",
+                    operation="delete_anomaly_detector",
+                    summary="Delete a fitted detector",
+                    model_from=(ModelFrom.QUERY,),
+                ),
             ),
-        ),  # fmt: skip
+        ),
     )
 )
 

@@ -36,7 +36,9 @@ def generate(catalog: Catalog = CATALOG) -> RequestSchemas:
     models = [_import(path) for path in paths]
     keys, document = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = document.get("$defs", {})
-    requests = {path: keys[(model, "validation")]["$ref"].rsplit("/", 1)[-1] for path, model in zip(paths, models, strict=True)}
+    requests = {
+        path: keys[(model, "validation")]["$ref"].rsplit("/", 1)[-1] for path, model in zip(paths, models, strict=True)
+    }
     return RequestSchemas(requests=requests, components=components)
 
 
