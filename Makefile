@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
+REQUEST_SCHEMAS := predictors/universal_predictors/request_schemas.json
 
 .PHONY: help venv system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
@@ -14,7 +15,7 @@ help:
 	@echo "make demo       run the operator against a simulated cluster and apply examples/cluster/"
 	@echo "make demo-serve the same, with real predictor processes behind the gateway (answers requests)"
 	@echo "make operator   run the operator against the cluster in \$$KUBECONFIG"
-	@echo "make crd        regenerate crds/universalmodels.yaml (and the chart's copy) from the spec models"
+	@echo "make crd        regenerate crds/universalmodels.yaml (and the chart's copy) and the request schemas"
 	@echo "make bench      operator scale benchmark (100 and 1000 models)"
 	@echo "make images     build the CPU images and a baked model with podman, offline (needs root)"
 	@echo "make test-images  build them and run the image tier (tests/images/) against them"
@@ -66,13 +67,17 @@ typecheck: venv
 layering: venv
 	$(VENV)/bin/lint-imports
 
+# The CRD from the spec models and the catalog; the request models' JSON Schemas (what /openapi.json
+# describes) from the predictors' own request models.
 crd: venv
 	$(VENV)/bin/universal-runtime crd -o crds/universalmodels.yaml
 	cp crds/universalmodels.yaml charts/universal-runtime/files/universalmodels.yaml
+	$(PY) -m universal_predictors.request_schemas -o $(REQUEST_SCHEMAS)
 
 crd-check: venv
 	$(VENV)/bin/universal-runtime crd --check crds/universalmodels.yaml
 	$(VENV)/bin/universal-runtime crd --check charts/universal-runtime/files/universalmodels.yaml
+	$(PY) -m universal_predictors.request_schemas --check $(REQUEST_SCHEMAS)
 
 unit: venv
 	$(PY) -m pytest

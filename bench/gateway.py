@@ -53,12 +53,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.predictors.harness import OFFLINE_ENV, free_port, predictor_command, running_predictor  # noqa: E402
-from universal_gateway.app import _DROPPED_RESPONSE_HEADERS, Gateway, _UpstreamPool  # noqa: E402
+from universal_gateway.app import Gateway  # noqa: E402
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted  # noqa: E402
 from universal_gateway.cli import new_event_loop  # noqa: E402
 from universal_gateway.local import LocalSupervisor  # noqa: E402
 from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_gateway.server import Request, Response  # noqa: E402
+from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, UpstreamPool  # noqa: E402
 from universal_predictors.config import PredictorConfig, Task, resolve_source  # noqa: E402
 from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
@@ -332,7 +333,7 @@ class OurClient:
     """The gateway's own upstream client, driven as ``Gateway._relay`` drives it."""
 
     def __init__(self, concurrency: int) -> None:
-        self._pool = _UpstreamPool()
+        self._pool = UpstreamPool()
 
     async def call(self, base: str, path: str, body: bytes, stream: bool) -> int:
         origin = self._pool.origin(base)
@@ -344,7 +345,7 @@ class OurClient:
         try:
             upstream.send(origin.head(request, path, len(body)), body, request)
             await upstream.headers_received(30.0)
-            passed = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             if stream:
                 size = 0
                 while chunk := await upstream.read_some(30.0):
@@ -369,7 +370,7 @@ class HttpxClient:
         request = self._client.build_request("POST", base + path, content=body, headers=UPSTREAM_HEADERS)
         response = await self._client.send(request, stream=True)
         try:
-            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS]
             size = 0
             if stream:
                 async for chunk in response.aiter_raw():
@@ -395,7 +396,7 @@ class AiohttpClient:
 
     async def call(self, base: str, path: str, body: bytes, stream: bool) -> int:
         async with self._session.post(base + path, data=body, headers=UPSTREAM_HEADERS) as response:
-            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in _DROPPED_RESPONSE_HEADERS]
+            passed = [(k, v) for k, v in response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS]
             size = 0
             if stream:
                 async for chunk in response.content.iter_any():

@@ -1,64 +1,18 @@
-"""The gateway's OpenAPI document (``GET /openapi.json``), built from its routes and the models it serves.
+"""The gateway's OpenAPI document (``GET /openapi.json``), built from the catalog and the models it serves.
 
-Request bodies are described loosely (the predictors own the exact validation) but with the fields each
-route takes, and ``model`` listing the served names for that route's task, so a client generator or a
-fuzzer reaches real predictors.
+Each task route appears once at least one served model has its task. A body is the JSON Schema of the
+predictor's own request model (generated into ``request_schemas.json`` by ``make crd``, read here as
+data), so the document says what the predictors accept, no more and no less; ``model`` is required and
+lists the served names for that route's task.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from universal_gateway.backends import ModelView
-from universal_predictors.config import Task
-
-_STRINGS = {"type": "array", "items": {"type": "string"}}
-_ROWS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
-_MESSAGES = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"type": "string"},
-        },
-        "required": ["role", "content"],
-    },
-}
-_SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "stream": {"type": "boolean"},
-    "stop": {"type": "string"},
-    "seed": {"type": "integer"},
-}
-
-#: Route -> (task, body fields beyond ``model``, required fields).
-BODIES: dict[str, tuple[Task, dict[str, Any], list[str]]] = {
-    "chat/completions": (Task.GENERATE, {"messages": _MESSAGES, **_SAMPLING}, ["messages"]),
-    "completions": (Task.GENERATE, {"prompt": {"type": "string"}, **_SAMPLING}, ["prompt"]),
-    "embeddings": (
-        Task.EMBED,
-        {"input": {"oneOf": [{"type": "string"}, _STRINGS]}, "encoding_format": {"enum": ["float", "base64"]}},
-        ["input"],
-    ),
-    "rerank": (
-        Task.RERANK,
-        {"query": {"type": "string"}, "documents": _STRINGS, "top_n": {"type": "integer"}},
-        ["query", "documents"],
-    ),
-    "classify": (Task.CLASSIFY, {"texts": _STRINGS, "top_k": {"type": "integer"}}, ["texts"]),
-    "ner": (Task.NER, {"texts": _STRINGS}, ["texts"]),
-    "ocr": (Task.OCR, {"images": _STRINGS, "return_boxes": {"type": "boolean"}}, ["images"]),
-    "anomaly/fit": (
-        Task.ANOMALY,
-        {"detector": {"type": "string"}, "algorithm": {"enum": ["iforest", "ecod", "hbos"]}, "data": _ROWS},
-        ["detector", "data"],
-    ),
-    "anomaly/score": (Task.ANOMALY, {"detector": {"type": "string"}, "data": _ROWS}, ["detector", "data"]),
-    "anomaly/detect": (Task.ANOMALY, {"detector": {"type": "string"}, "data": _ROWS}, ["detector", "data"]),
-}
+from universal_predictors.catalog import CATALOG, Catalog, ModelFrom, RequestSchemas, Route, request_schemas
 
 _ERROR = {
     "description": "An OpenAI-shaped error",
@@ -66,25 +20,68 @@ _ERROR = {
 }
 
 
-def openapi_document(models: list[ModelView], prefix: str = "/v1") -> dict[str, Any]:
-    """OpenAPI 3.0 for the routes whose task at least one served model has."""
+def _model_field(names: list[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": names, "description": "The served model name."}
+
+
+def _json_body(route: Route, names: list[str], schemas: RequestSchemas) -> dict[str, Any]:
+    schema = copy.deepcopy(schemas.schema_of(route.request) or {"type": "object"})
+    schema["properties"] = {**schema.get("properties", {}), "model": _model_field(names)}
+    schema["required"] = ["model", *(f for f in schema.get("required", []) if f != "model")]
+    return schema
+
+
+def _form_body(names: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "model": _model_field(names),
+            "file": {"type": "string", "contentMediaType": "application/octet-stream", "description": "The upload."},
+        },
+        "required": ["model"],
+    }
+
+
+def _operation(route: Route, task: str, names: list[str], schemas: RequestSchemas) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": route.operation,
+        "summary": route.summary,
+        "tags": [task],
+        "responses": {"200": {"description": "The model's answer"}, "default": _ERROR},
+    }
+    if route.method == "POST":
+        content: dict[str, Any] = {}
+        if ModelFrom.JSON in route.model_from:
+            content["application/json"] = {"schema": _json_body(route, names, schemas)}
+        if ModelFrom.FORM in route.model_from:
+            content["multipart/form-data"] = {"schema": _form_body(names)}
+        operation["requestBody"] = {"required": True, "content": content}
+        return operation
+    parameters = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in route.params]
+    if ModelFrom.QUERY in route.model_from:
+        parameters.append({
+            "name": "model", "in": "query", "required": len(names) > 1, "schema": _model_field(names),
+            "description": f"The {task} model; may be left out when only one is served.",
+        })  # fmt: skip
+    if parameters:
+        operation["parameters"] = parameters
+    return operation
+
+
+def openapi_document(
+    models: list[ModelView],
+    catalog: Catalog = CATALOG,
+    schemas: RequestSchemas | None = None,
+    prefix: str = "/v1",
+) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes whose task at least one served model has."""
+    schemas = request_schemas() if schemas is None else schemas
     paths: dict[str, Any] = {}
-    for route, (task, fields, required) in BODIES.items():
-        names = sorted(m.name for m in models if m.task is task)
-        if not names:
-            continue
-        schema = {
-            "type": "object",
-            "properties": {"model": {"type": "string", "enum": names}, **fields},
-            "required": ["model", *required],
-        }
-        paths[f"{prefix}/{route}"] = {
-            "post": {
-                "operationId": route.replace("/", "_"),
-                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                "responses": {"200": {"description": "The model's answer"}, "default": _ERROR},
-            }
-        }
+    for entry, route in catalog.routes():
+        names = sorted(m.name for m in models if m.task == entry.name)
+        if names:
+            operation = _operation(route, entry.name, names, schemas)
+            paths.setdefault(f"{prefix}/{route.path}", {})[route.method.lower()] = operation
     paths[f"{prefix}/models"] = {
         "get": {"operationId": "list_models", "responses": {"200": {"description": "Every model and its state"}}}
     }
@@ -96,7 +93,8 @@ def openapi_document(models: list[ModelView], prefix: str = "/v1") -> dict[str, 
         }
     }
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "Universal Runtime gateway", "version": "0.1.0"},
         "paths": paths,
+        "components": {"schemas": schemas.components},
     }

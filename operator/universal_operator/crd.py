@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from universal_operator import spec
+from universal_predictors.catalog import CATALOG, Catalog
 
 # Keys of JSON Schema the API server's structural schema accepts (plus x-kubernetes-* extensions).
 _KEPT_KEYS = {
@@ -101,9 +102,26 @@ def structural_schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
-def custom_resource_definition() -> dict[str, Any]:
-    """The ``apiextensions.k8s.io/v1`` CustomResourceDefinition for UniversalModel."""
-    spec_schema = structural_schema(spec.UniversalModelSpec)
+def _with_catalog(spec_schema: dict[str, Any], catalog: Catalog) -> dict[str, Any]:
+    """The spec schema with its task enum and task rules written from ``catalog`` (the spec models carry
+    the same from the project's catalog; a catalog with one more task gives the CRD that task)."""
+    spec_schema = copy.deepcopy(spec_schema)
+    task = spec_schema["properties"]["task"]
+    task["enum"] = catalog.names
+    task["description"] = spec.task_description(catalog)
+    rules = {
+        ".backend": (spec.task_backend_rule(catalog), spec.task_backend_message(catalog)),
+        ".source.file": (spec.file_pattern_rule(catalog), spec.file_pattern_message(catalog)),
+    }
+    for validation in spec_schema["x-kubernetes-validations"]:
+        if validation.get("fieldPath") in rules:
+            validation["rule"], validation["message"] = rules[validation["fieldPath"]]
+    return spec_schema
+
+
+def custom_resource_definition(catalog: Catalog = CATALOG) -> dict[str, Any]:
+    """The ``apiextensions.k8s.io/v1`` CustomResourceDefinition for UniversalModel, for ``catalog``'s tasks."""
+    spec_schema = _with_catalog(structural_schema(spec.UniversalModelSpec), catalog)
     status_schema = _strip_defaults(structural_schema(spec.UniversalModelStatus))
     status_schema["description"] = "What the operator observed (predictorReport alone is written by the gateway)."
     root = {

@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,
@@ -393,23 +394,63 @@ class EnvVar(_Model):
         return self
 
 
-def _task_backend_rule() -> str:
+def _words(items: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+# The rules and messages below are functions of the task catalog, so a catalog with one more task
+# (``Catalog.with_task``) gives the CRD that task: :func:`universal_operator.crd.custom_resource_definition`.
+
+
+def task_backend_rule(catalog: Catalog = CATALOG) -> str:
+    """CEL: the backend is auto or one of the task's engines."""
     clauses = [
-        f"(self.task == '{task.value}' && self.backend in [{', '.join(repr(b.value) for b in backends)}])"
-        for task, backends in TASK_BACKENDS.items()
+        f"(self.task == '{entry.name}' && self.backend in [{', '.join(repr(b.value) for b in entry.backends)}])"
+        for entry in catalog.tasks
     ]
     return "self.backend == 'auto' || " + " || ".join(clauses)
 
 
-def _file_pattern_rule() -> str:
-    tasks = ", ".join(repr(t.value) for t in FILE_PATTERN_TASKS)
+def task_backend_message(catalog: Catalog = CATALOG) -> str:
+    """What the task/backend rule says when it fails: each task's engines, tasks sharing them together."""
+    groups: dict[tuple[Backend, ...], list[str]] = {}
+    for entry in catalog.tasks:
+        groups.setdefault(entry.backends, []).append(entry.name)
+    parts = [
+        f"{_and(tasks)} {'takes' if len(tasks) == 1 else 'take'} {_words([b.value for b in backends])}"
+        for backends, tasks in groups.items()
+    ]
+    return f"backend does not serve this task: {'; '.join(parts)}; every task takes auto"
+
+
+def _file_pattern_tasks(catalog: Catalog) -> list[str]:
+    return [entry.name for entry in catalog.tasks if entry.file_pattern]
+
+
+def file_pattern_rule(catalog: Catalog = CATALOG) -> str:
+    """CEL: ``source.file`` only where a source may hold several weight files."""
+    tasks = ", ".join(repr(t) for t in _file_pattern_tasks(catalog))
     backends = ", ".join(repr(b.value) for b in FILE_PATTERN_BACKENDS)
     return f"!has(self.source.file) || (self.task in [{tasks}] && self.backend in [{backends}])"
 
 
-FILE_PATTERN_MESSAGE = (
-    "source.file picks a GGUF file and applies only to task generate or embed with backend auto or llamacpp"
-)
+def file_pattern_message(catalog: Catalog = CATALOG) -> str:
+    tasks = _words(_file_pattern_tasks(catalog))
+    backends = _words([b.value for b in FILE_PATTERN_BACKENDS])
+    return f"source.file picks a GGUF file and applies only to task {tasks} with backend {backends}"
+
+
+def task_description(catalog: Catalog = CATALOG) -> str:
+    """The ``task`` field's description: every task's name."""
+    return f"What the model does: {_words(catalog.names)}."
+
+
+FILE_PATTERN_MESSAGE = file_pattern_message()
 
 
 class UniversalModelSpec(_Model):
@@ -418,20 +459,13 @@ class UniversalModelSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel(
-                    _task_backend_rule(),
-                    "backend does not serve this task: generate takes transformers, llamacpp or vllm; embed takes "
-                    "transformers or llamacpp (not vllm); rerank, classify and ner take transformers; ocr takes "
-                    "rapidocr or tesseract; "
-                    "anomaly takes pyod; every task takes auto",
-                    ".backend",
-                ),
-                _cel(_file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
+                _cel(task_backend_rule(), task_backend_message(), ".backend"),
+                _cel(file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
             ]
         }
     )
 
-    task: Task = Field(description="What the model does: generate, embed, rerank, classify, ner, ocr or anomaly.")
+    task: Task = Field(description=task_description())
     backend: Backend = Field(
         default=Backend.AUTO,
         description=(

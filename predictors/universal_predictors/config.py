@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping, Sequence
-from enum import StrEnum
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Task, Backend and TASK_BACKENDS are the catalog's, importable from here as they always were.
+from universal_predictors.catalog import CATALOG
+from universal_predictors.catalog import TASK_BACKENDS as TASK_BACKENDS
+from universal_predictors.catalog import Backend as Backend
+from universal_predictors.catalog import Task as Task
 
 #: Where KServe's storage initializer puts a remote model inside the predictor container.
 MODEL_MOUNT_PATH = "/mnt/models"
@@ -36,46 +41,8 @@ UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"
 UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
 
 
-class Task(StrEnum):
-    """What a model does; one predictor class per task."""
-
-    GENERATE = "generate"
-    EMBED = "embed"
-    RERANK = "rerank"
-    CLASSIFY = "classify"
-    NER = "ner"
-    OCR = "ocr"
-    ANOMALY = "anomaly"
-
-
-class Backend(StrEnum):
-    """The engine that runs a model; ``auto`` lets the source and the hardware decide."""
-
-    AUTO = "auto"
-    TRANSFORMERS = "transformers"
-    LLAMACPP = "llamacpp"
-    VLLM = "vllm"
-    RAPIDOCR = "rapidocr"
-    TESSERACT = "tesseract"
-    PYOD = "pyod"
-
-
-#: The engines each task can run on, ``auto`` always allowed. The CRD's CEL rule, the operator's
-#: validation and the predictor's dispatch all read this one table. vLLM generates only: the embedding
-#: predictor has no vLLM encoder (vLLM's pooling runner is not wired in), so ``embed`` on ``vllm`` is
-#: refused at admission rather than admitted to crash-loop.
-TASK_BACKENDS: Mapping[Task, tuple[Backend, ...]] = {
-    Task.GENERATE: (Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
-    Task.EMBED: (Backend.TRANSFORMERS, Backend.LLAMACPP),
-    Task.RERANK: (Backend.TRANSFORMERS,),
-    Task.CLASSIFY: (Backend.TRANSFORMERS,),
-    Task.NER: (Backend.TRANSFORMERS,),
-    Task.OCR: (Backend.RAPIDOCR, Backend.TESSERACT),
-    Task.ANOMALY: (Backend.PYOD,),
-}
-
 #: Tasks whose sources may hold several weight files, one picked by ``source.file`` (a GGUF pattern).
-FILE_PATTERN_TASKS: tuple[Task, ...] = (Task.GENERATE, Task.EMBED)
+FILE_PATTERN_TASKS: tuple[Task, ...] = tuple(Task(e.name) for e in CATALOG.tasks if e.file_pattern)
 FILE_PATTERN_BACKENDS: tuple[Backend, ...] = (Backend.AUTO, Backend.LLAMACPP)
 
 _ENGINE_ARG_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -96,21 +63,19 @@ def is_gguf(source: str, file_pattern: str | None) -> bool:
 def resolve_backend(task: Task, backend: Backend, source: str, file_pattern: str | None, gpus: int) -> Backend:
     """The engine ``auto`` means, as far as the spec alone can tell.
 
-    A GGUF source runs on llama.cpp; OCR defaults to RapidOCR (its models ship with the package);
-    anomaly detection is PyOD; encoder tasks run on transformers. Generation on a GPU stays ``auto``:
-    only the predictor can see whether vLLM is importable and supports the architecture.
+    A GGUF source runs on llama.cpp; otherwise the task's first engine in the catalog (transformers for
+    the neural tasks, RapidOCR for OCR: its models ship with the package, PyOD for anomaly detection).
+    Generation on a GPU stays ``auto``: only the predictor can see whether vLLM is importable and
+    supports the architecture.
     """
     if backend is not Backend.AUTO:
         return backend
-    if task in FILE_PATTERN_TASKS and is_gguf(source, file_pattern):
+    backends = TASK_BACKENDS[task]
+    if task in FILE_PATTERN_TASKS and is_gguf(source, file_pattern) and Backend.LLAMACPP in backends:
         return Backend.LLAMACPP
-    if task is Task.OCR:
-        return Backend.RAPIDOCR
-    if task is Task.ANOMALY:
-        return Backend.PYOD
-    if task is Task.GENERATE and gpus > 0:
+    if Backend.VLLM in backends and gpus > 0:
         return Backend.AUTO
-    return Backend.TRANSFORMERS
+    return backends[0]
 
 
 def resolve_source(source: str) -> str:

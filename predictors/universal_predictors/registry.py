@@ -1,36 +1,21 @@
-"""Which predictor class serves which task: one line per task, imported only when chosen."""
+"""Which predictor class serves which task, and the pip extra that brings its engine: read from the
+catalog (:mod:`universal_predictors.catalog`), each class imported only when its task is chosen."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from universal_predictors.config import Task
+from universal_predictors.catalog import CATALOG, Task
 
 if TYPE_CHECKING:
     from universal_predictors.base import UniversalPredictor
 
-PREDICTORS: dict[Task, str] = {
-    Task.GENERATE: "universal_predictors.tasks.generate:GeneratePredictor",
-    Task.EMBED: "universal_predictors.tasks.embed:EmbedPredictor",
-    Task.RERANK: "universal_predictors.tasks.rerank:RerankPredictor",
-    Task.CLASSIFY: "universal_predictors.tasks.classify:ClassifyPredictor",
-    Task.NER: "universal_predictors.tasks.ner:NerPredictor",
-    Task.OCR: "universal_predictors.tasks.ocr:OcrPredictor",
-    Task.ANOMALY: "universal_predictors.tasks.anomaly:AnomalyPredictor",
-}
-
+#: ``module:Class`` of each task's predictor.
+PREDICTORS: dict[Task, str] = {Task(entry.name): entry.predictor for entry in CATALOG.tasks}
 
 #: The pip extra that brings each task's engines.
-EXTRAS: dict[Task, str] = {
-    Task.GENERATE: "generate",
-    Task.EMBED: "transformers",
-    Task.RERANK: "transformers",
-    Task.CLASSIFY: "transformers",
-    Task.NER: "transformers",
-    Task.OCR: "ocr",
-    Task.ANOMALY: "anomaly",
-}
+EXTRAS: dict[Task, str] = {Task(entry.name): entry.extra for entry in CATALOG.tasks}
 
 
 def predictor_class(task: Task) -> type[UniversalPredictor]:

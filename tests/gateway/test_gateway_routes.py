@@ -11,7 +11,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.gateway.harness import OneUpstream
-from universal_gateway.app import Gateway, multipart_model
+from universal_gateway.app import Gateway
+from universal_gateway.multipart import multipart_model
 from universal_predictors.config import Task
 from universal_predictors.errors import InvalidRequest
 
