@@ -24,14 +24,13 @@ from typing import Any, NoReturn, cast
 import kopf
 from lightkube.core.exceptions import ApiError
 
-from universal_operator import reconcile
+from universal_operator import kserve, reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
 
 logger = logging.getLogger(__name__)
 
-ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "serving.kserve.io", "v1beta1", "inferenceservices"
 MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
 FINALIZER = f"{GROUP}/kopf-finalizer"
 #: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
@@ -288,7 +287,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     """
     registry = kopf.OperatorRegistry()
     um = (GROUP, VERSION, PLURAL)
-    isvc = (ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL)
+    isvc = (kserve.GROUP, kserve.VERSION, kserve.PLURAL)
 
     @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

