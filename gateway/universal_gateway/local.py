@@ -30,8 +30,8 @@ import aiohttp
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_gateway.manifests import Manifest
+from universal_gateway.policy import ServingPolicy, is_idle
 from universal_operator.reconcile import predictor_config, resolved_backend
-from universal_operator.spec import parse_duration
 from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, resolve_source
 from universal_predictors.errors import Unavailable
 
@@ -117,6 +117,10 @@ class LocalModel:
     last_load_seconds: float | None = None
     handled_exits: set[int] = field(default_factory=set)
     watchers: set[asyncio.Task[None]] = field(default_factory=set)
+    policy: ServingPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = ServingPolicy.from_model(self.manifest.model)
 
     @property
     def name(self) -> str:
@@ -125,18 +129,6 @@ class LocalModel:
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
-
-    @property
-    def idle_timeout(self) -> float:
-        return parse_duration(self.manifest.model.spec.scaling.idle_timeout).total_seconds()
-
-    @property
-    def startup_timeout(self) -> float:
-        return parse_duration(self.manifest.model.spec.scaling.startup_timeout).total_seconds()
-
-    @property
-    def always_on(self) -> bool:
-        return self.manifest.model.spec.scaling.min_replicas >= 1
 
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
@@ -172,7 +164,7 @@ class LocalSupervisor(Backends):
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         self._reaper = asyncio.create_task(self._reap_idle(), name="local-supervisor-reaper")
         for model in self._models.values():
-            if model.always_on:
+            if model.policy.always_on:
                 model.starting = asyncio.create_task(self._start(model))
 
     async def close(self) -> None:
@@ -259,7 +251,7 @@ class LocalSupervisor(Backends):
             asyncio.create_task(self._pump_logs(model, model.process)),
             asyncio.create_task(self._watch_exit(model, model.process)),
         }
-        deadline = started + model.startup_timeout
+        deadline = started + model.policy.startup_timeout
         assert self._session is not None
         process = model.process
         while True:
@@ -272,9 +264,7 @@ class LocalSupervisor(Backends):
                         break
             if time.monotonic() > deadline:
                 await self._stop(model, reason="startup timeout")
-                self._fail(
-                    model, f"not ready within startupTimeout ({model.manifest.model.spec.scaling.startup_timeout})"
-                )
+                self._fail(model, f"not ready within startupTimeout ({model.policy.startup_timeout_text})")
                 return
             await asyncio.sleep(0.05)
         model.last_load_seconds = time.monotonic() - started
@@ -342,15 +332,15 @@ class LocalSupervisor(Backends):
             await asyncio.sleep(self._reap_interval)
             now = time.monotonic()
             for model in self._models.values():
+                policy, stats = model.policy, model.stats
                 if (
                     model.state is ModelState.READY
                     and model.running()
-                    and not model.always_on
-                    and model.stats.in_flight == 0
-                    and now - model.stats.last_used_monotonic >= model.idle_timeout
+                    and policy.gateway_stops_when_idle(in_cluster=False)
+                    and is_idle(stats.last_used_monotonic, stats.in_flight, policy.idle_timeout, now)
                     and (model.starting is None or model.starting.done())
                 ):
-                    await self._stop(model, reason=f"idle for {model.manifest.model.spec.scaling.idle_timeout}")
+                    await self._stop(model, reason=f"idle for {policy.idle_timeout_text}")
 
     def _view(self, model: LocalModel) -> ModelView:
         return ModelView(
@@ -362,7 +352,7 @@ class LocalSupervisor(Backends):
             endpoint=model.url if model.running() else None,
             pid=model.process.pid if model.running() and model.process else None,
             stats=model.stats,
-            extra={"starts": model.starts, "idle_timeout": model.manifest.model.spec.scaling.idle_timeout},
+            extra={"starts": model.starts, "idle_timeout": model.policy.idle_timeout_text},
         )
 
 

@@ -25,7 +25,8 @@ from tests.support.kube_emulator import HARNESS_HEADER, ServedEmulator, rfc3339,
 from tests.support.rbac import Grant, RbacEmulator, allows
 from universal_gateway.app import Gateway
 from universal_gateway.backends import ModelState
-from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends, rbac_rules
+from universal_gateway.cluster import KubernetesBackends, rbac_rules
+from universal_operator.kserve import STOP_ANNOTATION
 from universal_predictors.config import PredictorConfig, Task
 
 UM = "universalmodels"
