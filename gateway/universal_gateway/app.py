@@ -24,6 +24,7 @@ from yarl import URL
 
 from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
+from universal_gateway.limits import GatewayLimits
 from universal_gateway.openapi import openapi_document
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Task
@@ -64,25 +65,6 @@ _DROPPED_HEADER_BYTES = frozenset(name.encode() for name in _DROPPED_HEADERS)
 #: image as base64 is megabytes); the predictor validates the whole body anyway.
 _FAST_MODEL_BYTES = 64 * 1024
 _LEADING_MODEL = re.compile(rb'\A\s*\{\s*"model"\s*:\s*"([^"\\]{1,512})"')
-
-
-@dataclass
-class GatewayLimits:
-    """Request limits; beyond the queue a request gets 429 with Retry-After."""
-
-    max_body_bytes: int = 32 * 2**20
-    max_concurrency_per_model: int = 64
-    max_queue_per_model: int = 256
-    connect_timeout: float = 5.0
-    read_timeout: float = 600.0
-    #: How long a client may pause while sending a request before it gets 408.
-    receive_timeout: float = 60.0
-    #: How long after its first byte a request's line and headers must be complete (408 after).
-    head_timeout: float = 30.0
-    #: Open client connections; one more is answered 503 and closed.
-    max_connections: int = 1024
-    #: Request body bytes held at once across every connection; a body that would go over gets 503.
-    max_buffered_bytes: int = 256 * 2**20
 
 
 @dataclass
