@@ -394,8 +394,3 @@ def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:
     uid = parent.get("metadata", {}).get("uid")
     refs = child.get("metadata", {}).get("ownerReferences") or []
     return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
-
-
-def model_from_body(body: Mapping[str, Any]) -> UniversalModel:
-    """Parse a kopf body (for callers outside the handlers)."""
-    return reconcile.parse_model(_plain(body))
