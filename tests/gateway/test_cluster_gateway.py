@@ -468,3 +468,25 @@ async def test_a_standard_mode_model_kserve_cannot_stop_is_never_stopped_nor_wok
     assert not backends._stoppable(model, model.last_used + 3600)
     assert backends.upstream_timeout(SERVED) == 42
     assert cluster.emulator.write_count(ISVC, "default", "embedder") == 0
+
+
+def test_a_universal_model_that_does_not_parse_is_not_routed_and_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backends = KubernetesBackends(["default"])
+    invalid = model_manifest()
+    invalid["metadata"]["name"] = "other"
+    invalid["spec"] |= {"servedName": "other-embed", "scaling": {"idleTimeout": "five minutes"}}
+    with caplog.at_level(logging.WARNING, logger="universal_gateway.cluster"):
+        backends._replace("default", [model_manifest(), invalid])
+        backends._observe("MODIFIED", invalid)  # the same problem again: not logged again
+    assert [view.name for view in backends.models()] == [SERVED]
+    assert backends.find("other-embed") is None
+    [warning] = [r.getMessage() for r in caplog.records if "not routed" in r.getMessage()]
+    assert warning.startswith("UniversalModel default/other is not routed: spec.scaling.idleTimeout:")
+
+    # Fixed, it is routed, with what its spec says (no defaults of the gateway's own).
+    invalid["spec"]["scaling"] = {"mode": "Standard", "idleTimeout": "90s", "minReplicas": 0}
+    backends._observe("MODIFIED", invalid)
+    [fixed] = [m for m in backends._all.values() if m.name == "other"]
+    assert (fixed.served_name, fixed.standard_mode, fixed.policy.idle_timeout) == ("other-embed", True, 90.0)
