@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from universal_gateway.limits import MiB, GatewayLimits
+from universal_gateway.limits import GatewayLimits, MiB
 from universal_operator import cli as operator_cli
 
 if TYPE_CHECKING:
@@ -133,18 +133,30 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port (default %(default)d)")
     parser.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
     parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
-    parser.add_argument("--max-body-mb", type=float, default=LIMITS.max_body_bytes / MiB,
-                        help="largest request body in MiB (default %(default)g)")  # fmt: skip
-    parser.add_argument("--max-concurrency", type=int, default=LIMITS.max_concurrency_per_model,
-                        help="requests per model at once (default %(default)d)")  # fmt: skip
-    parser.add_argument("--max-queue", type=int, default=LIMITS.max_queue_per_model,
-                        help="requests per model waiting; beyond: 429 (default %(default)d)")  # fmt: skip
-    parser.add_argument("--max-connections", type=int, default=LIMITS.max_connections,
-                        help="open client connections; beyond: 503 (default %(default)d)")  # fmt: skip
-    parser.add_argument("--max-buffered-mb", type=float, default=LIMITS.max_buffered_bytes / MiB,
-                        help="request body MiB held across all connections; beyond: 503 (default %(default)g)")  # fmt: skip
-    parser.add_argument("--head-timeout", type=float, default=LIMITS.head_timeout,
-                        help="seconds from a request's first byte to the end of its headers (default %(default)g)")  # fmt: skip
+    parser.add_argument(
+        "--max-body-mb", type=float, default=LIMITS.max_body_bytes / MiB,
+        help="largest request body in MiB (default %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrency", type=int, default=LIMITS.max_concurrency_per_model,
+        help="requests per model at once (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-queue", type=int, default=LIMITS.max_queue_per_model,
+        help="requests per model waiting; beyond: 429 (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-connections", type=int, default=LIMITS.max_connections,
+        help="open client connections; beyond: 503 (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-buffered-mb", type=float, default=LIMITS.max_buffered_bytes / MiB,
+        help="request body MiB held across all connections; beyond: 503 (default %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--head-timeout", type=float, default=LIMITS.head_timeout,
+        help="seconds from a request's first byte to the end of its headers (default %(default)g)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

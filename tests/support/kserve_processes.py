@@ -85,7 +85,6 @@ from tests.support.podman import (
     podman,
     run_args,
 )
-from universal_operator.kserve import STOP_ANNOTATION
 from universal_operator.kube import InferenceService
 from universal_operator.reconcile import (
     ANNOTATION_PROGRESS_DEADLINE,
