@@ -24,7 +24,6 @@ FULL = PredictorConfig(
     backend=Backend.LLAMACPP,
     source="hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
     source_file="*q4_k_m.gguf",
-    revision="main",
     engine_args={"n_ctx": "8192", "flash_attn": "true", "stop": "a=b", "empty": "", "dotted.key-1": "x y"},
     engine_arg_defaults={
         Backend.LLAMACPP: {"n_ctx": "4096", "type_k": "q8_0=x"},
@@ -47,7 +46,6 @@ def test_to_args_spells_every_flag_with_engine_args_sorted() -> None:
         "--backend=llamacpp",
         "--source=hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
         "--source-file=*q4_k_m.gguf",
-        "--revision=main",
         "--engine-arg=dotted.key-1=x y",
         "--engine-arg=empty=",
         "--engine-arg=flash_attn=true",
@@ -178,7 +176,7 @@ def test_file_patterns_apply_to_backends_that_serve_their_tasks() -> None:
     assert all(backend_allowed(t, b) for t in FILE_PATTERN_TASKS for b in FILE_PATTERN_BACKENDS)
 
 
-@pytest.mark.parametrize("field", ["revision", "source_file", "model_name", "source"])
+@pytest.mark.parametrize("field", ["source_file", "model_name", "source"])
 def test_values_starting_with_a_dash_survive_the_command_line(field: str) -> None:
     config = MINIMAL.model_copy(update={field: "-rc1"})
     assert PredictorConfig.from_args(config.to_args()) == config

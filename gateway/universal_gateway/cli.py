@@ -18,12 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from universal_gateway.limits import GatewayLimits, MiB
 from universal_operator import cli as operator_cli
 
 if TYPE_CHECKING:
-    from universal_gateway.app import Gateway, GatewayLimits
+    from universal_gateway.app import Gateway
 
 PROG = "universal-runtime"
+DEFAULT_PORT = 8000
+#: Every option's default is GatewayLimits' own.
+LIMITS = GatewayLimits()
 DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
 
 
@@ -92,18 +96,15 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _limits(args: argparse.Namespace) -> GatewayLimits:
-    """The limits from the command line; an option not given keeps GatewayLimits' default."""
-    from universal_gateway.app import GatewayLimits
-
-    given = {
-        "max_body_bytes": int(args.max_body_mb * 2**20),
-        "max_concurrency_per_model": args.max_concurrency,
-        "max_queue_per_model": args.max_queue,
-        "max_connections": args.max_connections,
-        "max_buffered_bytes": int(args.max_buffered_mb * 2**20) if args.max_buffered_mb is not None else None,
-        "head_timeout": args.head_timeout,
-    }
-    return GatewayLimits(**{key: value for key, value in given.items() if value is not None})
+    """The limits from the command line (whose defaults are GatewayLimits')."""
+    return GatewayLimits(
+        max_body_bytes=int(args.max_body_mb * MiB),
+        max_concurrency_per_model=args.max_concurrency,
+        max_queue_per_model=args.max_queue,
+        max_connections=args.max_connections,
+        max_buffered_bytes=int(args.max_buffered_mb * MiB),
+        head_timeout=args.head_timeout,
+    )
 
 
 def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> int:
@@ -128,22 +129,34 @@ def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> in
 
 
 def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
-    parser.add_argument("--host", default=host, help=f"listen address (default {host})")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument("--host", default=host, help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port (default %(default)d)")
     parser.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
     parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
-    parser.add_argument("--max-body-mb", type=float, default=32, help="largest request body (default 32 MiB)")
-    parser.add_argument("--max-concurrency", type=int, default=64, help="requests per model at once (default 64)")
-    parser.add_argument("--max-queue", type=int, default=256, help="requests per model waiting; beyond: 429")
-    parser.add_argument("--max-connections", type=int, help="open client connections; beyond: 503 (default 1024)")
     parser.add_argument(
-        "--max-buffered-mb",
-        type=float,
-        help="request body MiB held across all connections; beyond: 503 (default 256)",
-    )
+        "--max-body-mb", type=float, default=LIMITS.max_body_bytes / MiB,
+        help="largest request body in MiB (default %(default)g)",
+    )  # fmt: skip
     parser.add_argument(
-        "--head-timeout", type=float, help="seconds from a request's first byte to the end of its headers (default 30)"
-    )
+        "--max-concurrency", type=int, default=LIMITS.max_concurrency_per_model,
+        help="requests per model at once (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-queue", type=int, default=LIMITS.max_queue_per_model,
+        help="requests per model waiting; beyond: 429 (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-connections", type=int, default=LIMITS.max_connections,
+        help="open client connections; beyond: 503 (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-buffered-mb", type=float, default=LIMITS.max_buffered_bytes / MiB,
+        help="request body MiB held across all connections; beyond: 503 (default %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--head-timeout", type=float, default=LIMITS.head_timeout,
+        help="seconds from a request's first byte to the end of its headers (default %(default)g)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -220,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.set_defaults(handler=_gateway)
 
     ps = sub.add_parser("ps", help="list the models a running gateway serves")
-    ps.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default http://127.0.0.1:8000)")
+    ps.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway (default %(default)s)")
     ps.add_argument("--api-key", help="an API key, if the gateway requires one")
     ps.set_defaults(handler=_ps)
 

@@ -39,22 +39,20 @@ from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import PredictorReporter
+from universal_operator import kserve
 from universal_operator.kube import InferenceService, UniversalModelResource
-from universal_operator.spec import parse_duration
+from universal_operator.reconcile import CONDITION_IDLE_STOP, SpecError, parse_model
+from universal_operator.spec import Phase, ScalingMode, UniversalModel, UniversalModelStatus
+from universal_predictors import metric_names
 from universal_predictors.config import Task
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 
-STOP_ANNOTATION = "serving.kserve.io/stop"
-#: The UniversalModel condition that says whether the cluster's KServe can stop a Standard-mode model.
-IDLE_STOP_CONDITION = "IdleStop"
 FIELD_MANAGER = "universal-runtime-gateway"
 
-#: The predictor's series the reaper reads (universal_predictors.metrics; names only: no import).
-IN_FLIGHT_METRIC = "universal_predictor_in_flight"
-LAST_REQUEST_METRIC = "universal_predictor_last_request_timestamp_seconds"
 #: How long the reaper waits for a replica's /metrics (one that does not answer counts as busy).
 METRICS_TIMEOUT_S = 2.0
 #: The label the EndpointSlice controller puts on a Service's slices (discovery.k8s.io/v1).
@@ -84,7 +82,7 @@ def predictor_service(isvc_name: str) -> str:
 
 
 STANDARD_MODE_HINT = (
-    "the gateway needs `patch` on inferenceservices.serving.kserve.io to stop idle Standard-mode models: "
+    f"the gateway needs `patch` on {kserve.PLURAL}.{kserve.GROUP} to stop idle Standard-mode models: "
     "install the Helm chart with gateway.standardMode=true (the rules of "
     "universal_gateway.cluster.rbac_rules(standard_mode=True))"
 )
@@ -131,11 +129,11 @@ def rbac_rules(*, standard_mode: bool) -> list[dict[str, list[str]]]:
 
 
 _PHASES = {
-    "Ready": ModelState.READY,
-    "Idle": ModelState.IDLE,
-    "Pending": ModelState.LOADING,
-    "Loading": ModelState.LOADING,
-    "Failed": ModelState.FAILED,
+    Phase.READY: ModelState.READY,
+    Phase.IDLE: ModelState.IDLE,
+    Phase.PENDING: ModelState.LOADING,
+    Phase.LOADING: ModelState.LOADING,
+    Phase.FAILED: ModelState.FAILED,
 }
 
 Key = tuple[str, str]  # (namespace, name)
@@ -143,11 +141,10 @@ Key = tuple[str, str]  # (namespace, name)
 
 @dataclass
 class ClusterModel:
-    """What the gateway knows of one UniversalModel."""
+    """What the gateway knows of one UniversalModel: the object, parsed once per change, and its bookkeeping."""
 
-    namespace: str
-    name: str
-    body: dict[str, Any]
+    model: UniversalModel
+    policy: ServingPolicy = field(init=False)
     stats: UsageStats = field(default_factory=UsageStats)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set while the model is Ready or Failed: what a request held for it waits on.
@@ -160,6 +157,22 @@ class ClusterModel:
     stop_failures: int = 0
     stop_retry_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.policy = ServingPolicy.from_model(self.model)
+
+    def update(self, model: UniversalModel) -> None:
+        """The object as the API server now has it."""
+        self.model = model
+        self.policy = ServingPolicy.from_model(model)
+
+    @property
+    def namespace(self) -> str:
+        return self.model.metadata.namespace
+
+    @property
+    def name(self) -> str:
+        return self.model.metadata.name
+
     @property
     def key(self) -> Key:
         return (self.namespace, self.name)
@@ -167,63 +180,47 @@ class ClusterModel:
     @property
     def precedence(self) -> tuple[str, str, str]:
         """Who serves a name several models claim: the oldest, then by namespace/name (RFC 3339 sorts)."""
-        created = str((self.body.get("metadata") or {}).get("creationTimestamp") or "")
-        return (created, self.namespace, self.name)
+        return (self.model.metadata.creation_timestamp, self.namespace, self.name)
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return dict(self.body.get("spec") or {})
-
-    @property
-    def status(self) -> dict[str, Any]:
-        return dict(self.body.get("status") or {})
+    def status(self) -> UniversalModelStatus:
+        return self.model.status
 
     @property
     def served_name(self) -> str:
-        return str(self.status.get("servedName") or self.spec.get("servedName") or self.name)
+        return self.status.served_name or self.model.served_name
 
     @property
     def task(self) -> Task:
-        return Task(self.spec.get("task", "generate"))
+        return self.model.spec.task
 
     @property
     def state(self) -> ModelState:
-        return _PHASES.get(str(self.status.get("phase")), ModelState.LOADING)
+        phase = self.status.phase
+        return _PHASES[phase] if phase is not None else ModelState.LOADING
 
     @property
     def address(self) -> str | None:
-        address = self.status.get("address")
-        return str(address).rstrip("/") if address else None
+        address = self.status.address
+        return address.rstrip("/") if address else None
 
     @property
     def standard_mode(self) -> bool:
-        return (self.spec.get("scaling") or {}).get("mode") == "Standard"
-
-    def _duration(self, key: str, default: str) -> float:
-        text = (self.spec.get("scaling") or {}).get(key) or default
-        return parse_duration(str(text)).total_seconds()
-
-    @property
-    def idle_timeout(self) -> float:
-        return self._duration("idleTimeout", "5m")
-
-    @property
-    def startup_timeout(self) -> float:
-        return self._duration("startupTimeout", "20m")
+        return self.policy.mode is ScalingMode.STANDARD
 
     @property
     def request_timeout(self) -> float:
         """How long a request may wait for its first byte: the operator's rendering of the predictor's KServe
         ``timeout`` (in Knative mode the activator answers 504 after it), else the startupTimeout."""
-        rendered = self.status.get("requestTimeoutSeconds")
-        return float(rendered) if isinstance(rendered, int | float) and rendered > 0 else self.startup_timeout
+        rendered = self.status.request_timeout_seconds
+        return float(rendered) if rendered is not None and rendered > 0 else self.policy.startup_timeout
 
     @property
     def stop_supported(self) -> bool:
         """False when the operator reports the cluster's KServe cannot stop this model (condition IdleStop)."""
-        for condition in self.status.get("conditions") or []:
-            if condition.get("type") == IDLE_STOP_CONDITION:
-                return str(condition.get("status")) != "False"
+        for condition in self.status.conditions:
+            if condition.type == CONDITION_IDLE_STOP:
+                return condition.status != "False"
         return True
 
     @property
@@ -262,6 +259,7 @@ class KubernetesBackends(Backends):
         self._all: dict[Key, ClusterModel] = {}
         self._models: dict[str, ClusterModel] = {}  # served name -> the model serving it
         self._shadowed: dict[Key, Key] = {}  # a model not routed -> the one serving its name
+        self._invalid: dict[Key, str] = {}  # a model whose object does not parse -> why (logged once)
         self._tasks: list[asyncio.Task[None]] = []
         self._reap_interval = reap_interval
         self._watch_timeout = watch_timeout  # the API server ends each watch after this (None: its default)
@@ -355,22 +353,34 @@ class KubernetesBackends(Backends):
     def _observe(self, kind: str, body: dict[str, Any]) -> None:
         if kind == "DELETED":
             self._all.pop(self._key(body), None)
+            self._invalid.pop(self._key(body), None)
         elif kind in ("ADDED", "MODIFIED"):
             self._upsert(body)
         self._route()
 
     @staticmethod
     def _key(body: dict[str, Any]) -> Key:
+        """Which object a body is, read before (and whether or not) it parses."""
         meta = body.get("metadata") or {}
         return (str(meta.get("namespace") or "default"), str(meta.get("name")))
 
     def _upsert(self, body: dict[str, Any]) -> Key:
         key = self._key(body)
+        try:
+            parsed = parse_model(body)
+        except SpecError as error:
+            # Not one the operator serves either (it reports why in the model's status): not routed.
+            self._all.pop(key, None)
+            if self._invalid.get(key) != str(error):
+                logger.warning("UniversalModel %s/%s is not routed: %s", key[0], key[1], error)
+            self._invalid[key] = str(error)
+            return key
+        self._invalid.pop(key, None)
         model = self._all.get(key)
         if model is None:
-            model = self._all[key] = ClusterModel(namespace=key[0], name=key[1], body=body)
+            model = self._all[key] = ClusterModel(parsed)
         else:
-            model.body = body
+            model.update(parsed)
         if model.state is ModelState.READY:
             if not model.ready.is_set():
                 # Just up: whichever replica woke it holds a request that has not reached it yet, so
@@ -418,16 +428,12 @@ class KubernetesBackends(Backends):
             ModelView(
                 name=m.served_name,
                 task=m.task,
-                backend=str(m.status.get("backend") or m.spec.get("backend") or "auto"),
+                backend=m.status.backend or m.model.spec.backend.value,
                 state=m.state,
-                message=str(m.status.get("message") or ""),
+                message=m.status.message or "",
                 endpoint=m.address,
                 stats=m.stats,
-                extra={
-                    "namespace": m.namespace,
-                    "mode": "Standard" if m.standard_mode else "Knative",
-                    "url": m.status.get("url"),
-                },
+                extra={"namespace": m.namespace, "mode": m.policy.mode.value, "url": m.status.url},
             )
             for m in self._models.values()
         ]
@@ -450,27 +456,27 @@ class KubernetesBackends(Backends):
                 if model.stop_supported:
                     await self._wake(model)
                 else:  # never stopped (KServe cannot): it is starting or rolling out
-                    await self._wait_ready(model, model.startup_timeout)
+                    await self._wait_ready(model, model.policy.startup_timeout)
             self._raise_if_failed(model)
             if model.address is None:
                 if not model.standard_mode:
-                    await self._wait_ready(model, model.startup_timeout)
+                    await self._wait_ready(model, model.policy.startup_timeout)
                 if model.address is None:
                     raise Unavailable(f"The model {name!r} has no address yet; it is being created.",
                                       code="model_loading", retry_after=5)  # fmt: skip
             yield model.address
         # Relayed: the predictor is up, so it can say which backend ``auto`` chose without being woken.
-        self._reporter.served(model.key, model.body, model.address, self.upstream_token)
+        self._reporter.served(model.key, model.model, model.address, self.upstream_token)
 
     async def _wake(self, model: ClusterModel) -> None:
         """Remove the stop annotation once for all waiting requests and wait until Ready (bounded)."""
         if model.waking is None or model.waking.done():
             model.waking = asyncio.create_task(self._unstop(model))
         await asyncio.shield(model.waking)
-        await self._wait_ready(model, model.startup_timeout)
+        await self._wait_ready(model, model.policy.startup_timeout)
 
     async def _unstop(self, model: ClusterModel) -> None:
-        logger.info("waking %s/%s (removing %s)", model.namespace, model.name, STOP_ANNOTATION)
+        logger.info("waking %s/%s (removing %s)", model.namespace, model.name, kserve.STOP_ANNOTATION)
         try:
             await self._patch_stop(model, None)
         except ApiError as exc:
@@ -481,7 +487,7 @@ class KubernetesBackends(Backends):
     @staticmethod
     def _raise_if_failed(model: ClusterModel) -> None:
         if model.state is ModelState.FAILED:
-            raise Unavailable(f"The model {model.served_name!r} has failed: {model.status.get('message', '')}",
+            raise Unavailable(f"The model {model.served_name!r} has failed: {model.status.message or ''}",
                               code="model_failed", retry_after=30)  # fmt: skip
 
     async def _wait_ready(self, model: ClusterModel, within: float) -> None:
@@ -497,7 +503,7 @@ class KubernetesBackends(Backends):
             ) from None
 
     async def _patch_stop(self, model: ClusterModel, value: str | None) -> None:
-        patch = {"metadata": {"annotations": {STOP_ANNOTATION: value}}}
+        patch = {"metadata": {"annotations": {kserve.STOP_ANNOTATION: value}}}
         await self.client.patch(
             InferenceService, model.name, patch, namespace=model.namespace, patch_type=PatchType.MERGE
         )
@@ -506,14 +512,13 @@ class KubernetesBackends(Backends):
 
     def _stoppable(self, model: ClusterModel, now: float) -> bool:
         """Idle past its idleTimeout as far as this replica knows, and not backing off a failed stop."""
+        policy = model.policy
         return (
-            model.standard_mode
+            policy.gateway_stops_when_idle(in_cluster=True)
             and model.stop_supported
             and model.state is ModelState.READY
             and not model.stop_requested
-            and model.stats.in_flight == 0
-            and (model.spec.get("scaling") or {}).get("minReplicas", 0) == 0
-            and now - model.last_used >= model.idle_timeout
+            and is_idle(model.last_used, model.stats.in_flight, policy.idle_timeout, now)
             and now >= model.stop_retry_at
         )
 
@@ -525,7 +530,7 @@ class KubernetesBackends(Backends):
                 if not self._stoppable(model, time.monotonic()):
                     continue
                 used = await self._used_upstream(model)
-                if used is not None and time.monotonic() - used < model.idle_timeout:
+                if used is not None and not is_idle(used, 0, model.policy.idle_timeout, time.monotonic()):
                     model.used_elsewhere = max(model.used_elsewhere, used)  # check again once that use is old
                     continue
                 if self._models.get(model.served_name) is model and self._stoppable(model, time.monotonic()):
@@ -607,9 +612,9 @@ class KubernetesBackends(Backends):
         for family in text_string_to_metric_families(text):
             # One model per predictor process: its series are this model's, whatever their label.
             for sample in family.samples:
-                if sample.name == IN_FLIGHT_METRIC:
+                if sample.name == metric_names.IN_FLIGHT:
                     in_flight = max(in_flight, sample.value)
-                elif sample.name == LAST_REQUEST_METRIC:
+                elif sample.name == metric_names.LAST_REQUEST:
                     last = max(last, sample.value)
         return in_flight, last
 

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 from universal_predictors.errors import APIError
 
+MiB = 2**20
+
 
 @dataclass
 class GatewayLimits:
     """Request limits; beyond the queue a request gets 429 with Retry-After."""
 
-    max_body_bytes: int = 32 * 2**20
+    max_body_bytes: int = 32 * MiB
     max_concurrency_per_model: int = 64
     max_queue_per_model: int = 256
     connect_timeout: float = 5.0
@@ -24,7 +26,7 @@ class GatewayLimits:
     #: Open client connections; one more is answered 503 and closed.
     max_connections: int = 1024
     #: Request body bytes held at once across every connection; a body that would go over gets 503.
-    max_buffered_bytes: int = 256 * 2**20
+    max_buffered_bytes: int = 256 * MiB
 
 
 class ModelGate:

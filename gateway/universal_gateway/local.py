@@ -30,9 +30,9 @@ import aiohttp
 
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
 from universal_gateway.manifests import Manifest
+from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
 from universal_operator.reconcile import predictor_config, resolved_backend
-from universal_operator.spec import parse_duration
 from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, Backend, resolve_source
 from universal_predictors.errors import Unavailable
 
@@ -120,6 +120,10 @@ class LocalModel:
     watchers: set[asyncio.Task[None]] = field(default_factory=set)
     #: The backend the running predictor says it runs, where the spec leaves it to the predictor (``auto``).
     running_backend: Backend | None = None
+    policy: ServingPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = ServingPolicy.from_model(self.manifest.model)
 
     @property
     def name(self) -> str:
@@ -128,18 +132,6 @@ class LocalModel:
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
-
-    @property
-    def idle_timeout(self) -> float:
-        return parse_duration(self.manifest.model.spec.scaling.idle_timeout).total_seconds()
-
-    @property
-    def startup_timeout(self) -> float:
-        return parse_duration(self.manifest.model.spec.scaling.startup_timeout).total_seconds()
-
-    @property
-    def always_on(self) -> bool:
-        return self.manifest.model.spec.scaling.min_replicas >= 1
 
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
@@ -175,7 +167,7 @@ class LocalSupervisor(Backends):
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         self._reaper = asyncio.create_task(self._reap_idle(), name="local-supervisor-reaper")
         for model in self._models.values():
-            if model.always_on:
+            if model.policy.always_on:
                 model.starting = asyncio.create_task(self._start(model))
 
     async def close(self) -> None:
@@ -262,7 +254,7 @@ class LocalSupervisor(Backends):
             asyncio.create_task(self._pump_logs(model, model.process)),
             asyncio.create_task(self._watch_exit(model, model.process)),
         }
-        deadline = started + model.startup_timeout
+        deadline = started + model.policy.startup_timeout
         assert self._session is not None
         process = model.process
         while True:
@@ -275,9 +267,7 @@ class LocalSupervisor(Backends):
                         break
             if time.monotonic() > deadline:
                 await self._stop(model, reason="startup timeout")
-                self._fail(
-                    model, f"not ready within startupTimeout ({model.manifest.model.spec.scaling.startup_timeout})"
-                )
+                self._fail(model, f"not ready within startupTimeout ({model.policy.startup_timeout_text})")
                 return
             await asyncio.sleep(0.05)
         model.last_load_seconds = time.monotonic() - started
@@ -356,15 +346,15 @@ class LocalSupervisor(Backends):
             await asyncio.sleep(self._reap_interval)
             now = time.monotonic()
             for model in self._models.values():
+                policy, stats = model.policy, model.stats
                 if (
                     model.state is ModelState.READY
                     and model.running()
-                    and not model.always_on
-                    and model.stats.in_flight == 0
-                    and now - model.stats.last_used_monotonic >= model.idle_timeout
+                    and policy.gateway_stops_when_idle(in_cluster=False)
+                    and is_idle(stats.last_used_monotonic, stats.in_flight, policy.idle_timeout, now)
                     and (model.starting is None or model.starting.done())
                 ):
-                    await self._stop(model, reason=f"idle for {model.manifest.model.spec.scaling.idle_timeout}")
+                    await self._stop(model, reason=f"idle for {policy.idle_timeout_text}")
 
     def _view(self, model: LocalModel) -> ModelView:
         return ModelView(
@@ -376,7 +366,7 @@ class LocalSupervisor(Backends):
             endpoint=model.url if model.running() else None,
             pid=model.process.pid if model.running() and model.process else None,
             stats=model.stats,
-            extra={"starts": model.starts, "idle_timeout": model.manifest.model.spec.scaling.idle_timeout},
+            extra={"starts": model.starts, "idle_timeout": model.policy.idle_timeout_text},
         )
 
 

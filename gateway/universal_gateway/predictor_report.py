@@ -24,6 +24,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.types import PatchType
 
 from universal_operator.kube import UniversalModelResource
+from universal_operator.spec import Phase, UniversalModel
 from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Backend
 
 logger = logging.getLogger(__name__)
@@ -60,19 +61,18 @@ async def ask_backend(session: aiohttp.ClientSession, base_url: str, token: str 
     return None if backend is Backend.AUTO else backend
 
 
-def generation_to_report(body: dict[str, Any]) -> int | None:
+def generation_to_report(model: UniversalModel) -> int | None:
     """The spec generation whose backend the predictor should be asked for, or None when nothing is to learn.
 
     Something to learn: the operator's status, for the current generation, says the model is Ready and its
     backend ``auto``, and no report for that generation is there yet.
     """
-    generation = (body.get("metadata") or {}).get("generation")
-    status = body.get("status") or {}
-    if not isinstance(generation, int) or status.get("observedGeneration") != generation:
+    generation, status = model.metadata.generation, model.status
+    if status.observed_generation != generation:
         return None
-    if status.get("backend") != Backend.AUTO.value or status.get("phase") != "Ready":
+    if status.backend != Backend.AUTO.value or status.phase is not Phase.READY:
         return None
-    if (status.get("predictorReport") or {}).get("generation") == generation:
+    if status.predictor_report is not None and status.predictor_report.generation == generation:
         return None
     return generation
 
@@ -87,10 +87,10 @@ class PredictorReporter:
         #: Per model: the generation last reported, or tried, and the monotonic time before which not to ask again.
         self._not_before: dict[Key, tuple[int, float]] = {}
 
-    def served(self, key: Key, body: dict[str, Any], address: str | None, token: str | None) -> None:
+    def served(self, key: Key, model: UniversalModel, address: str | None, token: str | None) -> None:
         """The gateway relayed an answer from this model: ask its predictor in the background if there is
         something to learn and no ask for it is under way or recently failed."""
-        generation = generation_to_report(body)
+        generation = generation_to_report(model)
         if generation is None or address is None:
             return
         asking = self._asking.get(key)

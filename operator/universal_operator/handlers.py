@@ -25,14 +25,13 @@ from typing import Any, NoReturn, cast
 import kopf
 from lightkube.core.exceptions import ApiError
 
-from universal_operator import reconcile
+from universal_operator import kserve, reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
 
 logger = logging.getLogger(__name__)
 
-ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL = "serving.kserve.io", "v1beta1", "inferenceservices"
 MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
 FINALIZER = f"{GROUP}/kopf-finalizer"
 #: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
@@ -289,7 +288,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     """
     registry = kopf.OperatorRegistry()
     um = (GROUP, VERSION, PLURAL)
-    isvc = (ISVC_GROUP, ISVC_VERSION, ISVC_PLURAL)
+    isvc = (kserve.GROUP, kserve.VERSION, kserve.PLURAL)
 
     @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -427,8 +426,3 @@ def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:
     uid = parent.get("metadata", {}).get("uid")
     refs = child.get("metadata", {}).get("ownerReferences") or []
     return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
-
-
-def model_from_body(body: Mapping[str, Any]) -> UniversalModel:
-    """Parse a kopf body (for callers outside the handlers)."""
-    return reconcile.parse_model(_plain(body))

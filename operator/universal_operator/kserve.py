@@ -11,6 +11,17 @@ from universal_operator.spec import ScalingMode
 
 Release = tuple[int, int, int]
 
+#: The InferenceService the operator writes: KServe's API group (pkg/constants/constants.go KServeAPIGroupName),
+#: the version every release checked serves it at (pkg/apis/serving/v1beta1) and the kind's names.
+GROUP = "serving.kserve.io"
+VERSION = "v1beta1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+#: KServe v0.16.0 pkg/constants/constants.go: DeploymentMode and StopAnnotationKey, each KServeAPIGroupName + "/...".
+DEPLOYMENT_MODE_ANNOTATION = f"{GROUP}/deploymentMode"
+STOP_ANNOTATION = f"{GROUP}/stop"
+
 #: The release that renamed the deployment modes Serverless -> Knative and RawDeployment -> Standard.
 #: KServe v0.16.0 pkg/constants/constants.go (LegacyServerless, Knative, LegacyRawDeployment, Standard).
 MODE_RENAME: Release = (0, 16, 0)
@@ -25,7 +36,6 @@ STOP_SINCE: dict[ScalingMode, Release] = {
     ScalingMode.KNATIVE: (0, 15, 1),
     ScalingMode.STANDARD: (0, 16, 0),
 }
-STOP_ANNOTATION = "serving.kserve.io/stop"
 
 
 def version_text(release: Release) -> str:

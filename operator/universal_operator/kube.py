@@ -14,11 +14,12 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import ServiceAccount
 from lightkube.types import PatchType
 
+from universal_operator import kserve
 from universal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "universal-runtime-operator"
 
-InferenceService = create_namespaced_resource("serving.kserve.io", "v1beta1", "InferenceService", "inferenceservices")
+InferenceService = create_namespaced_resource(kserve.GROUP, kserve.VERSION, kserve.KIND, kserve.PLURAL)
 UniversalModelResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 
 

@@ -37,8 +37,6 @@ from universal_predictors.config import (
     resolve_backend,
 )
 
-ISVC_API_VERSION = "serving.kserve.io/v1beta1"
-ISVC_KIND = "InferenceService"
 MANAGED_BY = "universal-runtime"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -48,7 +46,6 @@ LABEL_MODEL = f"{GROUP}/model"
 LABEL_TASK = f"{GROUP}/task"
 LABEL_SERVED_NAME = f"{GROUP}/served-name"
 ANNOTATION_SERVED_NAME = f"{GROUP}/served-name"
-ANNOTATION_DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 #: Labels that make KServe keep a model's route inside the cluster, one per mode: Knative mode reads Knative's
 #: (KServe v0.14.1-v0.16.0 reconcilers/ingress/ingress_reconciler.go), Standard mode KServe's own
 #: (reconcilers/ingress/kube_ingress_reconciler.go, httproute_reconciler.go at v0.16.0).
@@ -745,14 +742,14 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
             predictor["runtimeClassName"] = profile.runtime_class_name
 
     return {
-        "apiVersion": ISVC_API_VERSION,
-        "kind": ISVC_KIND,
+        "apiVersion": kserve.API_VERSION,
+        "kind": kserve.KIND,
         "metadata": {
             "name": model.metadata.name,
             "namespace": model.metadata.namespace,
             "labels": {**labels_for(model), **visibility_labels(model, config)},
             "annotations": {
-                ANNOTATION_DEPLOYMENT_MODE: kserve.deployment_mode(config.kserve.release, scaling.mode),
+                kserve.DEPLOYMENT_MODE_ANNOTATION: kserve.deployment_mode(config.kserve.release, scaling.mode),
                 ANNOTATION_SERVED_NAME: model.served_name,
             },
             "ownerReferences": [owner_reference(model)],

@@ -8,7 +8,7 @@ rules the API server can judge are written here as CEL next to the fields they c
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -568,8 +568,18 @@ class ObjectMeta(BaseModel):
     namespace: str = "default"
     uid: str = ""
     generation: int = 0
+    #: RFC 3339 as the API server writes it (so it sorts by time); empty in a manifest file.
+    creation_timestamp: str = Field(default="", alias="creationTimestamp")
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("creation_timestamp", mode="before")
+    @classmethod
+    def _timestamp_as_text(cls, value: Any) -> Any:
+        # A client library may hand the timestamp over parsed.
+        if isinstance(value, datetime):
+            return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return "" if value is None else value
 
 
 ConditionType = Literal["Ready", "SpecValid", "InferenceServiceReady"]

@@ -23,9 +23,10 @@ import kserve
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
 from universal_predictors.http import endpoint, error_response
 
@@ -39,12 +40,6 @@ HEALTH_INTERVAL_S = 2.0
 
 class StartupError(Exception):
     """A configuration the predictor cannot start with; printed as one line, exit status 2."""
-
-
-class NoEngineArgs(BaseModel):
-    """A predictor that takes no engine arguments."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 def parse_engine_args(model: type[BaseModel], raw: dict[str, str], where: str) -> Any:

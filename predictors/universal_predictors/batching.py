@@ -146,10 +146,6 @@ class MicroBatcher(Generic[T, R]):
                 if not entry.future.done():
                     entry.future.set_result(results[position])
 
-    def run_in_engine_thread(self, fn: Callable[[], R]) -> asyncio.Future[R]:
-        """Run ``fn`` on the engine thread (serialised with batches), awaitable from the loop."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()

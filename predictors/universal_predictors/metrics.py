@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from universal_predictors import metric_names
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -19,11 +21,9 @@ LATENCY = Histogram(
     "universal_predictor_request_seconds", "Time from request to full response.", ["model", "route"],
     buckets=_LATENCY_BUCKETS,
 )  # fmt: skip
-IN_FLIGHT = Gauge("universal_predictor_in_flight", "Requests being processed now.", ["model"])
-# The gateway's Standard-mode TTL reads this (with IN_FLIGHT): each gateway replica sees only its own traffic.
-LAST_REQUEST = Gauge(
-    "universal_predictor_last_request_timestamp_seconds", "Unix time of the latest request start or end.", ["model"]
-)
+# The gateway's Standard-mode TTL reads these two: each gateway replica sees only its own traffic.
+IN_FLIGHT = Gauge(metric_names.IN_FLIGHT, "Requests being processed now.", ["model"])
+LAST_REQUEST = Gauge(metric_names.LAST_REQUEST, "Unix time of the latest request start or end.", ["model"])
 QUEUE_DEPTH = Gauge("universal_predictor_queue_depth", "Items waiting for the model.", ["model"])
 BATCH_SIZE = Histogram("universal_predictor_batch_size", "Items per forward pass.", ["model"], buckets=_BATCH_BUCKETS)
 ITEMS = Counter("universal_predictor_items_total", "Items processed (sentences, pairs, images, rows).", ["model"])

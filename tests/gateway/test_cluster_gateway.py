@@ -23,7 +23,8 @@ from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
 from universal_gateway.app import Gateway
 from universal_gateway.backends import ModelState
-from universal_gateway.cluster import STOP_ANNOTATION, KubernetesBackends, rbac_rules
+from universal_gateway.cluster import KubernetesBackends, rbac_rules
+from universal_operator.kserve import STOP_ANNOTATION
 from universal_predictors.config import PredictorConfig, Task
 from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
 from universal_simcluster.apiserver.rbac import Grant, RbacEmulator, allows
@@ -506,3 +507,25 @@ async def test_after_serving_a_model_whose_status_says_auto_the_gateway_records_
     assert status_patches() == 1  # once per generation, however many requests
     # Its one write is the status subresource, which rbac_rules grants (a spec it cannot change).
     assert ("patch", UM) in assert_within_rbac(cluster, standard_mode=False)
+
+
+def test_a_universal_model_that_does_not_parse_is_not_routed_and_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backends = KubernetesBackends(["default"])
+    invalid = model_manifest()
+    invalid["metadata"]["name"] = "other"
+    invalid["spec"] |= {"servedName": "other-embed", "scaling": {"idleTimeout": "five minutes"}}
+    with caplog.at_level(logging.WARNING, logger="universal_gateway.cluster"):
+        backends._replace("default", [model_manifest(), invalid])
+        backends._observe("MODIFIED", invalid)  # the same problem again: not logged again
+    assert [view.name for view in backends.models()] == [SERVED]
+    assert backends.find("other-embed") is None
+    [warning] = [r.getMessage() for r in caplog.records if "not routed" in r.getMessage()]
+    assert warning.startswith("UniversalModel default/other is not routed: spec.scaling.idleTimeout:")
+
+    # Fixed, it is routed, with what its spec says (no defaults of the gateway's own).
+    invalid["spec"]["scaling"] = {"mode": "Standard", "idleTimeout": "90s", "minReplicas": 0}
+    backends._observe("MODIFIED", invalid)
+    [fixed] = [m for m in backends._all.values() if m.name == "other"]
+    assert (fixed.served_name, fixed.standard_mode, fixed.policy.idle_timeout) == ("other-embed", True, 90.0)

@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 
 from tests.chart.rendering import CHART_DIR, GATEWAY, NAMESPACE, render
-from universal_gateway.app import GatewayLimits
 from universal_gateway.cli import _limits
+from universal_gateway.limits import GatewayLimits
 from universal_operator.reconcile import LABEL_MANAGED_BY, MANAGED_BY
 from universal_predictors.config import DEFAULT_HTTP_PORT
 

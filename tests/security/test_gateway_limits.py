@@ -21,8 +21,9 @@ from aiohttp.test_utils import TestServer
 from tests.conftest import eventually
 from tests.gateway.harness import OneUpstream
 from tests.gateway.test_http_server import Answer, Client
-from universal_gateway.app import Gateway, GatewayLimits
+from universal_gateway.app import Gateway
 from universal_gateway.auth import ApiKeys
+from universal_gateway.limits import GatewayLimits
 from universal_gateway.server import HttpServer
 from universal_predictors.config import Task
 

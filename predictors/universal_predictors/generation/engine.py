@@ -27,9 +27,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import RequestTooLarge
 
 FinishReason = Literal["stop", "length"]
@@ -48,12 +49,6 @@ def beyond_capacity(sequences: int, capacity: int, limits: str) -> RequestTooLar
 
 class NoChatTemplate(Exception):
     """The model carries no chat template; chat requests get a 400 saying so."""
-
-
-class EngineNoArgs(BaseModel):
-    """An engine without engine arguments."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)
@@ -155,7 +150,7 @@ class Engine(ABC):
 
     backend: ClassVar[Backend]
     #: Engine arguments (``--engine-arg k=v``), validated at start-up; unknown keys stop the process.
-    EngineArgs: ClassVar[type[BaseModel]] = EngineNoArgs
+    EngineArgs: ClassVar[type[BaseModel]] = NoEngineArgs
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
 
     def __init__(self, config: PredictorConfig, args: BaseModel) -> None:

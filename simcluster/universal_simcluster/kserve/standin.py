@@ -40,13 +40,12 @@ from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
 from universal_operator.config import DEFAULT_KSERVE_VERSION
+from universal_operator.kserve import DEPLOYMENT_MODE_ANNOTATION, STOP_ANNOTATION
 from universal_operator.kube import InferenceService
 from universal_simcluster import admission
 
 logger = logging.getLogger(__name__)
 
-ANNOTATION_DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
-STOP_ANNOTATION = "serving.kserve.io/stop"
 TIME = "2026-01-01T00:00:00Z"
 #: The conditions of a Knative-mode InferenceService: PropagateStatus (PredictorReady, PredictorRouteReady,
 #: PredictorConfigurationReady), controller.go (RoutesReady, LatestDeploymentReady), the ingress (IngressReady).
@@ -87,7 +86,7 @@ class KServeVersion:
         recorded = str((isvc.get("status") or {}).get("deploymentMode") or "")
         if recorded and self.release >= (0, 15, 0):
             return recorded in ("Serverless", "Knative")
-        annotation = str((isvc.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_DEPLOYMENT_MODE, ""))
+        annotation = str((isvc.get("metadata", {}).get("annotations") or {}).get(DEPLOYMENT_MODE_ANNOTATION, ""))
         known = ("Serverless", "RawDeployment", "Knative", "Standard") if self.renamed_modes else (
             "Serverless", "RawDeployment")  # fmt: skip
         chosen = annotation if annotation in known else self.default_mode

@@ -75,14 +75,3 @@ def case_predictor(
     source = request.getfixturevalue("tiny_llama_gguf" if case.gguf else "tiny_llama_dir")
     with start_engine(case, source, tmp_path_factory.mktemp(f"{label}-{case.backend.value}")) as running:
         yield running
-
-
-@pytest.fixture(scope="session")
-def generate_predictor(
-    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PredictorProcess]:
-    """One predictor per engine case for the whole session (parametrised indirectly by the suite)."""
-    case: EngineCase = request.param
-    source = request.getfixturevalue("tiny_llama_gguf") if case.gguf else tiny_llama_dir
-    with start_engine(case, source, tmp_path_factory.mktemp(f"generate-{case.backend.value}")) as predictor:
-        yield predictor
