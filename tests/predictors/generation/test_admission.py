@@ -101,6 +101,9 @@ async def _flood(predictor: PredictorProcess, size: int) -> tuple[list[object], 
             deepest = 0.0
             while not done.is_set():
                 deepest = max(deepest, await metric(http, predictor, "universal_predictor_queue_depth"))
+                # Between scrapes: a scrape loop with no pause takes a core from the engine it measures
+                # (llama.cpp's decode threads spin at their barriers), and the flood then outlasts its timeout.
+                await asyncio.sleep(0.01)
             return deepest
 
         watcher = asyncio.ensure_future(watch())
