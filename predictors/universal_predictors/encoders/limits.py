@@ -21,8 +21,9 @@ from typing import Any
 
 from universal_predictors.errors import InvalidRequest
 
-#: Model types whose embeddings number positions from ``pad_token_id + 1`` (transformers 5: their
-#: ``*Embeddings.forward`` calls ``create_position_ids_from_input_ids`` with ``config.pad_token_id``).
+#: Model types whose embeddings number positions from ``padding_idx + 1``, with ``padding_idx`` the
+#: config's ``pad_token_id`` (transformers 5.24: their ``*Embeddings`` set ``self.padding_idx =
+#: config.pad_token_id`` and call ``create_position_ids_from_input_ids``).
 OFFSET_POSITION_TYPES = frozenset(
     {
         "roberta",
@@ -33,17 +34,17 @@ OFFSET_POSITION_TYPES = frozenset(
         "data2vec-text",
         "longformer",
         "xmod",
-        "mpnet",
         "ibert",
         "esm",
         "luke",
         "markuplm",
         "lilt",
         "layoutlmv3",
-        "clap",
-        "kosmos-2",
     }
 )
+#: Model types of the same scheme whose ``padding_idx`` is fixed, whatever the config says
+#: (``MPNetEmbeddings``: ``self.padding_idx = 1``).
+FIXED_PADDING_IDX = {"mpnet": 1}
 #: What a tokenizer's ``model_max_length`` above this means: no limit set (transformers uses ``int(1e30)``).
 _UNSET_MAX_LENGTH = 10**9
 #: The limit when neither the model nor its tokenizer says one (BERT's).
@@ -60,9 +61,12 @@ def position_limit(model_config: Any) -> int | None:
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int) or positions <= 0:
         return None
-    if getattr(model_config, "model_type", None) in OFFSET_POSITION_TYPES:
+    model_type = getattr(model_config, "model_type", None)
+    if model_type in FIXED_PADDING_IDX:
+        positions -= FIXED_PADDING_IDX[model_type] + 1
+    elif model_type in OFFSET_POSITION_TYPES:
         pad = getattr(model_config, "pad_token_id", None)
-        positions -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
+        positions -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1  # RobertaConfig's default is 1
     return positions
 
 
