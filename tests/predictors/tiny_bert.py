@@ -235,8 +235,9 @@ def build_limit_model(directory: Path, family: Family, head: Head, *, seed: int 
                                     eos_token_id=2, type_vocab_size=1, **common)  # fmt: skip
     else:
         config = BertConfig(max_position_embeddings=MAX_POSITIONS, **common)
-    auto = {"embed": AutoModel, "classify": AutoModelForSequenceClassification,
-            "cross-encoder": AutoModelForSequenceClassification, "ner": AutoModelForTokenClassification}[head]  # fmt: skip
+    classifier = AutoModelForSequenceClassification
+    auto = {"embed": AutoModel, "classify": classifier, "cross-encoder": classifier,
+            "ner": AutoModelForTokenClassification}[head]  # fmt: skip
     torch.manual_seed(seed)
     model = auto.from_config(config).eval()
     directory.mkdir(parents=True, exist_ok=True)

@@ -334,5 +334,3 @@ class EmbeddingService:
 
     async def close(self) -> None:
         await self.batcher.close()
-
-

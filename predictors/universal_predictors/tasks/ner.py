@@ -28,8 +28,8 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from universal_predictors.config import Task
-from universal_predictors.http import parse_json
 from universal_predictors.encoders.texts import Encoded, TextsEngineArgs, TextsPredictor, TextsRequest
+from universal_predictors.http import parse_json
 
 Strategy = Literal["none", "simple", "first", "average", "max"]
 
@@ -155,7 +155,11 @@ class NerPredictor(TextsPredictor):
 
     def card(self) -> dict[str, Any]:
         types = sorted({split_tag(label)[1] for label in self.labels} - {"O"})
-        return {"labels": self.labels, "entity_types": types, "aggregation_strategy": self.engine_args.aggregation_strategy}
+        return {
+            "labels": self.labels,
+            "entity_types": types,
+            "aggregation_strategy": self.engine_args.aggregation_strategy,
+        }
 
     async def entities(
         self, texts: list[str], strategy: Strategy | None, truncate: bool, field: str = "texts"

@@ -285,8 +285,8 @@ class OcrPredictor(UniversalPredictor):
     async def recognise(self, pages: list[Page], languages: tuple[str, ...]) -> list[list[Line]]:
         return await self.batcher.submit_many([Job(page.image, languages, page.dpi) for page in pages])
 
-    async def _input_pages(self, value: str | bytes, index: int, field: str, budget: PixelBudget, *, document: bool | None
-                           ) -> AsyncGenerator[Page, None]:  # fmt: skip
+    async def _input_pages(self, value: str | bytes, index: int, field: str, budget: PixelBudget, *,
+                           document: bool | None) -> AsyncGenerator[Page, None]:  # fmt: skip
         """The pages of one input, decoded (or rendered) one at a time. ``document``: True for a PDF, False
         for an image, None to tell by the bytes (KServe instances)."""
         if document is None:
@@ -360,8 +360,7 @@ class OcrPredictor(UniversalPredictor):
         args: OcrEngineArgs = self.engine_args
         if body.images is None and body.document is None:
             raise InvalidRequest(
-                "images: send images (base64 images, or files uploaded in the form field 'file') or document "
-                "(a PDF)",
+                "images: send images (base64 images, or files uploaded in the form field 'file') or document (a PDF)",
                 param="images",
             )
         if body.images is not None and body.document is not None:
