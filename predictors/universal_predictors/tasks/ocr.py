@@ -110,7 +110,9 @@ class OcrRequest(BaseModel):
         return _codes(value) if isinstance(value, str) else value
 
     def inputs(self) -> OcrInputs:
-        images = [(f"images[{i}]", value) for i, value in enumerate(self.images)] if self.images is not None else None
+        images: list[tuple[str, str | bytes]] | None = None
+        if self.images is not None:
+            images = [(f"images[{i}]", value) for i, value in enumerate(self.images)]
         document = ("document", self.document) if self.document is not None else None
         return OcrInputs(images, document, self.languages, self.return_boxes)
 
