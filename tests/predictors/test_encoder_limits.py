@@ -134,10 +134,10 @@ def test_a_cross_encoder_takes_a_query_that_leaves_one_token_per_document_and_re
     predictor, limit = predictor_for(family, "rerank-cross"), LIMITS[family]
     room = limit - PAIR_SPECIALS[family] - 1  # query tokens that still leave a document one token
     long_document = " ".join(["paris"] * 200)
-    at = post(predictor, "/v1/rerank", {"query": " ".join(["john"] * room), "documents": [long_document, "rain"]})
+    at = post(predictor, "/v1/rerank", {"query": " ".join(["john"] * room), "documents": [long_document, "paris"]})
     assert at.status_code == 200, at.text
     assert at.json()["usage"]["prompt_tokens"] == 2 * limit  # both pairs cut (or filled) to the limit
-    over = post(predictor, "/v1/rerank", {"query": " ".join(["john"] * (room + 1)), "documents": ["rain"]})
+    over = post(predictor, "/v1/rerank", {"query": " ".join(["john"] * (room + 1)), "documents": ["paris"]})
     remedy = refusal(over, "query", room + 1, room)
     assert "document" in remedy
 
@@ -147,8 +147,8 @@ def test_a_bi_encoder_takes_a_query_at_the_limit_and_cuts_long_documents(
     predictor_for: Callable[[Family, str], PredictorProcess], family: Family
 ) -> None:
     predictor, limit = predictor_for(family, "rerank-bi"), LIMITS[family]
-    at = post(predictor, "/v1/rerank", {"query": text_of(limit), "documents": [text_of(limit + 30), "rain"]})
+    at = post(predictor, "/v1/rerank", {"query": text_of(limit), "documents": [text_of(limit + 30), "paris"]})
     assert at.status_code == 200, at.text
     assert at.json()["usage"]["prompt_tokens"] == limit + limit + 3
-    over = post(predictor, "/v1/rerank", {"query": text_of(limit + 1), "documents": ["rain"]})
+    over = post(predictor, "/v1/rerank", {"query": text_of(limit + 1), "documents": ["paris"]})
     refusal(over, "query", limit + 1, limit)
