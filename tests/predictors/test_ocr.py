@@ -368,7 +368,7 @@ async def gateway_url(rapidocr_predictor: PredictorProcess) -> AsyncIterator[str
         yield url
 
 
-async def upload(url: str, files: list[tuple[str, tuple[str, bytes, str]]], **fields: str) -> httpx.Response:
+async def upload(url: str, files: list[tuple[str, tuple[str | None, bytes, str]]], **fields: str) -> httpx.Response:
     async with httpx.AsyncClient(timeout=120) as client:
         return await client.post(f"{url}/v1/ocr", files=files, data={"model": "rapidocr", **fields})
 
@@ -445,7 +445,7 @@ async def test_an_upload_over_max_body_bytes_is_the_same_413(gateway_url: str) -
 @pytest.mark.parametrize(
     ("files", "fields", "param", "says"),
     [
-        ([], {}, "images", "form field 'file'"),
+        ([("languages", (None, b"en", "text/plain"))], {}, "images", "form field 'file'"),  # a form without a file
         ([("attachment", ("a.png", b"x", "image/png"))], {}, "attachment", "sends its files as one of"),
         ([("file", ("a.png", b"not an image", "image/png"))], {}, "file", "not a PNG"),
         ([("file", ("a.pdf", samples.pdf([["one"]]), "application/pdf")), ("file", ("b.png", b"x", "image/png"))],
@@ -454,7 +454,11 @@ async def test_an_upload_over_max_body_bytes_is_the_same_413(gateway_url: str) -
     ],
 )  # fmt: skip
 async def test_a_bad_upload_is_a_400_naming_the_form_field(
-    gateway_url: str, files: list[tuple[str, tuple[str, bytes, str]]], fields: dict[str, str], param: str, says: str
+    gateway_url: str,
+    files: list[tuple[str, tuple[str | None, bytes, str]]],
+    fields: dict[str, str],
+    param: str,
+    says: str,
 ) -> None:
     error = error_of(await upload(gateway_url, files, **fields), 400)
     assert error["param"] == param

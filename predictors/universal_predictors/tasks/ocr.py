@@ -175,8 +175,7 @@ def form_request(parts: list[FormPart]) -> tuple[str | None, OcrInputs]:
     if documents and images:
         raise InvalidRequest(f"{documents[0][0]}: send either images or a PDF document, not both",
                              param=documents[0][0])  # fmt: skip
-    inputs = OcrInputs(images if images or not documents else None, documents[0] if documents else None,
-                       body.languages, body.return_boxes)  # fmt: skip
+    inputs = OcrInputs(images or None, documents[0] if documents else None, body.languages, body.return_boxes)
     return body.model, inputs
 
 
