@@ -182,7 +182,7 @@ def embedding(source: Path, log_dir: Path, facts: dict[str, Any], *, texts: int)
     """The embedding predictor's device (its encoder, in this process) and throughput (over HTTP)."""
     import httpx
 
-    from universal_predictors.tasks.embed import EmbedEngineArgs, TransformersEncoder
+    from universal_predictors.encoders.embedding import EmbedEngineArgs, TransformersEncoder
 
     encoder = TransformersEncoder(str(source), EmbedEngineArgs())
     facts["device"] = str(next(encoder.model.parameters()).device)

@@ -31,12 +31,20 @@ def _json_body(route: Route, names: list[str], schemas: RequestSchemas) -> dict[
     return schema
 
 
+_FILE = {"type": "string", "contentMediaType": "application/octet-stream", "description": "An uploaded file."}
+
+
 def _form_body(names: list[str]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
             "model": _model_field(names),
-            "file": {"type": "string", "contentMediaType": "application/octet-stream", "description": "The upload."},
+            # The OCR predictor's upload fields (tasks/ocr.py): images or a PDF under any of the file names,
+            # a PDF under document/pdf, and the JSON body's options as text fields.
+            **{name: _FILE for name in ("file", "image", "document", "pdf")},
+            **{name: {"type": "array", "items": _FILE} for name in ("files", "images")},
+            "languages": {"type": "string", "description": "Language codes, comma-separated or the field repeated."},
+            "return_boxes": {"type": "boolean"},
         },
         "required": ["model"],
     }

@@ -1,7 +1,8 @@
 """Request parsing and responses for the OpenAI and task routes.
 
 Bodies are parsed by hand (not by FastAPI's signature magic) so every failure is ours to shape: a body
-over the limit is a 413 naming the limit, invalid JSON or a bad field is a 400 naming the field.
+over the limit is a 413 naming the limit, invalid JSON or a bad field is a 400 naming the field. A task
+that takes file uploads (OCR) reads ``multipart/form-data`` with :func:`parse_form`, under the same limit.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -118,6 +120,103 @@ async def parse_json(request: Request, model: type[M], max_bytes: int = DEFAULT_
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+@dataclass(frozen=True)
+class FormPart:
+    """One part of a ``multipart/form-data`` body: a form field, or a file when it has a ``filename``."""
+
+    name: str
+    data: bytes
+    filename: str | None = None
+    content_type: str | None = None
+
+    @property
+    def is_file(self) -> bool:
+        return self.filename is not None
+
+    def text(self) -> str:
+        """A form field's value; a 400 naming it when it is not UTF-8."""
+        try:
+            return self.data.decode()
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"{self.name}: the form field is not UTF-8 text", param=self.name) from None
+
+
+def is_multipart_form(request: Request) -> bool:
+    return request.headers.get("content-type", "").lower().startswith("multipart/form-data")
+
+
+async def parse_form(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list[FormPart]:
+    """Read a ``multipart/form-data`` body (413 over ``max_bytes``, as for JSON) and split it into parts."""
+    raw = await read_body(request, max_bytes)
+    return parse_multipart(request.headers.get("content-type", ""), raw)
+
+
+def parse_multipart(content_type: str, body: bytes) -> list[FormPart]:
+    """The parts of a ``multipart/form-data`` body, in order (python-multipart's parser, held in memory:
+    the body is already read and bounded, and a read-only root file system has nowhere to spool files)."""
+    from python_multipart.exceptions import MultipartParseError
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    def unparsable(why: str) -> InvalidRequest:
+        return InvalidRequest(f"The multipart body cannot be parsed: {why}.", code="invalid_body")
+
+    _, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise unparsable("its Content-Type names no boundary")
+    parts: list[FormPart] = []
+    headers: dict[bytes, bytes] = {}
+    field, value = bytearray(), bytearray()
+    data = bytearray()
+    ended = False
+
+    def header_end() -> None:
+        headers[bytes(field).strip().lower()] = bytes(value).strip()
+        field.clear()
+        value.clear()
+
+    def part_end() -> None:
+        disposition, params = parse_options_header(headers.get(b"content-disposition", b""))
+        name = params.get(b"name")
+        if disposition.lower() != b"form-data" or name is None:
+            raise unparsable("a part has no Content-Disposition: form-data name")
+        filename = params.get(b"filename")
+        parts.append(
+            FormPart(
+                name=name.decode("utf-8", "replace"),
+                data=bytes(data),
+                filename=filename.decode("utf-8", "replace") if filename is not None else None,
+                content_type=headers[b"content-type"].decode("latin-1") if b"content-type" in headers else None,
+            )
+        )
+        headers.clear()
+        data.clear()
+
+    def end() -> None:
+        nonlocal ended
+        ended = True
+
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_header_field": lambda chunk, start, stop: field.extend(chunk[start:stop]),
+            "on_header_value": lambda chunk, start, stop: value.extend(chunk[start:stop]),
+            "on_header_end": header_end,
+            "on_part_data": lambda chunk, start, stop: data.extend(chunk[start:stop]),
+            "on_part_end": part_end,
+            "on_end": end,
+        },
+    )
+    try:
+        parser.write(body)
+        parser.finalize()
+    except MultipartParseError as exc:
+        raise unparsable(str(exc).rstrip(".")) from None
+    if not ended:
+        raise unparsable("it ends before the closing boundary")
+    return parts
 
 
 def error_response(error: APIError) -> JSONResponse:

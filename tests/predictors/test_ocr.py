@@ -7,11 +7,13 @@ insensitive, see ``ocr_samples.similarity``) is at least ``SIMILARITY_THRESHOLD`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -350,3 +352,123 @@ def test_a_source_that_is_not_a_model_directory_stops_start_up_with_one_line(bac
     assert result.returncode == 2
     assert says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+# -- uploads: multipart/form-data through the real gateway ----------------------------------------
+
+
+@pytest.fixture
+async def gateway_url(rapidocr_predictor: PredictorProcess) -> AsyncIterator[str]:
+    """The real gateway in front of the rapidocr predictor process (routing uploads by their model field)."""
+    from tests.gateway.harness import OneUpstream
+    from universal_gateway.app import Gateway
+
+    gateway = Gateway(OneUpstream(rapidocr_predictor.url, rapidocr_predictor.config.model_name, Task.OCR))
+    async with gateway.serving() as url:
+        yield url
+
+
+async def upload(url: str, files: list[tuple[str, tuple[str | None, bytes, str]]], **fields: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(f"{url}/v1/ocr", files=files, data={"model": "rapidocr", **fields})
+
+
+def png(image: Image.Image) -> tuple[str, bytes, str]:
+    return ("page.png", samples.encode(image), "image/png")
+
+
+async def test_an_image_uploaded_as_a_form_file_is_read_through_the_gateway(gateway_url: str) -> None:
+    case = samples.paragraph()
+    response = await upload(gateway_url, [("file", png(case.image))], return_boxes="true", languages="en")
+    assert response.status_code == 200, response.text
+    [item] = response.json()["data"]
+    assert_reads(case.text, item["text"])
+    assert len(item["boxes"]) == len(case.lines)
+    assert (item["width"], item["height"]) == case.image.size
+
+
+async def test_curl_uploads_the_way_users_send_files(gateway_url: str, tmp_path: Path) -> None:
+    case = samples.paragraph()
+    page = tmp_path / "page.png"
+    page.write_bytes(samples.encode(case.image))
+    done = await asyncio.create_subprocess_exec(
+        "curl", "-sS", "-F", f"file=@{page}", "-F", "model=rapidocr", f"{gateway_url}/v1/ocr",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await done.communicate()
+    assert done.returncode == 0
+    assert_reads(case.text, json.loads(out)["data"][0]["text"])
+
+
+async def test_several_images_and_an_uploaded_pdf_read_as_their_json_twins(gateway_url: str) -> None:
+    cases = samples.font_samples()[:2]
+    images = await upload(gateway_url, [("images", png(case.image)) for case in cases])
+    assert images.status_code == 200, images.text
+    assert [item["index"] for item in images.json()["data"]] == [0, 1]
+    for case, item in zip(cases, images.json()["data"], strict=True):
+        assert_reads(case.text, item["text"])
+    document = await upload(gateway_url, [("file", ("report.pdf", samples.pdf(), "application/pdf"))])
+    assert document.status_code == 200, document.text
+    pages = document.json()["data"]
+    assert [item["page"] for item in pages] == [1, 2]
+    for lines, item in zip(samples.PDF_PAGES, pages, strict=True):
+        assert_reads(" ".join(lines), item["text"])
+
+
+@pytest.mark.parametrize(
+    ("field", "data", "json_field"),
+    [
+        ("file", b"\x00" * (3 * 2**20), "images"),
+        ("file", samples.png_claiming_size(2500, 2000), "images"),
+        ("document", samples.pdf([["one"], ["two"], ["three"], ["four"]]), "document"),
+    ],
+    ids=["max_image_bytes", "max_pixels", "max_pages"],
+)
+async def test_an_upload_over_a_limit_gets_the_json_requests_413(
+    gateway_url: str, rapidocr_predictor: PredictorProcess, field: str, data: bytes, json_field: str
+) -> None:
+    uploaded = error_of(await upload(gateway_url, [(field, ("input.bin", data, "application/octet-stream"))]), 413)
+    value = samples.b64(data)
+    sent = error_of(ocr(rapidocr_predictor, **{json_field: [value] if json_field == "images" else value}), 413)
+    assert uploaded["param"] == field
+    assert uploaded["code"] == sent["code"]
+    assert uploaded["message"].startswith(f"{field}: ")
+    # Sized before decoding, base64 is "about" its size; the tail naming the limit is the same.
+    assert uploaded["message"].split("; the limit ")[1] == sent["message"].split("; the limit ")[1]
+
+
+async def test_an_upload_over_max_body_bytes_is_the_same_413(gateway_url: str) -> None:
+    error = error_of(await upload(gateway_url, [("file", ("big.png", b"\x00" * (9 * 2**20), "image/png"))]), 413)
+    assert "8 MiB" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("files", "fields", "param", "says"),
+    [
+        ([("languages", (None, b"en", "text/plain"))], {}, "images", "form field 'file'"),  # a form without a file
+        ([("attachment", ("a.png", b"x", "image/png"))], {}, "attachment", "sends its files as one of"),
+        ([("file", ("a.png", b"not an image", "image/png"))], {}, "file", "not a PNG"),
+        ([("file", ("a.pdf", samples.pdf([["one"]]), "application/pdf")), ("file", ("b.png", b"x", "image/png"))],
+         {}, "file[0]", "not both"),
+        ([("file", ("a.png", b"x", "image/png"))], {"return_boxes": "perhaps"}, "return_boxes", "boolean"),
+    ],
+)  # fmt: skip
+async def test_a_bad_upload_is_a_400_naming_the_form_field(
+    gateway_url: str,
+    files: list[tuple[str, tuple[str | None, bytes, str]]],
+    fields: dict[str, str],
+    param: str,
+    says: str,
+) -> None:
+    error = error_of(await upload(gateway_url, files, **fields), 400)
+    assert error["param"] == param
+    assert says in error["message"]
+
+
+def test_a_multipart_body_that_does_not_parse_is_a_400(rapidocr_predictor: PredictorProcess) -> None:
+    with rapidocr_predictor.client() as client:
+        response = client.post("/v1/ocr", content=b"--xyz\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nr",
+                               headers={"Content-Type": "multipart/form-data; boundary=xyz"})  # fmt: skip
+    error = error_of(response, 400)
+    assert (error["code"], error["message"]) == ("invalid_body", "The multipart body cannot be parsed: it ends "
+                                                 "before the closing boundary.")  # fmt: skip

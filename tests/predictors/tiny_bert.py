@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -73,29 +74,42 @@ NER_DEFAULT_TARGET = [5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 _SCALE = 4.0  # classifier gain: logits = _SCALE * hidden[:num_labels]
 
 
-def vocabulary() -> list[str]:
-    return SPECIALS + CHARS + ["##" + c for c in CHARS] + WORDS + PIECES
+#: RoBERTa's special tokens, in its order: ``<pad>`` is id 1, the id its position numbering starts after.
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(vocabulary())}
-    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+def vocabulary(specials: list[str] = SPECIALS) -> list[str]:
+    return specials + CHARS + ["##" + c for c in CHARS] + WORDS + PIECES
+
+
+def build_tokenizer(
+    directory: Path, *, roberta: bool = False, model_max_length: int | None = MAX_POSITIONS
+) -> PreTrainedTokenizerFast:
+    """The WordPiece tokenizer; ``roberta``: with RoBERTa's special tokens, templates and model inputs (no
+    token types). ``model_max_length`` None leaves the limit unset, as many RoBERTa checkpoints do."""
+    cls, pad, sep, unk, mask = ("<s>", "<pad>", "</s>", "<unk>", "<mask>") if roberta else (
+        "[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]")  # fmt: skip
+    vocab = {token: i for i, token in enumerate(vocabulary(ROBERTA_SPECIALS if roberta else SPECIALS))}
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token=unk, continuing_subword_prefix="##"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
     )
     backend.decoder = decoders.WordPiece(prefix="##")
+    extra: dict[str, Any] = {"model_max_length": model_max_length} if model_max_length is not None else {}
+    if roberta:
+        extra["model_input_names"] = ["input_ids", "attention_mask"]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_max_length=MAX_POSITIONS,
+        unk_token=unk,
+        pad_token=pad,
+        cls_token=cls,
+        sep_token=sep,
+        mask_token=mask,
+        **extra,
     )
     tokenizer.save_pretrained(directory)
     return tokenizer
@@ -177,4 +191,56 @@ def build_token_classifier(directory: Path, *, seed: int = 0, context_gain: floa
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     build_tokenizer(directory)
+    return directory
+
+
+#: The limit-test models' families: BERT numbers positions from 0; RoBERTa from ``pad_token_id + 1``.
+Family = Literal["bert", "roberta"]
+#: What a limit-test model's head serves: an embedding model (no head), a sequence classifier (classify),
+#: a one-logit sequence classifier (a rerank cross-encoder), a token classifier (NER).
+Head = Literal["embed", "classify", "cross-encoder", "ner"]
+#: The BERT limit-test tokenizer's ``model_max_length``: below the 64 positions, so it is what binds.
+BERT_TOKENIZER_LIMIT = 48
+#: The RoBERTa limit-test model's position table: 66 rows, of which pad id 1 + 1 go before the first position.
+ROBERTA_POSITIONS = 66
+#: The input limit each family's limit-test models have (special tokens included).
+LIMITS: dict[str, int] = {"bert": BERT_TOKENIZER_LIMIT, "roberta": ROBERTA_POSITIONS - 2}
+
+
+def build_limit_model(directory: Path, family: Family, head: Head, *, seed: int = 0) -> Path:
+    """A random-weight encoder whose input limit comes from a different rule per family (:data:`LIMITS`):
+    BERT with 64 positions and a tokenizer that says 48; RoBERTa with 66 positions, ``pad_token_id`` 1 and
+    a tokenizer that says nothing, so only the position offset keeps an input inside the table."""
+    from transformers import (
+        AutoModel,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        RobertaConfig,
+    )
+
+    roberta = family == "roberta"
+    labels = {"embed": CLASSIFY_LABELS, "classify": CLASSIFY_LABELS, "cross-encoder": ["relevant"],
+              "ner": NER_LABELS}[head]  # fmt: skip
+    common: dict[str, Any] = {
+        "vocab_size": len(vocabulary(ROBERTA_SPECIALS if roberta else SPECIALS)),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 37,
+        "id2label": dict(enumerate(labels)),
+        "label2id": {label: i for i, label in enumerate(labels)},
+    }
+    if roberta:
+        config: Any = RobertaConfig(max_position_embeddings=ROBERTA_POSITIONS, pad_token_id=1, bos_token_id=0,
+                                    eos_token_id=2, type_vocab_size=1, **common)  # fmt: skip
+    else:
+        config = BertConfig(max_position_embeddings=MAX_POSITIONS, **common)
+    classifier = AutoModelForSequenceClassification
+    auto = {"embed": AutoModel, "classify": classifier, "cross-encoder": classifier,
+            "ner": AutoModelForTokenClassification}[head]  # fmt: skip
+    torch.manual_seed(seed)
+    model = auto.from_config(config).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    build_tokenizer(directory, roberta=roberta, model_max_length=None if roberta else BERT_TOKENIZER_LIMIT)
     return directory

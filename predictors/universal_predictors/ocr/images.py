@@ -387,16 +387,18 @@ def _receive(conn: Connection) -> Any:
         return None
 
 
-def decode_document(document: str, field: str, limits: Limits) -> bytes:
-    data = decode_base64(document, field, limits.max_image_bytes)
+def decode_document(document: str | bytes, field: str, limits: Limits) -> bytes:
+    """A PDF's bytes from base64 (JSON) or as uploaded (a form's file), within ``max_image_bytes``."""
+    data = document if isinstance(document, bytes) else decode_base64(document, field, limits.max_image_bytes)
     _check_bytes(data, field, limits)
     if not is_pdf(data):
         raise InvalidRequest(f"{field}: is not a PDF", param=field, code="invalid_document")
     return data
 
 
-def decode_image_bytes(value: str, field: str, limits: Limits) -> bytes:
-    data = decode_base64(value, field, limits.max_image_bytes)
+def decode_image_bytes(value: str | bytes, field: str, limits: Limits) -> bytes:
+    """An image's bytes from base64 (JSON) or as uploaded (a form's file), within ``max_image_bytes``."""
+    data = value if isinstance(value, bytes) else decode_base64(value, field, limits.max_image_bytes)
     _check_bytes(data, field, limits)
     return data
 

@@ -28,13 +28,13 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from universal_predictors.config import Task
+from universal_predictors.encoders.texts import Encoded, TextsEngineArgs, TextsPredictor, TextsRequest
 from universal_predictors.http import parse_json
-from universal_predictors.tasks.classify import Encoded, EncoderEngineArgs, EncoderTaskPredictor, TextsRequest
 
 Strategy = Literal["none", "simple", "first", "average", "max"]
 
 
-class NerEngineArgs(EncoderEngineArgs):
+class NerEngineArgs(TextsEngineArgs):
     """Engine arguments of the NER predictor."""
 
     aggregation_strategy: Strategy = "simple"
@@ -141,7 +141,7 @@ def aggregate(
     return entities
 
 
-class NerPredictor(EncoderTaskPredictor):
+class NerPredictor(TextsPredictor):
     """One token classifier; texts from concurrent requests share forward passes."""
 
     task = Task.NER
@@ -153,15 +153,12 @@ class NerPredictor(EncoderTaskPredictor):
 
         return AutoModelForTokenClassification
 
-    def describe(self) -> dict[str, Any]:
-        if not hasattr(self, "model"):
-            return {}
+    def card(self) -> dict[str, Any]:
         types = sorted({split_tag(label)[1] for label in self.labels} - {"O"})
         return {
             "labels": self.labels,
             "entity_types": types,
             "aggregation_strategy": self.engine_args.aggregation_strategy,
-            "max_input_tokens": self.max_tokens,
         }
 
     async def entities(

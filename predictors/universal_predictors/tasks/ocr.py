@@ -1,8 +1,12 @@
 """``task: ocr``: ``POST /v1/ocr`` over RapidOCR (default) or Tesseract, pages micro-batched.
 
-A request carries base64 ``images`` (PNG, JPEG, TIFF, WebP) or one base64 PDF ``document`` (alias
-``pdf``), rendered page by page with PDFium. Decoding runs on a worker thread and recognition on the
-engine thread, so the event loop only moves bytes; pages of concurrent requests share batches.
+A request carries ``images`` (PNG, JPEG, TIFF, WebP) or one PDF ``document`` (alias ``pdf``), rendered
+page by page with PDFium, either as JSON with base64 strings or as a ``multipart/form-data`` upload (the
+way ``curl -F file=@page.png -F model=NAME`` sends files): file parts named ``file``/``files``/``image``/
+``images`` are images, or the document when they are a PDF; ``document``/``pdf`` parts are the document;
+``model``, ``languages`` and ``return_boxes`` are form fields. Both shapes meet the same limits with the
+same errors. Decoding runs on a worker thread and recognition on the engine thread, so the event loop only
+moves bytes; pages of concurrent requests share batches.
 """
 
 from __future__ import annotations
@@ -15,13 +19,20 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
-from universal_predictors.http import CLIENT_CLOSED, parse_json
+from universal_predictors.http import (
+    CLIENT_CLOSED,
+    FormPart,
+    is_multipart_form,
+    parse_form,
+    parse_json,
+    validation_error,
+)
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
 from universal_predictors.ocr.images import (
     Limits,
@@ -97,6 +108,75 @@ class OcrRequest(BaseModel):
     @classmethod
     def _split(cls, value: Any) -> Any:
         return _codes(value) if isinstance(value, str) else value
+
+    def inputs(self) -> OcrInputs:
+        images: list[tuple[str, str | bytes]] | None = None
+        if self.images is not None:
+            images = [(f"images[{i}]", value) for i, value in enumerate(self.images)]
+        document = ("document", self.document) if self.document is not None else None
+        return OcrInputs(images, document, self.languages, self.return_boxes)
+
+
+@dataclass(frozen=True)
+class OcrInputs:
+    """What one OCR request asks, from JSON (base64 text) or a form upload (bytes): each input with the
+    field it came in, which errors name."""
+
+    images: list[tuple[str, str | bytes]] | None
+    document: tuple[str, str | bytes] | None
+    languages: list[str] | None = None
+    return_boxes: bool = False
+
+
+#: Form file fields that hold images (or the document, when the file is a PDF) and the document.
+IMAGE_FIELDS = frozenset({"file", "files", "image", "images"})
+DOCUMENT_FIELDS = frozenset({"document", "pdf"})
+#: Form fields validated as the JSON request's; a field given twice keeps a list only for these.
+_LIST_FIELDS = frozenset({"languages"})
+
+
+def form_request(parts: list[FormPart]) -> tuple[str | None, OcrInputs]:
+    """The model and inputs of a ``multipart/form-data`` OCR request; a 400 names any field that is wrong."""
+    options: dict[str, Any] = {}
+    files: list[FormPart] = []
+    for part in parts:
+        if part.name in IMAGE_FIELDS or part.name in DOCUMENT_FIELDS:
+            files.append(part)
+        elif part.is_file:
+            known = ", ".join(sorted(IMAGE_FIELDS | DOCUMENT_FIELDS))
+            raise InvalidRequest(f"{part.name}: an OCR upload sends its files as one of {known}", param=part.name)
+        elif part.name in _LIST_FIELDS:
+            options.setdefault(part.name, []).extend(_codes(part.text()))
+        elif part.name in options:
+            raise InvalidRequest(f"{part.name}: the form field is given more than once", param=part.name)
+        else:
+            options[part.name] = part.text()
+    try:  # the same validation, and errors, as the JSON request's fields
+        body = OcrRequest.model_validate(options)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    counts: dict[str, int] = {}
+    for part in files:
+        counts[part.name] = counts.get(part.name, 0) + 1
+    seen: dict[str, int] = {}
+    images: list[tuple[str, str | bytes]] = []
+    documents: list[tuple[str, str | bytes]] = []
+    for part in files:
+        # Errors name the field as sent: ``file``, or ``images[2]`` when the field is repeated.
+        index = seen[part.name] = seen.get(part.name, -1) + 1
+        label = f"{part.name}[{index}]" if counts[part.name] > 1 else part.name
+        value: str | bytes = part.data if part.is_file else part.text()  # a text part is base64, as in JSON
+        if part.name in DOCUMENT_FIELDS or (part.is_file and is_pdf(part.data)):
+            documents.append((label, value))
+        else:
+            images.append((label, value))
+    if len(documents) > 1:
+        raise InvalidRequest(f"{documents[1][0]}: send one PDF per request", param=documents[1][0])
+    if documents and images:
+        raise InvalidRequest(f"{documents[0][0]}: send either images or a PDF document, not both",
+                             param=documents[0][0])  # fmt: skip
+    inputs = OcrInputs(images or None, documents[0] if documents else None, body.languages, body.return_boxes)
+    return body.model, inputs
 
 
 @dataclass(frozen=True)
@@ -206,11 +286,12 @@ class OcrPredictor(UniversalPredictor):
     async def recognise(self, pages: list[Page], languages: tuple[str, ...]) -> list[list[Line]]:
         return await self.batcher.submit_many([Job(page.image, languages, page.dpi) for page in pages])
 
-    async def _input_pages(self, value: str, index: int, field: str, budget: PixelBudget, *, document: bool | None
-                           ) -> AsyncGenerator[Page, None]:  # fmt: skip
+    async def _input_pages(self, value: str | bytes, index: int, field: str, budget: PixelBudget, *,
+                           document: bool | None) -> AsyncGenerator[Page, None]:  # fmt: skip
         """The pages of one input, decoded (or rendered) one at a time. ``document``: True for a PDF, False
         for an image, None to tell by the bytes (KServe instances)."""
         if document is None:
+            assert isinstance(value, str)  # KServe instances: base64 text
             data = await asyncio.to_thread(decode_base64, value, field, self.limits.max_image_bytes)
             document = is_pdf(data)
             value_bytes: bytes | None = data
@@ -276,11 +357,12 @@ class OcrPredictor(UniversalPredictor):
             item["boxes"] = [line.as_json() for line in ordered]
         return item
 
-    async def ocr_request(self, body: OcrRequest) -> dict[str, Any]:
+    async def ocr_request(self, body: OcrInputs) -> dict[str, Any]:
         args: OcrEngineArgs = self.engine_args
         if body.images is None and body.document is None:
             raise InvalidRequest(
-                "images: send images (a list of base64 images) or document (a base64 PDF)", param="images"
+                "images: send images (base64 images, or files uploaded in the form field 'file') or document (a PDF)",
+                param="images",
             )
         if body.images is not None and body.document is not None:
             raise InvalidRequest("document: send either images or document, not both", param="document")
@@ -296,11 +378,11 @@ class OcrPredictor(UniversalPredictor):
         budget = PixelBudget(self.limits)
         sources: list[AsyncGenerator[Page, None]] = []
         if body.document is not None:
-            sources.append(self._input_pages(body.document, 0, "document", budget, document=True))
+            field, value = body.document
+            sources.append(self._input_pages(value, 0, field, budget, document=True))
         else:
             # Every image's headers are checked against the budget before the first is decoded.
-            for index, value in enumerate(body.images or []):
-                field = f"images[{index}]"
+            for index, (field, value) in enumerate(body.images or []):
                 raw = await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
                 frames = await asyncio.to_thread(image_pages, raw, index, field, self.limits, budget)
                 sources.append(_in_thread(frames))
@@ -343,11 +425,16 @@ class OcrPredictor(UniversalPredictor):
     def add_routes(self, router: APIRouter) -> None:
         @self.route("ocr")
         async def ocr(request: Request) -> Response:
-            body = await parse_json(request, OcrRequest, self.engine_args.max_body_bytes)
-            self.check_model(body.model)
+            limit = self.engine_args.max_body_bytes
+            if is_multipart_form(request):
+                model, inputs = form_request(await parse_form(request, limit))
+            else:
+                body = await parse_json(request, OcrRequest, limit)
+                model, inputs = body.model, body.inputs()
+            self.check_model(model)
             self.require_ready()
             # A client that leaves stops its request: decoding, a PDF render process, queued pages.
-            work = asyncio.ensure_future(self.ocr_request(body))
+            work = asyncio.ensure_future(self.ocr_request(inputs))
             gone = asyncio.ensure_future(_until_disconnect(request))
             try:
                 await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

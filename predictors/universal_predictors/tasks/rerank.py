@@ -26,30 +26,25 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, Task
-from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.devices import release_memory
+from universal_predictors.encoders.args import EncoderEngineArgs
+from universal_predictors.encoders.base import EncoderPredictor, load_model, load_tokenizer
+from universal_predictors.encoders.embedding import EmbeddingService, EmbedEngineArgs, TransformersEncoder
+from universal_predictors.encoders.limits import context_length_exceeded, input_limit
+from universal_predictors.encoders.padding import pad_batch
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import loads_json, parse_json, validation_error
-from universal_predictors.tasks.embed import EmbeddingService, EmbedEngineArgs, TransformersEncoder
 
 RerankMode = Literal["cross-encoder", "bi-encoder"]
 
 
-class RerankEngineArgs(BaseModel):
-    """Engine arguments of the rerank predictor (``--engine-arg key=value``)."""
-
-    model_config = ConfigDict(extra="forbid")
+class RerankEngineArgs(EncoderEngineArgs):
+    """Engine arguments of the rerank predictor (``--engine-arg key=value``); batches count pairs (or texts)."""
 
     mode: Literal["auto", "cross-encoder", "bi-encoder"] = "auto"
-    max_batch_size: int = Field(default=32, ge=1, le=1024, description="Pairs (or texts) per forward pass.")
-    max_wait_ms: float = Field(default=5.0, ge=0, le=1000)
-    max_batch_tokens: int = Field(default=16384, ge=1, description="Token budget of one forward pass.")
     max_documents: int = Field(default=1000, ge=1, description="Documents one request may rank.")
-    max_input_tokens: int | None = Field(default=None, ge=8, description="Cap below the model's own limit.")
-    device: str = "auto"
-    dtype: str = "auto"
 
 
 class Document(BaseModel):
@@ -96,26 +91,23 @@ def is_cross_encoder(source: str) -> bool:
 
 Pair = tuple[list[int], list[int]]  # input ids, token type ids
 
+_QUERY_REMEDY = "Shorten the query: it shares the model's input with each document, which is cut to fit the rest."
+
 
 class CrossEncoder:
     """A sequence-classification model scoring (query, document) pairs."""
 
     def __init__(self, source: str, args: RerankEngineArgs) -> None:
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        self.device = detect_device(args.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        dtype = dtype_for(self.device, args.dtype)
-        model = AutoModelForSequenceClassification.from_pretrained(source, local_files_only=True, dtype=dtype)
-        self.model = model.to(self.device).eval()
-        labels = int(model.config.num_labels)
+        self.tokenizer = load_tokenizer(source)
+        self.model, self.device = load_model(AutoModelForSequenceClassification, source, args)
+        labels = int(self.model.config.num_labels)
         if labels not in (1, 2):
             raise ValueError(f"a reranker needs a 1- or 2-label head; {source} has {labels} labels")
         self.labels = labels
-        positions = int(getattr(model.config, "max_position_embeddings", 512) or 512)
-        limit = min(int(self.tokenizer.model_max_length or positions), positions)
-        self.max_tokens = min(limit, args.max_input_tokens) if args.max_input_tokens else limit
+        self.max_tokens = input_limit(self.model.config, self.tokenizer, args.max_input_tokens)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.input_names = set(self.tokenizer.model_input_names)
         self.pair_specials = int(self.tokenizer.num_special_tokens_to_add(pair=True))
@@ -137,17 +129,8 @@ class CrossEncoder:
 
     def score(self, batch: Sequence[Pair]) -> list[float]:
         torch = self._torch
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        types = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (seq, tt) in enumerate(batch):
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            types[row, : len(tt)] = torch.tensor(tt, dtype=torch.long)
-            mask[row, : len(seq)] = 1
-        features = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-        if "token_type_ids" in self.input_names:
-            features["token_type_ids"] = types.to(self.device)
+        features = pad_batch([ids for ids, _ in batch], self.pad_id, self.device, token_types=[tt for _, tt in batch],
+                             with_token_types="token_type_ids" in self.input_names)  # fmt: skip
         with torch.inference_mode():
             logits = self.model(**features).logits.float()
             scores = torch.sigmoid(logits[:, 0]) if self.labels == 1 else torch.softmax(logits, dim=-1)[:, 1]
@@ -158,7 +141,7 @@ class CrossEncoder:
         release_memory(self.device)
 
 
-class RerankPredictor(UniversalPredictor):
+class RerankPredictor(EncoderPredictor):
     """One reranking model: a cross-encoder, or an embedding model as a bi-encoder."""
 
     task = Task.RERANK
@@ -179,11 +162,7 @@ class RerankPredictor(UniversalPredictor):
             )
             self.max_tokens = self.cross.max_tokens
         else:
-            embed_args = EmbedEngineArgs(
-                max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-                max_batch_tokens=args.max_batch_tokens, device=args.device, dtype=args.dtype,
-                max_input_tokens=args.max_input_tokens,
-            )  # fmt: skip
+            embed_args = EmbedEngineArgs(**args.model_dump(include=set(EncoderEngineArgs.model_fields)))
             self.embedder = EmbeddingService(TransformersEncoder(self.config.source, embed_args), self.name, embed_args)
             self.max_tokens = self.embedder.encoder.max_tokens
         self.backend = Backend.TRANSFORMERS
@@ -197,23 +176,19 @@ class RerankPredictor(UniversalPredictor):
             self.embedder.encoder.close()
             del self.embedder
 
-    def describe(self) -> dict[str, Any]:
-        if not self.ready:
-            return {}
-        return {"rerank_mode": self.mode, "max_input_tokens": self.max_tokens}
+    def card(self) -> dict[str, Any]:
+        return {"rerank_mode": self.mode}
 
     async def scores(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         """Relevance of each document to the query, and the tokens processed."""
         if self.mode == "cross-encoder":
             cross = self.cross
-            room = self.max_tokens - cross.pair_specials - cross.query_tokens(query)
-            if room < 1:
-                raise InvalidRequest(
-                    f"query is {cross.query_tokens(query)} tokens long and leaves no room for a document in this "
-                    f"model's {self.max_tokens} tokens",
-                    param="query",
-                    code="context_length_exceeded",
-                )
+            # The query and each document share the model's tokens; a document is cut to fit, so the query
+            # must leave room for at least one of its tokens.
+            query_limit = self.max_tokens - cross.pair_specials - 1
+            query_tokens = cross.query_tokens(query)
+            if query_tokens > query_limit:
+                raise context_length_exceeded("query", query_tokens, query_limit, _QUERY_REMEDY)
             if len(query) * len(documents) + sum(len(d) for d in documents) <= 16_384:
                 pairs = cross.pairs(query, documents)
             else:  # a big request is tokenized off the event loop
@@ -222,7 +197,8 @@ class RerankPredictor(UniversalPredictor):
             return values, sum(len(ids) for ids, _ in pairs)
         service = self.embedder
         [query_ids] = await service.tokenize([query], truncate=False)
-        service.check_lengths([query_ids], "query", "Shorten the query.")
+        if len(query_ids) > self.max_tokens:
+            raise context_length_exceeded("query", len(query_ids), self.max_tokens, "Shorten the query.")
         doc_ids = await service.tokenize(documents, truncate=True)
         vectors = await service.embed_ids([query_ids, *doc_ids])
         matrix = np.stack(vectors[1:])

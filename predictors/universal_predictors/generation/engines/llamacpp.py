@@ -53,7 +53,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from universal_predictors import metrics
 from universal_predictors.base import StartupError
 from universal_predictors.config import Backend, PredictorConfig
-from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
 from universal_predictors.generation.engine import (
     Engine,
@@ -61,9 +60,8 @@ from universal_predictors.generation.engine import (
     GenerationChunk,
     GenerationRequest,
     SamplingParams,
-    beyond_capacity,
 )
-from universal_predictors.generation.engines.common import drain_tokens
+from universal_predictors.generation.engines.common import Admission, QueuedSequence, stream_from_engine_thread
 
 logger = logging.getLogger(__name__)
 
@@ -413,24 +411,15 @@ def physical_cores(cpu_root: Path = Path("/sys/devices/system/cpu")) -> int:
 
 
 @dataclass(eq=False)
-class _Seq:
-    """One sequence, from admission to its last token. Fields below ``grammar`` belong to the engine thread."""
+class _Seq(QueuedSequence):
+    """One sequence, from admission to its last token. The fields here belong to the engine thread."""
 
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-    grammar: str | None  # llguidance grammar of the constraint, checked before admission
-    abandoned: bool = False  # set from the event loop: the consumer went away
     slot: _Slot | None = None
     pending: list[int] = field(default_factory=list)  # tokens to evaluate next: a prompt's rest, then the last sampled
     sampler: Any = None
     matcher: Any = None
     stops: frozenset[int] = frozenset()
     generated: int = 0
-
-    def send(self, item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
     @property
     def prefilling(self) -> bool:
@@ -519,8 +508,8 @@ class LlamaCppEngine(Engine):
         except ValueError as exc:
             raise StartupError(f"{self.path.name}: {exc}") from None
         self._queue: queue.SimpleQueue[_Seq | None] = queue.SimpleQueue()
-        #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
-        self._outstanding = 0
+        # The waiting ones + one per slot.
+        self.admission = Admission(self.n_parallel, args.max_queue, "engine args n_parallel + max_queue")
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})  # token bytes, without / with specials
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -701,16 +690,7 @@ class LlamaCppEngine(Engine):
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
-        capacity = self.largs.max_queue + self.n_parallel  # the waiting ones + one per slot
-        if sequences > capacity:
-            raise beyond_capacity(sequences, capacity, "engine args n_parallel + max_queue")
-        if self._outstanding + sequences > capacity:
-            raise self._overloaded()
-
-    def _overloaded(self) -> Unavailable:
-        waiting = max(0, self._outstanding - self.n_parallel)
-        return Unavailable(f"The model is overloaded ({waiting} sequences waiting); retry shortly.",
-                           code="overloaded")  # fmt: skip
+        self.admission.check(sequences)
 
     # -- requests (event loop side) -------------------------------------------------------------------
 
@@ -729,17 +709,11 @@ class LlamaCppEngine(Engine):
                 raise ValueError("this model's vocabulary cannot be read for constrained decoding")
             # Before the first await: an unenforceable schema is the response's 400, streamed or not.
             grammar = constraints.grammar_for(request.constraint)
-        self.check_capacity(1)
         seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar)
-        self._outstanding += 1
-        self._queue.put(seq)
-        try:
-            async with contextlib.aclosing(drain_tokens(self, seq.out, params.logprobs is not None)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            seq.abandoned = True  # the engine thread drops it before its next step
-            self._outstanding -= 1
+        stream = stream_from_engine_thread(self, self.admission, seq, self._queue.put)
+        async with contextlib.aclosing(stream) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     # -- the engine thread ----------------------------------------------------------------------------
 

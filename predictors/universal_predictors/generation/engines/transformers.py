@@ -43,11 +43,10 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
-    beyond_capacity,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
-from universal_predictors.generation.engines.common import drain_tokens
+from universal_predictors.generation.engines.common import Admission, QueuedSequence, stream_from_engine_thread
 
 logger = logging.getLogger(__name__)
 
@@ -178,29 +177,20 @@ def out_of_memory(stage: str) -> Unavailable:
 
 
 @dataclass(eq=False)
-class _Seq:
+class _Seq(QueuedSequence):
     """One sequence in the engine thread's batch."""
 
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-    grammar: str | None  # llguidance grammar of the constraint, checked before admission
     generator: Any  # torch.Generator
     matcher: Any = None  # llguidance.LLMatcher, made on the engine thread when the sequence arrives
     generated: list[int] = field(default_factory=list)
     counts: Any = None  # per-token counts for penalties (a tensor), lazily
     next_token: int | None = None  # sampled, not yet in the KV cache
-    abandoned: bool = False  # set from the event loop when the consumer goes away
     finished: bool = False
 
     @property
     def cost(self) -> int:
         """The most cache tokens this sequence can hold: its prompt and every token it may generate."""
         return len(self.request.prompt_ids) + self.request.params.max_tokens
-
-    def send(self, item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is listening
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 class TransformersEngine(Engine):
@@ -220,8 +210,7 @@ class TransformersEngine(Engine):
         #: Why the device can no longer compute (a sticky CUDA error), for :meth:`health`; None while it can.
         self._dead: str | None = None
         self.device = "cpu"
-        #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
-        self._outstanding = 0
+        self.admission = Admission(args.max_batch_size, args.max_queue, "engine args max_batch_size + max_queue")
         #: The batch's KV-cache budget in tokens; None: unbounded.
         self.token_budget: int | None = None
         #: Called on the engine thread before every forward step with (stage, rows, columns); a test seam
@@ -380,14 +369,7 @@ class TransformersEngine(Engine):
     def check_capacity(self, sequences: int = 1) -> None:
         if self._dead is not None:  # the engine thread has stopped: nothing would ever answer
             raise Unavailable(f"{self._dead}; the predictor restarts", code="engine_dead")
-        capacity = self.targs.max_batch_size + self.targs.max_queue
-        if sequences > capacity:
-            raise beyond_capacity(sequences, capacity, "engine args max_batch_size + max_queue")
-        if self._outstanding + sequences > capacity:
-            waiting = max(0, self._outstanding - self.targs.max_batch_size)
-            raise Unavailable(
-                f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
-            )
+        self.admission.check(sequences)
 
     # -- requests (event loop side) -------------------------------------------------------------------
 
@@ -407,24 +389,13 @@ class TransformersEngine(Engine):
                 raise ValueError("this model's tokenizer is not a fast tokenizer: output cannot be constrained")
             # Before the first await: an unenforceable schema is the response's 400, streamed or not.
             grammar = constraints.grammar_for(request.constraint)
-        # Admit before the first await, so that concurrent requests cannot all pass the check at once.
-        self.check_capacity(1)
-        self._outstanding += 1
-        try:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
-            seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar, generator)
-            self._incoming.put(seq)
-        except BaseException:
-            self._outstanding -= 1
-            raise
-        try:
-            async with contextlib.aclosing(drain_tokens(self, seq.out, request.params.logprobs is not None)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            seq.abandoned = True  # the engine thread drops it at its next step
-            self._outstanding -= 1
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
+        seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar, generator)
+        stream = stream_from_engine_thread(self, self.admission, seq, self._incoming.put)
+        async with contextlib.aclosing(stream) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))

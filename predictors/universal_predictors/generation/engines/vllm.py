@@ -33,7 +33,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from universal_predictors import metrics
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.devices import release_memory
-from universal_predictors.errors import RequestTooLarge, Unavailable
+from universal_predictors.errors import RequestTooLarge
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -41,10 +41,10 @@ from universal_predictors.generation.engine import (
     GenerationRequest,
     TokenLogprob,
     TopLogprob,
-    beyond_capacity,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
+from universal_predictors.generation.engines.common import Admission, overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +205,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self.device = "cpu"
         assert isinstance(args, _OwnArgs)
-        self._max_queue = args.max_queue
-        self._running = 1  # vLLM's max_num_seqs, known once loaded
-        #: Sequences admitted and not yet finished (running + waiting); only touched on the event loop.
-        self._outstanding = 0
+        # vLLM's max_num_seqs (the slots) is known once loaded.
+        self.admission = Admission(1, args.max_queue, "engine args max_num_seqs + max_queue")
         #: Admitted sequences without a first output yet: the queue-depth gauge. Our own count rather than
         #: vLLM's scheduler stats (``num_waiting_reqs``): those only reach this process with engine-core
         #: outputs (through a stat logger), so they go stale when the engine idles, e.g. after a waiting
@@ -241,7 +239,7 @@ class VllmEngine(Engine):
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
         self._context = int(model_config.max_model_len)
-        self._running = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
+        self.admission.slots = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
         self._vocab = int(model_config.get_vocab_size())
         eos: set[int] = set()
         ids = model_config.try_get_generation_config().get("eos_token_id")
@@ -300,8 +298,8 @@ class VllmEngine(Engine):
         return {
             "device": self.device,
             "max_model_len": self._context,
-            "max_num_seqs": self._running,
-            "max_queue": self._max_queue,
+            "max_num_seqs": self.admission.slots,
+            "max_queue": self.admission.max_queue,
             "engine_args": set_args,
         }
 
@@ -314,25 +312,18 @@ class VllmEngine(Engine):
         return None
 
     def check_capacity(self, sequences: int = 1) -> None:
-        capacity = self._running + self._max_queue
-        if sequences > capacity:
-            raise beyond_capacity(sequences, capacity, "engine args max_num_seqs + max_queue")
-        if self._outstanding + sequences > capacity:
-            waiting = max(0, self._outstanding - self._running)
-            raise Unavailable(
-                f"The model is overloaded ({waiting} sequences waiting); retry shortly.", code="overloaded"
-            )
+        self.admission.check(sequences)
         from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
 
         try:  # vLLM's own limits (max_num_queued_reqs, max_num_queued_tokens) when they are set
             self._llm.check_admission(sequences)
         except (QueueOverflowError, MaxQueuedTokensError) as exc:
-            if self._outstanding == 0:  # refused by an idle engine: it never fits, waiting cannot help
+            if self.admission.outstanding == 0:  # refused by an idle engine: it never fits, waiting cannot help
                 raise RequestTooLarge(
                     f"The request is larger than vLLM ever queues at once ({exc}); send fewer or shorter prompts.",
                     code="request_too_large",
                 ) from None
-            raise Unavailable("The model is overloaded; retry shortly.", code="overloaded") from None
+            raise overloaded() from None
 
     def _set_waiting(self, change: int) -> None:
         self._waiting += change
@@ -381,7 +372,7 @@ class VllmEngine(Engine):
         # n choices share the layer's request id; vLLM needs one id per sequence.
         request_id = f"{request.request_id}-{next(self._ids)}"
         stream = self._llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request_id)
-        self._outstanding += 1
+        self.admission.outstanding += 1
         self._set_waiting(1)
         waiting = True
         want_logprobs = request.params.logprobs is not None
@@ -396,7 +387,7 @@ class VllmEngine(Engine):
                 except StopAsyncIteration:
                     return
                 except (QueueOverflowError, MaxQueuedTokensError):  # vLLM's own limits, when set
-                    raise Unavailable("The model is overloaded; retry shortly.", code="overloaded") from None
+                    raise overloaded() from None
                 except (ValueError, VLLMClientError) as exc:  # a request vLLM refuses (schema, limits)
                     raise ValueError(str(exc)) from None
                 except EngineGenerateError as exc:  # vLLM wraps what its input processing rejects
@@ -427,7 +418,7 @@ class VllmEngine(Engine):
         finally:
             if waiting:
                 self._set_waiting(-1)
-            self._outstanding -= 1
+            self.admission.outstanding -= 1
             await stream.aclose()  # vLLM's generator aborts an unfinished request when closed
             if not finished and self._llm is not None:
                 await self._llm.abort(request_id)
