@@ -73,6 +73,29 @@ def unquote(raw: str) -> str | None:
     return None
 
 
+#: :func:`streamable_call_name`'s answer while the text so far cannot tell the call's name yet.
+WAIT = "\x00wait"
+
+
+def streamable_call_name(rest: str, head: re.Match[str], default: str | None, known: frozenset[str]) -> str | None:
+    """The name of the call whose head ``head`` matched at the start of ``rest``, if it can be streamed.
+
+    The name comes from the head, else from ``default`` (the only tool), else it follows the arguments
+    object, and then is known only once that object has closed: :data:`WAIT` until then. ``None``: not a
+    call that can be streamed (no arguments object, or a tool the request did not offer).
+    """
+    name = unquote(head.group(1)) if head.group(1) is not None else default
+    if name is None and rest[head.end()] == "{":  # the name follows the arguments
+        end = json_value_end(rest[head.end() :])
+        after = NAME_AFTER.match(rest, head.end() + end) if end is not None else None
+        if after is None:
+            return WAIT
+        name = unquote(after.group(1))
+    if rest[head.end()] != "{" or name not in known:
+        return None
+    return name
+
+
 def split_call(fragment: str, head: re.Pattern[str]) -> tuple[str, str] | None:
     """A call object's name and its arguments as the model wrote them (so a streamed call and a unary
     one carry the same text), or None when ``fragment`` is not such an object."""
@@ -275,17 +298,12 @@ class JSONCallStreamer:
                 head = syntax.head.match(rest)
                 if head is None or not rest[head.end() :]:
                     return out
-                name = unquote(head.group(1)) if head.group(1) is not None else None
-                if head.group(1) is None and rest[head.end()] == "{":  # the name follows the arguments
-                    end = json_value_end(rest[head.end() :])
-                    after = NAME_AFTER.match(rest, head.end() + end) if end is not None else None
-                    if after is None:
-                        return out
-                    name = unquote(after.group(1))
-                if rest[head.end()] != "{" or name not in self.known:
+                name = streamable_call_name(rest, head, None, self.known)
+                if name is WAIT:
+                    return out
+                if name is None:
                     self.mode = "whole"  # not a call we can stream: decided at the end
                     return out
-                assert name is not None
                 out.append(self.args.start(name, syntax.call_id()))
                 self.pos += head.end()
                 self.args_start = self.pos

@@ -13,14 +13,14 @@ from typing import Any
 
 from universal_predictors.generation.tools.base import ParsedToolCalls
 from universal_predictors.generation.tools.calls import (
-    NAME_AFTER,
+    WAIT,
     ArgumentsStream,
     call_head,
     json_value_end,
     loose_call,
     split_call,
+    streamable_call_name,
     tool_call,
-    unquote,
 )
 
 _HEAD = call_head(("arguments",))
@@ -77,17 +77,12 @@ class ConstrainedCallStreamer:
                     return out
                 # The name comes first or is the only tool's; else it follows the arguments: wait for it.
                 only = next(iter(self.known)) if len(self.known) == 1 else None
-                name = unquote(head.group(1)) if head.group(1) is not None else only
-                if name is None and rest[head.end()] == "{":
-                    end = json_value_end(rest[head.end() :])
-                    after = NAME_AFTER.match(rest, head.end() + end) if end is not None else None
-                    if after is None:
-                        return out
-                    name = unquote(after.group(1))
-                if rest[head.end()] != "{" or name not in self.known:
+                name = streamable_call_name(rest, head, only, self.known)
+                if name is WAIT:
+                    return out
+                if name is None:
                     self.mode = "whole"  # not a call we can stream: decided at the end
                     return out
-                assert name is not None
                 out.append(self.args.start(name, self.call_id()))
                 self.pos += head.end()
                 self.args_start = self.pos
