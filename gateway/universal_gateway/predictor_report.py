@@ -7,6 +7,11 @@ has relayed an answer from the model (the predictor is up then: asking never wak
 once per spec generation, and merge-patches ``status.predictorReport`` (``patch`` on
 ``universalmodels/status``, nothing on the spec); the operator, the one writer of ``status.backend``, reports
 it from there. Locally the supervisor asks once a process is ready and shows it in ``ps``.
+
+Why the status subresource is a safe grant: a write to ``/status`` ignores changes to anything but the
+status stanza (Kubernetes v1.28 ``staging/src/k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1/types.go``,
+``CustomResourceSubresourceStatus``; enforced by ``pkg/registry/customresource/status_strategy.go``), so the
+gateway's ``patch`` on ``universalmodels/status`` cannot change a model's spec, metadata or finalizers.
 """
 
 from __future__ import annotations
