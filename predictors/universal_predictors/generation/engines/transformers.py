@@ -446,15 +446,17 @@ class TransformersEngine(Engine):
                     new_cache = new_mask = None
                 except Exception as exc:  # a failed step fails its sequences, not the engine
                     logger.exception("generation step failed")
-                    for seq in active + arrivals:
-                        seq.send(RuntimeError(f"generation failed: {exc}"))
-                    active, cache, mask = [], None, None
                     if isinstance(exc, torch.AcceleratorError):
                         # A device-side fault (illegal address, ECC, launch failure) poisons the CUDA context for
                         # the rest of the process: every later kernel fails too (torch 2.13 raises
                         # AcceleratorError for cudaError results, c10/cuda/CUDAException.h). Only a new process
-                        # recovers: health() says so, readiness fails and the predictor exits.
+                        # recovers: health() says so, readiness fails and the predictor exits. Set before the
+                        # sequences hear of the failure, so that whoever they wake already sees the engine dead.
                         self._dead = f"the GPU reported an unrecoverable error: {exc}".splitlines()[0]
+                    for seq in active + arrivals:
+                        seq.send(RuntimeError(f"generation failed: {exc}"))
+                    active, cache, mask = [], None, None
+                    if self._dead is not None:
                         for seq in waiting:
                             seq.send(RuntimeError(self._dead))
                         waiting.clear()
