@@ -29,8 +29,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
 from universal_predictors.images import FORMAT_NAMES as _FORMAT_NAMES
-from universal_predictors.images import IMAGE_FORMATS, decode_base64  # decode_base64: for the OCR task
+from universal_predictors.images import IMAGE_FORMATS
 from universal_predictors.images import check_bytes as _shared_check_bytes
+from universal_predictors.images import decode_base64 as decode_base64  # the OCR task imports it from here
 from universal_predictors.images import to_rgb as _to_rgb
 
 logger = logging.getLogger(__name__)
