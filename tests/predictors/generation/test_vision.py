@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.predictors.generation.conftest import EngineCase, start_engine
-from tests.predictors.generation.tiny_vlm import VlmShape, data_url, png_bytes, render_image
+from tests.predictors.generation.tiny_vlm import Reference, VlmShape, data_url, png_bytes, render_image
 from tests.predictors.harness import PredictorProcess
 from tests.predictors.image_server import ImageServer, image_server
 from universal_predictors.config import Backend
@@ -59,35 +59,6 @@ def predictor(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 def client(predictor: PredictorProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
-
-
-class Reference:
-    """The tiny LLaVA in-process: transformers' own processor chat template, processor and greedy generate."""
-
-    def __init__(self, path: Path) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(path)
-        self.model = AutoModelForImageTextToText.from_pretrained(path).eval()
-
-    def generate(self, content: list[dict[str, Any]], max_tokens: int) -> tuple[list[int], int]:
-        """Greedy ids for one user message of parts (``{"type": "image", "image": PIL}``), and the prompt length."""
-        import torch
-
-        messages = [{"role": "user", "content": content}]
-        inputs = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.no_grad():
-            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-        prompt = int(inputs["input_ids"].shape[1])
-        return [int(t) for t in out[0, prompt:]], prompt
-
-    def text(self, ids: list[int]) -> str:
-        return str(self.processor.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def token(self, token_id: int) -> str:
-        return str(self.processor.tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 @pytest.fixture(scope="module")
