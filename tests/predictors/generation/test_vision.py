@@ -157,6 +157,9 @@ def test_streaming_with_an_image_equals_the_unary_answer(client: openai.OpenAI) 
     chunks = list(chat(client, messages, max_tokens=10, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    both = chat(client, messages, max_tokens=10, n=2)  # the n choices share one processed prompt
+    assert [c.message.content for c in both.choices] == [whole.choices[0].message.content] * 2
+    assert both.usage.prompt_tokens == whole.usage.prompt_tokens
 
 
 CITY = {
@@ -287,3 +290,30 @@ def test_images_outside_user_messages_and_other_part_types_are_400(client: opena
     error = error_of(lambda: chat(client, audio, max_tokens=2))
     assert error.status_code == 400
     assert "input_audio" in error.body["message"]
+
+
+# -- engine args ---------------------------------------------------------------------------------------
+
+
+def test_the_image_limits_are_the_openai_layers_engine_args_on_every_backend(
+    tiny_llama_dir: Path, tiny_llama_gguf: Path
+) -> None:
+    """The engines, which reject keys they do not know, never see them; a bad value stops start-up naming it."""
+    from universal_predictors.base import StartupError
+    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.tasks.generate import GeneratePredictor
+
+    def config(backend: Backend, **engine_args: str) -> PredictorConfig:
+        source = tiny_llama_gguf if backend is Backend.LLAMACPP else tiny_llama_dir
+        return PredictorConfig(
+            model_name="m", task=Task.GENERATE, backend=backend, source=str(source), engine_args=engine_args
+        )
+
+    for backend in (Backend.TRANSFORMERS, Backend.LLAMACPP):
+        predictor = GeneratePredictor(config(backend, max_images="2", image_url_hosts="a.example.com, *.b.example.com"))
+        assert predictor.service.image_args.max_images == 2
+        assert predictor.service.image_args.url_policy().hosts == ("a.example.com", "*.b.example.com")
+    with pytest.raises(StartupError) as error:
+        GeneratePredictor(config(Backend.TRANSFORMERS, max_image_bytes="lots"))
+    assert "'max_image_bytes'" in str(error.value)
+    assert "\n" not in str(error.value)
