@@ -14,7 +14,13 @@ three engines only differ where they really do:
   drives it) must stop that sequence promptly and free its slot: that is how a client disconnect or
   a matched stop string ends generation;
 * what it can do: :attr:`Engine.capabilities` (penalties, logprobs, constraints); the OpenAI layer
-  answers 400 for what an engine cannot do, before calling it.
+  answers 400 for what an engine cannot do, before calling it;
+* images: :attr:`Engine.vision` says whether the loaded model has a vision part (None: a chat request with
+  images gets a 400 naming the model, on every engine); a vision engine renders messages with images
+  in :meth:`Engine.multimodal_prompt` into a :class:`MultimodalPrompt` (the prompt ids as it counts them,
+  images expanded, and its own processed inputs), which reaches :meth:`Engine.generate` on
+  :attr:`GenerationRequest.multimodal`. The OpenAI layer loads and checks the images first
+  (``generation.images``: data URLs, allowed http(s) URLs, the limits).
 
 Engines are registered in :mod:`.engines` and chosen by ``--backend`` (``auto`` resolves there).
 """
@@ -31,7 +37,7 @@ from pydantic import BaseModel
 
 from universal_predictors.config import Backend, PredictorConfig
 from universal_predictors.engine_args import NoEngineArgs
-from universal_predictors.errors import RequestTooLarge
+from universal_predictors.errors import InvalidRequest, RequestTooLarge
 
 FinishReason = Literal["stop", "length"]
 
@@ -44,6 +50,16 @@ def beyond_capacity(sequences: int, capacity: int, limits: str) -> RequestTooLar
         f"({limits}). Send fewer prompts or a smaller n.",
         param="n",
         code="too_many_sequences",
+    )
+
+
+def no_vision(model_name: str, param: str | None = None) -> InvalidRequest:
+    """The 400 for a chat request with images to a model without a vision part (any engine)."""
+    return InvalidRequest(
+        f"The model {model_name!r} has no vision encoder; send text only or serve a vision-language model "
+        "(a model with an image processor: see docs/tasks/generate.md, Images in chat).",
+        param=param,
+        code="images_not_supported",
     )
 
 
@@ -103,6 +119,33 @@ class JSONSchemaConstraint:
 
 
 @dataclass(frozen=True)
+class VisionSupport:
+    """What the loaded model's vision part takes (:attr:`Engine.vision`)."""
+
+    #: The most pixels an image is worth to the model's processor (its resize target): larger images are
+    #: downscaled to this before processing, aspect ratio kept. None: the processor resizes on its own.
+    max_pixels: int | None = None
+
+
+@dataclass(frozen=True)
+class MultimodalPrompt:
+    """A chat prompt with images, as one vision engine prepared it (:meth:`Engine.multimodal_prompt`).
+
+    ``prompt_ids`` are the ids the engine will run, each image's placeholder expanded into its image
+    tokens: the context check and ``usage.prompt_tokens`` count them. ``images`` are the request's images
+    in prompt order (RGB, already within the limits); ``inputs`` is the engine's own processed form
+    (pixel values and their sizes for transformers, multimodal data for vLLM, ...), opaque to the OpenAI
+    layer. One prompt is shared by the ``n`` choices of a request: engines must not mutate it.
+    """
+
+    prompt_ids: Sequence[int]
+    images: tuple[Any, ...]  # PIL.Image.Image; Any so that this module does not import Pillow
+    inputs: Any = None
+    #: How many of ``prompt_ids`` stand for images (for the log and metrics; usage counts them all).
+    image_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate (``n`` choices are ``n`` requests)."""
 
@@ -110,6 +153,9 @@ class GenerationRequest:
     prompt_ids: Sequence[int]
     params: SamplingParams
     constraint: JSONSchemaConstraint | None = None
+    #: The prompt's images, when it has any (then ``prompt_ids`` is ``multimodal.prompt_ids``); only an
+    #: engine whose :attr:`Engine.vision` is set is ever given one.
+    multimodal: MultimodalPrompt | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +267,28 @@ class Engine(ABC):
         if not template:
             raise NoChatTemplate(f"the model {self.config.model_name!r} has no chat template")
         return render_chat_template(template, messages, tools, self.special_tokens)
+
+    # -- images ---------------------------------------------------------------------------------------
+
+    @property
+    def vision(self) -> VisionSupport | None:
+        """The loaded model's vision part; None for a text-only model (the default): chat requests with
+        images then get :func:`no_vision` (400) before any image is fetched or decoded."""
+        return None
+
+    def multimodal_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        images: Sequence[Any],
+    ) -> MultimodalPrompt:
+        """The prompt for ``messages`` with the generation prompt appended, where a message's content may be
+        a list of Hugging Face parts, ``{"type": "text", "text": ...}`` and ``{"type": "image"}``, each image
+        part standing for the next of ``images`` (PIL RGB images, in order). The engine renders its chat
+        template with its image placeholders and prepares the images (blocking: called on a worker thread).
+        NoChatTemplate without a template; ValueError for messages it cannot take (a 400). Only called when
+        :attr:`vision` is set."""
+        raise NoChatTemplate(f"the model {self.config.model_name!r} takes no images")
 
     # -- generation -----------------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ generation starts."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +16,10 @@ from universal_predictors.generation.engine import (
     Engine,
     GenerationRequest,
     JSONSchemaConstraint,
+    MultimodalPrompt,
     NoChatTemplate,
     SamplingParams,
+    no_vision,
 )
 from universal_predictors.generation.protocol import (
     ChatCompletionRequest,
@@ -74,6 +78,19 @@ def tool_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint |
     return JSONSchemaConstraint(options[0] if len(options) == 1 else {"anyOf": options}, param="tools"), None
 
 
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """A chat template's refusals as 400s."""
+    try:
+        yield
+    except NoChatTemplate as exc:
+        raise InvalidRequest(
+            f"{exc}; use /v1/completions with a prompt instead", param="messages", code="chat_template_missing"
+        ) from None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="messages") from None
+
+
 class RequestPlanner:
     """Validates chat and completions requests against one engine and plans their choices."""
 
@@ -119,6 +136,7 @@ class RequestPlanner:
         max_tokens: int | None,
         logprobs: int | None,
         constraint: JSONSchemaConstraint | None,
+        multimodal: MultimodalPrompt | None = None,
     ) -> Plan:
         if constraint is not None and not self.engine.capabilities.constraints:
             raise InvalidRequest(
@@ -136,14 +154,17 @@ class RequestPlanner:
         for p, ids in enumerate(prompts):
             for i in range(body.n):
                 params = self._params(body, len(ids), max_tokens, logprobs, i)
-                jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint)))
+                jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint, multimodal)))
         self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
         return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    @staticmethod
+    def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools as a chat template takes them; a message with images has its content as
+        Hugging Face parts (``{"type": "image"}`` for each image, see ``Message.parts``)."""
         messages = []
         for m in body.messages:
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.parts()}
             if m.name:
                 message["name"] = m.name
             if m.tool_call_id:
@@ -152,18 +173,28 @@ class RequestPlanner:
                 message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             messages.append(message)
         tools = [t.model_dump() for t in body.tools] if body.tools else None
-        try:
+        return messages, tools
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages, tools = self.chat_messages(body)
+        with _template_errors():
             text = self.engine.apply_chat_template(messages, tools)
-        except NoChatTemplate as exc:
-            raise InvalidRequest(
-                f"{exc}; use /v1/completions with a prompt instead", param="messages", code="chat_template_missing"
-            ) from None
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
         return self.engine.tokenize(text, add_special_tokens=False)
 
-    def plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, str | None]:
-        """The plan, and the forced function's name when ``tool_choice`` names one."""
+    def multimodal_prompt(self, body: ChatCompletionRequest, images: list[Any]) -> MultimodalPrompt:
+        """The engine's prompt for a chat request with images (already loaded, in prompt order). Blocking:
+        the engine's processor runs here; call it on a worker thread."""
+        messages, tools = self.chat_messages(body)
+        with _template_errors():
+            return self.engine.multimodal_prompt(messages, tools, images)
+
+    def plan_chat(
+        self, body: ChatCompletionRequest, multimodal: MultimodalPrompt | None = None
+    ) -> tuple[Plan, str | None]:
+        """The plan, and the forced function's name when ``tool_choice`` names one. A request with images
+        needs their ``multimodal`` prompt (:meth:`multimodal_prompt`); without it, it is refused."""
+        if multimodal is None and body.images():
+            raise no_vision(self.engine.config.model_name, body.images()[0][0])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self._check_capabilities(body, logprobs)
         constraint, forced = tool_constraint(body)
@@ -173,9 +204,9 @@ class RequestPlanner:
             elif body.response_format.type == "json_schema":
                 assert body.response_format.json_schema is not None
                 constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
-        ids = self._chat_prompt(body)
+        ids = list(multimodal.prompt_ids) if multimodal is not None else self._chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return self._plan(body, [ids], max_tokens, logprobs, constraint), forced
+        return self._plan(body, [ids], max_tokens, logprobs, constraint, multimodal), forced
 
     def plan_completion(self, body: CompletionRequest) -> Plan:
         self._check_capabilities(body, body.logprobs)

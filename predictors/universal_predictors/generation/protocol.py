@@ -29,6 +29,34 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _IGNORE
+
+    #: A ``data:image/...;base64,...`` URL, or an ``http(s)`` URL from a host the engine arg
+    #: ``image_url_hosts`` allows (:mod:`universal_predictors.images`).
+    url: Annotated[str, Field(min_length=1)]
+    #: OpenAI's resolution hint; accepted, and the model's processor decides the resolution.
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(BaseModel):
+    """An image in a user message (OpenAI's ``image_url`` content part)."""
+
+    model_config = _IGNORE
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+#: A content part: OpenAI's other user parts (``input_audio``, ``file``) are refused by name.
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ImagesNotAccepted(ValueError):
+    """Text was asked of a message that carries images: the caller must handle the images (a vision
+    model) or refuse them, never drop them silently."""
+
+
 class FunctionCall(BaseModel):
     model_config = _IGNORE
 
@@ -48,7 +76,7 @@ class Message(BaseModel):
     model_config = _IGNORE
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -57,14 +85,38 @@ class Message(BaseModel):
     def _content_required(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        if self.role != "user" and self.images():
+            # OpenAI takes image parts in user messages only (system, developer, assistant and tool content is
+            # text); a prompt with an image elsewhere would be one this API cannot express.
+            raise ValueError(f"image_url parts are only allowed in user messages, not in a {self.role} message")
         return self
 
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The image parts with their index in ``content``."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
     def text(self) -> str:
+        """The message's text; :class:`ImagesNotAccepted` if it has image parts (see :meth:`parts`)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        if self.images():
+            raise ImagesNotAccepted("the message has image_url parts; only a vision-language model takes them")
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def parts(self) -> str | list[dict[str, str]]:
+        """The content for a chat template: a string when it is text only, else the Hugging Face
+        multimodal form, ``[{"type": "text", "text": ...}, {"type": "image"}, ...]`` in the client's order
+        (each ``{"type": "image"}`` stands for the next image of the request)."""
+        if not isinstance(self.content, list) or not self.images():
+            return self.text()
+        return [
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+            for part in self.content
+        ]
 
 
 class FunctionDef(BaseModel):
@@ -154,6 +206,7 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
+
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -161,6 +214,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def images(self) -> list[tuple[str, ImagePart]]:
+        """Every image part of the request in prompt order, with its field path
+        (``messages[0].content[1].image_url``) for error messages."""
+        return [
+            (f"messages[{m}].content[{i}].image_url", part)
+            for m, message in enumerate(self.messages)
+            for i, part in message.images()
+        ]
 
 
 class CompletionRequest(SamplingFields):

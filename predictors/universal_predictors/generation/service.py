@@ -6,11 +6,13 @@ completions for one served model, put together from engine-independent parts:
 - :mod:`.streaming`: running the choices (stop strings via :mod:`.stops`), admission, SSE, cancellation
   when the client goes;
 - :mod:`.responses`: the unary and streamed response bodies, usage and logprobs;
-- :mod:`.tools`: tool-call formats per model family, chosen from the chat template or an engine arg.
+- :mod:`.tools`: tool-call formats per model family, chosen from the chat template or an engine arg;
+- :mod:`.images`: a chat request's ``image_url`` parts loaded within the limits, for a vision engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -18,7 +20,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.generation.engine import Engine, GenerationRequest, SamplingParams
+from universal_predictors.generation.engine import (
+    Engine,
+    GenerationRequest,
+    MultimodalPrompt,
+    SamplingParams,
+    no_vision,
+)
+from universal_predictors.generation.images import ImageArgs, check_count, load_images
 from universal_predictors.generation.planning import COMPLETIONS_DEFAULT_MAX_TOKENS, RequestPlanner, context_error
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_shape, completion_shape, respond
@@ -34,11 +43,19 @@ class GenerationService:
     """The OpenAI chat/completions behaviour of one served model.
 
     ``tool_call_parser`` names the model's tool-call format (an engine arg, already checked); without it
-    the format is read from the chat template once the engine has loaded."""
+    the format is read from the chat template once the engine has loaded. ``image_args`` are the limits
+    on chat images (engine args; the defaults when not given)."""
 
-    def __init__(self, engine: Engine, model_name: str, tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        tool_call_parser: str | None = None,
+        image_args: ImageArgs | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.image_args = image_args or ImageArgs()
         self.planner = RequestPlanner(engine)
         self.runner = ChoiceRunner(engine, model_name)
         self._tool_call_parser = tool_call_parser
@@ -54,9 +71,19 @@ class GenerationService:
         return self._tool_parser
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        plan, forced = self.planner.plan_chat(body)
+        multimodal = await self._multimodal_prompt(body) if body.images() else None
+        plan, forced = self.planner.plan_chat(body, multimodal)
         tools = ChatTools(body, forced, self.tool_parser)
         return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
+
+    async def _multimodal_prompt(self, body: ChatCompletionRequest) -> MultimodalPrompt:
+        """A 400 for a model without a vision part (before anything is fetched), then the images loaded
+        within the limits and the engine's prompt made from them (its processor runs off the event loop)."""
+        vision = self.engine.vision
+        if vision is None:
+            raise no_vision(self.model_name, body.images()[0][0])
+        images = await load_images(check_count(body, self.image_args), self.image_args, vision.max_pixels)
+        return await asyncio.to_thread(self.planner.multimodal_prompt, body, images)
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         plan = self.planner.plan_completion(body)

@@ -7,19 +7,17 @@ page is decoded; pages are then decoded one at a time (:func:`image_pages`). A P
 process (:class:`PdfRenderers`) with a time budget (``pdf_timeout_s``): a small file whose page draws nested
 forms a billion times is killed there, instead of pinning a core and PDFium's lock. Every client mistake
 is an :class:`InvalidRequest` (400) and every limit an :class:`RequestTooLarge` (413) naming the field,
-the limit's engine argument and its value.
+the limit's engine argument and its value. What other image inputs share (base64, opening an image from its header,
+RGB on white) lives in :mod:`universal_predictors.images`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import io
 import logging
 import multiprocessing
-import re
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -27,18 +25,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
+from universal_predictors.images import FORMAT_NAMES as _FORMAT_NAMES
+from universal_predictors.images import IMAGE_FORMATS
+from universal_predictors.images import check_bytes as _shared_check_bytes
+from universal_predictors.images import decode_base64 as decode_base64  # the OCR task imports it from here
+from universal_predictors.images import to_rgb as _to_rgb
 
 logger = logging.getLogger(__name__)
-
-#: Pillow's names for the formats a client may send as an image.
-IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "WEBP")
-_FORMAT_NAMES = "PNG, JPEG, TIFF or WebP"
-
-_DATA_URL = re.compile(r"^data:[\w.+/-]*(;[\w=.+-]*)*;base64,", re.IGNORECASE)
 
 # PDFium is not thread-safe; decoding runs on worker threads, so every PDFium call holds this lock.
 _PDFIUM_LOCK = threading.Lock()
@@ -85,33 +81,6 @@ class Page:
     dpi: int | None
 
 
-def _human(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
-
-
-def decode_base64(value: str, field: str, max_bytes: int) -> bytes:
-    """Standard or URL-safe base64, with or without padding, line breaks or a ``data:`` URL prefix."""
-    text = _DATA_URL.sub("", value.strip(), count=1)
-    if any(c.isspace() for c in text[:4096]) or "\n" in text:
-        text = "".join(text.split())
-    if not text:
-        raise InvalidRequest(f"{field}: is empty", param=field, code="invalid_image")
-    estimated = len(text) * 3 // 4
-    if estimated > max_bytes + 2:
-        raise RequestTooLarge(
-            f"{field}: the decoded data is about {_human(estimated)}; the limit max_image_bytes is {_human(max_bytes)}",
-            param=field,
-            code="image_too_large",
-        )
-    text += "=" * (-len(text) % 4)
-    try:
-        if "-" in text or "_" in text:
-            return base64.urlsafe_b64decode(text.encode("ascii"))
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError, UnicodeEncodeError):
-        raise InvalidRequest(f"{field}: is not valid base64", param=field, code="invalid_base64") from None
-
-
 def is_pdf(data: bytes) -> bool:
     # The header may follow a little junk; PDF readers look in the first kilobyte.
     return b"%PDF-" in data[:1024]
@@ -133,22 +102,6 @@ def _check_pages(total: int, field: str, limits: Limits) -> None:
             param=field,
             code="too_many_pages",
         )
-
-
-def _to_rgb(frame: Image.Image) -> Image.Image:
-    """RGB on white: transparent areas would otherwise turn black and hide black text."""
-    if frame.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        # Deep greyscale (scans, microscopy): stretch to 8 bits instead of clipping at 255.
-        values = np.asarray(frame, dtype=np.float32)
-        low, high = float(values.min()), float(values.max())
-        frame = Image.fromarray(((values - low) * (255.0 / ((high - low) or 1.0))).astype(np.uint8))
-    if frame.mode == "P" and "transparency" in frame.info:
-        frame = frame.convert("RGBA")
-    if frame.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        frame = frame.convert("RGBA")
-        background = Image.new("RGBA", frame.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, frame).convert("RGB")
-    return frame.convert("RGB")
 
 
 def _image_dpi(image: Image.Image) -> int | None:
@@ -404,10 +357,4 @@ def decode_image_bytes(value: str | bytes, field: str, limits: Limits) -> bytes:
 
 
 def _check_bytes(data: bytes, field: str, limits: Limits) -> None:
-    if len(data) > limits.max_image_bytes:
-        raise RequestTooLarge(
-            f"{field}: the decoded data is {_human(len(data))}; the limit max_image_bytes is "
-            f"{_human(limits.max_image_bytes)}",
-            param=field,
-            code="image_too_large",
-        )
+    _shared_check_bytes(data, field, limits.max_image_bytes)

@@ -19,6 +19,7 @@ from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
+from universal_predictors.generation.images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
 from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named
@@ -31,23 +32,28 @@ class _DeferredArgs(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def _without_tool_call_parser(config: PredictorConfig) -> tuple[Callable[[Backend], str | None], PredictorConfig]:
-    """``tool_call_parser`` is the OpenAI layer's engine arg, not an engine's: the config without it (for
-    the backend choice and the engine's own args), and the value it gives a backend."""
-    key = TOOL_CALL_PARSER_ARG
+#: The OpenAI layer's engine args, the same on every backend: the tool-call format and the chat-image limits.
+LAYER_ARG_KEYS = frozenset({TOOL_CALL_PARSER_ARG, *IMAGE_ARG_KEYS})
 
-    def value(backend: Backend) -> str | None:
-        return config.engine_args_for(backend).get(key)
+
+def _without_layer_args(config: PredictorConfig) -> tuple[Callable[[Backend], dict[str, str]], PredictorConfig]:
+    """``tool_call_parser`` and the image limits are the OpenAI layer's engine args, not an engine's: the
+    config without them (for the backend choice and the engine's own args), and the values they give a
+    backend."""
+
+    def values(backend: Backend) -> dict[str, str]:
+        return {k: v for k, v in config.engine_args_for(backend).items() if k in LAYER_ARG_KEYS}
 
     stripped = config.model_copy(
         update={
-            "engine_args": {k: v for k, v in config.engine_args.items() if k != key},
+            "engine_args": {k: v for k, v in config.engine_args.items() if k not in LAYER_ARG_KEYS},
             "engine_arg_defaults": {
-                b: {k: v for k, v in args.items() if k != key} for b, args in config.engine_arg_defaults.items()
+                b: {k: v for k, v in args.items() if k not in LAYER_ARG_KEYS}
+                for b, args in config.engine_arg_defaults.items()
             },
         }
     )
-    return value, stripped
+    return values, stripped
 
 
 class GeneratePredictor(UniversalPredictor):
@@ -58,9 +64,10 @@ class GeneratePredictor(UniversalPredictor):
 
     def __init__(self, config: PredictorConfig) -> None:
         super().__init__(config)
-        tool_call_parser, config = _without_tool_call_parser(config)
+        layer_args, config = _without_layer_args(config)
         self.backend = resolve_backend(config)
-        parser = tool_call_parser(self.backend)
+        layer = layer_args(self.backend)
+        parser = layer.pop(TOOL_CALL_PARSER_ARG, None)
         if parser is not None:
             try:
                 tool_parser_named(parser)
@@ -75,11 +82,12 @@ class GeneratePredictor(UniversalPredictor):
             config.engine_args_for(self.backend),
             f"the {self.backend.value} backend of task {self.task.value}",
         )
+        image_args = parse_engine_args(ImageArgs, layer, f"the chat images of task {self.task.value}")
         unusable = gpu_unusable_reason(self.backend, allocated_gpus())
         if unusable is not None:
             raise StartupError(unusable)
         self.engine_impl = cls(config, args)
-        self.service = GenerationService(self.engine_impl, config.model_name, parser)
+        self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args)
 
     def load(self) -> bool:
         self.engine_impl.load()
@@ -98,6 +106,7 @@ class GeneratePredictor(UniversalPredictor):
         return {
             "context_length": self.engine_impl.context_length,
             "max_model_len": self.engine_impl.context_length,
+            "vision": self.engine_impl.vision is not None,
             **self.engine_impl.describe(),
         }
 

@@ -56,8 +56,9 @@ def corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer (GPT-2 style) trained on :func:`corpus`, BOS added by the post-processor."""
+def train_tokenizer(vocab_size: int, extra_special: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE tokenizer (GPT-2 style) trained on :func:`corpus`, BOS added by the post-processor;
+    ``extra_special`` are more special tokens (a vision model's image placeholder), after the usual ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -65,7 +66,7 @@ def train_tokenizer(vocab_size: int) -> Any:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -13,6 +13,13 @@ or on CUDA what the free GPU memory after loading holds (:func:`token_budget`). 
 that budget, so a sequence alone always fits. A CUDA out-of-memory error fails only the sequences of the
 step it hit (a prefill: the arrivals; a merge or decode: the batch) with 503 and ``Retry-After``, then
 gives the allocator's cache back. Several GPUs: the model is sharded over them (``device_map``).
+
+Vision-language models (an image-text-to-text architecture in :data:`VISION_FAMILIES`) load with
+``AutoModelForImageTextToText`` and their ``AutoProcessor``: a chat prompt with images is rendered with the
+processor's chat template and processed there (its image placeholders expanded into image tokens, pixel
+values made); at prefill the engine thread runs the vision tower on each arrival's images and scatters
+the features into that row's image-token embeddings, then prefills the rows together from embeddings (text
+rows and image rows in one batch); decoding is the language model's, as for text.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,10 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    MultimodalPrompt,
+    NoChatTemplate,
+    VisionSupport,
+    render_chat_template,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -77,6 +88,41 @@ class TransformersArgs(BaseModel):
 
 #: The smallest KV-cache budget worth serving with: below it the model is refused at load.
 MIN_TOKEN_BUDGET = 16
+
+#: Vision-language families (``config.model_type``) this engine serves: 1-D positions, and image features
+#: that replace the image tokens' embeddings one for one (``get_image_features``). Others (Qwen2-VL's 3-D
+#: rotary positions, Gemma 3's bidirectional image attention) need per-family prefill logic: vLLM serves them.
+VISION_FAMILIES = frozenset({"llava"})
+
+
+def vision_max_pixels(image_processor: Any) -> int | None:
+    """The pixels worth keeping before the processor resizes: twice its target side each way (4x its
+    pixels), so the processor's own resampling still decides the image the model sees; None if unknown."""
+    for name in ("crop_size", "size"):
+        size = getattr(image_processor, name, None)
+        if size is None:
+            continue
+        get = size.get if isinstance(size, Mapping) else lambda key, size=size: getattr(size, key, None)
+        most = get("max_pixels")
+        if most:
+            return int(most)
+        side = get("shortest_edge") or max(get("height") or 0, get("width") or 0, get("longest_edge") or 0)
+        if side:
+            return int(4 * side * side)
+    return None
+
+
+def as_parts(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with string content as one text part: processors' chat templates iterate over parts."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            message = {**message, "content": [{"type": "text", "text": content}]}
+        elif content is None:
+            message = {**message, "content": []}
+        out.append(dict(message))
+    return out
 
 
 @dataclass(frozen=True)
@@ -232,9 +278,15 @@ class TransformersEngine(Engine):
         dtype = model_dtype(self.device, self.targs.dtype, checkpoint_dtype)
         gpus = torch.cuda.device_count() if self.device == "cuda" else 0
         device_map = device_map_for(self.device, self.targs.device, gpus)
-        self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        #: The vision-language model's processor; None for a text-only model.
+        self.processor: Any = None
+        auto_model: Any = AutoModelForCausalLM
+        if getattr(hf_config, "vision_config", None) is not None:
+            auto_model = self._vision_classes(hf_config, source)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         placement: dict[str, Any] = {"device_map": device_map} if device_map else {}
-        model: Any = AutoModelForCausalLM.from_pretrained(
+        model: Any = auto_model.from_pretrained(
             source,
             dtype=dtype,
             local_files_only=True,
@@ -262,7 +314,8 @@ class TransformersEngine(Engine):
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self._eos = frozenset(eos)
-        limits = [getattr(self.model.config, "max_position_embeddings", None), self.targs.max_model_len]
+        text_config = self.model.config.get_text_config()
+        limits = [getattr(text_config, "max_position_embeddings", None), self.targs.max_model_len]
         self._context = min(x for x in limits if x) if any(limits) else 2048
         self.token_budget = self.targs.max_batch_tokens
         if self.token_budget is None and self._input_device.type == "cuda":
@@ -270,7 +323,7 @@ class TransformersEngine(Engine):
         if self.token_budget is not None:
             # A sequence alone must always fit the budget: the context is what the budget can hold.
             self._context = min(self._context, self.token_budget)
-        self._vocab = int(self.model.config.vocab_size)
+        self._vocab = int(text_config.vocab_size)
         # The logits width (config.vocab_size) may exceed the tokenizer's: llguidance masks the rest.
         self._lltokenizer: Any = None
         try:
@@ -291,6 +344,23 @@ class TransformersEngine(Engine):
             self._context,
             self.token_budget if self.token_budget is not None else "unbounded",
         )
+
+    def _vision_classes(self, hf_config: Any, source: Path) -> Any:
+        """The processor and tokenizer of a vision-language model, and its model class; RuntimeError for a
+        family this engine cannot prefill (named, with where it can be served)."""
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        family = str(hf_config.model_type)
+        if family not in VISION_FAMILIES:
+            raise RuntimeError(
+                f"the transformers engine serves the vision-language families {', '.join(sorted(VISION_FAMILIES))}; "
+                f"this model is {family!r} (its image positions or attention need logic this engine does not "
+                "have): serve it with backend vllm"
+            )
+        self.processor = AutoProcessor.from_pretrained(source, local_files_only=True)  # type: ignore[no-untyped-call]
+        self.tokenizer = self.processor.tokenizer
+        self._image_token_id = int(hf_config.image_token_id)
+        return AutoModelForImageTextToText
 
     def _gpu_token_budget(self, dtype: Any) -> int:
         """:func:`token_budget` from the free memory of every GPU the model's weights are on, now."""
@@ -324,7 +394,7 @@ class TransformersEngine(Engine):
         self._incoming.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for name in ("model", "tokenizer"):
+        for name in ("model", "tokenizer", "processor"):
             if hasattr(self, name):
                 delattr(self, name)
         release_memory(self.device)
@@ -347,7 +417,43 @@ class TransformersEngine(Engine):
 
     @property
     def chat_template(self) -> str | None:
+        if self.processor is not None:
+            template = getattr(self.processor, "chat_template", None)
+            if isinstance(template, str) and template:
+                return template
         return tokenizer_chat_template(self.tokenizer)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        # A processor's template takes content as parts, text-only requests included.
+        return super().apply_chat_template(as_parts(messages) if self.processor is not None else messages, tools)
+
+    @property
+    def vision(self) -> VisionSupport | None:
+        if self.processor is None:
+            return None
+        return VisionSupport(max_pixels=vision_max_pixels(getattr(self.processor, "image_processor", None)))
+
+    def multimodal_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        images: Sequence[Any],
+    ) -> MultimodalPrompt:
+        template = self.chat_template
+        if not template:
+            raise NoChatTemplate(f"the model {self.config.model_name!r} has no chat template")
+        text = render_chat_template(template, as_parts(messages), tools, self.special_tokens)
+        try:
+            # The rendered template holds its special tokens already (BOS included).
+            inputs = self.processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
+        except ValueError as exc:  # the placeholders and the images disagree (a literal <image> in the text)
+            raise ValueError(f"the model's processor rejected the messages: {exc}") from None
+        ids = [int(t) for t in inputs.pop("input_ids")[0]]
+        inputs.pop("attention_mask", None)
+        image_tokens = sum(1 for t in ids if t == self._image_token_id)
+        return MultimodalPrompt(ids, tuple(images), dict(inputs), image_tokens)
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -364,6 +470,7 @@ class TransformersEngine(Engine):
             "max_queue": self.targs.max_queue,
             "max_batch_tokens": self.token_budget,
             "prefill_chunk": self.targs.prefill_chunk,
+            **({"vision_family": str(self.model.config.model_type)} if self.processor is not None else {}),
         }
 
     def check_capacity(self, sequences: int = 1) -> None:
@@ -383,6 +490,8 @@ class TransformersEngine(Engine):
                 f"prompt ({len(request.prompt_ids)}) + max_tokens ({request.params.max_tokens}) "
                 f"exceeds the context ({self._context})"
             )
+        if request.multimodal is not None and self.processor is None:
+            raise ValueError(f"the model {self.config.model_name!r} has no vision encoder")
         grammar = None
         if request.constraint is not None:
             if self._lltokenizer is None:
@@ -512,7 +621,8 @@ class TransformersEngine(Engine):
 
     def _forward(self, stage: str, **inputs: Any) -> Any:
         if self.step_hook is not None:
-            rows, columns = inputs["input_ids"].shape
+            tokens = inputs["input_ids"] if "input_ids" in inputs else inputs["inputs_embeds"]
+            rows, columns = tokens.shape[:2]
             self.step_hook(stage, int(rows), int(columns))
         return self.model(**inputs)
 
@@ -538,6 +648,9 @@ class TransformersEngine(Engine):
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(self._input_device), mask.to(self._input_device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Rows with images prefill from embeddings, the images' features in place of their image tokens;
+        # the text rows beside them from their token embeddings (what input_ids would look up).
+        embeds = self._prompt_embeddings(seqs, ids) if any(s.request.multimodal for s in seqs) else None
         # Chunks of columns, ``prefill_chunk`` tokens a step over all rows, each attending to the cache of
         # the chunks before it: the same attention as one pass, with activations bounded by the chunk.
         step = max(1, self.targs.prefill_chunk // len(seqs))
@@ -546,9 +659,10 @@ class TransformersEngine(Engine):
         for start in range(0, width, step):
             end = min(width, start + step)
             past = {self._cache_kwarg: cache} if cache is not None else {}
+            tokens = {"inputs_embeds": embeds[:, start:end]} if embeds is not None else {"input_ids": ids[:, start:end]}
             out = self._forward(
                 "prefill",
-                input_ids=ids[:, start:end],
+                **tokens,
                 attention_mask=mask[:, :end],
                 position_ids=positions[:, start:end],
                 use_cache=True,
@@ -559,6 +673,36 @@ class TransformersEngine(Engine):
         metrics.PROMPT_TOKENS.labels(self.config.model_name).inc(int(mask.sum()))
         self._sample(seqs, out.logits[:, -1, :])
         return cache, mask
+
+    def _prompt_embeddings(self, seqs: list[_Seq], ids: Any) -> Any:
+        """The prompt embeddings of ``ids`` (left-padded rows of ``seqs``), each image row's image tokens
+        replaced by its images' features from the vision tower (and projector)."""
+        embeds = self.model.get_input_embeddings()(ids)
+        for row, seq in enumerate(seqs):
+            multimodal = seq.request.multimodal
+            if multimodal is None:
+                continue
+            inputs = {k: v.to(self._input_device) for k, v in multimodal.inputs.items() if hasattr(v, "to")}
+            if "pixel_values" in inputs:
+                inputs["pixel_values"] = inputs["pixel_values"].to(embeds.dtype)
+            features = self._image_features(inputs).to(embeds.device, embeds.dtype)
+            where = ids[row] == self._image_token_id
+            if int(where.sum()) != features.shape[0]:
+                raise ValueError(
+                    f"the prompt has {int(where.sum())} image tokens but its images give {features.shape[0]} features"
+                )
+            embeds[row, where] = features
+        return embeds
+
+    def _image_features(self, inputs: dict[str, Any]) -> Any:
+        """The images' features as one ``[image tokens, hidden]`` tensor, in prompt order."""
+        torch = self._torch
+        features = self.model.get_image_features(**inputs)
+        if hasattr(features, "pooler_output"):  # transformers 5: a model output, features in pooler_output
+            features = features.pooler_output
+        if isinstance(features, (list, tuple)):
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        return features.reshape(-1, features.shape[-1])
 
     def _decode(self, seqs: list[_Seq], cache: Any, mask: Any) -> tuple[Any, Any]:
         torch = self._torch

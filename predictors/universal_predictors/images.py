@@ -1,0 +1,356 @@
+"""Client images to Pillow images, shared by every task that takes images (OCR pages, chat images, documents).
+
+- :func:`decode_base64`: standard or URL-safe base64 (a ``data:`` URL prefix allowed), sized before decoding;
+- :func:`open_image`: a PNG, JPEG, TIFF or WebP opened from its header only (its pixel count checked before
+  any pixel is decoded), :func:`to_rgb` its pixels as RGB on white;
+- :func:`fetch_url`: an ``http(s)`` URL fetched without server-side request forgery: only hosts an allow-list
+  names, every address the host resolves to checked (no private, loopback, link-local, multicast or reserved
+  address unless explicitly allowed) and the connection made to those checked addresses only (no DNS
+  rebinding), redirects followed only within the same host, the body streamed under a byte limit and the
+  whole fetch under a time limit.
+
+Every client mistake is an :class:`InvalidRequest` (400) and every limit a :class:`RequestTooLarge` (413), each
+naming the request field (``param``) and the limit's engine argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import fnmatch
+import io
+import ipaddress
+import re
+import socket
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from universal_predictors.errors import InvalidRequest, RequestTooLarge
+
+#: Pillow's names for the formats a client may send as an image.
+IMAGE_FORMATS = ("PNG", "JPEG", "TIFF", "WEBP")
+FORMAT_NAMES = "PNG, JPEG, TIFF or WebP"
+
+DATA_URL = re.compile(r"^data:[\w.+/-]*(;[\w=.+-]*)*;base64,", re.IGNORECASE)
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def decode_base64(value: str, field: str, max_bytes: int, limit_name: str = "max_image_bytes") -> bytes:
+    """Standard or URL-safe base64, with or without padding, line breaks or a ``data:`` URL prefix."""
+    text = DATA_URL.sub("", value.strip(), count=1)
+    if any(c.isspace() for c in text[:4096]) or "\n" in text:
+        text = "".join(text.split())
+    if not text:
+        raise InvalidRequest(f"{field}: is empty", param=field, code="invalid_image")
+    estimated = len(text) * 3 // 4
+    if estimated > max_bytes + 2:
+        raise RequestTooLarge(
+            f"{field}: the decoded data is about {human_bytes(estimated)}; the limit {limit_name} is "
+            f"{human_bytes(max_bytes)}",
+            param=field,
+            code="image_too_large",
+        )
+    text += "=" * (-len(text) % 4)
+    try:
+        if "-" in text or "_" in text:
+            return base64.urlsafe_b64decode(text.encode("ascii"))
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError):
+        raise InvalidRequest(f"{field}: is not valid base64", param=field, code="invalid_base64") from None
+
+
+def check_bytes(data: bytes, field: str, max_bytes: int, limit_name: str = "max_image_bytes") -> None:
+    if len(data) > max_bytes:
+        raise RequestTooLarge(
+            f"{field}: the decoded data is {human_bytes(len(data))}; the limit {limit_name} is "
+            f"{human_bytes(max_bytes)}",
+            param=field,
+            code="image_too_large",
+        )
+
+
+def sniff(data: bytes) -> str:
+    """Name a well-known format the client sent by mistake, so the 400 says what was received."""
+    magic = {b"GIF8": "GIF", b"BM": "BMP", b"%PDF": "PDF", b"\x00\x00\x01\x00": "ICO", b"<": "text or HTML"}
+    for prefix, name in magic.items():
+        if data.startswith(prefix):
+            return f" (received {name})"
+    return ""
+
+
+def check_pixels(width: int, height: int, field: str, max_pixels: int, limit_name: str = "max_pixels") -> None:
+    if width * height > max_pixels:
+        raise RequestTooLarge(
+            f"{field}: {width}x{height} is {width * height} pixels; the limit {limit_name} is {max_pixels}",
+            param=field,
+            code="image_too_large",
+        )
+
+
+def open_image(data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels") -> Image.Image:
+    """The image opened from its header (pixels not decoded yet), its first frame's size within ``max_pixels``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise RequestTooLarge(
+            f"{field}: the image has more pixels than the limit {limit_name} ({max_pixels})",
+            param=field,
+            code="image_too_large",
+        ) from None
+    except UnidentifiedImageError:
+        raise InvalidRequest(
+            f"{field}: is not a {FORMAT_NAMES} image{sniff(data)}", param=field, code="unsupported_image_format"
+        ) from None
+    except Exception:
+        raise InvalidRequest(f"{field}: the image could not be read", param=field, code="invalid_image") from None
+    check_pixels(image.width, image.height, field, max_pixels, limit_name)
+    return image
+
+
+def to_rgb(frame: Image.Image) -> Image.Image:
+    """RGB on white: transparent areas would otherwise turn black and hide black text."""
+    if frame.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        # Deep greyscale (scans, microscopy): stretch to 8 bits instead of clipping at 255.
+        values = np.asarray(frame, dtype=np.float32)
+        low, high = float(values.min()), float(values.max())
+        frame = Image.fromarray(((values - low) * (255.0 / ((high - low) or 1.0))).astype(np.uint8))
+    if frame.mode == "P" and "transparency" in frame.info:
+        frame = frame.convert("RGBA")
+    if frame.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        frame = frame.convert("RGBA")
+        background = Image.new("RGBA", frame.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, frame).convert("RGB")
+    return frame.convert("RGB")
+
+
+def decode_rgb(data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels") -> Image.Image:
+    """One image (a TIFF's or WebP's first frame) as RGB; blocking, run it off the event loop."""
+    from PIL import ImageOps
+
+    image = open_image(data, field, max_pixels, limit_name)
+    try:
+        image.load()
+        frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
+        return to_rgb(frame)
+    except Exception:
+        raise InvalidRequest(
+            f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
+        ) from None
+    finally:
+        image.close()
+
+
+def downscale(image: Image.Image, max_pixels: int | None) -> Image.Image:
+    """The image shrunk (aspect ratio kept) to at most ``max_pixels`` pixels; unchanged when it is within."""
+    if max_pixels is None or image.width * image.height <= max_pixels:
+        return image
+    scale = (max_pixels / (image.width * image.height)) ** 0.5
+    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
+# -- URLs -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """Which ``http(s)`` URLs may be fetched, and within what limits.
+
+    ``hosts``: host names or patterns (``images.example.com``, ``*.example.com``, an IP literal); empty: no
+    URL is fetched. ``allow_private``: also connect to private, loopback and link-local addresses (an
+    in-cluster image store; tests). ``max_bytes`` bounds the body, ``timeout_s`` the whole fetch (connect,
+    redirects, body). ``arg_prefix`` is how the engine args are named in error messages.
+    """
+
+    hosts: tuple[str, ...] = ()
+    allow_private: bool = False
+    max_bytes: int = 20 * 2**20
+    timeout_s: float = 10.0
+    max_redirects: int = 3
+    hosts_arg: str = "image_url_hosts"
+    private_arg: str = "image_url_allow_private"
+    bytes_arg: str = "max_image_bytes"
+    timeout_arg: str = "image_url_timeout_s"
+
+    def host_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        return any(fnmatch.fnmatchcase(host, pattern.lower().rstrip(".")) for pattern in self.hosts)
+
+
+def parse_hosts(value: str) -> tuple[str, ...]:
+    """An engine arg's comma-separated host list (``a.example.com,*.b.example.com``)."""
+    return tuple(h.strip() for h in value.split(",") if h.strip())
+
+
+def address_refusal(address: str) -> str | None:
+    """Why an address must not be fetched from unless private addresses are allowed; None if it is public."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for attribute, what in (
+        ("is_loopback", "a loopback"),
+        ("is_link_local", "a link-local"),
+        ("is_private", "a private"),
+        ("is_multicast", "a multicast"),
+        ("is_reserved", "a reserved"),
+        ("is_unspecified", "an unspecified"),
+    ):
+        if getattr(ip, attribute):
+            return what
+    if not ip.is_global:
+        return "a non-global"
+    return None
+
+
+class _CheckedResolver:
+    """aiohttp's resolver interface: the host's addresses, every one checked against the policy, so the
+    connection goes only to an address that was checked (the name is not resolved twice)."""
+
+    def __init__(self, policy: UrlPolicy, field: str) -> None:
+        self.policy = policy
+        self.field = field
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, family=socket.AF_UNSPEC)
+        except OSError:
+            raise InvalidRequest(
+                f"{self.field}: the host {host!r} could not be resolved", param=self.field, code="invalid_image_url"
+            ) from None
+        results = []
+        for fam, _, proto, _, sockaddr in infos:
+            address = str(sockaddr[0])
+            why = address_refusal(address)
+            if why is not None and not self.policy.allow_private:
+                raise InvalidRequest(
+                    f"{self.field}: the host {host!r} resolves to {why} address ({address}); images are not "
+                    f"fetched from such addresses unless the engine arg {self.policy.private_arg}=true",
+                    param=self.field,
+                    code="image_url_not_allowed",
+                )
+            results.append({"hostname": host, "host": address, "port": port, "family": fam, "proto": proto, "flags": 0})
+        if not results:
+            raise InvalidRequest(
+                f"{self.field}: the host {host!r} has no address", param=self.field, code="invalid_image_url"
+            )
+        return results
+
+    async def close(self) -> None:
+        return None
+
+
+def check_url(url: str, field: str, policy: UrlPolicy) -> str:
+    """The URL's host if it may be fetched; a 400 naming the engine arg otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest(
+            f"{field}: must be a data: URL with base64 image data or an http(s) URL",
+            param=field,
+            code="invalid_image_url",
+        )
+    if parts.username or parts.password:
+        raise InvalidRequest(f"{field}: URLs with credentials are not fetched", param=field, code="invalid_image_url")
+    host = parts.hostname
+    if not policy.hosts:
+        raise InvalidRequest(
+            f"{field}: image URLs are not fetched by this model (the engine arg {policy.hosts_arg} names no host); "
+            "send the image inline as a data: URL with base64",
+            param=field,
+            code="image_url_not_allowed",
+        )
+    if not policy.host_allowed(host):
+        raise InvalidRequest(
+            f"{field}: the host {host!r} is not in the engine arg {policy.hosts_arg}; send the image inline as a "
+            "data: URL or from an allowed host",
+            param=field,
+            code="image_url_not_allowed",
+        )
+    return host
+
+
+async def fetch_url(url: str, field: str, policy: UrlPolicy) -> bytes:
+    """The body of ``url``, within ``policy`` (see the module docstring)."""
+    try:
+        async with asyncio.timeout(policy.timeout_s):
+            return await _fetch(url, field, policy)
+    except TimeoutError:
+        raise InvalidRequest(
+            f"{field}: fetching the image took longer than the engine arg {policy.timeout_arg} "
+            f"({policy.timeout_s:g} s)",
+            param=field,
+            code="image_url_timeout",
+        ) from None
+
+
+async def _fetch(url: str, field: str, policy: UrlPolicy) -> bytes:
+    import aiohttp
+
+    host = check_url(url, field, policy)
+    connector = aiohttp.TCPConnector(resolver=_CheckedResolver(policy, field), use_dns_cache=False)  # type: ignore[arg-type]
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        for _ in range(policy.max_redirects + 1):
+            try:
+                async with session.get(url, allow_redirects=False, headers={"Accept": "image/*"}) as response:
+                    if response.status in (301, 302, 303, 307, 308):
+                        target = urljoin(url, response.headers.get("Location", ""))
+                        if (urlsplit(target).hostname or "").lower() != host.lower() or urlsplit(target).scheme not in (
+                            "http",
+                            "https",
+                        ):
+                            raise InvalidRequest(
+                                f"{field}: the URL redirects to another host ({urlsplit(target).hostname!r}); "
+                                "redirects are followed only within the same host",
+                                param=field,
+                                code="image_url_not_allowed",
+                            )
+                        url = target
+                        continue
+                    if response.status != 200:
+                        raise InvalidRequest(
+                            f"{field}: fetching the image returned HTTP {response.status}",
+                            param=field,
+                            code="image_url_failed",
+                        )
+                    length = response.content_length
+                    if length is not None and length > policy.max_bytes:
+                        raise _too_large(field, length, policy)
+                    body = bytearray()
+                    async for chunk in response.content.iter_chunked(65536):
+                        body += chunk
+                        if len(body) > policy.max_bytes:
+                            raise _too_large(field, len(body), policy, at_least=True)
+                    return bytes(body)
+            except aiohttp.ClientError as exc:
+                raise InvalidRequest(
+                    f"{field}: the image could not be fetched ({type(exc).__name__}: {exc})",
+                    param=field,
+                    code="image_url_failed",
+                ) from None
+    raise InvalidRequest(f"{field}: more than {policy.max_redirects} redirects", param=field, code="image_url_failed")
+
+
+def _too_large(field: str, size: int, policy: UrlPolicy, at_least: bool = False) -> RequestTooLarge:
+    more = "more than " if at_least else ""
+    return RequestTooLarge(
+        f"{field}: the image at the URL is {more}{human_bytes(size)}; the limit {policy.bytes_arg} is "
+        f"{human_bytes(policy.max_bytes)}",
+        param=field,
+        code="image_too_large",
+    )
+
+
+def describe_hosts(hosts: Sequence[str]) -> str:
+    return ", ".join(hosts) if hosts else "none"
