@@ -463,8 +463,10 @@ def task_description(catalog: Catalog = CATALOG) -> str:
 FILE_PATTERN_MESSAGE = file_pattern_message()
 #: ``source.projectorFile``: a multimodal projector is a llama.cpp file for a chat model.
 PROJECTOR_RULE = "!has(self.source.projectorFile) || (self.task == 'generate' && self.backend in ['auto', 'llamacpp'])"
-PROJECTOR_MESSAGE = "source.projectorFile picks a multimodal projector GGUF and applies only to task generate with " \
+PROJECTOR_MESSAGE = (
+    "source.projectorFile picks a multimodal projector GGUF and applies only to task generate with "
     "backend auto or llamacpp"
+)
 
 
 class UniversalModelSpec(_Model):

@@ -30,8 +30,9 @@ SPECIAL_TOKENS = [BOS, EOS, IM_START, IMAGE, FAKE_AROUND_IMAGE, GLOBAL_IMAGE, EN
 
 #: ChatML over Hugging Face content parts: text parts as they are, an image part as ``<image>`` (what the
 #: Idefics3 processor expands); llama.cpp's path gives image parts as text parts holding its media marker.
+#: No ``bos_token`` (SmolVLM's own template has none): llama-cpp-python's ``MTMDChatHandler``, the reference
+#: the tests compare with, renders ``bos_token`` as the empty string (it detokenizes the control token).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
@@ -161,15 +162,16 @@ def build_smolvlm(out: Path, seed: int = 0) -> Path:
 #: table (it lists published models only), and its Llama class tries SentencePiece first (importing the
 #: sentencepiece package, not installed here, before it looks for a tokenizer.model).
 _CONVERT = """
-import runpy, sys
-source = sys.argv.pop(1)
+import json, runpy, sys
+source, runs = sys.argv[1], json.loads(sys.argv[2])
 sys.path[:0] = [source, source + "/gguf-py"]
 from conversion.base import TextModel
 from conversion.llama import LlamaModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
-sys.argv[0] = source + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
+for args in runs:  # both files in one process: torch and transformers imported once
+    sys.argv = [source + "/convert_hf_to_gguf.py", *args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -177,12 +179,11 @@ def convert(hf_dir: Path, out_dir: Path, llama_cpp_source: Path) -> tuple[Path, 
     """(text GGUF, projector GGUF), both F32, written by the vendored converter into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text, projector = out_dir / "tiny-smolvlm-f32.gguf", out_dir / "mmproj-tiny-smolvlm-f32.gguf"
-    for target, extra in ((text, []), (projector, ["--mmproj"])):
-        result = subprocess.run(
-            [sys.executable, "-c", _CONVERT, str(llama_cpp_source), str(hf_dir), "--outtype", "f32",
-             "--outfile", str(target), *extra],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        if result.returncode != 0 or not target.exists():
-            raise RuntimeError(f"convert_hf_to_gguf.py {' '.join(extra)} failed:\n{result.stderr[-4000:]}")
+    runs = [[str(hf_dir), "--outtype", "f32", "--outfile", str(target), *extra]
+            for target, extra in ((text, []), (projector, ["--mmproj"]))]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(llama_cpp_source), json.dumps(runs)], capture_output=True, text=True
+    )
+    if result.returncode != 0 or not (text.exists() and projector.exists()):
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-4000:]}")
     return text, projector
