@@ -122,6 +122,24 @@ def test_greedy_tokens_and_prompt_tokens_match_llama_cpp_pythons_own_multimodal_
     assert outputs[0] != outputs[1]  # the image is read: another picture, other tokens
 
 
+def test_image_chats_and_a_text_chat_running_together_each_give_their_solo_tokens(client: openai.OpenAI) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    pngs = [picture("red-box"), picture("yellow-disc")]
+    text = [{"role": "user", "content": "Tell me about the market in Lima."}]
+
+    def text_chat() -> str | None:
+        response = client.chat.completions.create(model=MODEL, messages=text, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+        return response.choices[0].message.content
+
+    solo = [our_run(client, png)[0] for png in pngs], text_chat()
+    with ThreadPoolExecutor(3) as pool:  # two slots: one of the three waits, images and text interleave
+        images = [pool.submit(our_run, client, png) for png in pngs]
+        plain = pool.submit(text_chat)
+        together = [f.result()[0] for f in images], plain.result()
+    assert together == solo
+
+
 def test_a_streamed_chat_with_an_image_gives_the_unary_tokens_and_usage(client: openai.OpenAI) -> None:
     png = picture("red-box")
     _, unary = our_run(client, png)
