@@ -136,7 +136,9 @@ class Projector:
         return out
 
     def tokenize(self, text: str, images: Sequence[Any]) -> MtmdPrompt:
-        """``text`` (its markers standing for ``images``, PIL RGB, in order) as ``mtmd`` chunks. Blocking."""
+        """``text`` (its markers standing for ``images``, PIL RGB, in order) as ``mtmd`` chunks. Blocking, on a
+        worker thread while the engine thread evaluates: ``mtmd_tokenize`` reads the context only (it takes it
+        ``const``; llama-server calls it from its HTTP threads the same way)."""
         if text.count(self.marker) != len(images):
             raise ValueError(f"the chat template placed {text.count(self.marker)} of the {len(images)} images "
                              "(it must render every content part of a message)")  # fmt: skip
