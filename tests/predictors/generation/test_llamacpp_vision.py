@@ -164,6 +164,26 @@ def test_a_json_schema_response_with_an_image_is_valid_json_and_ends_with_stop(c
     jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
+def test_a_forced_tool_call_with_an_image_gives_arguments_valid_against_the_tools_schema(client: openai.OpenAI) -> None:
+    parameters = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 8}},
+                  "required": ["label"], "additionalProperties": False}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "tag_image", "parameters": parameters}}
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages(picture("yellow-disc"), "Tag it."), tools=[tool], max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "tag_image"}}, temperature=0.7, seed=1,
+    )  # type: ignore[call-overload]  # fmt: skip
+    [call] = response.choices[0].message.tool_calls or []
+    assert call.function.name == "tag_image"
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+def test_n_choices_share_one_image_prompt_and_each_reads_it(client: openai.OpenAI) -> None:
+    png = picture("red-box")
+    response = client.chat.completions.create(model=MODEL, messages=messages(png), temperature=0, max_tokens=N, n=2)  # type: ignore[arg-type]
+    texts = [choice.message.content for choice in response.choices]
+    assert texts == [our_run(client, png)[1].choices[0].message.content] * 2
+
+
 def prompt_tokens_evaluated(predictor: PredictorProcess) -> float:
     text = httpx.get(f"{predictor.url}/metrics", timeout=10).text
     match = re.search(rf'^universal_predictor_prompt_tokens_total\{{model="{MODEL}"\}} ([0-9.e+]+)$', text, re.M)
