@@ -614,7 +614,7 @@ class LlamaCppEngine(Engine):
         params.kv_unified = False
         self._n_batch = max(self.n_parallel, min(self.largs.n_batch, params.n_ctx))
         params.n_batch = self._n_batch
-        params.n_ubatch = min(self._n_batch, 512)
+        params.n_ubatch = self._n_ubatch = min(self._n_batch, 512)
         params.n_threads = self.n_threads
         params.n_threads_batch = max(self.n_threads, self.n_threads_batch)
         params.no_perf = True
@@ -904,7 +904,8 @@ class LlamaCppEngine(Engine):
                 assert projector is not None
                 assert isinstance(image, ImageChunk)
                 try:
-                    next_pos = projector.evaluate(self._ctx.ctx, image, slot.next_pos, slot.seq_id, self._n_batch)
+                    next_pos = projector.evaluate(self._ctx.ctx, image, slot.next_pos, slot.seq_id, self._n_batch,
+                                                  self._n_ubatch)  # fmt: skip
                 except RuntimeError as exc:
                     logger.error("%s", exc)
                     llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)

@@ -199,8 +199,12 @@ class Projector:
                                        int(mtmd.mtmd_input_chunk_get_n_pos(chunk)), key))  # fmt: skip
         return segments
 
-    def evaluate(self, lctx: Any, image: ImageChunk, n_past: int, seq_id: int, n_batch: int) -> int:
+    def evaluate(self, lctx: Any, image: ImageChunk, n_past: int, seq_id: int, n_batch: int, n_ubatch: int) -> int:
         """Encode ``image`` and decode its embeddings into ``seq_id``'s cache at ``n_past``; the next position."""
+        # Image tokens that attend to each other both ways (Gemma 3) must be decoded in one micro-batch.
+        if image.n_tokens > n_ubatch and mtmd.mtmd_decode_use_non_causal(self.ctx, image.chunk):
+            raise RuntimeError(f"an image of {image.n_tokens} tokens attends non-causally and must fit one batch: "
+                               f"raise the engine arg n_batch to at least {image.n_tokens}")  # fmt: skip
         new_n_past = llama_cpp.llama_pos(0)
         code = mtmd.mtmd_helper_eval_chunk_single(
             self.ctx, lctx, image.chunk, n_past, seq_id, n_batch, False, ctypes.byref(new_n_past)
