@@ -317,3 +317,58 @@ def test_the_image_limits_are_the_openai_layers_engine_args_on_every_backend(
         GeneratePredictor(config(Backend.TRANSFORMERS, max_image_bytes="lots"))
     assert "'max_image_bytes'" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+# -- the engine's batching, in-process ------------------------------------------------------------------
+
+
+def test_image_rows_share_one_prefill_and_join_a_running_batch_with_their_solo_tokens(tiny_vlm_dir: Path) -> None:
+    """The transformers engine itself: three image prompts and a text prompt arrive together (one prefill,
+    one vision-tower pass), then an image prompt joins the running batch (a cache merge); every sequence
+    gets the tokens it gets alone."""
+    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.generation.engine import GenerationRequest, SamplingParams
+    from universal_predictors.generation.engines.transformers import TransformersArgs, TransformersEngine
+
+    config = PredictorConfig(
+        model_name=MODEL, task=Task.GENERATE, backend=Backend.TRANSFORMERS, source=str(tiny_vlm_dir)
+    )
+    engine = TransformersEngine(config, TransformersArgs(batch_wait_ms=100))
+    engine.load()
+    steps: list[tuple[str, int, int]] = []
+    engine.step_hook = lambda stage, rows, columns: steps.append((stage, rows, columns))
+
+    def image_request(i: int, max_tokens: int = 12) -> GenerationRequest:
+        parts = [{"type": "text", "text": f"Picture {i}:"}, {"type": "image"}]
+        prompt = engine.multimodal_prompt([{"role": "user", "content": parts}], None, [render_image(str(i))])
+        return GenerationRequest(f"i{i}", prompt.prompt_ids, SamplingParams(max_tokens, 0.0), None, prompt)
+
+    chat_text = engine.apply_chat_template([{"role": "user", "content": "Hello"}])
+    text = GenerationRequest("t", engine.tokenize(chat_text, add_special_tokens=False), SamplingParams(100, 0.0))
+
+    async def run(request: GenerationRequest, started: asyncio.Event | None = None) -> list[int]:
+        ids: list[int] = []
+        async for chunk in engine.generate(request):
+            ids += chunk.token_ids
+            if started is not None:
+                started.set()
+        return ids
+
+    async def scenario() -> tuple[list[list[int]], list[list[int]]]:
+        solo = [await run(r) for r in (image_request(0), image_request(1), image_request(2), text, image_request(3, 6))]
+        steps.clear()
+        started = asyncio.Event()
+        first = asyncio.gather(*(run(image_request(i)) for i in range(3)), run(text, started))
+        await started.wait()  # the first prefill is done and the batch decodes: the next one joins it
+        late = await run(image_request(3, 6))
+        return solo, [*(await first), late]
+
+    try:
+        solo, batched = asyncio.run(scenario())
+    finally:
+        engine.unload()
+    assert batched == solo
+    prefills = [i for i, (stage, _, _) in enumerate(steps) if stage == "prefill"]
+    assert [steps[i][1] for i in prefills] == [4, 1]  # three image rows and a text row in one prefill, then one
+    after = [rows for stage, rows, _ in steps[prefills[1] :] if stage == "decode"]
+    assert max(after) >= 2  # the late image row decoded in the running batch (its cache merged)
