@@ -22,17 +22,11 @@ from pathlib import Path
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "bench"
 
 
-def build_llama_server(cache: Path = CACHE) -> Path:
-    """The path of a ``llama-server`` built from the installed llama-cpp-python's vendored llama.cpp."""
+def vendored_llama_cpp(cache: Path = CACHE) -> Path:
+    """The llama.cpp source vendored in the installed llama-cpp-python's sdist (fetched once per version):
+    ``llama-server``'s source here, and ``convert_hf_to_gguf.py`` with its ``gguf-py`` for the tests' models."""
     version = importlib.metadata.version("llama-cpp-python")
-    root = cache / f"llama-server-{version}"
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"building llama-server needs {tool} (the same toolchain llama-cpp-python built with)")
-    source = root / "src"
+    source = cache / f"llama-server-{version}" / "src"
     if not (source / "CMakeLists.txt").exists():
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run(
@@ -44,9 +38,23 @@ def build_llama_server(cache: Path = CACHE) -> Path:
             with tarfile.open(sdist) as archive:
                 archive.extractall(tmp, filter="data")
             [vendored] = Path(tmp).glob("*/vendor/llama.cpp")
-            root.mkdir(parents=True, exist_ok=True)
+            source.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(source, ignore_errors=True)
             shutil.move(str(vendored), source)
+    return source
+
+
+def build_llama_server(cache: Path = CACHE) -> Path:
+    """The path of a ``llama-server`` built from the installed llama-cpp-python's vendored llama.cpp."""
+    version = importlib.metadata.version("llama-cpp-python")
+    root = cache / f"llama-server-{version}"
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building llama-server needs {tool} (the same toolchain llama-cpp-python built with)")
+    source = vendored_llama_cpp(cache)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     build = root / "build"
     subprocess.run(

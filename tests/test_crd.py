@@ -280,6 +280,14 @@ INVALID = {
         {"spec": {"backend": "vllm", "source": {"file": "*.gguf"}}},
         ".spec: source.file picks a GGUF file",
     ),
+    "source.projectorFile on an embed model": (
+        {"spec": {"task": "embed", "source": {"uri": "/m", "projectorFile": "*mmproj*.gguf"}}},
+        ".spec: source.projectorFile picks a multimodal projector GGUF",
+    ),
+    "source.projectorFile with transformers": (
+        {"spec": {"backend": "transformers", "source": {"projectorFile": "*mmproj*.gguf"}}},
+        ".spec: source.projectorFile picks a multimodal projector GGUF",
+    ),
     "a Knative idleTimeout above Knative's 1h retention bound": (
         {"spec": {"scaling": {"idleTimeout": "61m"}}},
         ".spec.scaling: scaling.idleTimeout must be at most 1h in Knative mode",

@@ -24,6 +24,7 @@ FULL = PredictorConfig(
     backend=Backend.LLAMACPP,
     source="hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
     source_file="*q4_k_m.gguf",
+    source_projector_file="*mmproj*.gguf",
     engine_args={"n_ctx": "8192", "flash_attn": "true", "stop": "a=b", "empty": "", "dotted.key-1": "x y"},
     engine_arg_defaults={
         Backend.LLAMACPP: {"n_ctx": "4096", "type_k": "q8_0=x"},
@@ -46,6 +47,7 @@ def test_to_args_spells_every_flag_with_engine_args_sorted() -> None:
         "--backend=llamacpp",
         "--source=hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF",
         "--source-file=*q4_k_m.gguf",
+        "--source-projector-file=*mmproj*.gguf",
         "--engine-arg=dotted.key-1=x y",
         "--engine-arg=empty=",
         "--engine-arg=flash_attn=true",

@@ -497,6 +497,15 @@ def test_no_kserve_release_gets_download_patterns_the_predictor_picks_the_gguf_f
     assert "--source-file=*q4_k_m.gguf" in container["args"]
 
 
+def test_a_projector_pattern_reaches_the_predictor_and_makes_auto_llamacpp() -> None:
+    config = parse_config({})
+    vlm = with_spec("source: {uri: 'hf://ggml-org/SmolVLM-256M-Instruct-GGUF', projectorFile: 'mmproj-*.gguf'}\n"
+                    "task: generate")  # fmt: skip
+    container = at(desired_inference_service(model(vlm), config), "spec.predictor.containers[0]")
+    assert "--source-projector-file=mmproj-*.gguf" in container["args"]
+    assert "--backend=llamacpp" in container["args"]
+
+
 def test_source_revision_of_a_hub_model_reaches_the_storage_initializer() -> None:
     child = render(with_spec("source: {uri: 'hf://Qwen/Qwen2.5-0.5B-Instruct', revision: 7ae557604adf67be}"))
     env = at(child, "spec.predictor.containers[0].env")

@@ -374,7 +374,7 @@ def fetch_source(manifest: Manifest) -> str:
     """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded."""
     source = manifest.model.spec.source
     if source.scheme == "hf":
-        return _download_hf(source.uri, source.revision, source.file)
+        return _download_hf(source.uri, source.revision, source.file, source.projector_file)
     if source.scheme == "package":
         return resolve_source(source.uri)
     if source.scheme == "file" or source.scheme is None:
@@ -388,7 +388,7 @@ def fetch_source(manifest: Manifest) -> str:
     raise ValueError(f"{source.scheme}:// sources are served in a cluster; locally use a path, file:// or hf://")
 
 
-def _download_hf(uri: str, revision: str | None, pattern: str | None) -> str:
+def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:
     """Download (or find in the cache) a hub repository; offline, a clear error for this model only."""
     from huggingface_hub import snapshot_download
 
@@ -397,6 +397,7 @@ def _download_hf(uri: str, revision: str | None, pattern: str | None) -> str:
         snapshot_download(
             repo_id=repo,
             revision=revision or uri_revision or None,
-            allow_patterns=[pattern] if pattern else None,
+            # The projector is a second file the model needs: fetched with the weights file, never instead.
+            allow_patterns=[p for p in (pattern, projector) if p] if pattern else None,
         )
     )

@@ -318,6 +318,7 @@ def predictor_config(
         backend=backend,
         source=source,
         source_file=spec.source.file,
+        source_projector_file=spec.source.projector_file,
         engine_args=engine_args,
         engine_arg_defaults=engine_arg_defaults or {},
         http_port=http_port,
@@ -328,7 +329,9 @@ def predictor_config(
 def resolved_backend(model: UniversalModel) -> Backend:
     """The backend as far as the spec can decide it (see :func:`resolve_backend`)."""
     spec = model.spec
-    return resolve_backend(spec.task, spec.backend, spec.source.uri, spec.source.file, spec.resources.gpus)
+    # A projector is a llama.cpp file: with one, auto means llama.cpp as a GGUF weights pattern does.
+    pattern = spec.source.file or spec.source.projector_file
+    return resolve_backend(spec.task, spec.backend, spec.source.uri, pattern, spec.resources.gpus)
 
 
 def reported_backend(model: UniversalModel) -> Backend:

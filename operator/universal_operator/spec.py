@@ -128,6 +128,16 @@ class Source(_Model):
             "(task generate or embed with backend auto or llamacpp)."
         ),
     )
+    projector_file: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description=(
+            "A glob picking the multimodal projector (mmproj) GGUF inside the source, e.g. '*mmproj*.gguf': a "
+            "vision-language GGUF model then takes images in chat (docs/generation-engines.md lists the families "
+            "llama.cpp serves). Only for task generate with backend auto or llamacpp."
+        ),
+    )
     revision: str | None = Field(
         default=None, min_length=1, max_length=256, description="A branch, tag or commit of the source (hf:// sources)."
     )
@@ -451,6 +461,12 @@ def task_description(catalog: Catalog = CATALOG) -> str:
 
 
 FILE_PATTERN_MESSAGE = file_pattern_message()
+#: ``source.projectorFile``: a multimodal projector is a llama.cpp file for a chat model.
+PROJECTOR_RULE = "!has(self.source.projectorFile) || (self.task == 'generate' && self.backend in ['auto', 'llamacpp'])"
+PROJECTOR_MESSAGE = (
+    "source.projectorFile picks a multimodal projector GGUF and applies only to task generate with "
+    "backend auto or llamacpp"
+)
 
 
 class UniversalModelSpec(_Model):
@@ -461,6 +477,7 @@ class UniversalModelSpec(_Model):
             "x-kubernetes-validations": [
                 _cel(task_backend_rule(), task_backend_message(), ".backend"),
                 _cel(file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
+                _cel(PROJECTOR_RULE, PROJECTOR_MESSAGE, ".source.projectorFile"),
             ]
         }
     )
@@ -546,6 +563,10 @@ class UniversalModelSpec(_Model):
         task, backend = info.data.get("task"), info.data.get("backend")
         if source.file is not None and not (task in FILE_PATTERN_TASKS and backend in FILE_PATTERN_BACKENDS):
             raise ValueError(FILE_PATTERN_MESSAGE)
+        if source.projector_file is not None and not (
+            task is Task.GENERATE and backend in (Backend.AUTO, Backend.LLAMACPP)
+        ):
+            raise ValueError(PROJECTOR_MESSAGE)
         return source
 
     @field_validator("env")

@@ -85,7 +85,8 @@ def set_openmp_wait_policy(config: PredictorConfig) -> None:
     puts each one to sleep there (measured on the ~155M bench Llama at c=1: 31 tok/s against 41 spinning,
     which is llama-server's own default). Called before any engine loads libgomp (neither kserve nor the
     config imports it), since libgomp reads the variable once, when it loads."""
-    backend = resolve_backend(config.task, config.backend, config.source, config.source_file, gpus=0)
+    pattern = config.source_file or config.source_projector_file
+    backend = resolve_backend(config.task, config.backend, config.source, pattern, gpus=0)
     if backend is not Backend.LLAMACPP:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -113,6 +113,9 @@ class PredictorConfig(BaseModel):
     backend: Backend = Backend.AUTO
     source: Annotated[str, Field(min_length=1, description="A local path (or /mnt/models) or a remote URI.")]
     source_file: str | None = Field(default=None, description="A glob picking one file inside the source.")
+    source_projector_file: str | None = Field(
+        default=None, description="A glob picking the multimodal projector (mmproj) GGUF inside the source."
+    )
     engine_args: dict[str, str] = Field(default_factory=dict, description="Backend-specific key=value arguments.")
     engine_arg_defaults: dict[Backend, dict[str, str]] = Field(
         default_factory=dict,
@@ -161,6 +164,8 @@ class PredictorConfig(BaseModel):
         ]
         if self.source_file:
             args.append(f"--source-file={self.source_file}")
+        if self.source_projector_file:
+            args.append(f"--source-projector-file={self.source_projector_file}")
         args += [f"--engine-arg={key}={value}" for key, value in sorted(self.engine_args.items())]
         args += [
             f"--engine-arg-default={backend.value}:{key}={value}"
@@ -189,6 +194,7 @@ class PredictorConfig(BaseModel):
         parser.add_argument("--backend", default=Backend.AUTO.value, choices=[b.value for b in Backend])
         parser.add_argument("--source", required=True)
         parser.add_argument("--source-file", dest="source_file", default=None)
+        parser.add_argument("--source-projector-file", dest="source_projector_file", default=None)
         parser.add_argument("--engine-arg", dest="engine_args", action="append", default=[], metavar="KEY=VALUE")
         parser.add_argument("--engine-arg-default", dest="engine_arg_defaults", action="append", default=[],
                             metavar="BACKEND:KEY=VALUE")  # fmt: skip
@@ -219,6 +225,7 @@ class PredictorConfig(BaseModel):
             backend=Backend(ns.backend),
             source=ns.source,
             source_file=ns.source_file,
+            source_projector_file=ns.source_projector_file,
             engine_args=engine_args,
             engine_arg_defaults=defaults,
             http_port=ns.http_port,

@@ -43,6 +43,19 @@ def tiny_llama_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session")
+def tiny_smolvlm_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the tiny SmolVLM's text GGUF and its projector (``mmproj-*.gguf``), written by the
+    vendored llama.cpp's converter (its source fetched once per llama-cpp-python version, as bench/ does)."""
+    from bench.llama_server import vendored_llama_cpp
+
+    from tests.predictors.generation.tiny_smolvlm import build_smolvlm, convert
+
+    root = tmp_path_factory.mktemp("tiny-smolvlm")
+    convert(build_smolvlm(root / "hf"), root / "gguf", vendored_llama_cpp())
+    return root / "gguf"
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_no_template(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return without_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-plain") / "hf")
 

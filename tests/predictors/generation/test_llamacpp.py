@@ -526,3 +526,16 @@ def test_more_sequences_than_the_engine_ever_holds_get_413_not_a_503(small_queue
         assert info.value.status_code == 413
         assert "Retry-After" not in info.value.response.headers
         assert info.value.body["code"] == "too_many_sequences"  # type: ignore[index]
+
+
+def test_a_chat_image_to_a_gguf_model_without_a_projector_is_a_400_naming_the_model(
+    small_queue_predictor: PredictorProcess,
+) -> None:
+    client = openai.OpenAI(base_url=small_queue_predictor.openai_url, api_key="unused", max_retries=0, timeout=60)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]
+        )  # type: ignore[list-item]
+    assert info.value.body["code"] == "images_not_supported"  # type: ignore[index]
+    assert "'tiny-llama'" in info.value.body["message"]  # type: ignore[index]

@@ -82,7 +82,7 @@ def resolve_backend(config: PredictorConfig) -> Backend:
     """
     if config.backend is not Backend.AUTO:
         return config.backend
-    if config.source_file or is_gguf(config.source, None):
+    if config.source_file or config.source_projector_file or is_gguf(config.source, None):
         logger.info("backend auto resolved to %s: the source is a GGUF file", Backend.LLAMACPP.value)
         return Backend.LLAMACPP
     candidates: list[tuple[Backend, str]] = []

@@ -59,9 +59,19 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    MultimodalPrompt,
     SamplingParams,
+    VisionSupport,
 )
 from universal_predictors.generation.engines.common import Admission, QueuedSequence, stream_from_engine_thread
+from universal_predictors.generation.engines.llamacpp_vision import (
+    MAX_IMAGE_PIXELS,
+    ImageChunk,
+    MtmdPrompt,
+    Projector,
+    Segment,
+    find_projector,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +183,11 @@ class LlamaCppArgs(BaseModel):
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------
 
 
-def find_gguf(source: str | Path, pattern: str | None) -> Path:
+def find_gguf(source: str | Path, pattern: str | None, exclude: Path | None = None) -> Path:
     """The one GGUF file ``source`` + ``pattern`` name; ValueError naming the pattern and the files found.
 
     ``source`` is a folder (``pattern`` is a glob inside it, default ``*.gguf``) or a single file
-    (then ``pattern``, if given, must match its name).
+    (then ``pattern``, if given, must match its name). ``exclude`` (the projector) is never the answer.
     """
     path = Path(source)
     if path.is_file():
@@ -187,7 +197,7 @@ def find_gguf(source: str | Path, pattern: str | None) -> Path:
     if not path.is_dir():
         raise ValueError(f"the source {str(path)!r} is neither a GGUF file nor a folder")
     glob = pattern or "*.gguf"
-    matches = sorted(p for p in path.glob(glob) if p.is_file())
+    matches = sorted(p for p in path.glob(glob) if p.is_file() and p != exclude)
     if len(matches) == 1:
         return matches[0]
     present = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.suffix == ".gguf")
@@ -415,7 +425,9 @@ class _Seq(QueuedSequence):
     """One sequence, from admission to its last token. The fields here belong to the engine thread."""
 
     slot: _Slot | None = None
+    keys: list[int] = field(default_factory=list)  # the prompt's cache keys (its ids, image cells negative)
     pending: list[int] = field(default_factory=list)  # tokens to evaluate next: a prompt's rest, then the last sampled
+    segments: deque[Segment] = field(default_factory=deque)  # what of the prompt follows ``pending`` (images)
     sampler: Any = None
     matcher: Any = None
     stops: frozenset[int] = frozenset()
@@ -431,9 +443,32 @@ class _Slot:
     """A llama.cpp sequence id with its own part of the KV cache, and the tokens that part holds."""
 
     seq_id: int
-    cached: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # keys (token ids; an image's cells its negative key)
     seq: _Seq | None = None
     last_used: int = 0
+    #: Images in the cache: (first cell, cells, positions); an image may take fewer positions than cells (M-RoPE).
+    images: list[tuple[int, int, int]] = field(default_factory=list)
+    next_pos: int = 0  # the position of the next cell
+
+    def position(self, cell: int) -> int:
+        """The position of cache cell ``cell`` (``cell`` at an image boundary)."""
+        return cell - sum(n - n_pos for start, n, n_pos in self.images if start + n <= cell)
+
+    def cut(self, cell: int) -> int:
+        """``cell`` moved back to the start of an image it falls inside: an image is cached whole or not at all."""
+        for start, n, _ in self.images:
+            if start < cell < start + n:
+                return start
+        return cell
+
+    def keep(self, cells: int) -> None:
+        """Forget the cache past ``cells`` (an image boundary)."""
+        del self.cached[cells:]
+        self.images = [image for image in self.images if image[0] + image[1] <= cells]
+        self.next_pos = self.position(cells)
+
+    def reset(self) -> None:
+        self.keep(0)
 
 
 class _Batch:
@@ -493,9 +528,13 @@ class LlamaCppEngine(Engine):
         # Resolving the file and validating n_ctx are cheap (metadata only): a bad pattern or n_ctx
         # stops start-up with one line instead of failing the load later.
         try:
-            self.path = find_gguf(config.source, config.source_file)
+            self.projector_path = (
+                find_projector(config.source, config.source_projector_file) if config.source_projector_file else None
+            )
+            self.path = find_gguf(config.source, config.source_file, exclude=self.projector_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        self._projector: Projector | None = None
         self.gpu_offload = bool(llama_cpp.llama_supports_gpu_offload()) and args.n_gpu_layers != 0
         self.n_threads_batch = default_threads()
         self.n_threads = args.n_threads or physical_cores()
@@ -575,7 +614,7 @@ class LlamaCppEngine(Engine):
         params.kv_unified = False
         self._n_batch = max(self.n_parallel, min(self.largs.n_batch, params.n_ctx))
         params.n_batch = self._n_batch
-        params.n_ubatch = min(self._n_batch, 512)
+        params.n_ubatch = self._n_ubatch = min(self._n_batch, 512)
         params.n_threads = self.n_threads
         params.n_threads_batch = max(self.n_threads, self.n_threads_batch)
         params.no_perf = True
@@ -586,6 +625,13 @@ class LlamaCppEngine(Engine):
         )
         self._ctx = llama_internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._memory = llama_cpp.llama_get_memory(self._ctx.ctx)
+        if self.projector_path is not None:
+            try:
+                threads = max(self.n_threads, self.n_threads_batch)
+                self._projector = Projector(self.projector_path, self._model.model, threads,
+                                            use_gpu=self.gpu_offload, flash_attn=bool(self.flash_attn))  # fmt: skip
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
         self._n_vocab = int(self._model.n_vocab())
         self._vocab_ptr = self._model.vocab
         self._eos = frozenset(t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab_ptr, t))
@@ -621,6 +667,9 @@ class LlamaCppEngine(Engine):
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
         for resource in (self._ctx, self._model):
             if resource is not None:
                 resource.close()
@@ -679,6 +728,7 @@ class LlamaCppEngine(Engine):
     def describe(self) -> dict[str, Any]:
         return {
             "gguf_file": self.path.name,
+            "projector_file": self.projector_path.name if self.projector_path else None,
             "n_ctx": self.n_ctx,
             "n_parallel": self.n_parallel,
             "training_context": self.shape.train_context,
@@ -692,6 +742,31 @@ class LlamaCppEngine(Engine):
     def check_capacity(self, sequences: int = 1) -> None:
         self.admission.check(sequences)
 
+    # -- images -----------------------------------------------------------------------------------------
+
+    @property
+    def vision(self) -> VisionSupport | None:
+        return VisionSupport(max_pixels=MAX_IMAGE_PIXELS) if self._projector is not None else None
+
+    def multimodal_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        images: Sequence[Any],
+    ) -> MultimodalPrompt:
+        """The chat template rendered with each image as ``mtmd``'s marker, then tokenized by ``mtmd`` (the
+        family's image tokens, its preprocessing and slicing). ``prompt_ids`` hold one id per KV cell, an image's
+        cells as the placeholder id 0 (usage counts them, as llama.cpp does); the engine runs the chunks."""
+        projector = self._projector
+        if projector is None:
+            return super().multimodal_prompt(messages, tools, images)
+        text = self.apply_chat_template(projector.template_messages(messages), tools)
+        prompt = projector.tokenize(text, images)
+        if not prompt.segments or not isinstance(prompt.segments[-1], list):
+            raise ValueError("the prompt ends with an image; the chat template must end with text")
+        ids = [k if k >= 0 else 0 for k in prompt.keys]
+        return MultimodalPrompt(prompt_ids=ids, images=tuple(images), inputs=prompt, image_tokens=prompt.image_tokens)
+
     # -- requests (event loop side) -------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -703,6 +778,9 @@ class LlamaCppEngine(Engine):
                              f"exceeds the context ({self.n_ctx})")  # fmt: skip
         if any(not 0 <= t < self._n_vocab for t in request.prompt_ids):
             raise ValueError(f"prompt: a token id is outside the vocabulary (0..{self._n_vocab - 1})")
+        multimodal = request.multimodal.inputs if request.multimodal is not None else None
+        if multimodal is not None and not isinstance(multimodal, MtmdPrompt):
+            raise ValueError("the prompt's images were not prepared by this engine")
         grammar = None
         if request.constraint is not None:
             if self._lltokenizer is None:
@@ -710,6 +788,7 @@ class LlamaCppEngine(Engine):
             # Before the first await: an unenforceable schema is the response's 400, streamed or not.
             grammar = constraints.grammar_for(request.constraint)
         seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar)
+        seq.keys = list(multimodal.keys) if multimodal is not None else list(request.prompt_ids)
         stream = stream_from_engine_thread(self, self.admission, seq, self._queue.put)
         async with contextlib.aclosing(stream) as chunks:
             async for chunk in chunks:
@@ -763,7 +842,7 @@ class LlamaCppEngine(Engine):
         free = [slot for slot in self._slots if slot.seq is None]
         if not free:
             return None
-        prompt = seq.request.prompt_ids
+        prompt = seq.keys
         shared = {slot.seq_id: common_prefix(slot.cached, prompt) for slot in free}
         best = max(free, key=lambda slot: (shared[slot.seq_id], -slot.last_used))
         if shared[best.seq_id] > SLOT_SIMILARITY * len(prompt):
@@ -773,13 +852,13 @@ class LlamaCppEngine(Engine):
     def _admit(self, seq: _Seq, slot: _Slot, running: list[_Seq]) -> None:
         """Put ``seq`` into ``slot``: keep the cached common prefix (the last prompt token is always evaluated
         again, as its logits pick the first token), build its sampler and constraint matcher."""
-        prompt = list(seq.request.prompt_ids)
-        common = min(common_prefix(slot.cached, prompt), len(prompt) - 1)
-        if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, common, -1):
+        prompt = seq.keys
+        common = slot.cut(min(common_prefix(slot.cached, prompt), len(prompt) - 1))
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, slot.position(common), -1):
             # This model's cache cannot be cut (recurrent): start the slot afresh.
             llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
             common = 0
-        del slot.cached[common:]
+        slot.keep(common)
         try:
             seq.matcher = constraints.matcher(self._lltokenizer, seq.grammar) if seq.grammar is not None else None
         except Exception as exc:  # a failed sequence fails alone
@@ -789,10 +868,55 @@ class LlamaCppEngine(Engine):
         seq.stops = frozenset(seq.request.params.stop_token_ids) | (
             frozenset() if seq.request.params.ignore_eos else self._eos
         )
-        seq.pending = prompt[common:]
+        multimodal = seq.request.multimodal
+        if multimodal is None:
+            seq.pending = list(prompt[common:])
+        else:  # the segments past the cached prefix (which ends at an image boundary)
+            skip = common
+            for segment in multimodal.inputs.segments:
+                size = len(segment) if isinstance(segment, list) else segment.n_tokens
+                if skip >= size:
+                    skip -= size
+                    continue
+                seq.segments.append(segment[skip:] if isinstance(segment, list) else segment)
+                skip = 0
+            seq.pending = []
+            self._next_text(seq)
         seq.slot, slot.seq = slot, seq
         running.append(seq)
-        metrics.PROMPT_TOKENS.labels(self.config.model_name).inc(len(seq.pending))
+        metrics.PROMPT_TOKENS.labels(self.config.model_name).inc(len(prompt) - common)
+
+    @staticmethod
+    def _next_text(seq: _Seq) -> None:
+        """Move the next text segment into ``pending`` when nothing is pending and text comes next."""
+        if not seq.pending and seq.segments and isinstance(seq.segments[0], list):
+            seq.pending = list(seq.segments.popleft())  # type: ignore[arg-type]
+
+    def _evaluate_images(self, running: list[_Seq]) -> None:
+        """Each prefilling sequence whose prompt continues with an image: the image into its slot's cache (one
+        image chunk at a time, outside the shared batch: its embeddings are not tokens), then its next text."""
+        projector = self._projector
+        for seq in list(running):
+            while not seq.pending and seq.segments and isinstance(seq.segments[0], ImageChunk):
+                image = seq.segments.popleft()
+                slot = seq.slot
+                assert slot is not None
+                assert projector is not None
+                assert isinstance(image, ImageChunk)
+                try:
+                    next_pos = projector.evaluate(self._ctx.ctx, image, slot.next_pos, slot.seq_id, self._n_batch,
+                                                  self._n_ubatch)  # fmt: skip
+                except RuntimeError as exc:
+                    logger.error("%s", exc)
+                    llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                    slot.reset()
+                    seq.send(RuntimeError(f"generation failed: {exc}"))
+                    self._release(seq, running)
+                    break
+                slot.images.append((len(slot.cached), image.n_tokens, next_pos - slot.next_pos))
+                slot.cached.extend([image.key] * image.n_tokens)
+                slot.next_pos = next_pos
+                self._next_text(seq)
 
     def _release(self, seq: _Seq, running: list[_Seq]) -> None:
         slot = seq.slot
@@ -808,6 +932,10 @@ class LlamaCppEngine(Engine):
     def _step(self, running: list[_Seq]) -> None:
         """One ``llama_decode``: a token from each generating sequence, then prompt chunks up to ``n_batch``
         (a long prompt is evaluated over several steps while the others keep streaming), then sampling."""
+        if self._projector is not None:
+            self._evaluate_images(running)
+            if not running:
+                return
         batch = self._batch
         batch.clear()
         outputs: list[tuple[_Seq, int]] = []
@@ -815,15 +943,20 @@ class LlamaCppEngine(Engine):
             room = batch.capacity - batch.size
             if room <= 0:
                 break
+            if not seq.pending:  # an image comes next: evaluated before the next step
+                continue
             slot = seq.slot
             assert slot is not None
             take = seq.pending[:room]
-            last = len(take) == len(seq.pending)
-            index = batch.add(take, len(slot.cached), slot.seq_id, want_logits=last)
+            last = len(take) == len(seq.pending) and not seq.segments
+            index = batch.add(take, slot.next_pos, slot.seq_id, want_logits=last)
             slot.cached.extend(take)
+            slot.next_pos += len(take)
             del seq.pending[: len(take)]
             if last:
                 outputs.append((seq, index))
+        if batch.size == 0:
+            return
         batch.struct.n_tokens = batch.size
         code = llama_cpp.llama_decode(self._ctx.ctx, batch.struct)
         if code != 0:
@@ -853,7 +986,7 @@ class LlamaCppEngine(Engine):
         for seq in list(running):
             if seq.slot is not None:
                 llama_cpp.llama_memory_seq_rm(self._memory, seq.slot.seq_id, -1, -1)
-                seq.slot.cached.clear()
+                seq.slot.reset()
             seq.send(failure)
             self._release(seq, running)
 
