@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # `make test` after the venv exists: the checks and the three test tiers, with the independent slow steps
 # overlapped. While lint, types, layering, the drift checks and the unit tier (pytest, about half of CI)
-# run in the foreground, two background steps prepare the later tiers: the vLLM tier's virtualenv
-# (.ci/vllm.sh install) and the image tier's images (.ci/images.sh build). Then the vLLM tier's tests and
-# the image tier's tests run, one after the other (both load the CPUs).
+# run in the foreground, one background step prepares the later tiers: the vLLM tier's virtualenv
+# (.ci/vllm.sh install), then the image tier's images (.ci/images.sh build). One after the other, not at
+# once: both build the project from this tree (pip's in-tree build: build/, *.egg-info) and both run pip;
+# together they take about 17 minutes, well inside pytest's 31. Then the vLLM tier's tests and the image
+# tier's tests run, one after the other (both load the CPUs).
 #
-# Each background step writes its own log under $LOGS, printed whole (between markers) once it ends; a
-# background step that fails fails CI with its exit status, like a foreground one. If CI stops early, the
-# background steps still running are stopped.
+# A background step writes its log under $LOGS, printed whole (between markers) once it ends; a background
+# step that fails fails CI with its exit status, like a foreground one. If CI stops early, a background
+# step still running is stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,16 +52,16 @@ stop_background() {
 }
 trap stop_background EXIT
 
-background vllm-install bash .ci/vllm.sh install
-background images-build env VENV="$VENV" bash .ci/images.sh build
+background prepare env VENV="$VENV" bash -c 'set -euo pipefail
+  echo "ci: vllm-install ..."; bash .ci/vllm.sh install
+  echo "ci: images-build ..."; bash .ci/images.sh build'
 
 "$MAKE" --no-print-directory VENV="$VENV" lint typecheck layering crd-check unit
 echo "ci: checks and unit tier done at $((SECONDS - started)) s"
 
-finish vllm-install
+finish prepare
 bash .ci/vllm.sh test
 echo "ci: vLLM tier done at $((SECONDS - started)) s"
 
-finish images-build
 VENV="$VENV" bash .ci/images.sh test
 echo "ci: image tier done at $((SECONDS - started)) s"
