@@ -251,6 +251,7 @@ class DocumentPredictor(UniversalPredictor):
             max_side=args.ocr_max_side,
             use_angle_cls=True,
             text_score=args.ocr_text_score,
+            word_boxes=True,
         )
 
     def unload(self) -> None:
@@ -320,7 +321,7 @@ class DocumentPredictor(UniversalPredictor):
             assert self.ocr is not None
             languages = resolve_languages(body.languages, self.ocr.languages(), self.default_languages)
             lines = await self.ocr_batcher.submit(Job(page.image, languages, page.dpi))
-            words = from_lines(lines, width, height)
+            words = await asyncio.to_thread(from_lines, lines, width, height, page.image)
         if len(words.words) > args.max_words:
             raise InvalidRequest(
                 f"words: the page has {len(words.words)} words; the limit max_words is {args.max_words}",
