@@ -341,8 +341,7 @@ class DocumentPredictor(UniversalPredictor):
         output = await self.batcher.submit(encoded)
         return page, words, encoded, output
 
-    def _envelope(self, kind: str, page: Page, body: DocumentRequest, words: PageWords | None,
-                  encoded: Any) -> dict[str, Any]:  # fmt: skip
+    def _envelope(self, kind: str, page: Page, body: DocumentRequest) -> dict[str, Any]:
         out: dict[str, Any] = {"object": f"document.{kind}", "model": self.name}
         if page.page is not None or body.page is not None:
             out["page"] = page.page or body.page
@@ -381,7 +380,7 @@ class DocumentPredictor(UniversalPredictor):
     async def answer(self, body: DocumentQARequest, source: PageInput | None) -> dict[str, Any]:
         self._check_head(Head.QA)
         page, words, encoded, output = await self._run(body, source, body.question)
-        out = self._envelope("qa", page, body, words, encoded)
+        out = self._envelope("qa", page, body)
         out["question"] = body.question
         if encoded is None:
             result: dict[str, Any] = {"answer": None, "score": 0.0, "words": []}
@@ -441,7 +440,7 @@ class DocumentPredictor(UniversalPredictor):
                 if item["score"] > best.get(key, -1.0):
                     best[key] = item["score"]
                     values[key] = item["text"]
-        out = self._envelope("extract", page, body, words, encoded)
+        out = self._envelope("extract", page, body)
         out["values"] = values
         out["fields"] = fields
         if body.return_words and words is not None:
@@ -457,7 +456,7 @@ class DocumentPredictor(UniversalPredictor):
             encoded = await asyncio.to_thread(self.document_model.encode, PageJob(page.image, words))
             output = await self.batcher.submit(encoded)
         scores = self.document_model.classify(encoded, output)
-        out = self._envelope("classification", page, body, words, encoded)
+        out = self._envelope("classification", page, body)
         out["label"], out["score"] = scores[0]
         listed = scores if body.top_k is None else scores[: body.top_k]
         out["all_scores"] = [{"label": label, "score": score} for label, score in listed]
