@@ -4,6 +4,8 @@ this process by transformers, on the same words and boxes, within 1e-5."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_layoutlm import FIELD_LABELS, PAGE_LABELS, build_layoutlm
 from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.document.layoutlm import group_fields
 
 #: The page every test reads: words RapidOCR reads back exactly.
 LINES = ["Invoice 48213 from Acme", "Total due 1250 dollars", "Date March 14 2024"]
@@ -37,16 +40,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def predictors(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """One predictor per head (a process serves one model), started together."""
-    import contextlib
-
-    with contextlib.ExitStack() as stack:
-        running = {}
+    """One predictor per head (a process serves one model), started at once."""
+    with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        started = {}
         for head, path in models.items():
             config = PredictorConfig(model_name=f"tiny-layoutlm-{head}", task=Task.DOCUMENT, source=str(path),
                                      engine_args=LIMITS)  # fmt: skip
-            running[head] = stack.enter_context(running_predictor(config, tmp_path_factory.mktemp(f"doc-{head}")))
-        yield running
+            logs = tmp_path_factory.mktemp(f"doc-{head}")
+            started[head] = pool.submit(stack.enter_context, running_predictor(config, logs))
+        yield {head: future.result() for head, future in started.items()}
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +329,26 @@ def test_the_model_card_names_the_family_head_route_and_ocr(predictors: dict[str
     assert (card["family"], card["head"], card["routes"]) == ("layoutlmv3", "extract", ["/v1/document/extract"])
     assert card["ocr"]["engine"] == "rapidocr"
     assert card["fields"] == ["INVOICE", "TOTAL", "DATE"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "fields"),
+    [
+        (["B-TOTAL", "I-TOTAL", "O", "B-DATE"], [("TOTAL", [0, 1]), ("DATE", [3])]),
+        (["B-TOTAL", "B-TOTAL", "I-TOTAL"], [("TOTAL", [0]), ("TOTAL", [1, 2])]),
+        (["O", "I-DATE", "I-DATE", "I-TOTAL"], [("DATE", [1, 2]), ("TOTAL", [3])]),  # I- without its B- starts one
+        (["HEADER", "HEADER", "O", "HEADER"], [("HEADER", [0, 1]), ("HEADER", [3])]),  # unprefixed labels
+        (
+            ["S-DATE", "S-DATE", "B-TOTAL", "E-TOTAL", "I-TOTAL"],
+            [("DATE", [0]), ("DATE", [1]), ("TOTAL", [2, 3]), ("TOTAL", [4])],
+        ),  # fmt: skip
+    ],
+)
+def test_word_labels_group_into_fields_by_the_b_i_scheme(
+    labels: list[str], fields: list[tuple[str, list[int]]]
+) -> None:
+    scores = [0.5 + 0.1 * i for i in range(len(labels))]
+    grouped = group_fields(labels, scores)
+    assert [(name, words) for name, words, _ in grouped] == fields
+    for _, words, score in grouped:
+        assert abs(score - sum(scores[i] for i in words) / len(words)) < 1e-12
