@@ -341,7 +341,7 @@ def test_the_model_card_names_the_family_head_route_and_ocr(predictors: dict[str
         (
             ["S-DATE", "S-DATE", "B-TOTAL", "E-TOTAL", "I-TOTAL"],
             [("DATE", [0]), ("DATE", [1]), ("TOTAL", [2, 3]), ("TOTAL", [4])],
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_word_labels_group_into_fields_by_the_b_i_scheme(
