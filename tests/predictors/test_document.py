@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from tests.predictors import ocr_samples as samples
+from tests.predictors.fixtures_encoders import metric_value
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_layoutlm import FIELD_LABELS, PAGE_LABELS, build_layoutlm
 from universal_predictors.config import PredictorConfig, Task
@@ -28,7 +29,13 @@ from universal_predictors.document.layoutlm import group_fields
 LINES = ["Invoice 48213 from Acme", "Total due 1250 dollars", "Date March 14 2024"]
 WORDS = " ".join(LINES).split()
 PDF_PAGES = [["First page about apples"], ["Second page lists 2024 totals"]]
-LIMITS = {"max_image_bytes": "1048576", "max_pixels": "2000000", "max_pages": "3", "max_words": "64"}
+LIMITS = {
+    "max_image_bytes": "1048576",
+    "max_pixels": "2000000",
+    "max_pages": "3",
+    "max_words": "64",
+    "max_wait_ms": "30",
+}  # a wait long enough that concurrent pages share forward passes
 TOLERANCE = 1e-5
 
 
@@ -205,6 +212,36 @@ def test_a_pdf_page_is_chosen_by_page_and_one_out_of_range_names_the_page_count(
         upload = client.post("/v1/document/qa", files={"file": ("doc.pdf", samples.pdf(PDF_PAGES), "application/pdf")},
                              data={"question": "What?", "page": "2", "return_words": "true"})  # fmt: skip
     assert [w["text"] for w in ok(upload)["words"]] == PDF_PAGES[1][0].split()
+
+
+def test_concurrent_pages_batched_together_answer_as_each_alone_in_process(
+    predictors: dict[str, PredictorProcess], reference: dict[str, Any], page: Image.Image
+) -> None:
+    # Pages of different lengths: a shared forward pass pads them; padding must not change an answer.
+    cases = [(WORDS[: 2 + 2 * i], f"Question {i}?") for i in range(6)]
+    boxes = [[10 + 30 * (j % 12), 20 + 40 * (j // 12), 35 + 30 * (j % 12), 50 + 40 * (j // 12)] for j in range(12)]
+
+    def ask(case: tuple[list[str], str]) -> dict[str, Any]:
+        words, question = case
+        return ok(post(predictors["qa"], "qa", image=png(page), question=question, words=words,
+                       boxes=boxes[: len(words)], return_words=True))  # fmt: skip
+
+    def shared_passes() -> float:
+        """Forward passes (or OCR batches) that held more than one page, from the batch-size histogram."""
+        with predictors["qa"].client() as client:
+            text = client.get("/metrics").text
+        name = "tiny-layoutlm-qa"
+        total = metric_value(text, "universal_predictor_batch_size_count", model=name)
+        return total - metric_value(text, "universal_predictor_batch_size_bucket", model=name, le="1.0")
+
+    before = shared_passes()
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(ask, cases))
+    assert shared_passes() > before  # the words came with the requests: only the model batches here
+    for (_, question), body in zip(cases, answers, strict=True):
+        answer, score = reference_answer(reference["qa"], page, body["words"], question)
+        assert body["answer"] == answer
+        assert abs(body["score"] - score) < TOLERANCE
 
 
 # -- extraction ----------------------------------------------------------------------------------------
