@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from PIL import Image
 
 from tests.predictors import ocr_samples as samples
 from tests.predictors.fixtures_encoders import metric_value
-from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.predictors.harness import PredictorProcess, free_port, run_predictor_cli, running_predictor
 from tests.predictors.tiny_layoutlm import FIELD_LABELS, PAGE_LABELS, build_layoutlm
 from universal_predictors.config import PredictorConfig, Task
 from universal_predictors.document.layoutlm import group_fields
@@ -393,3 +394,36 @@ def test_word_labels_group_into_fields_by_the_b_i_scheme(
     assert [(name, words) for name, words, _ in grouped] == fields
     for _, words, score in grouped:
         assert abs(score - sum(scores[i] for i in words) / len(words)) < 1e-12
+
+
+def _not_a_head(models: dict[str, Path], tmp_path: Path) -> Path:
+    """The QA checkpoint with its config naming the bare encoder, a head this task does not serve."""
+    target = tmp_path / "bare"
+    shutil.copytree(models["qa"], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["LayoutLMv3Model"]}))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("bert", "is a 'bert' model; task document serves the families layoutlmv3"),
+        ("bare", "LayoutLMv3ForQuestionAnswering (qa), LayoutLMv3ForTokenClassification (extract)"),
+        ("missing", "has no config.json"),
+    ],
+)
+def test_a_model_no_family_or_head_serves_stops_start_up_with_one_line(
+    models: dict[str, Path], tmp_path: Path, source: str, says: str
+) -> None:
+    from tests.predictors.tiny_bert import build_sequence_classifier
+
+    path = {
+        "bert": lambda: build_sequence_classifier(tmp_path / "bert"),
+        "bare": lambda: _not_a_head(models, tmp_path),
+        "missing": lambda: tmp_path,
+    }[source]()
+    result = run_predictor_cli(["--model_name=x", "--task=document", f"--source={path}", f"--http_port={free_port()}"])
+    assert result.returncode == 2
+    assert says in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
