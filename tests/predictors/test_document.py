@@ -427,3 +427,29 @@ def test_a_model_no_family_or_head_serves_stops_start_up_with_one_line(
     assert result.returncode == 2
     assert says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_upload_mistakes_name_the_form_field(predictors: dict[str, PredictorProcess], page: Image.Image) -> None:
+    data = samples.encode(page)
+    with predictors["qa"].client(timeout=120) as client:
+        two = client.post("/v1/document/qa", files=[("file", ("a.png", data, "image/png")),
+                                                    ("image", ("b.png", data, "image/png"))],
+                          data={"question": "Why?"})  # fmt: skip
+        stray = client.post("/v1/document/qa", files={"photo": ("a.png", data, "image/png")}, data={"question": "Why?"})
+        bad_json = client.post("/v1/document/qa", files={"file": ("a.png", data, "image/png")},
+                               data={"question": "Why?", "words": "[not json"})  # fmt: skip
+    assert "send one page" in error_of(two, 400)["message"]
+    assert error_of(stray, 400)["param"] == "photo"
+    assert error_of(bad_json, 400)["param"] == "words"
+    both = error_of(post(predictors["qa"], "qa", image=png(page), document=png(page), question="Why?"), 400)
+    assert both["param"] == "document"
+
+
+def test_a_tiff_frame_is_chosen_by_page(predictors: dict[str, PredictorProcess], page: Image.Image) -> None:
+    other = samples.render(["Second page lists 2024 totals"], samples.body_font(30))
+    tiff = samples.encode(page, "TIFF", save_all=True, append_images=[other])
+    body = ok(post(predictors["qa"], "qa", image=samples.b64(tiff), page=2, question="What?", return_words=True))
+    assert [w["text"] for w in body["words"]] == ["Second", "page", "lists", "2024", "totals"]
+    assert body["page"] == 2
+    error = error_of(post(predictors["qa"], "qa", image=samples.b64(tiff), page=3, question="What?"), 400)
+    assert "has 2 frames" in error["message"]
