@@ -411,6 +411,7 @@ def _not_a_head(models: dict[str, Path], tmp_path: Path) -> Path:
         ("bert", "is a 'bert' model; task document serves the families layoutlmv3"),
         ("bare", "LayoutLMv3ForQuestionAnswering (qa), LayoutLMv3ForTokenClassification (extract)"),
         ("missing", "has no config.json"),
+        ("wrong-head", "is a qa model (LayoutLMv3ForQuestionAnswering); engine arg head=extract names another head"),
     ],
 )
 def test_a_model_no_family_or_head_serves_stops_start_up_with_one_line(
@@ -422,8 +423,11 @@ def test_a_model_no_family_or_head_serves_stops_start_up_with_one_line(
         "bert": lambda: build_sequence_classifier(tmp_path / "bert"),
         "bare": lambda: _not_a_head(models, tmp_path),
         "missing": lambda: tmp_path,
+        "wrong-head": lambda: models["qa"],
     }[source]()
-    result = run_predictor_cli(["--model_name=x", "--task=document", f"--source={path}", f"--http_port={free_port()}"])
+    head = ["--engine-arg=head=extract"] if source == "wrong-head" else []
+    result = run_predictor_cli(["--model_name=x", "--task=document", f"--source={path}", f"--http_port={free_port()}",
+                                *head])  # fmt: skip
     assert result.returncode == 2
     assert says in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

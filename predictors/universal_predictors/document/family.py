@@ -55,6 +55,9 @@ class DocumentModel(ABC):
     family: ClassVar[str]
     #: Whether the model reads OCR words and boxes (LayoutLM) or the pixels only.
     needs_words: ClassVar[bool] = True
+    #: Whether the ``head`` engine argument chooses the head when ``architectures`` cannot tell (an
+    #: encoder-decoder's task is in its prompt, not its class).
+    head_from_args: ClassVar[bool] = False
 
     def __init__(self, source: str, config: dict[str, Any], head: Head) -> None:
         self.source = source
@@ -131,12 +134,22 @@ def family_of(config: dict[str, Any], source: str) -> type[DocumentModel]:
     return cls
 
 
-def resolve(source: str) -> DocumentModel:
-    """The family and head of the model in ``source`` (not loaded yet); StartupError says what is missing."""
+def resolve(source: str, requested: Head | None = None) -> DocumentModel:
+    """The family and head of the model in ``source`` (not loaded yet); StartupError says what is missing.
+
+    ``requested`` (the ``head`` engine argument) must agree with the head ``architectures`` names; it
+    chooses the head only for a family whose architectures cannot tell (``head_from_args``)."""
     config = read_config(source)
     cls = family_of(config, source)
     architectures = [str(a) for a in config.get("architectures") or []]
     head = cls.head_of(architectures)
+    if head is not None and requested is not None and requested is not head:
+        raise StartupError(
+            f"source {source!r} is a {head.value} model ({', '.join(architectures)}); engine arg "
+            f"head={requested.value} names another head"
+        )
+    if head is None and requested is not None and cls.head_from_args:
+        head = requested
     if head is None:
         known = ", ".join(f"{name} ({h.value})" for name, h in cls.heads().items())
         raise StartupError(

@@ -56,6 +56,9 @@ class DocumentEngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    head: Literal["auto", "qa", "extract", "classify"] = Field(
+        default="auto", description="The model's head (route); auto: from config.json architectures."
+    )
     max_batch_size: int = Field(default=8, ge=1, le=256, description="Pages per forward pass at most.")
     max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
     device: str = "auto"
@@ -195,8 +198,8 @@ class DocumentPredictor(UniversalPredictor):
     def __init__(self, config: PredictorConfig) -> None:
         super().__init__(config)
         # A source no family serves, or a head none of them has, stops the process with one line.
-        self.document_model: DocumentModel = resolve(config.source)
         args: DocumentEngineArgs = self.engine_args
+        self.document_model: DocumentModel = resolve(config.source, None if args.head == "auto" else Head(args.head))
         if self.document_model.needs_words:
             if args.ocr_engine == "tesseract":
                 from universal_predictors.ocr.tesseract import check_source
