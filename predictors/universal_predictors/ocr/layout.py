@@ -8,6 +8,7 @@ still one row, read left to right.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ class Line:
     text: str
     confidence: float
     box: tuple[Point, Point, Point, Point]
+    #: The boxes of the line's characters (RapidOCR, on request) or words (Tesseract), when the engine gives them.
+    pieces: tuple[tuple[Point, ...], ...] | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -82,3 +85,90 @@ def assemble(lines: Sequence[Line]) -> tuple[str, float, list[Line]]:
     characters = sum(len(line.text) for line in ordered)
     confidence = sum(line.confidence * len(line.text) for line in ordered) / characters if characters else 0.0
     return text.strip("\n"), confidence, ordered
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word of a line: its text, the line's confidence and an axis-aligned pixel box (x0, y0, x1, y1)."""
+
+    text: str
+    confidence: float
+    box: tuple[float, float, float, float]
+
+
+def _along(a: Point, b: Point, t: float) -> Point:
+    return (a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t)
+
+
+def _bounds(quads: Sequence[Sequence[Point]]) -> tuple[float, float, float, float]:
+    xs = [p[0] for quad in quads for p in quad]
+    ys = [p[1] for quad in quads for p in quad]
+    return (min(xs), min(ys), max(xs), max(ys))
+
+
+#: A gap between two characters' boxes wider than this share of the line's height separates words.
+WORD_GAP = 0.3
+
+
+def _split_by_pieces(line: Line) -> list[Word] | None:
+    """Words from per-character boxes: split at whitespace and at gaps wider than ``WORD_GAP`` line heights
+    (PP-OCR's recognisers often drop the spaces between words; the gaps stay)."""
+    pieces = line.pieces
+    if pieces is not None:
+        tokens = list(re.finditer(r"\S+", line.text))
+        if len(pieces) == len(tokens) != len(line.text):  # one box per word (Tesseract)
+            return [Word(m.group(), line.confidence, _bounds([q])) for m, q in zip(tokens, pieces, strict=True)]
+    if pieces is None or len(pieces) != len(line.text):
+        return None
+    (_, y0), _, _, (_, y3) = line.box
+    gap = WORD_GAP * max(abs(y3 - y0), 1.0)
+    words: list[Word] = []
+    current: list[int] = []
+
+    def close() -> None:
+        if current:
+            text = "".join(line.text[i] for i in current)
+            words.append(Word(text, line.confidence, _bounds([pieces[i] for i in current])))
+            current.clear()
+
+    for i, char in enumerate(line.text):
+        if char.isspace():
+            close()
+            continue
+        if current:
+            left = max(p[0] for p in pieces[current[-1]])
+            right = min(p[0] for p in pieces[i])
+            if right - left > gap:
+                close()
+        current.append(i)
+    close()
+    return words
+
+
+def split_words(line: Line) -> list[Word]:
+    """The line's words, each with an axis-aligned box.
+
+    With one box per word (Tesseract's), those. With per-character boxes (RapidOCR), words are split at
+    spaces and at wide gaps and boxed by their characters. Otherwise a word's box is the slice of the
+    line's quadrilateral its characters take by count, what a monospaced estimate gives.
+    """
+    text = line.text
+    if not text.strip():
+        return []
+    by_pieces = _split_by_pieces(line)
+    if by_pieces is not None:
+        return by_pieces
+    tl, tr, br, bl = line.box
+    total = len(text)
+    words = []
+    for match in re.finditer(r"\S+", text):
+        start, end = match.start() / total, match.end() / total
+        corners = [_along(tl, tr, start), _along(tl, tr, end), _along(bl, br, end), _along(bl, br, start)]
+        xs, ys = [p[0] for p in corners], [p[1] for p in corners]
+        words.append(Word(match.group(), line.confidence, (min(xs), min(ys), max(xs), max(ys))))
+    return words
+
+
+def page_words(lines: Sequence[Line]) -> list[Word]:
+    """Every word of the page in reading order (rows top to bottom, left to right)."""
+    return [word for row in reading_order(lines) for line in row for word in split_words(line)]
