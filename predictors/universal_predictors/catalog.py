@@ -34,6 +34,7 @@ class Task(StrEnum):
     CLASSIFY = "classify"
     NER = "ner"
     OCR = "ocr"
+    DOCUMENT = "document"
     ANOMALY = "anomaly"
 
 
@@ -233,6 +234,37 @@ CATALOG = Catalog(
             predictor=f"{_TASKS}.ocr:OcrPredictor",
             routes=(
                 _post("ocr", "/v1/ocr", "Read text in images and PDFs", f"{_TASKS}.ocr:OcrRequest", ModelFrom.FORM),
+            ),
+        ),
+        # Documents are read with the OCR engines (rapidocr or tesseract, an engine arg) when the model needs words.
+        TaskEntry(
+            name=Task.DOCUMENT,
+            summary="document understanding of a page image or PDF page: question answering, fields, page class",
+            backends=(Backend.TRANSFORMERS,),
+            extra="document",
+            predictor=f"{_TASKS}.document:DocumentPredictor",
+            routes=(
+                _post(
+                    "document/qa",
+                    "/v1/document/qa",
+                    "Answer a question about a page",
+                    f"{_TASKS}.document:DocumentQARequest",
+                    ModelFrom.FORM,
+                ),
+                _post(
+                    "document/extract",
+                    "/v1/document/extract",
+                    "Extract fields from a page",
+                    f"{_TASKS}.document:DocumentExtractRequest",
+                    ModelFrom.FORM,
+                ),
+                _post(
+                    "document/classify",
+                    "/v1/document/classify",
+                    "Classify a page",
+                    f"{_TASKS}.document:DocumentClassifyRequest",
+                    ModelFrom.FORM,
+                ),
             ),
         ),
         TaskEntry(

@@ -231,10 +231,11 @@ def _sniff(data: bytes) -> str:
 
 
 def render_pdf_pages(
-    data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget | None = None
+    data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget | None = None, only: int | None = None
 ) -> Iterator[Page]:
     """Every page of a PDF rendered at ``limits.pdf_dpi`` with PDFium, one at a time; every page's size is
-    checked (``max_pixels``, ``budget``) before the first is rendered."""
+    checked (``max_pixels``, ``budget``) before the first is rendered. ``only``: just that 1-based page (a
+    400 naming the page count when the PDF has no such page)."""
     import pypdfium2
 
     scale = limits.pdf_dpi / 72
@@ -250,13 +251,21 @@ def render_pdf_pages(
             if count == 0:
                 raise InvalidRequest(f"{field}: the PDF has no pages", param=field, code="invalid_document")
             _check_pages(count, field, limits)
-            for number in range(count):
+            if only is not None and not 1 <= only <= count:
+                raise InvalidRequest(
+                    f"page: the PDF has {count} page{'s' if count != 1 else ''}; page {only} is out of range "
+                    f"(pages are numbered from 1)",
+                    param="page",
+                    code="page_out_of_range",
+                )
+            numbers = range(count) if only is None else [only - 1]
+            for number in numbers:
                 width_pt, height_pt = document.get_page_size(number)
                 width, height = round(width_pt * scale), round(height_pt * scale)
                 _check_pixels(width, height, f"{field} page {number + 1}", limits)
                 if budget is not None:
                     budget.take(width, height, f"{field} page {number + 1}")
-            for number in range(count):
+            for number in numbers:
                 page = document[number]
                 try:
                     bitmap = page.render(scale=scale, may_draw_forms=True)
@@ -291,7 +300,8 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _render_child(conn: Connection, data: bytes, index: int, field: str, limits: Limits, pixels_left: int) -> None:
+def _render_child(conn: Connection, data: bytes, index: int, field: str, limits: Limits, pixels_left: int,
+                  only: int | None = None) -> None:  # fmt: skip
     """The render process: each page as ``("page", number, (width, height), rgb_bytes)``, then ``("done",)``;
     a client mistake or a limit as ``("error", class_name, message, param, code)``."""
     _die_with_parent()
@@ -301,7 +311,7 @@ def _render_child(conn: Connection, data: bytes, index: int, field: str, limits:
     budget = PixelBudget(limits)
     budget.left = pixels_left
     try:
-        for page in render_pdf_pages(data, index, field, limits, budget):
+        for page in render_pdf_pages(data, index, field, limits, budget, only):
             conn.send(("page", page.page, page.image.size, page.image.tobytes()))
         conn.send(("done", limits.max_total_pixels - budget.left))
     except APIError as error:
@@ -319,13 +329,13 @@ class PdfRenderers:
         self._slots: asyncio.Semaphore | None = None
 
     async def pages(
-        self, data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget
+        self, data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget, only: int | None = None
     ) -> AsyncIterator[Page]:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
             receiver, sender = _MP.Pipe(duplex=False)
-            process = _MP.Process(target=_render_child, args=(sender, data, index, field, limits, budget.left),
+            process = _MP.Process(target=_render_child, args=(sender, data, index, field, limits, budget.left, only),
                                   name=f"pdf-render-{field}", daemon=True)  # fmt: skip
             process.start()
             sender.close()

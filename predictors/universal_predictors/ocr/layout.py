@@ -8,6 +8,7 @@ still one row, read left to right.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,3 +83,41 @@ def assemble(lines: Sequence[Line]) -> tuple[str, float, list[Line]]:
     characters = sum(len(line.text) for line in ordered)
     confidence = sum(line.confidence * len(line.text) for line in ordered) / characters if characters else 0.0
     return text.strip("\n"), confidence, ordered
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word of a line: its text, the line's confidence and an axis-aligned pixel box (x0, y0, x1, y1)."""
+
+    text: str
+    confidence: float
+    box: tuple[float, float, float, float]
+
+
+def _along(a: Point, b: Point, t: float) -> Point:
+    return (a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t)
+
+
+def split_words(line: Line) -> list[Word]:
+    """The line's words (split on whitespace), each boxed by the share of the line its characters take.
+
+    The engines box lines, not words; a word's box is the slice of the line's quadrilateral between its
+    first and last character (by character count, what a monospaced estimate gives), made axis-aligned.
+    """
+    text = line.text
+    if not text.strip():
+        return []
+    tl, tr, br, bl = line.box
+    total = len(text)
+    words = []
+    for match in re.finditer(r"\S+", text):
+        start, end = match.start() / total, match.end() / total
+        corners = [_along(tl, tr, start), _along(tl, tr, end), _along(bl, br, end), _along(bl, br, start)]
+        xs, ys = [p[0] for p in corners], [p[1] for p in corners]
+        words.append(Word(match.group(), line.confidence, (min(xs), min(ys), max(xs), max(ys))))
+    return words
+
+
+def page_words(lines: Sequence[Line]) -> list[Word]:
+    """Every word of the page in reading order (rows top to bottom, left to right)."""
+    return [word for row in reading_order(lines) for line in row for word in split_words(line)]

@@ -1,0 +1,146 @@
+"""Document model families and their heads: which class loads a model, which routes its head serves.
+
+A family is picked by the model's ``config.json`` ``model_type`` (:data:`FAMILIES`, import paths so
+only the chosen family's code is imported); the head by the config's ``architectures`` (the family's
+:meth:`DocumentModel.head_of`). A family that reads OCR words says so (``needs_words``); one that
+reads pixels only (an OCR-free encoder-decoder) does not, and the predictor then runs no OCR.
+
+Adding a family is a :class:`DocumentModel` subclass and one line in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar
+
+from PIL import Image
+
+from universal_predictors.base import StartupError
+from universal_predictors.document.words import PageWords
+
+
+class Head(StrEnum):
+    """What a model's head does, named by the route that serves it (``/v1/document/<head>``)."""
+
+    QA = "qa"
+    EXTRACT = "extract"
+    CLASSIFY = "classify"
+
+
+#: ``model_type`` -> ``module:Class`` of the family that serves it.
+FAMILIES: dict[str, str] = {
+    "layoutlmv3": "universal_predictors.document.layoutlm:LayoutLMv3Model",
+}
+
+
+@dataclass(frozen=True)
+class PageJob:
+    """One page for a model: its image, its words (None for a family that reads pixels only), the question."""
+
+    image: Image.Image
+    words: PageWords | None
+    question: str | None = None
+
+
+class DocumentModel(ABC):
+    """One loaded document model. ``encode`` runs on a worker thread, ``forward`` on the engine thread
+    (a micro-batch of encoded pages), ``qa``/``extract``/``classify`` turn one output into a response."""
+
+    family: ClassVar[str]
+    #: Whether the model reads OCR words and boxes (LayoutLM) or the pixels only.
+    needs_words: ClassVar[bool] = True
+
+    def __init__(self, source: str, config: dict[str, Any], head: Head) -> None:
+        self.source = source
+        self.config = config
+        self.head = head
+
+    @classmethod
+    @abstractmethod
+    def head_of(cls, architectures: Sequence[str]) -> Head | None:
+        """The head the config's ``architectures`` name, or None when this family has no such head."""
+
+    @classmethod
+    @abstractmethod
+    def heads(cls) -> dict[str, Head]:
+        """Architecture names this family serves and their heads (for start-up errors)."""
+
+    @abstractmethod
+    def load(self, device: str, dtype: str) -> None: ...
+
+    @abstractmethod
+    def encode(self, job: PageJob) -> Any:
+        """The model's inputs for one page (blocking: tokenisation, image preprocessing)."""
+
+    @abstractmethod
+    def cost(self, encoded: Any) -> int:
+        """What one encoded page costs a batch (tokens)."""
+
+    @abstractmethod
+    def forward(self, batch: Sequence[Any]) -> list[Any]:
+        """One forward pass over encoded pages (engine thread); one output per page."""
+
+    def qa(self, encoded: Any, output: Any, words: PageWords | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def extract(self, encoded: Any, output: Any, words: PageWords | None) -> list[dict[str, Any]]:
+        """The fields found, in reading order: ``{"name", "text", "score", "words"}`` (word indices)."""
+        raise NotImplementedError
+
+    def field_names(self) -> list[str]:
+        """The field names :meth:`extract` can return (what a schema may ask for)."""
+        raise NotImplementedError
+
+    def classify(self, encoded: Any, output: Any) -> list[tuple[str, float]]:
+        """Every label with its score, best first."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Give the model's memory back."""
+
+
+def read_config(source: str) -> dict[str, Any]:
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        raise StartupError(f"source {source!r} has no config.json (a transformers model directory is needed)")
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"{path}: not readable JSON ({exc})") from None
+    return config
+
+
+def family_of(config: dict[str, Any], source: str) -> type[DocumentModel]:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise StartupError(
+            f"source {source!r} is a {model_type!r} model; task document serves the families "
+            f"{', '.join(sorted(FAMILIES))} (config.json model_type)"
+        )
+    module_name, _, class_name = FAMILIES[str(model_type)].partition(":")
+    cls: type[DocumentModel] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def resolve(source: str) -> DocumentModel:
+    """The family and head of the model in ``source`` (not loaded yet); StartupError says what is missing."""
+    config = read_config(source)
+    cls = family_of(config, source)
+    architectures = [str(a) for a in config.get("architectures") or []]
+    head = cls.head_of(architectures)
+    if head is None:
+        known = ", ".join(f"{name} ({h.value})" for name, h in cls.heads().items())
+        raise StartupError(
+            f"source {source!r}: config.json architectures {architectures or 'is missing'}; a {cls.family} "
+            f"document model is one of {known}"
+        )
+    return cls(source, config, head)

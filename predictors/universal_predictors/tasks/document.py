@@ -1,0 +1,505 @@
+"""``task: document``: question answering, field extraction and classification over one page.
+
+``POST /v1/document/qa``, ``/v1/document/extract`` and ``/v1/document/classify`` take one page: an
+``image`` (PNG, JPEG, TIFF, WebP) or a PDF ``document`` (alias ``pdf``) with the 1-based ``page`` to read
+(default 1), as JSON with base64 strings or as a ``multipart/form-data`` upload (file fields ``file`` /
+``image`` / ``document`` / ``pdf``; the other fields as form fields, ``words``, ``boxes`` and ``schema``
+as JSON text). The model is one of the families of :mod:`universal_predictors.document.family`, its head
+(hence the one route it serves) read from its config's ``architectures``.
+
+Families that read words (LayoutLMv3) get them from this project's OCR engines, RapidOCR (default) or
+Tesseract (``--engine-arg ocr_engine=tesseract``), or from the request (``words`` with pixel ``boxes``,
+when the client has its own OCR); the words and their boxes come back with the answer, in pixels and on
+LayoutLM's 0-1000 grid. Decoding and tokenisation run on worker threads, OCR on the OCR engine's thread
+and the model on the engine thread, where pages of concurrent requests share forward passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from universal_predictors.base import UniversalPredictor
+from universal_predictors.batching import BatchPolicy, MicroBatcher
+from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.document.family import DocumentModel, Head, PageJob, resolve
+from universal_predictors.document.words import PageWords, from_lines, from_request, normalise
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.http import FormPart, is_multipart_form, loads_json, parse_form, parse_json, validation_error
+from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
+from universal_predictors.ocr.images import (
+    Limits,
+    Page,
+    PdfRenderers,
+    PixelBudget,
+    decode_document,
+    decode_image_bytes,
+    image_pages,
+    is_pdf,
+)
+from universal_predictors.ocr.layout import Line
+
+ROUTES = {head: f"/v1/document/{head.value}" for head in Head}
+
+
+def _codes(value: str) -> list[str]:
+    return [code.strip() for code in value.replace("+", ",").split(",") if code.strip()]
+
+
+class DocumentEngineArgs(BaseModel):
+    """Engine arguments of the document predictor (``--engine-arg key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=8, ge=1, le=256, description="Pages per forward pass at most.")
+    max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
+    device: str = "auto"
+    dtype: str = "auto"
+    # The OCR that gives word models their words: the OCR task's engines.
+    ocr_engine: Literal["rapidocr", "tesseract"] = "rapidocr"
+    ocr_source: str = Field(default="builtin", description="The OCR engine's models (see task ocr's --source).")
+    ocr_languages: str | None = None
+    ocr_threads: int = Field(default=-1, ge=-1, le=256)
+    ocr_max_side: int = Field(default=2000, ge=256, le=8192)
+    ocr_text_score: float = Field(default=0.5, ge=0, le=1)
+    ocr_psm: int = Field(default=3, ge=0, le=13)
+    ocr_timeout_s: float = Field(default=120.0, gt=0)
+    tesseract_cmd: str = "tesseract"
+    # Limits, each a 413 (or 400) naming itself.
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of the image or PDF.")
+    max_pixels: int = Field(default=40_000_000, ge=10_000, description="Pixels of the page.")
+    max_pages: int = Field(default=500, ge=1, description="Pages of a PDF (or frames of a TIFF) at most.")
+    max_words: int = Field(default=4096, ge=1, description="Words of a page (OCR'd or sent).")
+    pdf_dpi: int = Field(default=150, ge=50, le=600, description="Resolution PDF pages are rendered at.")
+    pdf_timeout_s: float = Field(default=60.0, gt=0)
+    pdf_workers: int = Field(default=2, ge=1, le=64)
+
+    def limits(self) -> Limits:
+        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_pixels,
+                      self.pdf_timeout_s)  # fmt: skip
+
+
+class DocumentRequest(BaseModel):
+    """The page every document route reads; unknown extension fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    image: str | None = Field(default=None, description="A base64 PNG, JPEG, TIFF or WebP page image.")
+    document: str | None = Field(
+        default=None, validation_alias=AliasChoices("document", "pdf"), description="A base64 PDF."
+    )
+    page: int | None = Field(default=None, ge=1, description="The 1-based page of the PDF (or TIFF frame); 1.")
+    words: list[str] | None = Field(
+        default=None, max_length=100_000, description="The page's words, when the client ran OCR itself."
+    )
+    boxes: list[list[float]] | None = Field(
+        default=None, description="One [x0, y0, x1, y1] pixel box per word (with words)."
+    )
+    languages: list[str] | None = Field(default=None, description="OCR languages ('eng', 'en', ...).")
+    return_words: bool = Field(default=False, description="Also return every word of the page with its boxes.")
+
+    @field_validator("languages", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return _codes(value) if isinstance(value, str) else value
+
+
+class DocumentQARequest(DocumentRequest):
+    """``POST /v1/document/qa``."""
+
+    question: str = Field(min_length=1, max_length=4096)
+
+
+class DocumentExtractRequest(DocumentRequest):
+    """``POST /v1/document/extract``."""
+
+    fields_schema: dict[str, Any] | None = Field(
+        default=None,
+        alias="schema",
+        description="A JSON Schema object whose properties name the fields wanted; only those are returned.",
+    )
+
+
+class DocumentClassifyRequest(DocumentRequest):
+    """``POST /v1/document/classify``."""
+
+    top_k: int | None = Field(default=None, ge=1, description="How many labels all_scores lists (default all).")
+
+
+@dataclass(frozen=True)
+class PageInput:
+    """Where the page is: ``(field, value)`` of an image or a PDF (base64 text or uploaded bytes)."""
+
+    field: str
+    value: str | bytes
+    document: bool
+
+
+IMAGE_FIELDS = frozenset({"file", "image"})
+DOCUMENT_FIELDS = frozenset({"document", "pdf"})
+_JSON_FIELDS = frozenset({"words", "boxes", "schema"})
+
+
+def form_request(parts: list[FormPart], model: type[DocumentRequest]) -> tuple[DocumentRequest, PageInput | None]:
+    """A ``multipart/form-data`` request as the JSON one (same validation and errors), and its uploaded page."""
+    options: dict[str, Any] = {}
+    files: list[FormPart] = []
+    for part in parts:
+        if part.name in IMAGE_FIELDS or part.name in DOCUMENT_FIELDS:
+            files.append(part)
+            continue
+        if part.is_file:
+            known = ", ".join(sorted(IMAGE_FIELDS | DOCUMENT_FIELDS))
+            raise InvalidRequest(f"{part.name}: a document upload sends its page as one of {known}", param=part.name)
+        if part.name in options:
+            raise InvalidRequest(f"{part.name}: the form field is given more than once", param=part.name)
+        text = part.text()
+        options[part.name] = loads_json(text, part.name, part.name) if part.name in _JSON_FIELDS else text
+    try:
+        body = model.model_validate(options)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if len(files) > 1:
+        raise InvalidRequest(f"{files[1].name}: send one page (one image or one PDF) per request", param=files[1].name)
+    if not files:
+        return body, None
+    part = files[0]
+    value: str | bytes = part.data if part.is_file else part.text()  # a text part is base64, as in JSON
+    document = part.name in DOCUMENT_FIELDS or (part.is_file and is_pdf(part.data))
+    return body, PageInput(part.name, value, document)
+
+
+def json_input(body: DocumentRequest) -> PageInput | None:
+    if body.image is not None and body.document is not None:
+        raise InvalidRequest("document: send either image or document (a PDF), not both", param="document")
+    if body.image is not None:
+        return PageInput("image", body.image, False)
+    if body.document is not None:
+        return PageInput("document", body.document, True)
+    return None
+
+
+class DocumentPredictor(UniversalPredictor):
+    """One document model with one head; its pages' OCR and forward passes are micro-batched."""
+
+    task = Task.DOCUMENT
+    EngineArgs = DocumentEngineArgs
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__(config)
+        # A source no family serves, or a head none of them has, stops the process with one line.
+        self.document_model: DocumentModel = resolve(config.source)
+        args: DocumentEngineArgs = self.engine_args
+        if self.document_model.needs_words:
+            if args.ocr_engine == "tesseract":
+                from universal_predictors.ocr.tesseract import check_source
+
+                check_source(args.ocr_source, args.tesseract_cmd)
+            else:
+                from universal_predictors.ocr.rapid import model_files
+
+                model_files(args.ocr_source)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def load(self) -> bool:
+        from PIL import Image
+
+        args: DocumentEngineArgs = self.engine_args
+        model = self.document_model
+        model.load(args.device, args.dtype)
+        self.ocr: OcrEngine | None = self._ocr_engine(args) if model.needs_words else None
+        self.default_languages: list[str] = self.ocr.languages() if self.ocr is not None else []
+        if self.ocr is not None and args.ocr_languages:
+            self.default_languages = list(resolve_languages(_codes(args.ocr_languages), self.ocr.languages(), []))
+        Image.MAX_IMAGE_PIXELS = args.max_pixels
+        self.limits = args.limits()
+        self.renderers = PdfRenderers(args.pdf_workers)
+        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
+        self.batcher: MicroBatcher[Any, Any] = MicroBatcher(model.forward, model_name=self.name, policy=policy,
+                                                           cost=model.cost)  # fmt: skip
+        if self.ocr is not None:
+            self.ocr_batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
+                self.ocr.recognise_batch,
+                model_name=self.name,
+                policy=policy,
+                cost=lambda job: job.image.width * job.image.height,
+            )
+        self.backend = Backend.TRANSFORMERS
+        return True
+
+    def _ocr_engine(self, args: DocumentEngineArgs) -> OcrEngine:
+        languages = _codes(args.ocr_languages) if args.ocr_languages else None
+        if args.ocr_engine == "tesseract":
+            from universal_predictors.ocr.tesseract import TesseractEngine
+
+            return TesseractEngine(args.ocr_source, languages=languages, workers=0, psm=args.ocr_psm,
+                                   timeout_s=args.ocr_timeout_s, max_skew=15.0, command=args.tesseract_cmd)  # fmt: skip
+        from universal_predictors.ocr.rapid import RapidOcrEngine
+
+        return RapidOcrEngine(
+            args.ocr_source,
+            languages=languages,
+            threads=args.ocr_threads,
+            max_side=args.ocr_max_side,
+            use_angle_cls=True,
+            text_score=args.ocr_text_score,
+        )
+
+    def unload(self) -> None:
+        self.document_model.close()
+        if getattr(self, "ocr", None) is not None:
+            assert self.ocr is not None
+            self.ocr.close()
+            self.ocr = None
+
+    def describe(self) -> dict[str, Any]:
+        if not self.ready:
+            return {}
+        model = self.document_model
+        args: DocumentEngineArgs = self.engine_args
+        return {
+            "family": model.family,
+            "head": model.head.value,
+            "routes": [ROUTES[model.head]],
+            "ocr": {"engine": self.ocr.name, "languages": self.default_languages} if self.ocr is not None else None,
+            "limits": {
+                "max_image_bytes": args.max_image_bytes,
+                "max_pixels": args.max_pixels,
+                "max_pages": args.max_pages,
+                "max_words": args.max_words,
+                "max_body_bytes": args.max_body_bytes,
+                "pdf_dpi": args.pdf_dpi,
+            },
+            **model.describe(),
+        }
+
+    # -- a page ------------------------------------------------------------------------------------------
+
+    def _check_head(self, head: Head) -> None:
+        model = self.document_model
+        if model.head is not head:
+            raise InvalidRequest(
+                f"The model {self.name!r} is a {model.family} {model.head.value} model; it serves "
+                f"{ROUTES[model.head]}, not {ROUTES[head]}.",
+                code="unsupported_route",
+            )
+
+    async def _page(self, source: PageInput | None, number: int | None) -> Page:
+        if source is None:
+            raise InvalidRequest(
+                "image: send the page as image (a base64 image, or a file uploaded in the form field 'file') or "
+                "document (a base64 PDF, with page)",
+                param="image",
+            )
+        budget = PixelBudget(self.limits)
+        if source.document:
+            data = await asyncio.to_thread(decode_document, source.value, source.field, self.limits)
+            pages = [p async for p in self.renderers.pages(data, 0, source.field, self.limits, budget, number or 1)]
+            return pages[0]
+        raw = await asyncio.to_thread(decode_image_bytes, source.value, source.field, self.limits)
+        return await asyncio.to_thread(_frame, raw, source.field, self.limits, number)
+
+    async def _words(self, body: DocumentRequest, page: Page) -> PageWords | None:
+        args: DocumentEngineArgs = self.engine_args
+        width, height = page.image.size
+        if not self.document_model.needs_words:
+            return None
+        if body.words is not None:
+            words = from_request(body.words, body.boxes, width, height)
+        else:
+            if body.boxes is not None:
+                raise InvalidRequest("words: boxes come with the words they box; send words too", param="words")
+            assert self.ocr is not None
+            languages = resolve_languages(body.languages, self.ocr.languages(), self.default_languages)
+            lines = await self.ocr_batcher.submit(Job(page.image, languages, page.dpi))
+            words = from_lines(lines, width, height)
+        if len(words.words) > args.max_words:
+            raise InvalidRequest(
+                f"words: the page has {len(words.words)} words; the limit max_words is {args.max_words}",
+                param="words",
+                code="too_many_words",
+            )
+        return words
+
+    async def _run(self, body: DocumentRequest, source: PageInput | None, question: str | None = None
+                   ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
+        page = await self._page(source, body.page)
+        words = await self._words(body, page)
+        job = PageJob(page.image, words, question)
+        if words is not None and not words.words:
+            return page, words, None, None  # nothing to read: no forward pass
+        encoded = await asyncio.to_thread(self.document_model.encode, job)
+        output = await self.batcher.submit(encoded)
+        return page, words, encoded, output
+
+    def _envelope(self, kind: str, page: Page, body: DocumentRequest, words: PageWords | None,
+                  encoded: Any) -> dict[str, Any]:  # fmt: skip
+        out: dict[str, Any] = {"object": f"document.{kind}", "model": self.name}
+        if page.page is not None or body.page is not None:
+            out["page"] = page.page or body.page
+        out["width"], out["height"] = page.image.size
+        return out
+
+    def _usage(self, words: PageWords | None, encoded: Any) -> dict[str, Any]:
+        usage: dict[str, Any] = {"pages": 1}
+        if words is not None:
+            usage["words"] = len(words.words)
+        if encoded is not None and hasattr(encoded, "tokens"):
+            usage["prompt_tokens"] = encoded.tokens
+            usage["truncated"] = bool(getattr(encoded, "truncated", False))
+        return usage
+
+    @staticmethod
+    def _boxed(words: PageWords | None, indices: list[int]) -> dict[str, Any]:
+        if words is None or not indices:
+            return {"box": None, "normalized_box": None}
+        box = words.union_box(indices)
+        return {"box": [round(v, 1) for v in box], "normalized_box": list(normalise(box, words.width, words.height))}
+
+    # -- routes --------------------------------------------------------------------------------------------
+
+    async def _body(self, request: Request, model: type[DocumentRequest]) -> tuple[Any, PageInput | None]:
+        limit = self.engine_args.max_body_bytes
+        if is_multipart_form(request):
+            body, source = form_request(await parse_form(request, limit), model)
+        else:
+            body = await parse_json(request, model, limit)
+            source = json_input(body)
+        self.check_model(body.model)
+        self.require_ready()
+        return body, source
+
+    async def answer(self, body: DocumentQARequest, source: PageInput | None) -> dict[str, Any]:
+        self._check_head(Head.QA)
+        page, words, encoded, output = await self._run(body, source, body.question)
+        out = self._envelope("qa", page, body, words, encoded)
+        out["question"] = body.question
+        if encoded is None:
+            result: dict[str, Any] = {"answer": None, "score": 0.0, "words": []}
+        else:
+            result = self.document_model.qa(encoded, output, words)
+        indices = result.get("words") or []
+        out["answer"] = result["answer"]
+        out["score"] = result["score"]
+        out["answer_words"] = words.as_json(indices) if words is not None else []
+        out.update(self._boxed(words, indices))
+        if body.return_words and words is not None:
+            out["words"] = words.as_json()
+        out["usage"] = self._usage(words, encoded)
+        return out
+
+    def _wanted(self, schema: dict[str, Any] | None) -> dict[str, str] | None:
+        """The schema's property names -> the model's field names (case-insensitive); 400 naming unknown ones."""
+        if schema is None:
+            return None
+        properties = schema.get("properties")
+        if not isinstance(properties, dict) or not properties:
+            raise InvalidRequest(
+                "schema: a JSON Schema object whose properties name the fields wanted, e.g. "
+                '{"type": "object", "properties": {"total": {"type": "string"}}}',
+                param="schema",
+            )
+        names = self.document_model.field_names()
+        by_lower = {name.lower(): name for name in names}
+        unknown = [key for key in properties if key.lower() not in by_lower]
+        if unknown:
+            raise InvalidRequest(
+                f"schema.properties: {', '.join(repr(k) for k in unknown)} "
+                f"{'is not a field' if len(unknown) == 1 else 'are not fields'} the model {self.name!r} extracts; "
+                f"it extracts {', '.join(names)}",
+                param="schema.properties",
+                code="unknown_field",
+            )
+        return {key: by_lower[key.lower()] for key in properties}
+
+    async def extract(self, body: DocumentExtractRequest, source: PageInput | None) -> dict[str, Any]:
+        self._check_head(Head.EXTRACT)
+        wanted = self._wanted(body.fields_schema)  # before any decoding: a wrong key costs nothing
+        page, words, encoded, output = await self._run(body, source)
+        found = [] if encoded is None else self.document_model.extract(encoded, output, words)
+        keys = wanted or {name: name for name in self.document_model.field_names()}
+        fields = []
+        values: dict[str, str | None] = {key: None for key in keys}
+        best: dict[str, float] = {}
+        for item in found:
+            for key, name in keys.items():
+                if item["name"] != name:
+                    continue
+                entry = {"name": key, "text": item["text"], "score": item["score"],
+                         "words": words.as_json(item["words"]) if words is not None else [],
+                         **self._boxed(words, item["words"])}  # fmt: skip
+                fields.append(entry)
+                if item["score"] > best.get(key, -1.0):
+                    best[key] = item["score"]
+                    values[key] = item["text"]
+        out = self._envelope("extract", page, body, words, encoded)
+        out["values"] = values
+        out["fields"] = fields
+        if body.return_words and words is not None:
+            out["words"] = words.as_json()
+        out["usage"] = self._usage(words, encoded)
+        return out
+
+    async def classify(self, body: DocumentClassifyRequest, source: PageInput | None) -> dict[str, Any]:
+        self._check_head(Head.CLASSIFY)
+        page, words, encoded, output = await self._run(body, source)
+        if encoded is None:  # a page with no words: the model still sees its pixels
+            assert words is not None
+            encoded = await asyncio.to_thread(self.document_model.encode, PageJob(page.image, words))
+            output = await self.batcher.submit(encoded)
+        scores = self.document_model.classify(encoded, output)
+        out = self._envelope("classification", page, body, words, encoded)
+        out["label"], out["score"] = scores[0]
+        listed = scores if body.top_k is None else scores[: body.top_k]
+        out["all_scores"] = [{"label": label, "score": score} for label, score in listed]
+        if body.return_words and words is not None:
+            out["words"] = words.as_json()
+        out["usage"] = self._usage(words, encoded)
+        return out
+
+    def add_routes(self, router: APIRouter) -> None:
+        @self.route("document_qa")
+        async def qa(request: Request) -> Response:
+            body, source = await self._body(request, DocumentQARequest)
+            return JSONResponse(await self.answer(body, source))
+
+        @self.route("document_extract")
+        async def extract(request: Request) -> Response:
+            body, source = await self._body(request, DocumentExtractRequest)
+            return JSONResponse(await self.extract(body, source))
+
+        @self.route("document_classify")
+        async def classify(request: Request) -> Response:
+            body, source = await self._body(request, DocumentClassifyRequest)
+            return JSONResponse(await self.classify(body, source))
+
+        router.add_api_route(ROUTES[Head.QA], qa, methods=["POST"])
+        router.add_api_route(ROUTES[Head.EXTRACT], extract, methods=["POST"])
+        router.add_api_route(ROUTES[Head.CLASSIFY], classify, methods=["POST"])
+
+
+def _frame(data: bytes, field: str, limits: Limits, number: int | None) -> Page:
+    """The image's frame ``number`` (1-based; TIFFs have several), decoded (blocking)."""
+    pages = image_pages(data, 0, field, limits, None)
+    found: Page | None = None
+    count = 0
+    for page in pages:
+        count += 1
+        if count == (number or 1):
+            found = page
+            break
+    if found is None:
+        raise InvalidRequest(
+            f"page: the image has {count} frame{'s' if count != 1 else ''}; page {number} is out of range",
+            param="page",
+            code="page_out_of_range",
+        )
+    return found
