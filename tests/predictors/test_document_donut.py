@@ -19,7 +19,6 @@ from tests.predictors.tiny_donut import CLASSES, COMPANIES, TOTALS, build_donut
 from universal_predictors.document.donut import (
     QA_PROMPT,
     DonutEngine,
-    DonutJob,
     answer_of,
     class_of,
     select,
@@ -68,7 +67,7 @@ def test_a_batch_of_pages_writes_what_each_page_writes_alone_in_process(
 ) -> None:
     question = "what is the total?" if route == "qa" else None
     images = pages()
-    outputs = engine.generate_batch([DonutJob(image, engine.prompt_ids(route, question)) for image in images])
+    outputs = engine.generate_batch([engine.encode(image, route, question) for image in images])
     for image, output in zip(images, outputs, strict=True):
         expected = reference.run(image, prompt)
         assert output.token_ids == expected.token_ids
@@ -92,7 +91,7 @@ def test_questions_of_different_lengths_in_one_batch_each_match_the_reference(
 ) -> None:
     image = pages()[0]
     questions = ["what is the total?", "who", "what is the name of the company?", "where is the city?"]
-    jobs = [DonutJob(image, engine.prompt_ids("qa", q)) for q in questions]
+    jobs = [engine.encode(image, "qa", q) for q in questions]
     assert len({len(job.prompt_ids) for job in jobs}) > 1  # padding would move the decoder's positions
     for question, output in zip(questions, engine.generate_batch(jobs), strict=True):
         expected = reference.run(image, QA_PROMPT.format(question=question))
@@ -106,7 +105,7 @@ def test_beam_search_matches_the_reference_with_beams(donut_path: Path) -> None:
     beams = DonutEngine(str(donut_path), device="cpu", dtype=torch.float32, num_beams=3)
     reference = DonutReference(donut_path, num_beams=3)
     image = pages()[1]
-    [output] = beams.generate_batch([DonutJob(image, beams.prompt_ids("extract"))])
+    [output] = beams.generate_batch([beams.encode(image, "extract")])
     expected = reference.run(image, "<s_cord-v2>")
     assert (output.token_ids, output.fields) == (expected.token_ids, expected.fields)
     assert output.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)

@@ -23,8 +23,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from universal_predictors.base import StartupError
+from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.document.family import DocumentModel, Head, PageJob
+from universal_predictors.document.words import PageWords
 from universal_predictors.errors import InvalidRequest
 
 #: Encoder model types of the Donut family (``VisionEncoderDecoderConfig.encoder.model_type``).
@@ -52,10 +56,14 @@ def is_donut(source: str | Path) -> bool:
 
 @dataclass(frozen=True)
 class DonutJob:
-    """One page and the task prompt to continue (token ids)."""
+    """One page, preprocessed, and the task prompt to continue (token ids)."""
 
-    image: Any  # a PIL image
+    pixel_values: Any  # a (1, channels, height, width) tensor from the processor
     prompt_ids: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,11 @@ class DonutEngine:
             )
         return ids
 
+    def encode(self, image: Any, route: str, question: str | None = None) -> DonutJob:
+        """One page's pixels and prompt (blocking: a worker thread's job, not the engine thread's)."""
+        pixel_values = self.processor(images=image.convert("RGB"), return_tensors="pt").pixel_values
+        return DonutJob(pixel_values, self.prompt_ids(route, question))
+
     # -- generation ----------------------------------------------------------------------------------------------
 
     def generate_batch(self, jobs: Sequence[DonutJob]) -> list[DonutOutput]:
@@ -192,7 +205,7 @@ class DonutEngine:
     def generate(self, jobs: Sequence[DonutJob]) -> list[DonutOutput]:
         import torch
 
-        pixel_values = self.processor(images=[job.image for job in jobs], return_tensors="pt").pixel_values
+        pixel_values = torch.cat([job.pixel_values for job in jobs])
         prompts = torch.tensor([list(job.prompt_ids) for job in jobs], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model.generate(
@@ -311,3 +324,119 @@ def select(fields: Any, tree: Mapping[str, Any]) -> Any:
         value = fields.get(name)
         out[name] = select(value, sub) if sub is not None and value is not None else value
     return out
+
+
+# -- the document task's family --------------------------------------------------------------------------------
+
+#: The routes in the order a Donut checkpoint's head is named by (the first it serves).
+_ROUTE_ORDER = ("qa", "extract", "classify")
+
+
+class DonutModel(DocumentModel):
+    """A Donut checkpoint as a document model: every route whose task tokens its tokenizer has, by prompt.
+
+    Engine args (``--engine-arg``): ``max_length``, ``num_beams``, ``qa_prompt``, ``extract_prompt``,
+    ``classify_prompt`` (see :class:`~universal_predictors.tasks.document.DocumentEngineArgs`)."""
+
+    family: ClassVar[str] = "donut"
+    needs_words: ClassVar[bool] = False
+
+    @classmethod
+    def heads(cls) -> dict[str, Head]:
+        return {"VisionEncoderDecoderModel": Head.EXTRACT}
+
+    @classmethod
+    def head_of(cls, architectures: Sequence[str]) -> Head | None:
+        # The routes come from the tokenizer's task tokens once loaded (:meth:`serves`).
+        return Head.EXTRACT if "VisionEncoderDecoderModel" in architectures or not architectures else None
+
+    def __init__(
+        self, source: str, config: dict[str, Any], head: Head, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(source, config, head, options)
+        encoder = (config.get("encoder") or {}).get("model_type")
+        if encoder not in DONUT_ENCODERS:
+            raise StartupError(
+                f"source {source!r} is a vision-encoder-decoder with a {encoder!r} encoder; task document serves "
+                f"the Donut-style ones ({', '.join(sorted(DONUT_ENCODERS))} encoders)"
+            )
+
+    def load(self, device: str, dtype: str) -> None:
+        self.device = detect_device(device)
+        options = self.options
+        self.engine = DonutEngine(
+            self.source,
+            device=self.device,
+            dtype=dtype_for(self.device, dtype),
+            max_length=options.get("max_length"),
+            num_beams=int(options.get("num_beams") or 1),
+            qa_prompt=options.get("qa_prompt") or QA_PROMPT,
+            extract_prompt=options.get("extract_prompt") or EXTRACT_PROMPT,
+            classify_prompt=options.get("classify_prompt") or CLASSIFY_PROMPT,
+        )
+        served = self.serves()
+        if not served:
+            raise StartupError(
+                f"source {self.source!r}: the tokenizer has none of the task tokens of the prompts "
+                f"{self.engine.prompts}; set the engine args qa_prompt, extract_prompt or classify_prompt"
+            )
+        self.head = served[0]
+
+    def serves(self) -> tuple[Head, ...]:
+        if not hasattr(self, "engine"):
+            return (self.head,)
+        routes = set(self.engine.routes())
+        return tuple(Head(route) for route in _ROUTE_ORDER if route in routes)
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "engine"):
+            return {}
+        card = self.engine.describe()
+        del card["routes"]  # the predictor lists them, as paths
+        return {**card, "fields": self.field_names()}
+
+    def close(self) -> None:
+        if hasattr(self, "engine"):
+            del self.engine
+        release_memory(getattr(self, "device", "cpu"))
+
+    def encode(self, job: PageJob) -> DonutJob:
+        head = job.head or self.head
+        return self.engine.encode(job.image, head.value, job.question)
+
+    def cost(self, encoded: DonutJob) -> int:
+        return len(encoded.prompt_ids)
+
+    def forward(self, batch: Sequence[DonutJob]) -> list[Any]:
+        return list(self.engine.generate_batch(batch))
+
+    def qa(self, encoded: DonutJob, output: DonutOutput, words: PageWords | None) -> dict[str, Any]:
+        return {"answer": answer_of(output), "score": output.score, "words": []}
+
+    def field_names(self) -> list[str]:
+        # The question-answering and classification prompts' own tags are not fields of a page.
+        structural = {"question", "answer"} | ({"class"} if Head.CLASSIFY in self.serves() else set())
+        return [name for name in self.engine.field_names if name not in structural]
+
+    def extract(self, encoded: DonutJob, output: DonutOutput, words: PageWords | None) -> list[dict[str, Any]]:
+        # One probability for the whole sequence: each field gets it (Donut scores no field on its own).
+        return [
+            {"name": name, "text": leaf_text(value), "score": output.score, "words": []}
+            for name, value in output.fields.items()
+            if name in self.engine.field_names
+        ]
+
+    def structured(self, output: DonutOutput, schema: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The parsed JSON as Donut wrote it (nested records kept), only the schema's fields when one is given."""
+        if schema is None:
+            return output.fields
+        selected: dict[str, Any] = select(output.fields, wanted_fields(schema, self.field_names()))
+        return selected
+
+    def classify(self, encoded: DonutJob, output: DonutOutput) -> list[tuple[str, float]]:
+        # Donut writes one class; its probability is the sequence's.
+        label = class_of(output)
+        return [(label, output.score)] if label is not None else []
+
+    def generated_tokens(self, output: DonutOutput) -> int:
+        return len(output.token_ids)

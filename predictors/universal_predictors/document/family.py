@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -36,6 +36,7 @@ class Head(StrEnum):
 #: ``model_type`` -> ``module:Class`` of the family that serves it.
 FAMILIES: dict[str, str] = {
     "layoutlmv3": "universal_predictors.document.layoutlm:LayoutLMv3Model",
+    "vision-encoder-decoder": "universal_predictors.document.donut:DonutModel",
 }
 
 
@@ -46,6 +47,8 @@ class PageJob:
     image: Image.Image
     words: PageWords | None
     question: str | None = None
+    #: The route asked, for a model that serves several (a prompted decoder: Donut).
+    head: Head | None = None
 
 
 class DocumentModel(ABC):
@@ -56,10 +59,17 @@ class DocumentModel(ABC):
     #: Whether the model reads OCR words and boxes (LayoutLM) or the pixels only.
     needs_words: ClassVar[bool] = True
 
-    def __init__(self, source: str, config: dict[str, Any], head: Head) -> None:
+    def __init__(self, source: str, config: dict[str, Any], head: Head, options: Mapping[str, Any] | None = None
+                 ) -> None:  # fmt: skip
         self.source = source
         self.config = config
         self.head = head
+        #: The engine args a family reads itself (Donut's prompts and generation settings).
+        self.options: dict[str, Any] = dict(options or {})
+
+    def serves(self) -> tuple[Head, ...]:
+        """The routes this model answers: its head's; a prompted decoder (Donut) answers several."""
+        return (self.head,)
 
     @classmethod
     @abstractmethod
@@ -101,6 +111,10 @@ class DocumentModel(ABC):
         """Every label with its score, best first."""
         raise NotImplementedError
 
+    def structured(self, output: Any, schema: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The fields as nested JSON, for a family that writes them so (Donut); None for the others."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {}
 
@@ -131,7 +145,7 @@ def family_of(config: dict[str, Any], source: str) -> type[DocumentModel]:
     return cls
 
 
-def resolve(source: str) -> DocumentModel:
+def resolve(source: str, options: Mapping[str, Any] | None = None) -> DocumentModel:
     """The family and head of the model in ``source`` (not loaded yet); StartupError says what is missing."""
     config = read_config(source)
     cls = family_of(config, source)
@@ -143,4 +157,4 @@ def resolve(source: str) -> DocumentModel:
             f"source {source!r}: config.json architectures {architectures or 'is missing'}; a {cls.family} "
             f"document model is one of {known}"
         )
-    return cls(source, config, head)
+    return cls(source, config, head, options)
