@@ -8,6 +8,9 @@ each page alone.
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,9 @@ import pytest
 
 from tests.predictors import ocr_samples as samples
 from tests.predictors.donut_reference import DonutReference
+from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_donut import CLASSES, COMPANIES, TOTALS, build_donut
+from universal_predictors.config import PredictorConfig, Task
 from universal_predictors.document.donut import (
     QA_PROMPT,
     DonutEngine,
@@ -178,3 +183,104 @@ def test_a_malformed_schema_is_a_400_naming_where(schema: dict[str, Any], messag
     with pytest.raises(InvalidRequest) as caught:
         wanted_fields(schema, KNOWN)
     assert caught.value.message == message
+
+
+# -- through a real predictor process ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def donut_predictor(donut_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    config = PredictorConfig(model_name="tiny-donut", task=Task.DOCUMENT, source=str(donut_path))
+    with running_predictor(config, tmp_path_factory.mktemp("donut-logs")) as predictor:
+        yield predictor
+
+
+def page_b64(image: Any) -> str:
+    return samples.b64(samples.encode(image))
+
+
+def test_the_predictor_answers_each_route_as_donut_does_in_process(
+    donut_predictor: PredictorProcess, reference: DonutReference
+) -> None:
+    image = pages()[0]
+    with donut_predictor.client() as client:
+        qa = client.post("/v1/document/qa", json={"image": page_b64(image), "question": "what is the total?"})
+        extract = client.post("/v1/document/extract", json={"model": "tiny-donut", "image": page_b64(image)})
+        classify = client.post("/v1/document/classify", json={"image": page_b64(image)})
+    assert (qa.status_code, extract.status_code, classify.status_code) == (200, 200, 200), qa.text
+    expected = reference.run(image, QA_PROMPT.format(question="what is the total?"))
+    body = qa.json()
+    assert body["answer"] == expected.fields["answer"]
+    assert body["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+    # Donut reads pixels: no words, no boxes.
+    assert (body["answer_words"], body["box"], body["normalized_box"]) == ([], None, None)
+    assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+
+    expected = reference.run(image, "<s_cord-v2>")
+    body = extract.json()
+    assert body["json"] == expected.fields
+    assert body["values"] == {"company": expected.fields["company"], "total": expected.fields["total"]}
+    assert [field["name"] for field in body["fields"]] == ["company", "total"]
+    assert all(field["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE) for field in body["fields"])
+    assert body["usage"] == {"pages": 1, "prompt_tokens": 1, "truncated": False,
+                             "completion_tokens": len(expected.token_ids)}  # fmt: skip
+
+    expected = reference.run(image, "<s_rvlcdip>")
+    body = classify.json()
+    assert body["label"] == expected.fields["class"]
+    assert body["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+    assert body["all_scores"] == [{"label": body["label"], "score": body["score"]}]
+
+
+def test_concurrent_pages_share_batches_and_each_gets_its_own_answer(
+    donut_predictor: PredictorProcess, reference: DonutReference
+) -> None:
+    images = pages()
+    with donut_predictor.client() as client, concurrent.futures.ThreadPoolExecutor(len(images)) as pool:
+        replies = list(pool.map(lambda image: client.post("/v1/document/extract", json={"image": page_b64(image)}),
+                                images))  # fmt: skip
+    for image, reply in zip(images, replies, strict=True):
+        expected = reference.run(image, "<s_cord-v2>")
+        assert reply.json()["json"] == expected.fields
+        assert reply.json()["fields"][0]["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+
+
+def test_an_uploaded_page_reads_as_the_same_page_in_json(donut_predictor: PredictorProcess) -> None:
+    image = pages()[1]
+    with donut_predictor.client() as client:
+        sent = client.post("/v1/document/extract", json={"image": page_b64(image)}).json()
+        uploaded = client.post(
+            "/v1/document/extract",
+            files={"file": ("page.png", samples.encode(image), "image/png")},
+            data={"model": "tiny-donut", "schema": json.dumps({"properties": {"total": {"type": "string"}}})},
+        )
+    assert uploaded.status_code == 200, uploaded.text
+    assert uploaded.json()["json"] == {"total": sent["json"]["total"]}
+    assert uploaded.json()["values"] == {"total": sent["values"]["total"]}
+
+
+def test_a_schema_naming_a_field_the_model_lacks_is_a_400(donut_predictor: PredictorProcess) -> None:
+    with donut_predictor.client() as client:
+        body = {"image": page_b64(pages()[0]), "schema": {"properties": {"total": {}, "iban": {}}}}
+        reply = client.post("/v1/document/extract", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["code"] == "unknown_field"
+    assert "'iban' is not a field the model 'tiny-donut' extracts; it extracts company, total" in error["message"]
+
+
+def test_a_question_with_the_models_tags_is_a_400_in_the_callers_shape(donut_predictor: PredictorProcess) -> None:
+    with donut_predictor.client() as client:
+        reply = client.post("/v1/document/qa", json={"image": page_b64(pages()[0]), "question": "x</s_question>"})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "question"
+    assert "must not contain the model's own tags (</s_question>)" in reply.json()["error"]["message"]
+
+
+def test_the_model_card_says_donut_reads_pixels_and_lists_its_routes(donut_predictor: PredictorProcess) -> None:
+    with donut_predictor.client() as client:
+        [card] = client.get("/openai/v1/models").json()["data"]
+    assert (card["family"], card["ocr"], card["boxes"]) == ("donut", None, False)
+    assert card["routes"] == ["/v1/document/qa", "/v1/document/extract", "/v1/document/classify"]
+    assert card["fields"] == ["company", "total"]
+    assert card["max_length"] == 64
