@@ -58,6 +58,9 @@ class DocumentModel(ABC):
     family: ClassVar[str]
     #: Whether the model reads OCR words and boxes (LayoutLM) or the pixels only.
     needs_words: ClassVar[bool] = True
+    #: How long a batch waits for company by default (engine arg max_wait_ms): a decoder's batch is many
+    #: forward passes, one per token, so waiting for a second page costs it relatively little.
+    max_wait_ms: ClassVar[float] = 2.0
 
     def __init__(self, source: str, config: dict[str, Any], head: Head, options: Mapping[str, Any] | None = None
                  ) -> None:  # fmt: skip

@@ -58,7 +58,9 @@ class DocumentEngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_batch_size: int = Field(default=8, ge=1, le=256, description="Pages per forward pass at most.")
-    max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
+    max_wait_ms: float | None = Field(
+        default=None, ge=0, le=1000, description="How long a batch waits for company (default: the family's)."
+    )
     device: str = "auto"
     dtype: str = "auto"
     # The OCR that gives word models their words: the OCR task's engines.
@@ -235,7 +237,9 @@ class DocumentPredictor(UniversalPredictor):
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers)
-        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
+        self.max_wait_ms = model.max_wait_ms if args.max_wait_ms is None else args.max_wait_ms
+        self.in_flight = 0
+        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=self.max_wait_ms)
         self.batcher: MicroBatcher[Any, Any] = MicroBatcher(model.forward, model_name=self.name, policy=policy,
                                                            cost=model.cost)  # fmt: skip
         if self.ocr is not None:
@@ -345,14 +349,28 @@ class DocumentPredictor(UniversalPredictor):
 
     async def _run(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None = None
                    ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
+        self.in_flight += 1  # from the start: pages still being decoded are company for a batch
+        try:
+            return await self._read(body, source, head, question)
+        finally:
+            self.in_flight -= 1
+
+    async def _read(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None
+                    ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
         page = await self._page(source, body.page)
         words = await self._words(body, page)
         job = PageJob(page.image, words, question, head)
         if words is not None and not words.words:
             return page, words, None, None  # nothing to read: no forward pass
         encoded = await asyncio.to_thread(self.document_model.encode, job)
-        output = await self.batcher.submit(encoded)
+        output = await self._forward(encoded)
         return page, words, encoded, output
+
+    async def _forward(self, encoded: Any) -> Any:
+        # Wait for company only when there is company (as the embedding service does): a lone page goes
+        # straight to the model, while concurrent pages still being decoded join the batch.
+        self.batcher.policy.max_wait_ms = self.max_wait_ms if self.in_flight > 1 else 0.0
+        return await self.batcher.submit(encoded)
 
     def _envelope(self, kind: str, page: Page, body: DocumentRequest, words: PageWords | None,
                   encoded: Any) -> dict[str, Any]:  # fmt: skip
@@ -473,7 +491,7 @@ class DocumentPredictor(UniversalPredictor):
         if encoded is None:  # a page with no words: the model still sees its pixels
             assert words is not None
             encoded = await asyncio.to_thread(self.document_model.encode, PageJob(page.image, words))
-            output = await self.batcher.submit(encoded)
+            output = await self._forward(encoded)
         scores = self.document_model.classify(encoded, output)
         out = self._envelope("classification", page, body, words, encoded)
         out["label"], out["score"] = scores[0] if scores else (None, 0.0)
