@@ -340,7 +340,7 @@ class DonutModel(DocumentModel):
 
     family: ClassVar[str] = "donut"
     needs_words: ClassVar[bool] = False
-    max_wait_ms: ClassVar[float] = 20.0
+    max_wait_ms: ClassVar[float] = 50.0
 
     @classmethod
     def heads(cls) -> dict[str, Head]:

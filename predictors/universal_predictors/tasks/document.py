@@ -240,8 +240,10 @@ class DocumentPredictor(UniversalPredictor):
         self.max_wait_ms = model.max_wait_ms if args.max_wait_ms is None else args.max_wait_ms
         self.in_flight = 0
         policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=self.max_wait_ms)
-        self.batcher: MicroBatcher[Any, Any] = MicroBatcher(model.forward, model_name=self.name, policy=policy,
-                                                           cost=model.cost)  # fmt: skip
+        # Pages still being decoded (or OCR'd) are company a batch waits for (``expected``).
+        self.batcher: MicroBatcher[Any, Any] = MicroBatcher(
+            model.forward, model_name=self.name, policy=policy, cost=model.cost, expected=lambda: self.in_flight
+        )
         if self.ocr is not None:
             self.ocr_batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
                 self.ocr.recognise_batch,
@@ -354,6 +356,7 @@ class DocumentPredictor(UniversalPredictor):
             return await self._read(body, source, head, question)
         finally:
             self.in_flight -= 1
+            self.batcher.notify()
 
     async def _read(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None
                     ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
@@ -367,9 +370,8 @@ class DocumentPredictor(UniversalPredictor):
         return page, words, encoded, output
 
     async def _forward(self, encoded: Any) -> Any:
-        # Wait for company only when there is company (as the embedding service does): a lone page goes
-        # straight to the model, while concurrent pages still being decoded join the batch.
-        self.batcher.policy.max_wait_ms = self.max_wait_ms if self.in_flight > 1 else 0.0
+        # A lone page goes straight to the model; concurrent pages still being decoded join its batch
+        # (the batcher waits for them, at most max_wait_ms, while self.in_flight says some are coming).
         return await self.batcher.submit(encoded)
 
     def _envelope(self, kind: str, page: Page, body: DocumentRequest, words: PageWords | None,
