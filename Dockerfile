@@ -2,7 +2,7 @@
 # The project's images, one multi-stage Dockerfile. Targets:
 #   control-plane   the `universal-runtime` command (operator and gateway; no model engine, no torch)
 #   predictor-cpu   python -m universal_predictors with transformers (CPU torch), llama.cpp, RapidOCR and
-#                   Tesseract, PyOD; RapidOCR's packaged models at /opt/models/rapidocr
+#                   Tesseract (also the document task's OCR), PyOD; RapidOCR's packaged models at /opt/models/rapidocr
 #   predictor-cuda  the same predictor with CUDA torch, vLLM and llama.cpp built with CUDA (in a build
 #                   stage: the final stage has no compiler). Not built in CI: no CUDA base is reachable there.
 #   model           one model's files under /models, usable as a KServe modelcar (oci:// storage URI): KServe

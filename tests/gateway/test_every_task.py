@@ -1,7 +1,8 @@
 """The real `openai` client through `universal-runtime serve`, for every task, streaming included.
 
-One gateway for the module, serving seven manifests: the tiny Llama (built here), all-MiniLM-L6-v2
-(embeddings, and reranking as a bi-encoder), tiny BERT classifiers (built here), RapidOCR and PyOD.
+One gateway for the module, serving eight manifests: the tiny Llama (built here), all-MiniLM-L6-v2
+(embeddings, and reranking as a bi-encoder), tiny BERT classifiers (built here), RapidOCR, a tiny
+LayoutLMv3 question answerer over RapidOCR's words (built here) and PyOD.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from openai import OpenAI
 from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
 from tests.predictors.generation.tiny_llama import build_llama
 from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
+from tests.predictors.tiny_layoutlm import build_layoutlm
 
 CHAT = "tiny-chat"
 
@@ -42,6 +44,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
     llama = build_llama(models / "llama")
     classifier = build_sequence_classifier(models / "classifier")
     tagger = build_token_classifier(models / "tagger")
+    document_qa = build_layoutlm(models / "document-qa", "qa")
     folder = tmp_path_factory.mktemp("manifests")
     documents = [
         manifest("chat", "generate", str(llama), CHAT, backend="transformers"),
@@ -50,6 +53,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
         manifest("classify", "classify", str(classifier), "tiny-classifier"),
         manifest("ner", "ner", str(tagger), "tiny-ner"),
         manifest("ocr", "ocr", "package://rapidocr_onnxruntime/models", "ocr", backend="rapidocr"),
+        manifest("document", "document", str(document_qa), "tiny-docqa"),
         manifest("anomaly", "anomaly", "./anomaly", "anomaly"),
     ]
     (folder / "models.yaml").write_text("---\n".join(documents))
@@ -71,6 +75,7 @@ def test_every_model_is_listed_with_its_task(client: OpenAI) -> None:
         "tiny-classifier": "classify",
         "tiny-ner": "ner",
         "ocr": "ocr",
+        "tiny-docqa": "document",
         "anomaly": "anomaly",
     }
 
@@ -143,6 +148,27 @@ def test_ocr_reads_rendered_text(client: OpenAI) -> None:
     image.save(buffer, format="PNG")
     data = _post(client, "/ocr", {"model": "ocr", "images": [base64.b64encode(buffer.getvalue()).decode()]})
     assert "gateway" in data["data"][0]["text"].lower()
+
+
+def test_document_qa_through_the_gateway_as_json_and_as_a_file_upload(gateway: GatewayProcess,
+                                                                      client: OpenAI) -> None:  # fmt: skip
+    from tests.predictors import ocr_samples as samples
+
+    page = samples.encode(samples.render(["Invoice 48213 from Acme", "Total due 1250 dollars"], samples.body_font(30)))
+    question = "What is the total?"
+    body = {"model": "tiny-docqa", "image": samples.b64(page), "question": question, "return_words": True}
+    answered = _post(client, "/document/qa", body)
+    expected = ["Invoice", "48213", "from", "Acme", "Total", "due", "1250", "dollars"]
+    assert [w["text"] for w in answered["words"]] == expected
+    assert answered["answer"] == " ".join(w["text"] for w in answered["answer_words"])
+    form = {"model": "tiny-docqa", "question": question, "return_words": "true"}
+    upload = httpx.post(f"{gateway.base_url}/document/qa", files={"file": ("page.png", page, "image/png")},
+                        data=form, timeout=120)  # fmt: skip
+    assert upload.status_code == 200, upload.text
+    assert upload.json() == answered
+    wrong = httpx.post(f"{gateway.base_url}/document/extract", json={**body, "question": None}, timeout=60)
+    assert wrong.status_code == 400
+    assert "serves /v1/document/qa" in wrong.json()["error"]["message"]
 
 
 def test_anomaly_fit_and_detect(client: OpenAI) -> None:

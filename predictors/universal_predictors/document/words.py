@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+from PIL import Image
+
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.ocr.layout import Line, page_words
+from universal_predictors.ocr.layout import Line, Word, reading_order, split_words
 
 Box = tuple[float, float, float, float]
 #: The grid LayoutLM models read boxes on: 0-1000 in both directions, whatever the page's size.
@@ -60,9 +64,107 @@ class PageWords:
                 max(b[3] for b in boxes))  # fmt: skip
 
 
-def from_lines(lines: Sequence[Line], width: int, height: int) -> PageWords:
-    """The OCR engine's lines split into words (see :func:`universal_predictors.ocr.layout.split_words`)."""
-    found = page_words(lines)
+#: The narrowest word gap, as a share of the line's height, and how much wider than the widest gap between
+#: letters it must be: a line's gaps fall into the two groups when the jump between them is this large.
+MIN_WORD_GAP = 0.2
+GAP_JUMP = 1.5
+
+
+def ink_segments(image: Image.Image, line: Line) -> list[tuple[float, float]] | None:
+    """The horizontal extents of the words' ink in the line's box.
+
+    The ink-free column runs between letters are narrow and those between words wide; the split is at the
+    largest jump in the sorted run widths (at least ``GAP_JUMP`` times, and at least ``MIN_WORD_GAP`` of the
+    line's height). For a roughly horizontal line only (a slanted one has no clean columns): None otherwise."""
+    (_x0, y0), (_x1, y1), _, (_, y3) = line.box
+    height = abs(y3 - y0)
+    if height < 4 or abs(y1 - y0) > 0.25 * height:
+        return None
+    xs, ys = [p[0] for p in line.box], [p[1] for p in line.box]
+    left, top = max(int(min(xs)), 0), max(int(min(ys)), 0)
+    right, bottom = min(int(max(xs)) + 1, image.width), min(int(max(ys)) + 1, image.height)
+    if right - left < 2 or bottom - top < 2:
+        return None
+    grey = np.asarray(image.crop((left, top, right, bottom)).convert("L"), dtype=np.int16)
+    low, high = int(grey.min()), int(grey.max())
+    if high - low < 40:
+        return None
+    middle = (low + high) / 2
+    # The ink is the minority side of the threshold (dark text on light, or light on dark).
+    ink = grey < middle if (grey < middle).mean() < 0.5 else grey >= middle
+    columns = np.flatnonzero(ink.any(axis=0))
+    if columns.size == 0:
+        return None
+    runs: list[tuple[int, int]] = []  # inked column runs [start, end)
+    start = previous = int(columns[0])
+    for x in columns[1:]:
+        if x != previous + 1:
+            runs.append((start, previous + 1))
+            start = int(x)
+        previous = int(x)
+    runs.append((start, previous + 1))
+    gaps = sorted(b[0] - a[1] for a, b in itertools.pairwise(runs))
+    threshold: float | None = None
+    if gaps:
+        jumps = [(gaps[k] / max(gaps[k - 1], 1), gaps[k]) for k in range(1, len(gaps))
+                 if gaps[k] >= MIN_WORD_GAP * height]  # fmt: skip
+        best = max(jumps, default=(0.0, 0))
+        if best[0] >= GAP_JUMP:
+            threshold = best[1]
+    segments: list[tuple[float, float]] = []
+    for run in runs:
+        if segments and (threshold is None or run[0] - segments[-1][1] + left < threshold):
+            segments[-1] = (segments[-1][0], float(left + run[1]))
+        else:
+            segments.append((float(left + run[0]), float(left + run[1])))
+    return segments
+
+
+def _split_line(image: Image.Image | None, line: Line) -> list[Word]:
+    """A line's words: split at its spaces, and (PP-OCR's recognisers often drop the spaces) where the
+    characters' boxes fall into different runs of ink."""
+    pieces = line.pieces
+    segments = ink_segments(image, line) if image is not None and pieces is not None else None
+    if pieces is None or segments is None or len(pieces) != len(line.text):
+        return split_words(line)
+
+    def segment_of(i: int) -> int:
+        centre = sum(p[0] for p in pieces[i]) / len(pieces[i])
+        return min(range(len(segments)), key=lambda k: max(segments[k][0] - centre, centre - segments[k][1], 0.0))
+
+    (_, top), _, _, (_, bottom) = line.box
+    words: list[Word] = []
+    current: list[int] = []
+    last_segment = -1
+
+    def close() -> None:
+        if current:
+            text = "".join(line.text[i] for i in current)
+            x0 = max(min(min(p[0] for p in pieces[i]) for i in current), segments[segment_of(current[0])][0])
+            x1 = min(max(max(p[0] for p in pieces[i]) for i in current), segments[segment_of(current[-1])][1])
+            if x1 <= x0:
+                x0, x1 = segments[segment_of(current[0])][0], segments[segment_of(current[-1])][1]
+            words.append(Word(text, line.confidence, (x0, min(top, bottom), x1, max(top, bottom))))
+            current.clear()
+
+    for i, char in enumerate(line.text):
+        if char.isspace():
+            close()
+            last_segment = -1
+            continue
+        segment = segment_of(i)
+        if current and segment != last_segment:
+            close()
+        current.append(i)
+        last_segment = segment
+    close()
+    return words
+
+
+def from_lines(lines: Sequence[Line], width: int, height: int, image: Image.Image | None = None) -> PageWords:
+    """The OCR engine's lines split into words, in reading order; with the page's ``image``, RapidOCR's
+    space-less lines are split where the ink has gaps (see :func:`_split_line`)."""
+    found = [word for row in reading_order(lines) for line in row for word in _split_line(image, line)]
     return PageWords([w.text for w in found], [w.box for w in found], width, height, [w.confidence for w in found])
 
 

@@ -24,6 +24,8 @@ class Line:
     text: str
     confidence: float
     box: tuple[Point, Point, Point, Point]
+    #: The boxes of the line's characters (or words), when the engine gives them (RapidOCR on request).
+    pieces: tuple[tuple[Point, ...], ...] | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -98,15 +100,60 @@ def _along(a: Point, b: Point, t: float) -> Point:
     return (a[0] + (b[0] - a[0]) * t, a[1] + (b[1] - a[1]) * t)
 
 
-def split_words(line: Line) -> list[Word]:
-    """The line's words (split on whitespace), each boxed by the share of the line its characters take.
+def _bounds(quads: Sequence[Sequence[Point]]) -> tuple[float, float, float, float]:
+    xs = [p[0] for quad in quads for p in quad]
+    ys = [p[1] for quad in quads for p in quad]
+    return (min(xs), min(ys), max(xs), max(ys))
 
-    The engines box lines, not words; a word's box is the slice of the line's quadrilateral between its
-    first and last character (by character count, what a monospaced estimate gives), made axis-aligned.
+
+#: A gap between two characters' boxes wider than this share of the line's height separates words.
+WORD_GAP = 0.3
+
+
+def _split_by_pieces(line: Line) -> list[Word] | None:
+    """Words from per-character boxes: split at whitespace and at gaps wider than ``WORD_GAP`` line heights
+    (PP-OCR's recognisers often drop the spaces between words; the gaps stay)."""
+    pieces = line.pieces
+    if pieces is None or len(pieces) != len(line.text):
+        return None
+    (_, y0), _, _, (_, y3) = line.box
+    gap = WORD_GAP * max(abs(y3 - y0), 1.0)
+    words: list[Word] = []
+    current: list[int] = []
+
+    def close() -> None:
+        if current:
+            text = "".join(line.text[i] for i in current)
+            words.append(Word(text, line.confidence, _bounds([pieces[i] for i in current])))
+            current.clear()
+
+    for i, char in enumerate(line.text):
+        if char.isspace():
+            close()
+            continue
+        if current:
+            left = max(p[0] for p in pieces[current[-1]])
+            right = min(p[0] for p in pieces[i])
+            if right - left > gap:
+                close()
+        current.append(i)
+    close()
+    return words
+
+
+def split_words(line: Line) -> list[Word]:
+    """The line's words, each with an axis-aligned box.
+
+    With per-character boxes (RapidOCR), words are split at spaces and at wide gaps and boxed by their
+    characters. Otherwise (Tesseract's lines are its words joined by spaces) a word's box is the slice of
+    the line's quadrilateral its characters take by count, what a monospaced estimate gives.
     """
     text = line.text
     if not text.strip():
         return []
+    by_pieces = _split_by_pieces(line)
+    if by_pieces is not None:
+        return by_pieces
     tl, tr, br, bl = line.box
     total = len(text)
     words = []

@@ -80,6 +80,7 @@ class RapidOcrEngine:
         max_side: int,
         use_angle_cls: bool,
         text_score: float,
+        word_boxes: bool = False,
     ) -> None:
         from rapidocr_onnxruntime import RapidOCR
 
@@ -96,6 +97,8 @@ class RapidOcrEngine:
             "intra_op_num_threads": threads,
         }
         self.ocr = RapidOCR(**self.settings, **self.files)
+        #: Also box each character (what the document task splits lines into words with).
+        self.word_boxes = word_boxes
 
     def _model_languages(self) -> tuple[str, ...]:
         """What the recogniser reads, from PP-OCR's file naming (``ch_PP-OCRv4_rec``, ``en_...``);
@@ -111,11 +114,20 @@ class RapidOcrEngine:
 
     def recognise(self, job: Job) -> list[Line]:
         bgr = np.ascontiguousarray(np.asarray(job.image)[:, :, ::-1])
-        result, _elapsed = self.ocr(bgr)
+        if self.word_boxes:
+            # Keyword arguments reset the post-processing settings: pass the configured ones along.
+            result, _elapsed = self.ocr(bgr, return_word_box=True, text_score=self.settings["text_score"],
+                                        box_thresh=0.5, unclip_ratio=1.6)  # fmt: skip
+        else:
+            result, _elapsed = self.ocr(bgr)
         lines = []
-        for box, text, score in result or []:
+        for row in result or []:
+            box, text, score = row[:3]
             corners = tuple((float(x), float(y)) for x, y in box)
-            lines.append(Line(str(text), float(score), corners))  # type: ignore[arg-type]  # always 4 corners
+            pieces = None
+            if self.word_boxes and len(row) > 3 and row[3]:
+                pieces = tuple(tuple((float(x), float(y)) for x, y in quad) for quad in row[3])
+            lines.append(Line(str(text), float(score), corners, pieces))  # type: ignore[arg-type]  # 4 corners
         return lines
 
     def recognise_batch(self, jobs: Sequence[Job]) -> list[list[Line]]:

@@ -270,6 +270,7 @@ class DocumentPredictor(UniversalPredictor):
             max_side=args.ocr_max_side,
             use_angle_cls=True,
             text_score=args.ocr_text_score,
+            word_boxes=True,
         )
 
     def unload(self) -> None:
@@ -340,7 +341,7 @@ class DocumentPredictor(UniversalPredictor):
             assert self.ocr is not None
             languages = resolve_languages(body.languages, self.ocr.languages(), self.default_languages)
             lines = await self.ocr_batcher.submit(Job(page.image, languages, page.dpi))
-            words = from_lines(lines, width, height)
+            words = await asyncio.to_thread(from_lines, lines, width, height, page.image)
         if len(words.words) > args.max_words:
             raise InvalidRequest(
                 f"words: the page has {len(words.words)} words; the limit max_words is {args.max_words}",
@@ -374,8 +375,7 @@ class DocumentPredictor(UniversalPredictor):
         # (the batcher waits for them, at most max_wait_ms, while self.in_flight says some are coming).
         return await self.batcher.submit(encoded)
 
-    def _envelope(self, kind: str, page: Page, body: DocumentRequest, words: PageWords | None,
-                  encoded: Any) -> dict[str, Any]:  # fmt: skip
+    def _envelope(self, kind: str, page: Page, body: DocumentRequest) -> dict[str, Any]:
         out: dict[str, Any] = {"object": f"document.{kind}", "model": self.name}
         if page.page is not None or body.page is not None:
             out["page"] = page.page or body.page
@@ -416,7 +416,7 @@ class DocumentPredictor(UniversalPredictor):
     async def answer(self, body: DocumentQARequest, source: PageInput | None) -> dict[str, Any]:
         self._check_head(Head.QA)
         page, words, encoded, output = await self._run(body, source, Head.QA, body.question)
-        out = self._envelope("qa", page, body, words, encoded)
+        out = self._envelope("qa", page, body)
         out["question"] = body.question
         if encoded is None:
             result: dict[str, Any] = {"answer": None, "score": 0.0, "words": []}
@@ -476,7 +476,7 @@ class DocumentPredictor(UniversalPredictor):
                 if item["score"] > best.get(key, -1.0):
                     best[key] = item["score"]
                     values[key] = item["text"]
-        out = self._envelope("extract", page, body, words, encoded)
+        out = self._envelope("extract", page, body)
         out["values"] = values
         out["fields"] = fields
         structured = None if encoded is None else self.document_model.structured(output, body.fields_schema)
@@ -495,7 +495,7 @@ class DocumentPredictor(UniversalPredictor):
             encoded = await asyncio.to_thread(self.document_model.encode, PageJob(page.image, words))
             output = await self._forward(encoded)
         scores = self.document_model.classify(encoded, output)
-        out = self._envelope("classification", page, body, words, encoded)
+        out = self._envelope("classification", page, body)
         out["label"], out["score"] = scores[0] if scores else (None, 0.0)
         listed = scores if body.top_k is None else scores[: body.top_k]
         out["all_scores"] = [{"label": label, "score": score} for label, score in listed]
