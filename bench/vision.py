@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--donut", type=Path, default=None, help="a Donut checkpoint (default: the tiny one)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 8 pages: a smoke run")
     parser.add_argument("--skip-chat", action="store_true")
+    parser.add_argument("--skip-document", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.pages = 2, 8
@@ -172,12 +173,13 @@ def main() -> None:
     print(f"vision bench: {args.pages} pages, {args.rounds} interleaved passes per method (median), {machine}")
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        donut = args.donut
-        if donut is None:
-            from tests.predictors.tiny_donut import build_donut
+        if not args.skip_document:
+            donut = args.donut
+            if donut is None:
+                from tests.predictors.tiny_donut import build_donut
 
-            donut = build_donut(work / "tiny-donut")
-        document_bench(donut, args.rounds, args.pages, concurrencies, work / "logs")
+                donut = build_donut(work / "tiny-donut")
+            document_bench(donut, args.rounds, args.pages, concurrencies, work / "logs")
         if not args.skip_chat:
             chat_ttft_bench(args.rounds, work / "logs", work)
 
