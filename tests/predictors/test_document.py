@@ -44,8 +44,10 @@ def predictors(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
         started = {}
         for head, path in models.items():
+            # The classifier reads its words with Tesseract, the others with RapidOCR.
+            engine = {"ocr_engine": "tesseract"} if head == "classify" else {}
             config = PredictorConfig(model_name=f"tiny-layoutlm-{head}", task=Task.DOCUMENT, source=str(path),
-                                     engine_args=LIMITS)  # fmt: skip
+                                     engine_args={**LIMITS, **engine})  # fmt: skip
             logs = tmp_path_factory.mktemp(f"doc-{head}")
             started[head] = pool.submit(stack.enter_context, running_predictor(config, logs))
         yield {head: future.result() for head, future in started.items()}
@@ -268,10 +270,12 @@ def test_a_schema_returns_only_the_fields_it_names_and_an_unknown_one_is_named_i
 # -- classification --------------------------------------------------------------------------------------
 
 
-def test_classify_scores_equal_transformers_and_top_k_cuts_the_list(
+def test_classify_over_tesseracts_words_scores_as_transformers_does_and_top_k_cuts_the_list(
     predictors: dict[str, PredictorProcess], reference: dict[str, Any], page: Image.Image
 ) -> None:
     body = ok(post(predictors["classify"], "classify", image=png(page), return_words=True))
+    assert [w["text"] for w in body["words"]] == WORDS  # Tesseract found every word, in reading order
+    check_words(body["words"], *page.size)
     out, _ = in_process(reference["classify"], page, body["words"])
     scores = torch.softmax(out.logits[0].double(), dim=-1).tolist()
     expected = sorted(zip(PAGE_LABELS, scores, strict=True), key=lambda item: -item[1])

@@ -124,8 +124,10 @@ def _split_line(image: Image.Image | None, line: Line) -> list[Word]:
     """A line's words: split at its spaces, and (PP-OCR's recognisers often drop the spaces) where the
     characters' boxes fall into different runs of ink."""
     pieces = line.pieces
-    segments = ink_segments(image, line) if image is not None and pieces is not None else None
-    if pieces is None or segments is None or len(pieces) != len(line.text):
+    if pieces is None or len(pieces) != len(line.text):
+        return split_words(line)  # word boxes (Tesseract) or none
+    segments = ink_segments(image, line) if image is not None else None
+    if segments is None:
         return split_words(line)
 
     def segment_of(i: int) -> int:

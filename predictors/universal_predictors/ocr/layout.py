@@ -24,7 +24,7 @@ class Line:
     text: str
     confidence: float
     box: tuple[Point, Point, Point, Point]
-    #: The boxes of the line's characters (or words), when the engine gives them (RapidOCR on request).
+    #: The boxes of the line's characters (RapidOCR, on request) or words (Tesseract), when the engine gives them.
     pieces: tuple[tuple[Point, ...], ...] | None = None
 
     def as_json(self) -> dict[str, object]:
@@ -114,6 +114,10 @@ def _split_by_pieces(line: Line) -> list[Word] | None:
     """Words from per-character boxes: split at whitespace and at gaps wider than ``WORD_GAP`` line heights
     (PP-OCR's recognisers often drop the spaces between words; the gaps stay)."""
     pieces = line.pieces
+    if pieces is not None:
+        tokens = list(re.finditer(r"\S+", line.text))
+        if len(pieces) == len(tokens) != len(line.text):  # one box per word (Tesseract)
+            return [Word(m.group(), line.confidence, _bounds([q])) for m, q in zip(tokens, pieces, strict=True)]
     if pieces is None or len(pieces) != len(line.text):
         return None
     (_, y0), _, _, (_, y3) = line.box
@@ -144,9 +148,9 @@ def _split_by_pieces(line: Line) -> list[Word] | None:
 def split_words(line: Line) -> list[Word]:
     """The line's words, each with an axis-aligned box.
 
-    With per-character boxes (RapidOCR), words are split at spaces and at wide gaps and boxed by their
-    characters. Otherwise (Tesseract's lines are its words joined by spaces) a word's box is the slice of
-    the line's quadrilateral its characters take by count, what a monospaced estimate gives.
+    With one box per word (Tesseract's), those. With per-character boxes (RapidOCR), words are split at
+    spaces and at wide gaps and boxed by their characters. Otherwise a word's box is the slice of the
+    line's quadrilateral its characters take by count, what a monospaced estimate gives.
     """
     text = line.text
     if not text.strip():

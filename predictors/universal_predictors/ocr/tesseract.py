@@ -80,19 +80,23 @@ def _border_colour(image: Image.Image) -> tuple[int, ...]:
     return tuple(int(v) for v in np.median(edges, axis=0))
 
 
-def parse_tsv(tsv: str) -> list[tuple[tuple[int, int, int, int], str, float]]:
-    """Tesseract's TSV as lines: (left, top, width, height), text, confidence in [0, 1]."""
+Rect = tuple[int, int, int, int]
+
+
+def parse_tsv(tsv: str) -> list[tuple[Rect, str, float, list[Rect]]]:
+    """Tesseract's TSV as lines: (left, top, width, height), text, confidence in [0, 1], the words' rects."""
     lines: dict[tuple[str, ...], dict[str, Any]] = {}
     for row in csv.DictReader(io.StringIO(tsv), delimiter="\t", quoting=csv.QUOTE_NONE):
         key = (row["page_num"], row["block_num"], row["par_num"], row["line_num"])
         if row["level"] == "4":
             box = (int(row["left"]), int(row["top"]), int(row["width"]), int(row["height"]))
-            lines[key] = {"box": box, "words": [], "conf": []}
+            lines[key] = {"box": box, "words": [], "conf": [], "rects": []}
         elif row["level"] == "5" and key in lines and (row.get("text") or "").strip():
             lines[key]["words"].append(row["text"].strip())
+            lines[key]["rects"].append((int(row["left"]), int(row["top"]), int(row["width"]), int(row["height"])))
             lines[key]["conf"].append(max(float(row["conf"]), 0.0) / 100)
     return [
-        (line["box"], " ".join(line["words"]), sum(line["conf"]) / len(line["conf"]))
+        (line["box"], " ".join(line["words"]), sum(line["conf"]) / len(line["conf"]), line["rects"])
         for line in lines.values()
         if line["words"]
     ]
@@ -192,12 +196,19 @@ class TesseractEngine:
         if job.dpi:
             command += ["--dpi", str(job.dpi)]
         tsv = self._run([*command, "tsv"], buffer.getvalue())
-        lines = []
-        for (left, top, width, height), text, confidence in parse_tsv(tsv):
+
+        def on_page(rect: Rect) -> tuple[tuple[float, float], ...]:
+            left, top, width, height = rect
             corners = ((left, top), (left + width, top), (left + width, top + height), (left, top + height))
             if upright is not image:
-                corners = tuple(_unrotate(p, angle, upright.size, image.size) for p in corners)  # type: ignore[assignment]  # still four
-            lines.append(Line(text, confidence, tuple((float(x), float(y)) for x, y in corners)))  # type: ignore[arg-type]  # four corners
+                return tuple(_unrotate(p, angle, upright.size, image.size) for p in corners)
+            return tuple((float(x), float(y)) for x, y in corners)
+
+        lines: list[Line] = []
+        for rect, text, confidence, words in parse_tsv(tsv):
+            # The words' boxes ride along as the line's pieces (the document task's words).
+            pieces = tuple(on_page(word) for word in words)
+            lines.append(Line(text, confidence, on_page(rect), pieces))  # type: ignore[arg-type]  # four corners
         return lines
 
     def recognise_batch(self, jobs: Sequence[Job]) -> list[list[Line]]:
