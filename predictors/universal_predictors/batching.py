@@ -52,8 +52,14 @@ class MicroBatcher(Generic[T, R]):
         model_name: str,
         policy: BatchPolicy | None = None,
         cost: Callable[[T], int] | None = None,
+        expected: Callable[[], int] | None = None,
     ) -> None:
+        """``expected``: how many items callers are about to submit, those queued included (pages still
+        being decoded, say); with it, a batch waits for company only while some is on its way, and stops
+        waiting as soon as it has arrived (callers that give up call :meth:`notify`)."""
         self._run_batch = run_batch
+        self._expected = expected
+        self._arrival = asyncio.Event()
         self._policy = policy or BatchPolicy()
         self._cost = cost or (lambda _item: 1)
         self._model = model_name
@@ -93,6 +99,7 @@ class MicroBatcher(Generic[T, R]):
         pending = [_Pending(item, self._cost(item), loop.create_future()) for item in items]
         for entry in pending:
             queue.put_nowait(entry)
+        self._arrival.set()
         metrics.QUEUE_DEPTH.labels(self._model).set(queue.qsize())
         try:
             return list(await asyncio.gather(*(p.future for p in pending)))
@@ -121,9 +128,7 @@ class MicroBatcher(Generic[T, R]):
             first = await queue.get()
             if first.future.cancelled():
                 continue
-            # Give concurrent callers a moment to join, unless the batch is already full.
-            if self._policy.max_wait_ms > 0 and queue.qsize() + 1 < self._policy.max_batch_size:
-                await asyncio.sleep(self._policy.max_wait_ms / 1000)
+            await self._wait_for_company(queue)
             batch = [p for p in self._take_batch(first, queue) if not p.future.cancelled()]
             metrics.QUEUE_DEPTH.labels(self._model).set(queue.qsize())
             if not batch:
@@ -145,6 +150,28 @@ class MicroBatcher(Generic[T, R]):
                 entry = batch[index]
                 if not entry.future.done():
                     entry.future.set_result(results[position])
+
+    def notify(self) -> None:
+        """Something :data:`expected` counts changed without a submit (a caller gave up): look again."""
+        self._arrival.set()
+
+    async def _wait_for_company(self, queue: asyncio.Queue[_Pending[T, R]]) -> None:
+        """Give concurrent callers a moment to join, unless the batch is already full."""
+        wait = self._policy.max_wait_ms / 1000
+        if wait <= 0 or queue.qsize() + 1 >= self._policy.max_batch_size:
+            return
+        if self._expected is None:
+            await asyncio.sleep(wait)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while queue.qsize() + 1 < self._policy.max_batch_size and self._expected() > queue.qsize() + 1:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrival.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrival.wait(), remaining)
 
     async def close(self) -> None:
         if self._worker is not None:

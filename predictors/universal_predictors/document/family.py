@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -36,6 +36,7 @@ class Head(StrEnum):
 #: ``model_type`` -> ``module:Class`` of the family that serves it.
 FAMILIES: dict[str, str] = {
     "layoutlmv3": "universal_predictors.document.layoutlm:LayoutLMv3Model",
+    "vision-encoder-decoder": "universal_predictors.document.donut:DonutModel",
 }
 
 
@@ -46,6 +47,8 @@ class PageJob:
     image: Image.Image
     words: PageWords | None
     question: str | None = None
+    #: The route asked, for a model that serves several (a prompted decoder: Donut).
+    head: Head | None = None
 
 
 class DocumentModel(ABC):
@@ -58,11 +61,21 @@ class DocumentModel(ABC):
     #: Whether the ``head`` engine argument chooses the head when ``architectures`` cannot tell (an
     #: encoder-decoder's task is in its prompt, not its class).
     head_from_args: ClassVar[bool] = False
+    #: How long a batch waits for company by default (engine arg max_wait_ms): a decoder's batch is many
+    #: forward passes, one per token, so waiting for a second page costs it relatively little.
+    max_wait_ms: ClassVar[float] = 2.0
 
-    def __init__(self, source: str, config: dict[str, Any], head: Head) -> None:
+    def __init__(self, source: str, config: dict[str, Any], head: Head, options: Mapping[str, Any] | None = None
+                 ) -> None:  # fmt: skip
         self.source = source
         self.config = config
         self.head = head
+        #: The engine args a family reads itself (Donut's prompts and generation settings).
+        self.options: dict[str, Any] = dict(options or {})
+
+    def serves(self) -> tuple[Head, ...]:
+        """The routes this model answers: its head's; a prompted decoder (Donut) answers several."""
+        return (self.head,)
 
     @classmethod
     @abstractmethod
@@ -104,6 +117,10 @@ class DocumentModel(ABC):
         """Every label with its score, best first."""
         raise NotImplementedError
 
+    def structured(self, output: Any, schema: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The fields as nested JSON, for a family that writes them so (Donut); None for the others."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {}
 
@@ -134,11 +151,12 @@ def family_of(config: dict[str, Any], source: str) -> type[DocumentModel]:
     return cls
 
 
-def resolve(source: str, requested: Head | None = None) -> DocumentModel:
+def resolve(source: str, requested: Head | None = None, options: Mapping[str, Any] | None = None) -> DocumentModel:
     """The family and head of the model in ``source`` (not loaded yet); StartupError says what is missing.
 
     ``requested`` (the ``head`` engine argument) must agree with the head ``architectures`` names; it
-    chooses the head only for a family whose architectures cannot tell (``head_from_args``)."""
+    chooses the head only for a family whose architectures cannot tell (``head_from_args``). ``options``
+    are the engine args a family reads itself (Donut's prompts and generation settings)."""
     config = read_config(source)
     cls = family_of(config, source)
     architectures = [str(a) for a in config.get("architectures") or []]
@@ -156,4 +174,4 @@ def resolve(source: str, requested: Head | None = None) -> DocumentModel:
             f"source {source!r}: config.json architectures {architectures or 'is missing'}; a {cls.family} "
             f"document model is one of {known}"
         )
-    return cls(source, config, head)
+    return cls(source, config, head, options)

@@ -27,6 +27,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.document.donut import CLASSIFY_PROMPT, EXTRACT_PROMPT, QA_PROMPT
 from universal_predictors.document.family import DocumentModel, Head, PageJob, resolve
 from universal_predictors.document.words import PageWords, from_lines, from_request, normalise
 from universal_predictors.errors import InvalidRequest
@@ -60,7 +61,9 @@ class DocumentEngineArgs(BaseModel):
         default="auto", description="The model's head (route); auto: from config.json architectures."
     )
     max_batch_size: int = Field(default=8, ge=1, le=256, description="Pages per forward pass at most.")
-    max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
+    max_wait_ms: float | None = Field(
+        default=None, ge=0, le=1000, description="How long a batch waits for company (default: the family's)."
+    )
     device: str = "auto"
     dtype: str = "auto"
     # The OCR that gives word models their words: the OCR task's engines.
@@ -82,6 +85,18 @@ class DocumentEngineArgs(BaseModel):
     pdf_dpi: int = Field(default=150, ge=50, le=600, description="Resolution PDF pages are rendered at.")
     pdf_timeout_s: float = Field(default=60.0, gt=0)
     pdf_workers: int = Field(default=2, ge=1, le=64)
+    # OCR-free encoder-decoders (Donut): the task prompt of each route and how the decoder generates.
+    max_length: int | None = Field(
+        default=None, ge=2, description="Decoder tokens at most, the prompt included (default: its positions)."
+    )
+    num_beams: int = Field(default=1, ge=1, le=16, description="1: greedy; more: beam search.")
+    qa_prompt: str = Field(default=QA_PROMPT, description="Donut's question prompt; {question} is the question.")
+    extract_prompt: str = Field(default=EXTRACT_PROMPT, description="Donut's extraction start token.")
+    classify_prompt: str = Field(default=CLASSIFY_PROMPT, description="Donut's classification start token.")
+
+    def family_options(self) -> dict[str, Any]:
+        """What a family reads itself (:attr:`DocumentModel.options`)."""
+        return self.model_dump(include={"max_length", "num_beams", "qa_prompt", "extract_prompt", "classify_prompt"})
 
     def limits(self) -> Limits:
         return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_pixels,
@@ -199,7 +214,8 @@ class DocumentPredictor(UniversalPredictor):
         super().__init__(config)
         # A source no family serves, or a head none of them has, stops the process with one line.
         args: DocumentEngineArgs = self.engine_args
-        self.document_model: DocumentModel = resolve(config.source, None if args.head == "auto" else Head(args.head))
+        requested = None if args.head == "auto" else Head(args.head)
+        self.document_model: DocumentModel = resolve(config.source, requested, args.family_options())
         if self.document_model.needs_words:
             if args.ocr_engine == "tesseract":
                 from universal_predictors.ocr.tesseract import check_source
@@ -225,9 +241,13 @@ class DocumentPredictor(UniversalPredictor):
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers)
-        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
-        self.batcher: MicroBatcher[Any, Any] = MicroBatcher(model.forward, model_name=self.name, policy=policy,
-                                                           cost=model.cost)  # fmt: skip
+        self.max_wait_ms = model.max_wait_ms if args.max_wait_ms is None else args.max_wait_ms
+        self.in_flight = 0
+        policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=self.max_wait_ms)
+        # Pages still being decoded (or OCR'd) are company a batch waits for (``expected``).
+        self.batcher: MicroBatcher[Any, Any] = MicroBatcher(
+            model.forward, model_name=self.name, policy=policy, cost=model.cost, expected=lambda: self.in_flight
+        )
         if self.ocr is not None:
             self.ocr_batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
                 self.ocr.recognise_batch,
@@ -272,7 +292,7 @@ class DocumentPredictor(UniversalPredictor):
         return {
             "family": model.family,
             "head": model.head.value,
-            "routes": [ROUTES[model.head]],
+            "routes": [ROUTES[head] for head in model.serves()],
             "ocr": {"engine": self.ocr.name, "languages": self.default_languages} if self.ocr is not None else None,
             "limits": {
                 "max_image_bytes": args.max_image_bytes,
@@ -289,10 +309,11 @@ class DocumentPredictor(UniversalPredictor):
 
     def _check_head(self, head: Head) -> None:
         model = self.document_model
-        if model.head is not head:
+        served = model.serves()
+        if head not in served:
             raise InvalidRequest(
                 f"The model {self.name!r} is a {model.family} {model.head.value} model; it serves "
-                f"{ROUTES[model.head]}, not {ROUTES[head]}.",
+                f"{', '.join(ROUTES[h] for h in served)}, not {ROUTES[head]}.",
                 code="unsupported_route",
             )
 
@@ -333,16 +354,30 @@ class DocumentPredictor(UniversalPredictor):
             )
         return words
 
-    async def _run(self, body: DocumentRequest, source: PageInput | None, question: str | None = None
+    async def _run(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None = None
                    ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
+        self.in_flight += 1  # from the start: pages still being decoded are company for a batch
+        try:
+            return await self._read(body, source, head, question)
+        finally:
+            self.in_flight -= 1
+            self.batcher.notify()
+
+    async def _read(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None
+                    ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
         page = await self._page(source, body.page)
         words = await self._words(body, page)
-        job = PageJob(page.image, words, question)
+        job = PageJob(page.image, words, question, head)
         if words is not None and not words.words:
             return page, words, None, None  # nothing to read: no forward pass
         encoded = await asyncio.to_thread(self.document_model.encode, job)
-        output = await self.batcher.submit(encoded)
+        output = await self._forward(encoded)
         return page, words, encoded, output
+
+    async def _forward(self, encoded: Any) -> Any:
+        # A lone page goes straight to the model; concurrent pages still being decoded join its batch
+        # (the batcher waits for them, at most max_wait_ms, while self.in_flight says some are coming).
+        return await self.batcher.submit(encoded)
 
     def _envelope(self, kind: str, page: Page, body: DocumentRequest) -> dict[str, Any]:
         out: dict[str, Any] = {"object": f"document.{kind}", "model": self.name}
@@ -351,13 +386,15 @@ class DocumentPredictor(UniversalPredictor):
         out["width"], out["height"] = page.image.size
         return out
 
-    def _usage(self, words: PageWords | None, encoded: Any) -> dict[str, Any]:
+    def _usage(self, words: PageWords | None, encoded: Any, output: Any = None) -> dict[str, Any]:
         usage: dict[str, Any] = {"pages": 1}
         if words is not None:
             usage["words"] = len(words.words)
         if encoded is not None and hasattr(encoded, "tokens"):
             usage["prompt_tokens"] = encoded.tokens
             usage["truncated"] = bool(getattr(encoded, "truncated", False))
+        if output is not None and hasattr(output, "token_ids"):  # a decoder's output: the tokens it wrote
+            usage["completion_tokens"] = len(output.token_ids)
         return usage
 
     @staticmethod
@@ -382,7 +419,7 @@ class DocumentPredictor(UniversalPredictor):
 
     async def answer(self, body: DocumentQARequest, source: PageInput | None) -> dict[str, Any]:
         self._check_head(Head.QA)
-        page, words, encoded, output = await self._run(body, source, body.question)
+        page, words, encoded, output = await self._run(body, source, Head.QA, body.question)
         out = self._envelope("qa", page, body)
         out["question"] = body.question
         if encoded is None:
@@ -396,7 +433,7 @@ class DocumentPredictor(UniversalPredictor):
         out.update(self._boxed(words, indices))
         if body.return_words and words is not None:
             out["words"] = words.as_json()
-        out["usage"] = self._usage(words, encoded)
+        out["usage"] = self._usage(words, encoded, output)
         return out
 
     def _wanted(self, schema: dict[str, Any] | None) -> dict[str, str] | None:
@@ -426,7 +463,7 @@ class DocumentPredictor(UniversalPredictor):
     async def extract(self, body: DocumentExtractRequest, source: PageInput | None) -> dict[str, Any]:
         self._check_head(Head.EXTRACT)
         wanted = self._wanted(body.fields_schema)  # before any decoding: a wrong key costs nothing
-        page, words, encoded, output = await self._run(body, source)
+        page, words, encoded, output = await self._run(body, source, Head.EXTRACT)
         found = [] if encoded is None else self.document_model.extract(encoded, output, words)
         keys = wanted or {name: name for name in self.document_model.field_names()}
         fields = []
@@ -446,26 +483,29 @@ class DocumentPredictor(UniversalPredictor):
         out = self._envelope("extract", page, body)
         out["values"] = values
         out["fields"] = fields
+        structured = None if encoded is None else self.document_model.structured(output, body.fields_schema)
+        if structured is not None:
+            out["json"] = structured
         if body.return_words and words is not None:
             out["words"] = words.as_json()
-        out["usage"] = self._usage(words, encoded)
+        out["usage"] = self._usage(words, encoded, output)
         return out
 
     async def classify(self, body: DocumentClassifyRequest, source: PageInput | None) -> dict[str, Any]:
         self._check_head(Head.CLASSIFY)
-        page, words, encoded, output = await self._run(body, source)
+        page, words, encoded, output = await self._run(body, source, Head.CLASSIFY)
         if encoded is None:  # a page with no words: the model still sees its pixels
             assert words is not None
             encoded = await asyncio.to_thread(self.document_model.encode, PageJob(page.image, words))
-            output = await self.batcher.submit(encoded)
+            output = await self._forward(encoded)
         scores = self.document_model.classify(encoded, output)
         out = self._envelope("classification", page, body)
-        out["label"], out["score"] = scores[0]
+        out["label"], out["score"] = scores[0] if scores else (None, 0.0)
         listed = scores if body.top_k is None else scores[: body.top_k]
         out["all_scores"] = [{"label": label, "score": score} for label, score in listed]
         if body.return_words and words is not None:
             out["words"] = words.as_json()
-        out["usage"] = self._usage(words, encoded)
+        out["usage"] = self._usage(words, encoded, output)
         return out
 
     def add_routes(self, router: APIRouter) -> None:
