@@ -46,6 +46,8 @@ _PIPELINE_DEPTH = 8
 #: After refusing a body, how long its remaining bytes are read and dropped before the connection
 #: closes (closing at once can reset the connection before the client reads the answer).
 _LINGER_S = 10.0
+#: What a client over the body limit can do (images inline as base64 are the usual large bodies).
+_SMALLER = "Send a smaller body (smaller or fewer images, fewer inputs), or raise the gateway's --max-body-mb."
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
 #: Sent, then the connection closed, to a client over ``max_connections`` (before any of its bytes are read).
@@ -467,7 +469,8 @@ class _Connection(asyncio.Protocol):
             # A client waiting for "100 Continue" will not send the body: nothing to read and drop.
             self._linger = not self._expects_continue(request)
             self._refuse_body(RequestTooLarge(f"The request body is {declared} bytes; the limit is "
-                                              f"{self.server.max_body_bytes} bytes."))  # fmt: skip
+                                              f"{self.server.max_body_bytes} bytes. {_SMALLER}",
+                                              code="request_too_large"))  # fmt: skip
             return
         if self._expects_continue(request) and self._task is None and not self._queue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -480,7 +483,8 @@ class _Connection(asyncio.Protocol):
         if self._size > server.max_body_bytes:
             self._body = []
             self._refuse_body(RequestTooLarge(f"The request body is over the limit of "
-                                              f"{server.max_body_bytes} bytes."))  # fmt: skip
+                                              f"{server.max_body_bytes} bytes. {_SMALLER}",
+                                              code="request_too_large"))  # fmt: skip
             return
         if server.buffered + len(body) > server.max_buffered_bytes:
             self._body = []

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import fnmatch
 import io
 import ipaddress
 import re
 import socket
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -200,18 +200,30 @@ def address_refusal(address: str) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     for attribute, what in (
+        ("is_unspecified", "an unspecified"),
         ("is_loopback", "a loopback"),
         ("is_link_local", "a link-local"),
         ("is_private", "a private"),
         ("is_multicast", "a multicast"),
         ("is_reserved", "a reserved"),
-        ("is_unspecified", "an unspecified"),
     ):
         if getattr(ip, attribute):
             return what
     if not ip.is_global:
         return "a non-global"
     return None
+
+
+def _refuse_address(host: str, address: str, field: str, policy: UrlPolicy) -> None:
+    why = address_refusal(address)
+    if why is not None and not policy.allow_private:
+        resolved = f"is {why} address" if host == address else f"resolves to {why} address ({address})"
+        raise InvalidRequest(
+            f"{field}: the host {host!r} {resolved}; images are not fetched from such addresses unless the "
+            f"engine arg {policy.private_arg}=true",
+            param=field,
+            code="image_url_not_allowed",
+        )
 
 
 class _CheckedResolver:
@@ -233,14 +245,7 @@ class _CheckedResolver:
         results = []
         for fam, _, proto, _, sockaddr in infos:
             address = str(sockaddr[0])
-            why = address_refusal(address)
-            if why is not None and not self.policy.allow_private:
-                raise InvalidRequest(
-                    f"{self.field}: the host {host!r} resolves to {why} address ({address}); images are not "
-                    f"fetched from such addresses unless the engine arg {self.policy.private_arg}=true",
-                    param=self.field,
-                    code="image_url_not_allowed",
-                )
+            _refuse_address(host, address, self.field, self.policy)
             results.append({"hostname": host, "host": address, "port": port, "family": fam, "proto": proto, "flags": 0})
         if not results:
             raise InvalidRequest(
@@ -299,6 +304,10 @@ async def _fetch(url: str, field: str, policy: UrlPolicy) -> bytes:
     import aiohttp
 
     host = check_url(url, field, policy)
+    # aiohttp connects to an IP literal without asking the resolver: such a host is checked here.
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        _refuse_address(host, host, field, policy)
     connector = aiohttp.TCPConnector(resolver=_CheckedResolver(policy, field), use_dns_cache=False)  # type: ignore[arg-type]
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         for _ in range(policy.max_redirects + 1):
@@ -350,7 +359,3 @@ def _too_large(field: str, size: int, policy: UrlPolicy, at_least: bool = False)
         param=field,
         code="image_too_large",
     )
-
-
-def describe_hosts(hosts: Sequence[str]) -> str:
-    return ", ".join(hosts) if hosts else "none"

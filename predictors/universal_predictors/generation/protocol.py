@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _IGNORE = ConfigDict(extra="ignore")
 
@@ -80,6 +80,20 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_parts(cls, value: Any) -> Any:
+        # Named here: a union's own error would only say the content is not a string.
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("text", "image_url"):
+                    raise ValueError(
+                        f"content[{index}]: a content part of type {kind!r} is not supported; "
+                        "send text and image_url parts"
+                    )
+        return value
 
     @model_validator(mode="after")
     def _content_required(self) -> Message:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.predictors.generation.tiny_llama import build_llama, without_chat_template, write_gguf
+from tests.predictors.generation.tiny_vlm import build_vlm
 from tests.predictors.harness import PredictorProcess, running_predictor
 from universal_predictors.config import Backend, PredictorConfig, Task
 
@@ -28,6 +29,12 @@ class EngineCase:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama(tmp_path_factory.mktemp("tiny-llama") / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA (:mod:`.tiny_vlm`) as a Hugging Face directory with its processor."""
+    return build_vlm(tmp_path_factory.mktemp("tiny-vlm") / "hf")
 
 
 @pytest.fixture(scope="session")

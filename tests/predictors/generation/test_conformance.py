@@ -19,6 +19,7 @@ import pytest
 
 from tests.predictors.generation.conftest import EngineCase, case_predictor, start_engine
 from tests.predictors.generation.tiny_llama import write_gguf
+from tests.predictors.generation.tiny_vlm import data_url, render_image
 from tests.predictors.harness import PredictorProcess
 from universal_predictors.config import Backend
 
@@ -515,6 +516,31 @@ def test_malformed_bodies_are_400s_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param
     assert "Traceback" not in response.text
+
+
+def test_an_image_to_a_model_without_a_vision_part_is_a_400_naming_the_model(
+    client: openai.OpenAI, predictor: PredictorProcess
+) -> None:
+    picture = data_url(render_image())
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": picture}}],
+        },
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "images_not_supported"
+    assert body["param"] == "messages[1].content[1].image_url"
+    assert f"The model {MODEL!r} has no vision encoder" in body["message"]
+    card = httpx.get(f"{predictor.openai_url}/models", timeout=10).json()["data"][0]
+    assert card["vision"] is False
+    # Text parts alone are text: still answered.
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+    assert client.chat.completions.create(model=MODEL, messages=text_parts, max_tokens=2).usage is not None  # type: ignore[arg-type,union-attr]
 
 
 def test_token_id_prompts_are_checked_against_the_engines_vocabulary_size(

@@ -142,6 +142,35 @@ def build_vlm(out: Path, shape: VlmShape = VlmShape()) -> Path:
     return out
 
 
+class Reference:
+    """The tiny LLaVA in-process: transformers' own processor chat template, processor and greedy generate."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path).eval()
+
+    def generate(self, content: list[dict[str, Any]], max_tokens: int) -> tuple[list[int], int]:
+        """Greedy ids for one user message of parts (``{"type": "image", "image": PIL}``), and the prompt length."""
+        import torch
+
+        messages = [{"role": "user", "content": content}]
+        inputs = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        prompt = int(inputs["input_ids"].shape[1])
+        return [int(t) for t in out[0, prompt:]], prompt
+
+    def text(self, ids: list[int]) -> str:
+        return str(self.processor.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def token(self, token_id: int) -> str:
+        return str(self.processor.tokenizer.decode([token_id], skip_special_tokens=False))
+
+
 def render_image(text: str = "A1", size: tuple[int, int] = (64, 48), color: str = "navy") -> Any:
     """A real picture: a coloured background, a circle, a rectangle and ``text``, as a Pillow RGB image."""
     from PIL import Image, ImageDraw

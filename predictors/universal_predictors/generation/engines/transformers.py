@@ -676,23 +676,40 @@ class TransformersEngine(Engine):
 
     def _prompt_embeddings(self, seqs: list[_Seq], ids: Any) -> Any:
         """The prompt embeddings of ``ids`` (left-padded rows of ``seqs``), each image row's image tokens
-        replaced by its images' features from the vision tower (and projector)."""
+        replaced by its images' features from the vision tower (and projector). The images of every row run
+        through the tower in one forward pass when they are alike (pixel values of one shape, as LLaVA's
+        processor makes them); otherwise row by row."""
+        torch = self._torch
         embeds = self.model.get_input_embeddings()(ids)
-        for row, seq in enumerate(seqs):
-            multimodal = seq.request.multimodal
-            if multimodal is None:
-                continue
-            inputs = {k: v.to(self._input_device) for k, v in multimodal.inputs.items() if hasattr(v, "to")}
-            if "pixel_values" in inputs:
-                inputs["pixel_values"] = inputs["pixel_values"].to(embeds.dtype)
-            features = self._image_features(inputs).to(embeds.device, embeds.dtype)
-            where = ids[row] == self._image_token_id
-            if int(where.sum()) != features.shape[0]:
-                raise ValueError(
-                    f"the prompt has {int(where.sum())} image tokens but its images give {features.shape[0]} features"
-                )
-            embeds[row, where] = features
+        rows = [(row, seq.request.multimodal.inputs) for row, seq in enumerate(seqs) if seq.request.multimodal]
+        pixels = [inputs.get("pixel_values") for _, inputs in rows]
+        alike = all(set(inputs) == {"pixel_values"} for _, inputs in rows) and (
+            len({tuple(p.shape[1:]) for p in pixels}) == 1
+        )
+        if alike:
+            stacked = torch.cat(pixels).to(self._input_device, embeds.dtype)
+            features = self._image_features({"pixel_values": stacked}).to(embeds.device, embeds.dtype)
+            per_image = features.shape[0] // stacked.shape[0]
+            offset = 0
+            for (row, _), count in zip(rows, (p.shape[0] for p in pixels), strict=True):
+                self._place(embeds, ids, row, features[offset : offset + count * per_image])
+                offset += count * per_image
+            return embeds
+        for row, inputs in rows:
+            moved = {k: v.to(self._input_device) for k, v in inputs.items() if hasattr(v, "to")}
+            if "pixel_values" in moved:
+                moved["pixel_values"] = moved["pixel_values"].to(embeds.dtype)
+            self._place(embeds, ids, row, self._image_features(moved).to(embeds.device, embeds.dtype))
         return embeds
+
+    def _place(self, embeds: Any, ids: Any, row: int, features: Any) -> None:
+        """Put one row's image features in place of its image tokens."""
+        where = ids[row] == self._image_token_id
+        if int(where.sum()) != features.shape[0]:
+            raise ValueError(
+                f"the prompt has {int(where.sum())} image tokens but its images give {features.shape[0]} features"
+            )
+        embeds[row, where] = features
 
     def _image_features(self, inputs: dict[str, Any]) -> Any:
         """The images' features as one ``[image tokens, hidden]`` tensor, in prompt order."""
