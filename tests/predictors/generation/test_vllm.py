@@ -1,5 +1,6 @@
 """What only the vLLM engine does: vLLM engine arguments checked at start-up and honoured, greedy output
-identical to vLLM's own offline ``LLM.generate``, the ``auto`` rule's architecture check. The OpenAI
+identical to vLLM's own offline ``LLM.generate`` (for text, and for chat with images on a tiny Idefics3), the
+``auto`` rule's architecture check. The OpenAI
 contract itself is pinned by ``test_conformance.py``. Skipped where vllm is not installed (``.ci/vllm.sh``
 runs it in ``.venv-vllm``).
 """
