@@ -135,12 +135,19 @@ def to_rgb(frame: Image.Image) -> Image.Image:
     return frame.convert("RGB")
 
 
-def decode_rgb(data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels") -> Image.Image:
-    """One image (a TIFF's or WebP's first frame) as RGB; blocking, run it off the event loop."""
+def decode_rgb(
+    data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels", draft_pixels: int | None = None
+) -> Image.Image:
+    """One image (a TIFF's or WebP's first frame) as RGB; blocking, run it off the event loop. With
+    ``draft_pixels``, a JPEG much larger than that is decoded at a reduced scale (libjpeg's 1/2, 1/4, 1/8,
+    never below ``draft_pixels``): the full-size pixels are never held."""
     from PIL import ImageOps
 
     image = open_image(data, field, max_pixels, limit_name)
     try:
+        if draft_pixels is not None and image.format == "JPEG" and image.width * image.height > draft_pixels:
+            scale = (draft_pixels / (image.width * image.height)) ** 0.5
+            image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
         image.load()
         frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
         return to_rgb(frame)

@@ -129,3 +129,13 @@ def test_downscale_keeps_the_aspect_ratio_within_the_pixels() -> None:
     assert small.width * small.height <= 4096
     assert abs(small.width / small.height - 4.0) < 0.1
     assert images.downscale(image, None) is image
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_when_only_few_pixels_are_wanted() -> None:
+    photo = png_bytes(render_image(size=(2000, 1600)), "JPEG")
+    full = images.decode_rgb(photo, FIELD, 10_000_000)
+    assert full.size == (2000, 1600)
+    drafted = images.decode_rgb(photo, FIELD, 10_000_000, draft_pixels=4096)
+    assert drafted.width * drafted.height >= 4096  # never below what is wanted
+    assert drafted.width < 2000  # libjpeg decoded it at 1/2, 1/4 or 1/8
+    assert abs(drafted.width / drafted.height - 1.25) < 0.05

@@ -31,7 +31,7 @@ class ImageArgs(BaseModel):
     #: Bytes one image may have (decoded from base64, or fetched).
     max_image_bytes: int = Field(default=20 * 2**20, ge=1)
     #: Pixels one image may have (read from its header before decoding); larger images are refused.
-    max_image_pixels: int = Field(default=50_000_000, ge=1)
+    max_image_pixels: int = Field(default=25_000_000, ge=1)
     #: Hosts image URLs may be fetched from: comma-separated names or patterns (``*.example.com``). Empty (the
     #: default): no URL is fetched; images come inline as ``data:`` URLs.
     image_url_hosts: str = ""
@@ -70,13 +70,18 @@ def check_count(body: ChatCompletionRequest, args: ImageArgs) -> list[tuple[str,
 
 
 async def load_images(parts: list[tuple[str, ImagePart]], args: ImageArgs, max_pixels: int | None) -> list[Any]:
-    """The parts' images as RGB Pillow images in prompt order (URLs fetched concurrently, decoding off the
-    event loop), each downscaled to ``max_pixels`` when given."""
+    """The parts' images as RGB Pillow images in prompt order, each downscaled to ``max_pixels`` when given.
+    The bytes are fetched concurrently; the images are decoded one at a time off the event loop, so a
+    request holds at most one image at full size (its pixels bounded by ``max_image_pixels``)."""
     policy = args.url_policy()
-    return list(await asyncio.gather(*(_load_one(field, part, args, policy, max_pixels) for field, part in parts)))
+    blobs = await asyncio.gather(*(_bytes_of(field, part, args, policy) for field, part in parts))
+    decoded = []
+    for (field, _), data in zip(parts, blobs, strict=True):
+        decoded.append(await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels))
+    return decoded
 
 
-async def _load_one(field: str, part: ImagePart, args: ImageArgs, policy: Any, max_pixels: int | None) -> Any:
+async def _bytes_of(field: str, part: ImagePart, args: ImageArgs, policy: Any) -> bytes:
     from universal_predictors import images
 
     url = part.image_url.url.strip()
@@ -97,10 +102,11 @@ async def _load_one(field: str, part: ImagePart, args: ImageArgs, policy: Any, m
             code="invalid_image_url",
         )
     images.check_bytes(data, field, args.max_image_bytes)
-    return await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels)
+    return data
 
 
 def _decode(data: bytes, field: str, limit: int, max_pixels: int | None) -> Any:
     from universal_predictors import images
 
-    return images.downscale(images.decode_rgb(data, field, limit, "max_image_pixels"), max_pixels)
+    image = images.decode_rgb(data, field, limit, "max_image_pixels", draft_pixels=max_pixels)
+    return images.downscale(image, max_pixels)
