@@ -12,15 +12,18 @@
    Interleaved rounds, medians; one line per concurrency with the ratio. Goal (issue #15): >= 0.9x.
 
 2. Chat time to first token: a streamed chat completion with one image against the same request with
-   text only, through a real generate predictor serving a tiny vision-language model (LLaVA). Needs the
-   vision chat of the generate task (``tests/predictors/generation/tiny_vlm.py``); without it the line
-   says so.
+   text only, through a real generate predictor serving the tests' tiny vision-language model (LLaVA,
+   ``tests/predictors/generation/tiny_vlm.py``) on the transformers engine.
 
-The model is the tiny constructed Donut of ``tests/predictors/tiny_donut.py`` unless ``--donut PATH``
-names a real checkpoint (e.g. a local copy of naver-clova-ix/donut-base-finetuned-cord-v2).
+The model is the constructed Donut of ``tests/predictors/tiny_donut.py`` (``--shape tiny``, the tests'
+model, a page in tens of milliseconds, so the ratio measures the serving layer's fixed cost per page;
+``--shape small``, donut-base's encoder stages and decoder depth at a smaller width, a page in about a
+second) unless ``--donut PATH`` names a real checkpoint (e.g. a local copy of
+naver-clova-ix/donut-base-finetuned-cord-v2).
 
     python bench/vision.py
     python bench/vision.py --quick
+    python bench/vision.py --shape small --pages 4 --rounds 3 --skip-chat
     python bench/vision.py --donut /models/donut-cord --rounds 3
 """
 
@@ -115,13 +118,9 @@ def document_bench(donut: Path, rounds: int, count: int, concurrencies: list[int
 
 
 def chat_ttft_bench(rounds: int, logs: Path, work: Path) -> None:
-    try:
-        from tests.predictors.generation.tiny_vlm import build_vlm, data_url, render_image
-    except ImportError:
-        print("chat: needs vision chat (the generate task's image_url parts and tests/predictors/generation/"
-              "tiny_vlm.py, branch vlm-core): not measured", flush=True)  # fmt: skip
-        return
     import openai
+
+    from tests.predictors.generation.tiny_vlm import build_vlm, data_url, render_image
 
     model_dir = build_vlm(work / "tiny-vlm")
     config = PredictorConfig(model_name="tiny-vlm", task=Task.GENERATE, backend=Backend.TRANSFORMERS,
@@ -161,7 +160,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved passes per method (median)")
     parser.add_argument("--pages", type=int, default=16, help="pages per pass")
     parser.add_argument("--concurrency", default="1,4", help="comma-separated concurrencies (= anchor batch sizes)")
-    parser.add_argument("--donut", type=Path, default=None, help="a Donut checkpoint (default: the tiny one)")
+    parser.add_argument("--donut", type=Path, default=None, help="a Donut checkpoint (default: one built here)")
+    parser.add_argument(
+        "--shape", choices=["tiny", "small"], default="tiny",
+        help="the Donut built here: tiny (the tests', the serving layer's own costs dominate) or small "
+        "(donut-base's stages at a smaller width and page: the model's compute dominates, as with a real one)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 rounds of 8 pages: a smoke run")
     parser.add_argument("--skip-chat", action="store_true")
     parser.add_argument("--skip-document", action="store_true")
@@ -176,9 +180,10 @@ def main() -> None:
         if not args.skip_document:
             donut = args.donut
             if donut is None:
-                from tests.predictors.tiny_donut import build_donut
+                from tests.predictors.tiny_donut import SMALL, TINY, build_donut
 
-                donut = build_donut(work / "tiny-donut")
+                donut = build_donut(work / f"{args.shape}-donut", shape=SMALL if args.shape == "small" else TINY)
+                print(f"document: a random Donut built here, shape {args.shape}", flush=True)
             document_bench(donut, args.rounds, args.pages, concurrencies, work / "logs")
         if not args.skip_chat:
             chat_ttft_bench(args.rounds, work / "logs", work)

@@ -23,6 +23,7 @@ against the in-process reference, while the output stays Donut JSON that parses.
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,28 @@ HIDDEN = 128
 MAX_POSITIONS = 64
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a built Donut. :data:`TINY` is the tests' (a page in tens of milliseconds: the serving
+    layer's own costs dominate); :data:`SMALL` has the encoder stages and decoder depth of donut-base at a
+    smaller width and page (a page in about a second on 2 CPUs), for benchmarks that want a model whose
+    compute, not its wrapper, dominates a page."""
+
+    image_size: tuple[int, int] = IMAGE_SIZE
+    hidden: int = HIDDEN
+    depths: tuple[int, ...] = (1, 1)
+    heads: tuple[int, ...] = (2, 4)
+    window_size: int = 4
+    decoder_layers: int = 2
+    decoder_heads: int = 4
+    ffn: int = 256
+
+
+TINY = Shape()
+SMALL = Shape(image_size=(640, 480), hidden=256, depths=(2, 2, 6, 2), heads=(1, 2, 4, 8), window_size=10,
+              decoder_layers=4, decoder_heads=8, ffn=1024)  # fmt: skip
+
+
 def pieces() -> list[tuple[str, float]]:
     """The Unigram vocabulary: whole words (likely), then single characters with and without ``▁``."""
     words = [*ANSWERS, *COMPANIES, *TOTALS, *QUESTION_WORDS]
@@ -103,7 +126,8 @@ def _unit_rows(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
     return table
 
 
-def build_donut(directory: Path, *, seed: int = 0, attention_gain: float = 0.5, tie_spread: float = 1.0) -> Path:
+def build_donut(directory: Path, *, seed: int = 0, attention_gain: float = 0.5, tie_spread: float = 1.0,
+                shape: Shape = TINY) -> Path:  # fmt: skip
     """Build and ``save_pretrained`` the model and its processor into ``directory`` (returned)."""
     import torch
     from transformers import (
@@ -122,13 +146,19 @@ def build_donut(directory: Path, *, seed: int = 0, attention_gain: float = 0.5, 
     vocab_size = len(tokenizer)
     ids = tokenizer.convert_tokens_to_ids
     torch.manual_seed(seed)
+    hidden = shape.hidden
+    # Swin doubles its width per stage; the last stage's width is the decoder's (cross-attention) input.
     encoder_config = DonutSwinConfig(
-        image_size=list(IMAGE_SIZE), patch_size=4, num_channels=3, embed_dim=HIDDEN // 2, depths=[1, 1],
-        num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
+        image_size=list(shape.image_size), patch_size=4, num_channels=3,
+        embed_dim=hidden // 2 ** (len(shape.depths) - 1), depths=list(shape.depths), num_heads=list(shape.heads),
+        window_size=shape.window_size, mlp_ratio=2.0 if shape == TINY else 4.0,
     )  # fmt: skip
     decoder_config = MBartConfig(
-        vocab_size=vocab_size, d_model=HIDDEN, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=256,
-        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=256, max_position_embeddings=MAX_POSITIONS,
+        vocab_size=vocab_size, d_model=hidden, decoder_layers=shape.decoder_layers,
+        decoder_attention_heads=shape.decoder_heads, decoder_ffn_dim=shape.ffn,
+        # MBart's num_hidden_layers (what generate sizes its cache by) reads encoder_layers: the decoder's depth.
+        encoder_layers=shape.decoder_layers, encoder_attention_heads=shape.decoder_heads, encoder_ffn_dim=shape.ffn,
+        max_position_embeddings=MAX_POSITIONS,
         scale_embedding=False, tie_word_embeddings=False, is_decoder=True, add_cross_attention=True,
         pad_token_id=ids("<pad>"), bos_token_id=ids("<s>"), eos_token_id=ids("</s>"),
         decoder_start_token_id=ids("<s>"), dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
@@ -142,9 +172,9 @@ def build_donut(directory: Path, *, seed: int = 0, attention_gain: float = 0.5, 
     ).eval()
 
     rng = np.random.default_rng(seed)
-    embeddings = _unit_rows(rng, vocab_size, HIDDEN)
-    spread = _unit_rows(rng, vocab_size, HIDDEN)
-    head = np.zeros((vocab_size, HIDDEN))
+    embeddings = _unit_rows(rng, vocab_size, hidden)
+    spread = _unit_rows(rng, vocab_size, hidden)
+    head = np.zeros((vocab_size, hidden))
     for token, followers in FOLLOWS.items():
         for follower in followers:
             head[ids(follower)] += embeddings[ids(token)]
@@ -164,7 +194,7 @@ def build_donut(directory: Path, *, seed: int = 0, attention_gain: float = 0.5, 
         model.decoder.lm_head.weight.copy_(torch.from_numpy(head * 0.2).float())
 
     image_processor = DonutImageProcessor(
-        size={"height": IMAGE_SIZE[0], "width": IMAGE_SIZE[1]}, do_align_long_axis=False, do_thumbnail=True,
+        size={"height": shape.image_size[0], "width": shape.image_size[1]}, do_align_long_axis=False, do_thumbnail=True,
         do_pad=True, do_resize=True, do_normalize=True,
     )  # fmt: skip
     processor = DonutProcessor(image_processor=image_processor, tokenizer=tokenizer)
