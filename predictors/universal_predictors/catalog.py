@@ -169,7 +169,10 @@ CATALOG = Catalog(
     tasks=(
         TaskEntry(
             name=Task.GENERATE,
-            summary="text generation: chat and completions, streaming, tools and structured output",
+            summary=(
+                "text generation: chat (images in on vision-language models) and completions, streaming, tools "
+                "and structured output"
+            ),
             backends=(Backend.TRANSFORMERS, Backend.LLAMACPP, Backend.VLLM),
             extra="generate",
             predictor=f"{_TASKS}.generate:GeneratePredictor",
