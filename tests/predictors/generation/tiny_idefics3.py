@@ -46,6 +46,9 @@ class Idefics3Shape:
     image_size: int = 32
     patch_size: int = 8
     scale_factor: int = 2
+    #: The processor's longest edge: above ``image_size`` it splits an image into ``image_size`` tiles (up to
+    #: ``longest_edge // image_size`` a side, each with its ``<row_i_col_j>`` marker) plus the global image.
+    longest_edge: int = 32
     seed: int = 0
 
     @property
@@ -111,8 +114,8 @@ def build_idefics3(out: Path, shape: Idefics3Shape = Idefics3Shape()) -> Path:
     with torch.no_grad():
         model.lm_head.weight[eos_id].zero_()  # lengths decided by max_tokens, as in the tiny Llama
     image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False,
-        size={"longest_edge": shape.image_size},
+        do_image_splitting=shape.longest_edge > shape.image_size,
+        size={"longest_edge": shape.longest_edge},
         max_image_size={"longest_edge": shape.image_size},
     )
     processor = Idefics3Processor(
