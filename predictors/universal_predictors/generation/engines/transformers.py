@@ -14,12 +14,13 @@ that budget, so a sequence alone always fits. A CUDA out-of-memory error fails o
 step it hit (a prefill: the arrivals; a merge or decode: the batch) with 503 and ``Retry-After``, then
 gives the allocator's cache back. Several GPUs: the model is sharded over them (``device_map``).
 
-Vision-language models (an image-text-to-text architecture in :data:`VISION_FAMILIES`) load with
-``AutoModelForImageTextToText`` and their ``AutoProcessor``: a chat prompt with images is rendered with the
-processor's chat template and processed there (its image placeholders expanded into image tokens, pixel
-values made); at prefill the engine thread runs the vision tower on each arrival's images and scatters
-the features into that row's image-token embeddings, then prefills the rows together from embeddings (text
-rows and image rows in one batch); decoding is the language model's, as for text.
+Vision-language models (an image-text-to-text family in :data:`VISION_FAMILIES`: LLaVA, Idefics3/SmolVLM)
+load with ``AutoModelForImageTextToText`` and their ``AutoProcessor``: a chat prompt with images is rendered
+with the processor's chat template and processed there (its image placeholders expanded into image tokens,
+pixel values made); at prefill the engine thread runs the model's ``get_image_features`` on the arrivals'
+images (one pass when they are alike) and scatters the features into each row's image-token embeddings, then
+prefills the rows together from embeddings (text rows and image rows in one batch); decoding is the
+language model's, as for text.
 """
 
 from __future__ import annotations
@@ -89,10 +90,32 @@ class TransformersArgs(BaseModel):
 #: The smallest KV-cache budget worth serving with: below it the model is refused at load.
 MIN_TOKEN_BUDGET = 16
 
-#: Vision-language families (``config.model_type``) this engine serves: 1-D positions, and image features
-#: that replace the image tokens' embeddings one for one (``get_image_features``). Others (Qwen2-VL's 3-D
-#: rotary positions, Gemma 3's bidirectional image attention) need per-family prefill logic: vLLM serves them.
-VISION_FAMILIES = frozenset({"llava"})
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What differs between the vision-language families this engine serves: where their processed image
+    inputs count images. The rest is common: 1-D positions, causal attention, and the model's own
+    ``get_image_features`` giving one feature per image token, in prompt order, that replaces that
+    token's embedding (what the model's ``forward`` does with ``pixel_values``)."""
+
+    #: The processor outputs ``get_image_features`` takes (the rest, ``input_ids`` and its mask, are text).
+    image_inputs: frozenset[str]
+    #: The axis of every image input that counts the prompt's images: rows' images batch along it.
+    image_axis: int
+
+
+#: Vision-language families (``config.model_type``) this engine serves. LLaVA: ``pixel_values``
+#: ``[images, C, H, W]`` (``image_sizes`` ``[images, 2]`` where its processor gives them) through the tower
+#: and projector. Idefics3 / SmolVLM: the processor splits each image
+#: into tiles plus the global image (``pixel_values`` ``[1, tiles, C, H, W]``, ``pixel_attention_mask``
+#: ``[1, tiles, H, W]`` marking each tile's real pixels), the connector pixel-shuffles each tile's patches
+#: into its image tokens. Others (Qwen2-VL's 3-D rotary positions, Gemma 3's bidirectional image attention)
+#: need per-family prefill logic: vLLM serves them.
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    "llava": VisionFamily(frozenset({"pixel_values", "image_sizes"}), image_axis=0),
+    "idefics3": VisionFamily(frozenset({"pixel_values", "pixel_attention_mask"}), image_axis=1),
+    "smolvlm": VisionFamily(frozenset({"pixel_values", "pixel_attention_mask"}), image_axis=1),
+}
 
 
 def vision_max_pixels(image_processor: Any) -> int | None:
@@ -357,6 +380,7 @@ class TransformersEngine(Engine):
                 f"this model is {family!r} (its image positions or attention need logic this engine does not "
                 "have): serve it with backend vllm"
             )
+        self._family = VISION_FAMILIES[family]
         self.processor = AutoProcessor.from_pretrained(source, local_files_only=True)  # type: ignore[no-untyped-call]
         self.tokenizer = self.processor.tokenizer
         self._image_token_id = int(hf_config.image_token_id)
@@ -451,9 +475,9 @@ class TransformersEngine(Engine):
         except ValueError as exc:  # the placeholders and the images disagree (a literal <image> in the text)
             raise ValueError(f"the model's processor rejected the messages: {exc}") from None
         ids = [int(t) for t in inputs.pop("input_ids")[0]]
-        inputs.pop("attention_mask", None)
         image_tokens = sum(1 for t in ids if t == self._image_token_id)
-        return MultimodalPrompt(ids, tuple(images), dict(inputs), image_tokens)
+        image_inputs = {k: v for k, v in inputs.items() if k in self._family.image_inputs}
+        return MultimodalPrompt(ids, tuple(images), image_inputs, image_tokens)
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -678,48 +702,48 @@ class TransformersEngine(Engine):
 
     def _prompt_embeddings(self, seqs: list[_Seq], ids: Any) -> Any:
         """The prompt embeddings of ``ids`` (left-padded rows of ``seqs``), each image row's image tokens
-        replaced by its images' features from the vision tower (and projector). The images of every row run
-        through the tower in one forward pass when they are alike (pixel values of one shape, as LLaVA's
-        processor makes them); otherwise row by row."""
+        replaced by its images' features from the vision tower (and projector or connector). The images of
+        every row run through the tower in one pass when their inputs are alike (the same shape but for the
+        family's image axis: LLaVA's fixed-size images, Idefics3's fixed-size tiles), joined along that
+        axis; otherwise row by row."""
         torch = self._torch
         embeds = self.model.get_input_embeddings()(ids)
         rows = [(row, seq.request.multimodal.inputs) for row, seq in enumerate(seqs) if seq.request.multimodal]
-        pixels = [inputs.get("pixel_values") for _, inputs in rows]
-        alike = all(set(inputs) == {"pixel_values"} for _, inputs in rows) and (
-            len({tuple(p.shape[1:]) for p in pixels}) == 1
+        axis = self._family.image_axis
+
+        def rest(value: Any) -> tuple[int, ...]:
+            return (*value.shape[:axis], *value.shape[axis + 1 :])
+
+        keys = set(rows[0][1])
+        alike = all(set(inputs) == keys for _, inputs in rows) and all(
+            len({rest(inputs[key]) for _, inputs in rows}) == 1 for key in keys
         )
-        if alike:
-            stacked = torch.cat(pixels).to(self._input_device, embeds.dtype)
-            features = self._image_features({"pixel_values": stacked}).to(embeds.device, embeds.dtype)
-            per_image = features.shape[0] // stacked.shape[0]
-            offset = 0
-            for (row, _), count in zip(rows, (p.shape[0] for p in pixels), strict=True):
-                self._place(embeds, ids, row, features[offset : offset + count * per_image])
-                offset += count * per_image
-            return embeds
-        for row, inputs in rows:
-            moved = {k: v.to(self._input_device) for k, v in inputs.items() if hasattr(v, "to")}
-            if "pixel_values" in moved:
-                moved["pixel_values"] = moved["pixel_values"].to(embeds.dtype)
-            self._place(embeds, ids, row, self._image_features(moved).to(embeds.device, embeds.dtype))
+        groups = [rows] if alike else [[row] for row in rows]
+        for group in groups:
+            joined = {key: torch.cat([inputs[key] for _, inputs in group], dim=axis) for key in keys}
+            features = self._image_features(joined, embeds.dtype).to(embeds.device, embeds.dtype)
+            # Features come in prompt order, row after row: each row takes as many as it has image tokens.
+            counts = [int((ids[row] == self._image_token_id).sum()) for row, _ in group]
+            if sum(counts) != features.shape[0]:
+                raise ValueError(
+                    f"the prompts have {sum(counts)} image tokens but their images give {features.shape[0]} features"
+                )
+            for (row, _), part in zip(group, features.split(counts), strict=True):
+                embeds[row, ids[row] == self._image_token_id] = part
         return embeds
 
-    def _place(self, embeds: Any, ids: Any, row: int, features: Any) -> None:
-        """Put one row's image features in place of its image tokens."""
-        where = ids[row] == self._image_token_id
-        if int(where.sum()) != features.shape[0]:
-            raise ValueError(
-                f"the prompt has {int(where.sum())} image tokens but its images give {features.shape[0]} features"
-            )
-        embeds[row, where] = features
-
-    def _image_features(self, inputs: dict[str, Any]) -> Any:
-        """The images' features as one ``[image tokens, hidden]`` tensor, in prompt order."""
+    def _image_features(self, inputs: dict[str, Any], dtype: Any) -> Any:
+        """The images' features as one ``[image tokens, hidden]`` tensor, in prompt order (floating inputs
+        in the model's ``dtype``; masks as they are)."""
         torch = self._torch
-        features = self.model.get_image_features(**inputs)
+        moved = {
+            key: value.to(self._input_device, dtype) if value.is_floating_point() else value.to(self._input_device)
+            for key, value in inputs.items()
+        }
+        features = self.model.get_image_features(**moved)
         if hasattr(features, "pooler_output"):  # transformers 5: a model output, features in pooler_output
             features = features.pooler_output
-        if isinstance(features, (list, tuple)):
+        if isinstance(features, (list, tuple)):  # per image (LLaVA) or per batch row (Idefics3)
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1])
 
