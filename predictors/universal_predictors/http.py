@@ -7,6 +7,8 @@ that takes file uploads (OCR) reads ``multipart/form-data`` with :func:`parse_fo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -225,6 +227,31 @@ def error_response(error: APIError) -> JSONResponse:
 
 #: nginx's status for "the client closed the connection first": what a handler answers nobody.
 CLIENT_CLOSED = 499
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return once the client has gone (its body already read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+    """``work``'s JSON answer, or, when the client leaves first, ``work`` cancelled (its decoding, a PDF
+    render process, its pages still queued for a batch) and a 499 that nobody reads (for logs and metrics)."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done():
+            return JSONResponse(job.result())
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        for task in (job, gone):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
 _OUTCOMES = {400: "invalid", 404: "not_found", 413: "too_large", 429: "overloaded", 503: "unavailable"}
 
 

@@ -8,12 +8,15 @@ each page alone.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.predictors import ocr_samples as samples
@@ -284,3 +287,63 @@ def test_the_model_card_says_donut_reads_pixels_and_lists_its_routes(donut_predi
     assert card["routes"] == ["/v1/document/qa", "/v1/document/extract", "/v1/document/classify"]
     assert card["fields"] == ["company", "total"]
     assert card["max_length"] == 64
+
+
+# -- a client that leaves ------------------------------------------------------------------------------------
+
+
+def scraped(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels`` (0 when none)."""
+    total = 0.0
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+async def _leave_while_queued(predictor: PredictorProcess, blockers: int) -> float:
+    """Busy the model with ``blockers`` pages, send one more and close its connection at once; the pages
+    the model read meanwhile."""
+    image = page_b64(pages()[0])
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=predictor.url, timeout=120) as http:
+
+        async def metrics() -> str:
+            return (await http.get("/metrics")).text
+
+        async def until(name: str, at_least: float, what: str, **labels: str) -> None:
+            deadline = loop.time() + 60
+            while (current := scraped(await metrics(), name, **labels)) < at_least:
+                assert loop.time() < deadline, f"{what}: {name} stayed at {current}"
+                await asyncio.sleep(0.02)
+
+        before = await metrics()
+        items = scraped(before, "universal_predictor_items_total")
+        cancelled = scraped(before, "universal_predictor_requests_total", route="document_extract", outcome="cancelled")
+        busy = [asyncio.ensure_future(http.post("/v1/document/extract", json={"image": image}))
+                for _ in range(blockers)]  # fmt: skip
+        await until("universal_predictor_in_flight", blockers, "the blockers never arrived")
+        body = json.dumps({"image": image}).encode()
+        host, port = predictor.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/document/extract HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))  # fmt: skip
+        await writer.drain()
+        writer.close()  # at once: the victim's page is still being decoded or queued behind the blockers
+        await until("universal_predictor_requests_total", cancelled + 1, "the disconnect was never counted",
+                    route="document_extract", outcome="cancelled")  # fmt: skip
+        answers = await asyncio.gather(*busy)
+        assert all(answer.status_code == 200 for answer in answers)
+        # The blockers' answers are in: every page the model will read has been read.
+        return scraped(await metrics(), "universal_predictor_items_total") - items
+
+
+def test_a_client_that_leaves_has_its_page_dropped_before_the_model_reads_it(
+    donut_predictor: PredictorProcess,
+) -> None:
+    # Two full batches (max_batch_size 8) keep the model busy while the victim arrives and leaves.
+    blockers = 16
+    assert asyncio.run(_leave_while_queued(donut_predictor, blockers)) == blockers, (
+        "the model read the page of a client that had left"
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.base import UniversalPredictor
@@ -31,7 +31,15 @@ from universal_predictors.document.donut import CLASSIFY_PROMPT, EXTRACT_PROMPT,
 from universal_predictors.document.family import DocumentModel, Head, PageJob, resolve
 from universal_predictors.document.words import PageWords, from_lines, from_request, normalise
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.http import FormPart, is_multipart_form, loads_json, parse_form, parse_json, validation_error
+from universal_predictors.http import (
+    FormPart,
+    is_multipart_form,
+    loads_json,
+    parse_form,
+    parse_json,
+    unless_disconnected,
+    validation_error,
+)
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
 from universal_predictors.ocr.images import (
     Limits,
@@ -509,20 +517,22 @@ class DocumentPredictor(UniversalPredictor):
         return out
 
     def add_routes(self, router: APIRouter) -> None:
+        # A client that leaves stops its request (unless_disconnected): its decoding, a PDF render process,
+        # its OCR and its page still queued for a forward pass; a batch already running finishes.
         @self.route("document_qa")
         async def qa(request: Request) -> Response:
             body, source = await self._body(request, DocumentQARequest)
-            return JSONResponse(await self.answer(body, source))
+            return await unless_disconnected(request, self.answer(body, source))
 
         @self.route("document_extract")
         async def extract(request: Request) -> Response:
             body, source = await self._body(request, DocumentExtractRequest)
-            return JSONResponse(await self.extract(body, source))
+            return await unless_disconnected(request, self.extract(body, source))
 
         @self.route("document_classify")
         async def classify(request: Request) -> Response:
             body, source = await self._body(request, DocumentClassifyRequest)
-            return JSONResponse(await self.classify(body, source))
+            return await unless_disconnected(request, self.classify(body, source))
 
         router.add_api_route(ROUTES[Head.QA], qa, methods=["POST"])
         router.add_api_route(ROUTES[Head.EXTRACT], extract, methods=["POST"])

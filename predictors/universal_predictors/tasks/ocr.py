@@ -12,13 +12,12 @@ moves bytes; pages of concurrent requests share batches.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.base import UniversalPredictor
@@ -26,11 +25,11 @@ from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.http import (
-    CLIENT_CLOSED,
     FormPart,
     is_multipart_form,
     parse_form,
     parse_json,
+    unless_disconnected,
     validation_error,
 )
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
@@ -434,26 +433,9 @@ class OcrPredictor(UniversalPredictor):
             self.check_model(model)
             self.require_ready()
             # A client that leaves stops its request: decoding, a PDF render process, queued pages.
-            work = asyncio.ensure_future(self.ocr_request(inputs))
-            gone = asyncio.ensure_future(_until_disconnect(request))
-            try:
-                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if work.done():
-                    return JSONResponse(work.result())
-                return Response(status_code=CLIENT_CLOSED)  # nobody is listening; for logs and metrics
-            finally:
-                for task in (work, gone):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+            return await unless_disconnected(request, self.ocr_request(inputs))
 
         router.add_api_route("/v1/ocr", ocr, methods=["POST"])
-
-
-async def _until_disconnect(request: Request) -> None:
-    """Return once the client has gone (the body is already read: nothing else can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _in_thread(pages: Iterator[Page]) -> AsyncGenerator[Page, None]:
