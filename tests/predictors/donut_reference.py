@@ -5,6 +5,10 @@ Written from the Donut recipe, not from the predictor's code: the processor's pi
 prompt tokenised without special tokens as ``decoder_input_ids``, ``generate`` up to the decoder's
 positions with ``<unk>`` banned, then the decoded text cleaned (end, padding and the task start token
 removed) and parsed with ``DonutProcessor.token2json``.
+
+The scores, from ``generate``'s: the sequence's (every generated token's probability multiplied); each
+top-level field's (its tokens' from ``<s_NAME>`` to ``</s_NAME>``, the last writing of a field counting);
+each class's (the ``<NAME/>`` tokens' softmax probability at the step after ``<s_class>``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class Reference:
     sequence: str
     fields: dict[str, Any]
     score: float
+    field_scores: dict[str, float]
+    class_scores: dict[str, float]
 
 
 class DonutReference:
@@ -78,5 +84,23 @@ class DonutReference:
         sequence = self.processor.batch_decode(out.sequences)[0]
         sequence = sequence.replace(tokenizer.eos_token, "").replace(tokenizer.pad_token, "")
         sequence = re.sub(r"<.*?>", "", sequence, count=1).strip()  # the task start token
+        tokens = tokenizer.convert_ids_to_tokens(generated)
+        field_scores: dict[str, float] = {}
+        stack: list[tuple[str, int]] = []  # (field, where its start tag is)
+        for position, token in enumerate(tokens):
+            if token.startswith("<s_") and token.endswith(">"):
+                stack.append((token[3:-1], position))
+            elif token.startswith("</s_") and token.endswith(">") and stack:
+                name, start = stack.pop()
+                if not stack and name == token[4:-1]:
+                    field_scores[name] = math.exp(sum(steps[start : position + 1]))
+        class_scores: dict[str, float] = {}
+        if "<s_class>" in tokens[:-1]:
+            step = tokens.index("<s_class>") + 1
+            row = int(out.beam_indices[0, step]) if self.num_beams > 1 else 0
+            probabilities = torch.softmax(out.scores[step][row].float(), dim=-1)
+            for token, token_id in tokenizer.get_added_vocab().items():
+                if re.fullmatch(r"<[^/<>]+/>", token) and token != "<sep/>":
+                    class_scores[token[1:-2]] = float(probabilities[token_id])
         return Reference(generated, sequence, self.processor.token2json(sequence),
-                         math.exp(sum(steps[: len(generated)])))  # fmt: skip
+                         math.exp(sum(steps[: len(generated)])), field_scores, class_scores)  # fmt: skip

@@ -2,7 +2,7 @@
 
 A tiny Donut-style model is built here (``tiny_donut``); pages are rendered with Pillow. The engine (in
 this process, batched as the predictor batches) must write the same tokens, the same text, the same
-parsed JSON and the same sequence probability as the reference recipe (``donut_reference``) running
+parsed JSON, the same sequence, field and class probabilities as the reference recipe (``donut_reference``) running
 each page alone.
 """
 
@@ -82,16 +82,34 @@ def test_a_batch_of_pages_writes_what_each_page_writes_alone_in_process(
         assert output.sequence == expected.sequence
         assert output.fields == expected.fields
         assert output.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+        assert_scores(engine, output, expected)
     # The constructed decoder writes Donut's grammar, so the parsed JSON has the route's fields.
     first = outputs[0].fields
     if route == "extract":
         assert first["company"] in COMPANIES
         assert first["total"] in TOTALS
+        # Each field its own probability: neither the sequence's nor the other field's.
+        scores = engine.field_scores(outputs[0])
+        assert sorted(scores) == ["company", "total"]
+        assert outputs[0].score < min(scores.values())
+        assert scores["company"] != scores["total"]
     elif route == "classify":
         assert class_of(outputs[0]) in CLASSES
+        assert sorted(outputs[0].classes) == sorted(CLASSES)
+        assert max(outputs[0].classes, key=outputs[0].classes.__getitem__) == class_of(outputs[0])
     else:
         assert first["question"] == "what is the total?"
         assert answer_of(outputs[0]) is not None
+
+
+def assert_scores(engine: DonutEngine, output: Any, expected: Any) -> None:
+    """The per-field and per-class probabilities are the reference's, within the tolerance."""
+    fields = engine.field_scores(output)
+    assert sorted(fields) == sorted(expected.field_scores)
+    assert sorted(output.classes) == sorted(expected.class_scores)
+    for mine, theirs in ((fields, expected.field_scores), (output.classes, expected.class_scores)):
+        for name, value in theirs.items():
+            assert mine[name] == pytest.approx(value, abs=SCORE_TOLERANCE), name
 
 
 def test_questions_of_different_lengths_in_one_batch_each_match_the_reference(
@@ -113,10 +131,12 @@ def test_beam_search_matches_the_reference_with_beams(donut_path: Path) -> None:
     beams = DonutEngine(str(donut_path), device="cpu", dtype=torch.float32, num_beams=3)
     reference = DonutReference(donut_path, num_beams=3)
     image = pages()[1]
-    [output] = beams.generate_batch([beams.encode(image, "extract")])
-    expected = reference.run(image, "<s_cord-v2>")
-    assert (output.token_ids, output.fields) == (expected.token_ids, expected.fields)
-    assert output.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+    for route, prompt in (("extract", "<s_cord-v2>"), ("classify", "<s_rvlcdip>")):
+        [output] = beams.generate_batch([beams.encode(image, route)])
+        expected = reference.run(image, prompt)
+        assert (output.token_ids, output.fields) == (expected.token_ids, expected.fields)
+        assert output.score == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+        assert_scores(beams, output, expected)
 
 
 def test_the_model_card_lists_the_routes_and_fields_the_tokenizer_has(engine: DonutEngine) -> None:
@@ -210,6 +230,7 @@ def test_the_predictor_answers_each_route_as_donut_does_in_process(
         qa = client.post("/v1/document/qa", json={"image": page_b64(image), "question": "what is the total?"})
         extract = client.post("/v1/document/extract", json={"model": "tiny-donut", "image": page_b64(image)})
         classify = client.post("/v1/document/classify", json={"image": page_b64(image)})
+        top = client.post("/v1/document/classify", json={"image": page_b64(image), "top_k": 2})
     assert (qa.status_code, extract.status_code, classify.status_code) == (200, 200, 200), qa.text
     expected = reference.run(image, QA_PROMPT.format(question="what is the total?"))
     body = qa.json()
@@ -224,15 +245,21 @@ def test_the_predictor_answers_each_route_as_donut_does_in_process(
     assert body["json"] == expected.fields
     assert body["values"] == {"company": expected.fields["company"], "total": expected.fields["total"]}
     assert [field["name"] for field in body["fields"]] == ["company", "total"]
-    assert all(field["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE) for field in body["fields"])
+    for field in body["fields"]:
+        assert field["score"] == pytest.approx(expected.field_scores[field["name"]], abs=SCORE_TOLERANCE)
     assert body["usage"] == {"pages": 1, "prompt_tokens": 1, "truncated": False,
                              "completion_tokens": len(expected.token_ids)}  # fmt: skip
 
     expected = reference.run(image, "<s_rvlcdip>")
     body = classify.json()
     assert body["label"] == expected.fields["class"]
-    assert body["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
-    assert body["all_scores"] == [{"label": body["label"], "score": body["score"]}]
+    # Every class the model knows, best first, each with its probability at the step that writes it.
+    ranked = sorted(expected.class_scores.items(), key=lambda item: -item[1])
+    assert [item["label"] for item in body["all_scores"]] == [label for label, _ in ranked]
+    for item, (_, score) in zip(body["all_scores"], ranked, strict=True):
+        assert item["score"] == pytest.approx(score, abs=SCORE_TOLERANCE)
+    assert body["score"] == body["all_scores"][0]["score"]
+    assert top.json()["all_scores"] == body["all_scores"][:2]
 
 
 def test_concurrent_pages_share_batches_and_each_gets_its_own_answer(
@@ -245,7 +272,8 @@ def test_concurrent_pages_share_batches_and_each_gets_its_own_answer(
     for image, reply in zip(images, replies, strict=True):
         expected = reference.run(image, "<s_cord-v2>")
         assert reply.json()["json"] == expected.fields
-        assert reply.json()["fields"][0]["score"] == pytest.approx(expected.score, abs=SCORE_TOLERANCE)
+        first = reply.json()["fields"][0]
+        assert first["score"] == pytest.approx(expected.field_scores[first["name"]], abs=SCORE_TOLERANCE)
 
 
 def test_an_uploaded_page_reads_as_the_same_page_in_json(donut_predictor: PredictorProcess) -> None:

@@ -5,8 +5,12 @@ Each route is a task prompt the decoder continues: ``<s_docvqa><s_question>QUEST
 for question answering, ``<s_cord-v2>`` (or the model's own start token) for extraction, ``<s_rvlcdip>`` for
 classification. What the decoder writes is Donut's tag language (``<s_total>12.50</s_total>``), turned into
 JSON by the processor's own ``token2json``, as the Donut model cards and transformers' document
-question-answering pipeline do. Scores are sequence probabilities: the product of each generated token's
-probability (with beams, under the beam that won).
+question-answering pipeline do. Scores are probabilities read from ``generate``'s scores (with beams,
+along the beam that won): an answer's is the sequence's (the product of every generated token's
+probability); an extracted field's is the product of its own tokens' probabilities, from its
+``<s_NAME>`` to its ``</s_NAME>`` (the probability the decoder wrote that field as it did, given what it
+had written before); a classification lists every class the model knows (its ``<CLASS/>`` tokens) with
+its probability at the step where the class is written, the one after ``<s_class>``.
 
 Donut reads the page itself and returns no words or boxes: a Donut answer's ``words`` are empty.
 
@@ -41,6 +45,8 @@ CLASSIFY_PROMPT = "<s_rvlcdip>"
 
 _TAG = re.compile(r"<[^<>]+>")
 _FIELD_START = re.compile(r"^<s_(.+)>$")
+_FIELD_END = re.compile(r"^</s_(.+)>$")
+_CATEGORY = re.compile(r"^<([^/<>]+)/>$")  # a categorical value (``<letter/>``); ``<sep/>`` separates
 
 
 def is_donut(source: str | Path) -> bool:
@@ -74,6 +80,8 @@ class DonutOutput:
     sequence: str  # the decoded output with the task start token, end and padding tokens removed
     fields: dict[str, Any]  # token2json of the sequence
     score: float  # the probability of the generated tokens
+    token_logprobs: list[float]  # each generated token's log-probability, in order
+    classes: dict[str, float]  # the class tokens' probabilities at the step after <s_class>; {} when none
 
 
 def tags(prompt: str) -> list[str]:
@@ -124,6 +132,14 @@ class DonutEngine:
             name for token, name in starts if token not in task_starts and f"</s_{name}>" in self.added_vocab
         )
         self.bad_words = [[tokenizer.unk_token_id]] if tokenizer.unk_token_id is not None else None
+        self.added_by_id: dict[int, str] = {index: token for token, index in self.added_vocab.items()}
+        #: The classes the model knows: its categorical tokens, by name (``<letter/>`` -> letter).
+        self.class_ids: dict[str, int] = {
+            match.group(1): index
+            for token, index in self.added_vocab.items()
+            if (match := _CATEGORY.match(token)) and match.group(1) != "sep"
+        }
+        self.class_start = self.added_vocab.get("<s_class>")
 
     # -- prompts -------------------------------------------------------------------------------------------------
 
@@ -215,22 +231,63 @@ class DonutEngine:
             transition = self.model.compute_transition_scores(
                 out.sequences, out.scores, beams, normalize_logits=self.num_beams == 1
             )
-        sequences = out.sequences.tolist()
-        transition_rows = transition.float().cpu().tolist()
-        prompt_length = prompts.shape[1]
-        return [
-            self.output(row[prompt_length:], row[:prompt_length], logprobs)
-            for row, logprobs in zip(sequences, transition_rows, strict=True)
-        ]
+            sequences = out.sequences.tolist()
+            transition_rows = transition.float().cpu().tolist()
+            prompt_length = prompts.shape[1]
+            outputs = []
+            for index, (row, logprobs) in enumerate(zip(sequences, transition_rows, strict=True)):
+                generated = self.trimmed(row[prompt_length:])
+                classes = self.class_scores(out, beams, index, generated)
+                outputs.append(self.output(generated, row[:prompt_length], logprobs, classes))
+        return outputs
 
-    def output(self, generated: list[int], prompt: list[int], logprobs: list[float]) -> DonutOutput:
+    def trimmed(self, generated: list[int]) -> list[int]:
+        """The generated tokens up to the end-of-sequence token (included), without the padding after it."""
         eos = self.tokenizer.eos_token_id
-        if eos in generated:
-            generated = generated[: generated.index(eos) + 1]
-        logprob = sum(logprobs[: len(generated)])
+        return generated[: generated.index(eos) + 1] if eos in generated else generated
+
+    def class_scores(self, out: Any, beams: Any, index: int, generated: list[int]) -> dict[str, float]:
+        """Every class's probability at the step after ``<s_class>`` (the step that writes the class): the
+        softmax of that step's scores (with beams, the winning beam's row; a row's beam score is a constant
+        the softmax ignores). {} when the model has no classes or wrote no ``<s_class>``."""
+        import torch
+
+        if not self.class_ids or self.class_start not in generated:
+            return {}
+        step = generated.index(self.class_start) + 1
+        if step >= len(generated) or step >= len(out.scores):
+            return {}
+        row = int(beams[index, step]) if beams is not None else index
+        probs = torch.softmax(out.scores[step][row].float(), dim=-1)
+        ids = list(self.class_ids.values())
+        values = probs[torch.tensor(ids, device=probs.device)].cpu().tolist()
+        return dict(zip(self.class_ids, values, strict=True))
+
+    def output(self, generated: list[int], prompt: list[int], logprobs: list[float], classes: dict[str, float]
+               ) -> DonutOutput:  # fmt: skip
+        steps = logprobs[: len(generated)]
         sequence = self.clean(self.tokenizer.decode(prompt + generated))
         fields = self.processor.token2json(sequence)  # type: ignore[no-untyped-call]
-        return DonutOutput(generated, sequence, fields, math.exp(logprob))
+        return DonutOutput(generated, sequence, fields, math.exp(sum(steps)), steps, classes)
+
+    def field_scores(self, output: DonutOutput) -> dict[str, float]:
+        """Each top-level field's probability: the product of its tokens' probabilities, ``<s_NAME>`` to
+        ``</s_NAME>`` included (nested fields inside it count as its tokens). A field written twice is
+        scored by its last writing, the one ``token2json`` keeps."""
+        scores: dict[str, float] = {}
+        depth, name, start = 0, "", 0
+        for position, token_id in enumerate(output.token_ids):
+            token = self.added_by_id.get(token_id, "")
+            if match := _FIELD_START.match(token):
+                if depth == 0:
+                    name, start = match.group(1), position
+                depth += 1
+            elif match := _FIELD_END.match(token):
+                depth = max(depth - 1, 0)
+                if depth == 0 and match.group(1) == name:
+                    scores[name] = math.exp(sum(output.token_logprobs[start : position + 1]))
+                    name = ""
+        return scores
 
     def clean(self, text: str) -> str:
         """The decoded text as Donut's own recipe cleans it: no end or padding tokens, no task start token."""
@@ -420,9 +477,10 @@ class DonutModel(DocumentModel):
         return [name for name in self.engine.field_names if name not in structural]
 
     def extract(self, encoded: DonutJob, output: DonutOutput, words: PageWords | None) -> list[dict[str, Any]]:
-        # One probability for the whole sequence: each field gets it (Donut scores no field on its own).
+        # Each field its own probability (its tokens'); the sequence's for one with no span of its own.
+        scores = self.engine.field_scores(output)
         return [
-            {"name": name, "text": leaf_text(value), "score": output.score, "words": []}
+            {"name": name, "text": leaf_text(value), "score": scores.get(name, output.score), "words": []}
             for name, value in output.fields.items()
             if name in self.engine.field_names
         ]
@@ -435,9 +493,14 @@ class DonutModel(DocumentModel):
         return selected
 
     def classify(self, encoded: DonutJob, output: DonutOutput) -> list[tuple[str, float]]:
-        # Donut writes one class; its probability is the sequence's.
+        # Every class the model knows, by its probability at the step that writes the class, best first
+        # (greedy: the class written comes first; beam search writes the class of the winning beam, first too).
         label = class_of(output)
-        return [(label, output.score)] if label is not None else []
+        if label is None or not output.classes:
+            return [(label, output.score)] if label is not None else []
+        ranked = sorted(output.classes.items(), key=lambda item: -item[1])
+        written = [item for item in ranked if item[0] == label]
+        return written + [item for item in ranked if item[0] != label]
 
     def generated_tokens(self, output: DonutOutput) -> int:
         return len(output.token_ids)
