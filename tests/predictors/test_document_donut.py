@@ -276,6 +276,30 @@ def test_concurrent_pages_share_batches_and_each_gets_its_own_answer(
         assert first["score"] == pytest.approx(expected.field_scores[first["name"]], abs=SCORE_TOLERANCE)
 
 
+def test_a_pdf_page_is_read_as_the_reference_reads_that_rendered_page(
+    donut_predictor: PredictorProcess, reference: DonutReference
+) -> None:
+    from universal_predictors.ocr.images import render_pdf_pages
+    from universal_predictors.tasks.document import DocumentEngineArgs
+
+    document = samples.pdf([["Invoice 4821", "ACME Corp"], ["Receipt 77", "Total 48.00"]])
+    with donut_predictor.client() as client:
+        reply = client.post("/v1/document/extract", json={"document": samples.b64(document), "page": 2})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    # The page as the predictor renders it: the shared PDF code, at the default engine args' dpi.
+    [page, first] = [next(render_pdf_pages(document, 0, "document", DocumentEngineArgs().limits(), None, n))
+                     for n in (2, 1)]  # fmt: skip
+    expected = reference.run(page.image, "<s_cord-v2>")
+    assert (body["page"], body["width"], body["height"]) == (2, *page.image.size)
+    assert body["json"] == expected.fields
+    for field in body["fields"]:
+        assert field["score"] == pytest.approx(expected.field_scores[field["name"]], abs=SCORE_TOLERANCE)
+    # Page 1 reads otherwise: the test tells the pages apart.
+    other = reference.run(first.image, "<s_cord-v2>").field_scores
+    assert any(abs(other[name] - score) > SCORE_TOLERANCE for name, score in expected.field_scores.items())
+
+
 def test_an_uploaded_page_reads_as_the_same_page_in_json(donut_predictor: PredictorProcess) -> None:
     image = pages()[1]
     with donut_predictor.client() as client:
