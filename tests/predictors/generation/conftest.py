@@ -24,6 +24,8 @@ class EngineCase:
     package: str
     gguf: bool = False  # serve the GGUF file instead of the Hugging Face directory
     engine_args: tuple[tuple[str, str], ...] = ()
+    #: Environment variables for the predictor process, beside the harness's own.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +86,7 @@ def start_engine(
         source=str(source),
         engine_args=dict(case.engine_args),
     )
-    return running_predictor(config, log_dir)
+    return running_predictor(config, log_dir, env=dict(case.env))
 
 
 @contextlib.contextmanager
