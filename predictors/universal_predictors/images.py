@@ -79,9 +79,10 @@ def check_bytes(data: bytes, field: str, max_bytes: int, limit_name: str = "max_
         )
 
 
-def sniff(data: bytes) -> str:
-    """Name a well-known format the client sent by mistake, so the 400 says what was received."""
-    magic = {b"GIF8": "GIF", b"BM": "BMP", b"%PDF": "PDF", b"\x00\x00\x01\x00": "ICO", b"<": "text or HTML"}
+def sniff(data: bytes, pdf: str = "PDF") -> str:
+    """Name a well-known format the client sent by mistake, so the 400 says what was received (``pdf``: how
+    to name a PDF, e.g. with where a route takes one)."""
+    magic = {b"GIF8": "GIF", b"BM": "BMP", b"%PDF": pdf, b"\x00\x00\x01\x00": "ICO", b"<": "text or HTML"}
     for prefix, name in magic.items():
         if data.startswith(prefix):
             return f" (received {name})"
@@ -99,6 +100,15 @@ def check_pixels(width: int, height: int, field: str, max_pixels: int, limit_nam
 
 def open_image(data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels") -> Image.Image:
     """The image opened from its header (pixels not decoded yet), its first frame's size within ``max_pixels``."""
+    image = open_header(data, field, max_pixels, limit_name)
+    check_pixels(image.width, image.height, field, max_pixels, limit_name)
+    return image
+
+
+def open_header(data: bytes, field: str, max_pixels: int, limit_name: str = "max_pixels", pdf: str = "PDF"
+                ) -> Image.Image:  # fmt: skip
+    """The image opened from its header (pixels not decoded yet); a 400 naming what was sent if it is none of
+    :data:`IMAGE_FORMATS`, a 413 for Pillow's decompression-bomb size. Frame sizes are the caller's to check."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -111,11 +121,10 @@ def open_image(data: bytes, field: str, max_pixels: int, limit_name: str = "max_
         ) from None
     except UnidentifiedImageError:
         raise InvalidRequest(
-            f"{field}: is not a {FORMAT_NAMES} image{sniff(data)}", param=field, code="unsupported_image_format"
+            f"{field}: is not a {FORMAT_NAMES} image{sniff(data, pdf)}", param=field, code="unsupported_image_format"
         ) from None
     except Exception:
         raise InvalidRequest(f"{field}: the image could not be read", param=field, code="invalid_image") from None
-    check_pixels(image.width, image.height, field, max_pixels, limit_name)
     return image
 
 

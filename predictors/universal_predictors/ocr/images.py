@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import multiprocessing
 import threading
-import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
-from universal_predictors.images import FORMAT_NAMES as _FORMAT_NAMES
-from universal_predictors.images import IMAGE_FORMATS
 from universal_predictors.images import check_bytes as _shared_check_bytes
 from universal_predictors.images import decode_base64 as decode_base64  # the OCR task imports it from here
+from universal_predictors.images import open_header as _open_header
 from universal_predictors.images import to_rgb as _to_rgb
 
 logger = logging.getLogger(__name__)
@@ -125,22 +122,7 @@ def image_pages(
 
 
 def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget | None) -> tuple[Image.Image, int]:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-    except Image.DecompressionBombError:
-        raise RequestTooLarge(
-            f"{field}: the image has more pixels than the limit max_pixels ({limits.max_pixels})",
-            param=field,
-            code="image_too_large",
-        ) from None
-    except UnidentifiedImageError:
-        raise InvalidRequest(
-            f"{field}: is not a {_FORMAT_NAMES} image{_sniff(data)}", param=field, code="unsupported_image_format"
-        ) from None
-    except Exception:
-        raise InvalidRequest(f"{field}: the image could not be read", param=field, code="invalid_image") from None
+    image = _open_header(data, field, limits.max_pixels, pdf="PDF (send it as document)")
     frames = getattr(image, "n_frames", 1) if image.format == "TIFF" else 1
     _check_pages(frames, field, limits)
     try:
@@ -172,15 +154,6 @@ def _decode_frames(image: Image.Image, frames: int, index: int, field: str) -> I
             ) from None
         yield page
     image.close()
-
-
-def _sniff(data: bytes) -> str:
-    """Name a well-known format the client sent by mistake, so the 400 says what was received."""
-    magic = {b"GIF8": "GIF", b"BM": "BMP", b"%PDF": "PDF (send it as document)", b"\x00\x00\x01\x00": "ICO"}
-    for prefix, name in magic.items():
-        if data.startswith(prefix):
-            return f" (received {name})"
-    return ""
 
 
 def render_pdf_pages(
