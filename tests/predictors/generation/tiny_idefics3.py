@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.predictors.generation.tiny_llama import BOS, EOS, train_tokenizer
+from tests.predictors.generation.tiny_llama import BOS, EOS, text_model
 from tests.predictors.generation.tiny_vlm import CHAT_TEMPLATE, IMAGE_TOKEN
 
 #: The tokens Idefics3's processor looks up (it adds the first three itself when missing).
@@ -68,33 +68,11 @@ def build_idefics3(out: Path, shape: Idefics3Shape = Idefics3Shape()) -> Path:
         Idefics3ForConditionalGeneration,
         Idefics3Processor,
         Idefics3VisionConfig,
-        LlamaConfig,
-        PreTrainedTokenizerFast,
     )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    raw = train_tokenizer(shape.vocab_size, IDEFICS3_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=EOS, model_max_length=shape.context
-    )
+    raw, tokenizer, text = text_model(shape, IDEFICS3_TOKENS)
     bos_id, eos_id, image_id = raw.token_to_id(BOS), raw.token_to_id(EOS), raw.token_to_id(IMAGE_TOKEN)
-    text = LlamaConfig(
-        vocab_size=raw.get_vocab_size(),
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.hidden // shape.heads,
-        max_position_embeddings=shape.context,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        tie_word_embeddings=False,
-        initializer_range=0.08,
-    )
     vision = Idefics3VisionConfig(
         hidden_size=shape.vision_hidden,
         intermediate_size=2 * shape.vision_hidden,

@@ -92,17 +92,16 @@ class LlamaShape:
     seed: int = 0
 
 
-def build_llama(out: Path, shape: LlamaShape = LlamaShape(), *, chat_template: bool = True) -> Path:
-    """Build and ``save_pretrained`` a random Llama + tokenizer into ``out`` (returned)."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def text_model(shape: Any, extra_special: tuple[str, ...] = ()) -> tuple[Any, Any, Any]:
+    """The trained tokenizer (raw and wrapped) and the ``LlamaConfig`` of a tiny Llama of ``shape`` (any object
+    with :class:`LlamaShape`'s text fields): the tiny Llama itself, and the text model of the vision-language
+    models built on it (``extra_special``: their image tokens)."""
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    raw = train_tokenizer(shape.vocab_size)
+    raw = train_tokenizer(shape.vocab_size, extra_special)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=EOS, model_max_length=shape.context
     )
-    if chat_template:
-        tokenizer.chat_template = CHAT_TEMPLATE
     bos_id, eos_id = raw.token_to_id(BOS), raw.token_to_id(EOS)
     config = LlamaConfig(
         vocab_size=raw.get_vocab_size(),
@@ -121,6 +120,18 @@ def build_llama(out: Path, shape: LlamaShape = LlamaShape(), *, chat_template: b
         tie_word_embeddings=False,
         initializer_range=0.08,  # larger than usual: peaked logits, so greedy choices are not near-ties
     )
+    return raw, tokenizer, config
+
+
+def build_llama(out: Path, shape: LlamaShape = LlamaShape(), *, chat_template: bool = True) -> Path:
+    """Build and ``save_pretrained`` a random Llama + tokenizer into ``out`` (returned)."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    raw, tokenizer, config = text_model(shape)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    bos_id, eos_id = raw.token_to_id(BOS), raw.token_to_id(EOS)
     torch.manual_seed(shape.seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.predictors.generation.tiny_llama import BOS, EOS, train_tokenizer
+from tests.predictors.generation.tiny_llama import BOS, EOS, text_model
 
 IMAGE_TOKEN = "<image>"
 
@@ -72,35 +72,13 @@ def build_vlm(out: Path, shape: VlmShape = VlmShape()) -> Path:
         CLIPImageProcessor,
         CLIPVisionConfig,
         GenerationConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
-        PreTrainedTokenizerFast,
     )
 
-    raw = train_tokenizer(shape.vocab_size, (IMAGE_TOKEN,))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=EOS, model_max_length=shape.context
-    )
+    raw, tokenizer, text = text_model(shape, (IMAGE_TOKEN,))
     bos_id, eos_id, image_id = raw.token_to_id(BOS), raw.token_to_id(EOS), raw.token_to_id(IMAGE_TOKEN)
-    text = LlamaConfig(
-        vocab_size=raw.get_vocab_size(),
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.hidden // shape.heads,
-        max_position_embeddings=shape.context,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        tie_word_embeddings=False,
-        initializer_range=0.08,
-    )
     vision = CLIPVisionConfig(
         hidden_size=shape.vision_hidden,
         intermediate_size=2 * shape.vision_hidden,
