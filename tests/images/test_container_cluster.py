@@ -35,6 +35,7 @@ from universal_simcluster.podman import podman, podman_sync
 
 _reason = image_tier_skip_reason()
 pytestmark = [
+    pytest.mark.image,
     pytest.mark.skipif(_reason is not None, reason=_reason or ""),
     pytest.mark.asyncio(loop_scope="module"),
 ]

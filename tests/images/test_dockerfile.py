@@ -106,7 +106,8 @@ def test_cuda_target_compiles_llama_cpp_in_a_devel_stage_and_ships_a_runtime_bas
     builder = stages["predictor-cuda-venv"]
     assert builder.base == "${CUDA_DEVEL_IMAGE}"
     assert any("GGML_CUDA=on" in arg for arg in builder.all("ARG"))
-    assert any("vllm" in run for run in builder.all("RUN"))
+    # vLLM and its CUDA torch come from the CUDA lock (tests/test_locks.py checks what it pins).
+    assert any("requirements/image-predictor-cuda.txt" in run for run in builder.all("RUN"))
     assert any(copy.startswith("--from=predictor-cuda-venv /opt/venv") for copy in cuda.all("COPY"))
 
 

@@ -69,7 +69,8 @@ def image_tier_skip_reason() -> str | None:
 
 
 _reason = image_tier_skip_reason()
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+# The image tier's (.ci/images.sh); inside it a missing podman or image fails every test (tests/tiers.py).
+pytestmark = [pytest.mark.image, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 #: The async tests share the module's event loop with the cluster fixture.
 in_cluster_loop = pytest.mark.asyncio(loop_scope="module")
 

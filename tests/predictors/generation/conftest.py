@@ -62,6 +62,12 @@ def tiny_llama_no_template(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPa
     return without_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-llama-plain") / "hf")
 
 
+def engine_params(cases: list[EngineCase]) -> list[object]:
+    """``cases`` as fixture params, vLLM's marked ``vllm``: they run in the vLLM tier (.ci/vllm.sh, .venv-vllm)
+    and are deselected in the unit tier (tests/tiers.py)."""
+    return [pytest.param(case, marks=pytest.mark.vllm) if case.backend is Backend.VLLM else case for case in cases]
+
+
 def require_engine(case: EngineCase) -> None:
     """Skip unless ``case``'s engine is importable here.
 

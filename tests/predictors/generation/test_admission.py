@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, case_predictor, require_engine
+from tests.predictors.generation.conftest import EngineCase, case_predictor, engine_params, require_engine
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command
 from universal_predictors.config import Backend, PredictorConfig, Task
 
@@ -52,7 +52,7 @@ def capacity(case: EngineCase) -> int:
     return 1 + int(dict(case.engine_args)["max_queue"])
 
 
-@pytest.fixture(scope="module", params=ENGINES, ids=lambda case: case.backend.value)
+@pytest.fixture(scope="module", params=engine_params(ENGINES), ids=lambda case: case.backend.value)
 def engine_case(request: pytest.FixtureRequest) -> EngineCase:
     case: EngineCase = request.param
     return case

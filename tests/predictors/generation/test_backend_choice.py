@@ -22,6 +22,8 @@ import pytest
 from tests.predictors.harness import OFFLINE_ENV
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+#: Run in the unit tier (no vllm) and again in the vLLM tier (vllm installed): auto's choice differs.
+pytestmark = pytest.mark.also_vllm
 
 #: NVML as far as vLLM's platform check (nvmlInit, nvmlDeviceGetCount, nvmlShutdown) and ours use it.
 FAKE_NVML = r"""
@@ -126,6 +128,7 @@ def test_a_key_only_transformers_knows_makes_auto_pick_transformers_on_a_gpu(
     assert resolve(fake_nvml, tiny_llama_dir, {"attn_implementation": "sdpa"}, 1, tmp_path)[0] == "transformers"
 
 
-@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM's own keys steer auto only where vllm is installed")
+# vLLM's own keys steer auto only where vllm is installed.
+@pytest.mark.vllm
 def test_a_key_only_vllm_knows_keeps_auto_on_vllm(fake_nvml: Path, tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert resolve(fake_nvml, tiny_llama_dir, {"gpu_memory_utilization": "0.8"}, 1, tmp_path)[0] == "vllm"

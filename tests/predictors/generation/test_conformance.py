@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, case_predictor, start_engine
+from tests.predictors.generation.conftest import EngineCase, case_predictor, engine_params, start_engine
 from tests.predictors.generation.tiny_llama import write_gguf
 from tests.predictors.generation.tiny_vlm import data_url, render_image
 from tests.predictors.harness import PredictorProcess
@@ -37,7 +37,7 @@ ENGINES = [
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="module", params=ENGINES, ids=lambda case: case.backend.value)
+@pytest.fixture(scope="module", params=engine_params(ENGINES), ids=lambda case: case.backend.value)
 def engine_case(request: pytest.FixtureRequest) -> EngineCase:
     case: EngineCase = request.param
     return case

