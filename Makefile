@@ -23,11 +23,24 @@ help:
 venv: $(STAMP)
 
 # From the lock only (requirements/, `make lock`): every artifact hash-checked, nothing resolved here. The build
-# tools first, so that the one source build (llama-cpp-python) and the project's own use them, hashed too.
+# tools first, so that the one source build and the project's own use them, hashed too. The source build is
+# llama-cpp-python's (no wheel on PyPI; about 8 minutes on 2 CPUs): its hashed sdist is built once into
+# $(WHEELS), kept there (pip's cache may be off, as on a fresh CI machine), and the image wheelhouse takes the
+# same wheel (.ci/images.sh).
+WHEELS := .cache/wheels
+LLAMA_LOCK := $(WHEELS)/llama-cpp-python.txt
 $(STAMP): requirements/dev.txt requirements/build-tools.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --require-hashes --no-deps -r requirements/build-tools.txt
-	$(PIP) install --quiet --require-hashes --no-deps --no-build-isolation -r requirements/dev.txt
+	mkdir -p $(WHEELS)
+	$(PYTHON) .ci/lock.py extract requirements/dev.txt llama-cpp-python >$(LLAMA_LOCK)
+	$(PYTHON) .ci/lock.py extract requirements/dev.txt llama-cpp-python --except >$(WHEELS)/dev-binary.txt
+	llama="llama_cpp_python-$$(sed -n 's/^llama-cpp-python==\([^ ]*\).*/\1/p' $(LLAMA_LOCK))"; \
+	  ls $(WHEELS)/$$llama-*.whl >/dev/null 2>&1 || \
+	  $(PIP) wheel --quiet --require-hashes --no-deps --no-build-isolation -w $(WHEELS) -r $(LLAMA_LOCK)
+	$(PIP) install --quiet --require-hashes --no-deps --only-binary :all: -r $(WHEELS)/dev-binary.txt
+	$(PIP) install --quiet --no-deps --no-index --find-links $(WHEELS) \
+	  "$$(sed -n 's/^\(llama-cpp-python==[^ ]*\).*/\1/p' $(LLAMA_LOCK))"
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

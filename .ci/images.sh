@@ -98,11 +98,15 @@ make_wheelhouse() {
     return
   fi
   rm -rf "$WHEELHOUSE" && mkdir -p "$WHEELHOUSE"
-  # llama-cpp-python: the wheel built from the dev lock's sdist (pip's cache holds it since `make venv`), with the
-  # build tools already in $VENV; the images have no compiler and install it by version (Dockerfile).
-  python3 .ci/lock.py extract requirements/dev.txt llama-cpp-python >"$CACHE/llama-cpp-python.txt"
-  local lock
-  for lock in "${IMAGE_LOCKS[@]}" "$CACHE/llama-cpp-python.txt"; do
+  # llama-cpp-python: the wheel `make venv` built from the dev lock's hashed sdist (.cache/wheels); the images have
+  # no compiler and install it by version (Dockerfile).
+  local llama lock
+  llama="$(sed -n 's/^llama-cpp-python==\([^ ]*\).*/\1/p' requirements/dev.txt)"
+  cp .cache/wheels/llama_cpp_python-"$llama"-*.whl "$WHEELHOUSE"/ || {
+    echo "images: no llama-cpp-python $llama wheel in .cache/wheels (make venv builds it)" >&2
+    return 1
+  }
+  for lock in "${IMAGE_LOCKS[@]}"; do
     # (pip warns for every package the machine's local file:// indexes lack: not a problem, filtered.)
     "$VENV/bin/pip" wheel --quiet --require-hashes --no-deps --no-build-isolation -w "$WHEELHOUSE" -r "$lock" \
       2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)

@@ -326,17 +326,21 @@ def check() -> int:
     return 0
 
 
-def extract(lock: Path, packages: list[str]) -> str:
-    """The entries (requirement and hashes) of ``packages`` in a lock file, as a requirements file's text."""
+def extract(lock: Path, packages: list[str], keep: bool = True) -> str:
+    """The entries (requirement and hashes) of ``packages`` in a lock file (``keep=False``: all the others), as a
+    requirements file's text."""
     entries, current = [], None
+    found = set()
     for line in lock.read_text().splitlines():
         if re.match(r"^[A-Za-z0-9]", line):
-            current = line.split("==")[0].lower() in packages and [line]
+            name = line.split("==")[0].lower()
+            found.add(name)
+            current = [line] if (name in packages) == keep else None
             if current:
                 entries.append(current)
         elif current and line.startswith("    --hash="):
             current.append(line)
-    missing = set(packages) - {entry[0].split("==")[0].lower() for entry in entries}
+    missing = set(packages) - found
     if missing:
         raise SystemExit(f"lock: {lock} has no entry for {', '.join(sorted(missing))}")
     return "".join("\n".join(entry).rstrip(" \\") + "\n" for entry in entries)
@@ -345,10 +349,11 @@ def extract(lock: Path, packages: list[str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["compile", "check", "extract"])
-    parser.add_argument("args", nargs="*", help="extract: LOCK PACKAGE...")
+    parser.add_argument("args", nargs="*", help="extract: LOCK PACKAGE... (the entries of those packages)")
+    parser.add_argument("--except", dest="others", action="store_true", help="extract: every entry but those")
     args = parser.parse_args()
     if args.command == "extract":
-        sys.stdout.write(extract(Path(args.args[0]), [p.lower() for p in args.args[1:]]))
+        sys.stdout.write(extract(Path(args.args[0]), [p.lower() for p in args.args[1:]], keep=not args.others))
         return 0
     if args.command == "compile":
         compile_all()
