@@ -47,7 +47,15 @@ def packaged_models() -> Path:
 
 
 def model_files(source: str) -> dict[str, str]:
-    """RapidOCR keyword arguments naming the model files; empty for the packaged models."""
+    """RapidOCR keyword arguments naming the model files; empty for the packaged models.
+
+    Called on the main thread before the server starts (the predictors' ``__init__``), it also imports RapidOCR, and
+    with it OpenCV, there: OpenCV's loader (cv2/__init__.py, ``bootstrap``) takes ``cv2`` out of ``sys.modules``
+    while it loads the native module, so a second thread importing cv2 in that window runs a second bootstrap and
+    the first fails (KeyError 'cv2.mat_wrapper', seen once in CI while ``load`` imported it on a worker thread).
+    """
+    import rapidocr_onnxruntime  # noqa: F401  (see above: OpenCV imported once, on this thread)
+
     if source.strip().lower() in BUILTIN_SOURCES:
         return {}
     directory = Path(source)
