@@ -190,7 +190,7 @@ def test_values_starting_with_a_dash_survive_the_command_line(field: str) -> Non
 
 def _vllm_engine_args(resources: str, engine_args: str = "{}") -> dict[str, str]:
     from tests.factories import model
-    from universal_operator.reconcile import predictor_config
+    from universal_operator.predictor import predictor_config
 
     manifest = f"""
     metadata: {{name: llama}}

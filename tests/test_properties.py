@@ -17,14 +17,13 @@ from hypothesis import strategies as st
 
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
 from universal_operator.config import OperatorConfig
+from universal_operator.predictor import engine_arg_defaults, predictor_config
 from universal_operator.reconcile import (
     FAILURE_REASONS,
     child_drifted,
     desired_inference_service,
-    engine_arg_defaults,
     is_subset,
     parse_model,
-    predictor_config,
     status_from_inference_service,
 )
 from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration

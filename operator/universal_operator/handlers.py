@@ -28,6 +28,7 @@ from lightkube.core.exceptions import ApiError
 from universal_operator import kserve, reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
+from universal_operator.predictor import reported_backend
 from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
 
 logger = logging.getLogger(__name__)
@@ -417,7 +418,7 @@ async def follow_predictor_report(
     report, generation = model.status.predictor_report, model.metadata.generation
     if report is None or report.generation != generation or model.status.observed_generation != generation:
         return
-    if model.status.backend == reconcile.reported_backend(model).value:
+    if model.status.backend == reported_backend(model).value:
         return
     await reconcile_model(state, body, children, reason="the predictor reported its backend")
 
