@@ -37,6 +37,7 @@ from universal_operator import reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.crd import custom_resource_definition
 from universal_operator.kube import FIELD_MANAGER, InferenceService, UniversalModelResource
+from universal_operator.spec import parse_model
 from universal_simcluster.apiserver import HARNESS_HEADER, KubeEmulator, ServedEmulator, serve_emulator
 from universal_simcluster.kserve.standin import ready_status
 
@@ -182,7 +183,7 @@ async def run_anchor(served: ServedEmulator, n: int) -> Run:
 
     async def reconcile_one(obj: dict[str, Any]) -> None:
         async with gate:
-            model = reconcile.parse_model(obj)
+            model = parse_model(obj)
             await client.apply(
                 InferenceService.from_dict(reconcile.desired_inference_service(model, config)), force=True
             )

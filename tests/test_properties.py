@@ -23,10 +23,9 @@ from universal_operator.reconcile import (
     child_drifted,
     desired_inference_service,
     is_subset,
-    parse_model,
     status_from_inference_service,
 )
-from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration
+from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration, parse_model
 from universal_predictors.config import PredictorConfig
 from universal_simcluster import admission
 

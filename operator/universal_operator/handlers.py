@@ -29,7 +29,7 @@ from universal_operator import kserve, reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.predictor import reported_backend
-from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
+from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     """Recompute the parent's status from the freshest view of its child and write it if it changed."""
     key = _key(body)
     async with state.lock(key):
-        model = reconcile.parse_model(_plain(body))
+        model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
         status = reconcile.status_from_inference_service(freshest, model, config=state.config)
         await write_status(state, key, _plain(body.get("status") or {}), status)
@@ -136,9 +136,9 @@ async def _reconcile_model(
     key = _key(body)
     plain = _plain(body)
     try:
-        model = reconcile.parse_model(plain)
+        model = parse_model(plain)
         desired = reconcile.desired_inference_service(model, state.config)
-    except reconcile.SpecError as error:
+    except SpecError as error:
         await report_invalid_spec(state, plain, error)
         return None
 
@@ -155,7 +155,7 @@ async def _reconcile_model(
             await report_invalid_spec(
                 state,
                 plain,
-                reconcile.SpecError(
+                SpecError(
                     "metadata.name",
                     f"an InferenceService named {key[1]!r} already exists in {key[0]!r} and is not owned by this "
                     "UniversalModel; rename the model or remove that InferenceService",
@@ -210,7 +210,7 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
         await report_invalid_spec(
             state,
             body,
-            reconcile.SpecError(
+            SpecError(
                 "spec.source.credentialsSecret",
                 f"the ServiceAccount {name!r} that would carry the credentials already exists in {namespace!r} and "
                 "is not owned by this UniversalModel; rename the model or remove that ServiceAccount",
@@ -236,14 +236,14 @@ async def report_refused_write(
     never the spec's fault)."""
     code = api_error_code(exc)
     if code in (400, 422) or denied_by_webhook(exc):
-        await report_invalid_spec(state, body, reconcile.SpecError(field, f"{what} was rejected: {exc}"))
+        await report_invalid_spec(state, body, SpecError(field, f"{what} was rejected: {exc}"))
         return
     if code == 403:
         await report_forbidden(state, body, model, exc, retry)
     raise kopf.TemporaryError(f"applying {what} failed ({code}): {exc}", delay=RETRY_DELAY) from exc
 
 
-async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: reconcile.SpecError) -> None:
+async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: SpecError) -> None:
     """SpecValid=False with the field and what to do, one Warning Event; no retry (the spec must change)."""
     key = _key(body)
     status = reconcile.status_for_invalid_spec(body, error)
@@ -393,7 +393,7 @@ async def mirror_child_event(
     state.latest_child[key] = _plain(child)
     try:
         await sync_status(state, parent, _plain(child))
-    except reconcile.SpecError:
+    except SpecError:
         return  # an invalid parent already says so in its status
 
 
@@ -412,8 +412,8 @@ async def follow_predictor_report(
     if plain.get("metadata", {}).get("deletionTimestamp"):
         return
     try:
-        model = reconcile.parse_model(plain)
-    except reconcile.SpecError:
+        model = parse_model(plain)
+    except SpecError:
         return
     report, generation = model.status.predictor_report, model.metadata.generation
     if report is None or report.generation != generation or model.status.observed_generation != generation:

@@ -23,11 +23,13 @@ from universal_operator.predictor import (
     reported_backend,
 )
 from universal_operator.spec import (
+    CONDITION_IDLE_STOP,
     GROUP,
     KIND,
     Condition,
     Phase,
     ScalingMode,
+    SpecError,
     UniversalModel,
     parse_duration,
 )
@@ -78,8 +80,6 @@ SERVICE_ACCOUNT_API_VERSION = "v1"
 #: How long a request may take to its first byte once a replica is up: Knative's own default revision timeout
 #: (knative-v1.16.0 pkg/apis/config/defaults.go, DefaultRevisionTimeoutSeconds = 5 * 60).
 LONGEST_REQUEST = timedelta(minutes=5)
-#: The condition saying whether the gateway can stop an idle Standard-mode model (the gateway reads it).
-CONDITION_IDLE_STOP = "IdleStop"
 #: Knative's stable window: its default and its bounds (knative serving knative-v1.16.0
 #: pkg/autoscaler/config/config.go StableWindow; pkg/apis/autoscaling/register.go WindowMin, WindowMax).
 KNATIVE_STABLE_WINDOW = timedelta(seconds=60)
@@ -118,28 +118,8 @@ FAILURE_REASONS = frozenset(
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
-class SpecError(Exception):
-    """A spec the operator cannot serve; ``field`` names where, the message says what to do."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.message = message
-
-
 # --------------------------------------------------------------------------------------------------
-# Parsing and judging a spec
-
-
-def parse_model(body: dict[str, Any]) -> UniversalModel:
-    """Validate a UniversalModel object; SpecError names the first offending field."""
-    try:
-        return UniversalModel.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(part) for part in first["loc"])
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise SpecError(loc, message) from None
+# Judging a spec
 
 
 def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
