@@ -18,13 +18,9 @@ from hypothesis import strategies as st
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import engine_arg_defaults, predictor_config
-from universal_operator.reconcile import (
-    FAILURE_REASONS,
-    child_drifted,
-    desired_inference_service,
-    is_subset,
-    status_from_inference_service,
-)
+from universal_operator.reconcile.drift import child_drifted, is_subset
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.status import FAILURE_REASONS, status_from_inference_service
 from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration, parse_model
 from universal_predictors.config import PredictorConfig
 from universal_simcluster import admission

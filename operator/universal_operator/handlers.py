@@ -25,15 +25,25 @@ from typing import Any, NoReturn, cast
 import kopf
 from lightkube.core.exceptions import ApiError
 
-from universal_operator import kserve, reconcile
+from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.predictor import reported_backend
+from universal_operator.reconcile.drift import child_drifted, service_account_drifted
+from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.service_account import desired_service_account
+from universal_operator.reconcile.status import (
+    status_changed,
+    status_for_forbidden,
+    status_for_invalid_spec,
+    status_from_inference_service,
+)
 from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
 
 logger = logging.getLogger(__name__)
 
-MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
+MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 FINALIZER = f"{GROUP}/kopf-finalizer"
 #: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
 RETRY_DELAY = 2.0
@@ -92,7 +102,7 @@ def _newer(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]
 async def write_status(state: OperatorState, key: Key, current: dict[str, Any] | None, status: dict[str, Any]) -> bool:
     """Patch the parent's status if it would change; returns whether a write happened."""
     known = state.written_status.get(key, current)
-    if not reconcile.status_changed(known, status):
+    if not status_changed(known, status):
         return False
     try:
         await state.api.patch_model_status(key[0], key[1], status)
@@ -110,7 +120,7 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     async with state.lock(key):
         model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
-        status = reconcile.status_from_inference_service(freshest, model, config=state.config)
+        status = status_from_inference_service(freshest, model, config=state.config)
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -137,7 +147,7 @@ async def _reconcile_model(
     plain = _plain(body)
     try:
         model = parse_model(plain)
-        desired = reconcile.desired_inference_service(model, state.config)
+        desired = desired_inference_service(model, state.config)
     except SpecError as error:
         await report_invalid_spec(state, plain, error)
         return None
@@ -168,7 +178,7 @@ async def _reconcile_model(
     if not await ensure_service_account(state, plain, model, retry):
         return None
     applied: dict[str, Any] | None = None
-    if reconcile.child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
+    if child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
         try:
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:
@@ -185,7 +195,7 @@ async def _reconcile_model(
         logger.info("applied InferenceService %s/%s (%s)", key[0], key[1], reason)
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
-        status = reconcile.status_from_inference_service(state.latest_child.get(key), model, config=state.config)
+        status = status_from_inference_service(state.latest_child.get(key), model, config=state.config)
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
 
@@ -196,7 +206,7 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
     Runs before the InferenceService is applied, so its pods never start under an account that is not
     there yet. Returns False when the model cannot be served (the name is taken), which it reports.
     """
-    desired = reconcile.desired_service_account(model)
+    desired = desired_service_account(model)
     if desired is None:
         return True
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
@@ -206,7 +216,7 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
         if api_error_code(exc) == 403:
             await report_forbidden(state, body, model, exc, retry)
         raise kopf.TemporaryError(f"reading the ServiceAccount failed: {exc}", delay=RETRY_DELAY) from exc
-    if actual is not None and not reconcile.owned_by(actual, model):
+    if actual is not None and not owned_by(actual, model):
         await report_invalid_spec(
             state,
             body,
@@ -217,7 +227,7 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
             ),
         )
         return False
-    if not reconcile.service_account_drifted(desired, actual):
+    if not service_account_drifted(desired, actual):
         return True
     try:
         await state.api.apply_service_account(desired)
@@ -246,7 +256,7 @@ async def report_refused_write(
 async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: SpecError) -> None:
     """SpecValid=False with the field and what to do, one Warning Event; no retry (the spec must change)."""
     key = _key(body)
-    status = reconcile.status_for_invalid_spec(body, error)
+    status = status_for_invalid_spec(body, error)
     async with state.lock(key):
         changed = await write_status(state, key, _plain(body.get("status") or {}), status)
     if changed:
@@ -264,7 +274,7 @@ async def report_forbidden(
 ) -> NoReturn:
     """Say in the status which permission is missing (one Warning Event), then retry with back-off."""
     key = _key(body)
-    status = reconcile.status_for_forbidden(model, str(error))
+    status = status_for_forbidden(model, str(error))
     async with state.lock(key):
         changed = await write_status(state, key, _plain(body.get("status") or {}), status)
     if changed:
