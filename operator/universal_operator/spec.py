@@ -321,6 +321,11 @@ class Scaling(_Model):
         ),
     )
 
+    @property
+    def idle_duration(self) -> timedelta:
+        """``idleTimeout`` as a duration, parsed here only (the Knative bound, the render, the gateway's TTL)."""
+        return parse_duration(self.idle_timeout)
+
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Scaling:
         if self.min_replicas > self.max_replicas:
@@ -329,7 +334,7 @@ class Scaling(_Model):
 
     @model_validator(mode="after")
     def _knative_bounds(self) -> Scaling:
-        if self.mode is ScalingMode.KNATIVE and parse_duration(self.idle_timeout) > parse_duration(KNATIVE_MAX_IDLE):
+        if self.mode is ScalingMode.KNATIVE and self.idle_duration > parse_duration(KNATIVE_MAX_IDLE):
             raise ValueError(IDLE_BOUND_MESSAGE)
         startup = parse_duration(self.startup_timeout).total_seconds()
         if startup % 1:

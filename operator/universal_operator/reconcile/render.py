@@ -197,8 +197,8 @@ def pod_security_context(model: UniversalModel, config: OperatorConfig) -> dict[
     return context
 
 
-def knative_idle_annotations(idle_timeout: str) -> dict[str, str]:
-    """The stable window and scale-to-zero retention whose sum is ``idle_timeout``.
+def knative_idle_annotations(idle: timedelta) -> dict[str, str]:
+    """The stable window and scale-to-zero retention whose sum is ``idle`` (``spec.scaling.idleTimeout``).
 
     Knative scales a revision to zero once (a) its stable-window average concurrency is zero, so a full
     ``autoscaling.knative.dev/window`` after the last request ends (pkg/autoscaler/scaling/autoscaler.go:
@@ -209,7 +209,6 @@ def knative_idle_annotations(idle_timeout: str) -> dict[str, str]:
     the window keeps Knative's default 60s where the idle time allows, shrinks (down to 6s) to leave the
     grace period room, and the retention takes the rest. Idle times under 6s + grace get 6s + grace.
     """
-    idle = parse_duration(idle_timeout)
     room = idle - KNATIVE_SCALE_TO_ZERO_GRACE
     window = min(max(room, KNATIVE_MIN_WINDOW), KNATIVE_STABLE_WINDOW)
     window = timedelta(seconds=int(window.total_seconds()))  # Knative wants the window in whole seconds
@@ -313,7 +312,7 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
             predictor["scaleMetric"] = "concurrency"
             predictor["scaleTarget"] = scaling.target_concurrency
         predictor["annotations"] = {
-            **knative_idle_annotations(scaling.idle_timeout),
+            **knative_idle_annotations(scaling.idle_duration),
             ANNOTATION_PROGRESS_DEADLINE: scaling.startup_timeout,
         }
     account = predictor_service_account(model, config)
