@@ -185,7 +185,8 @@ def test_child_round_trips_through_the_kserve_sdk_without_loss(case: Any) -> Non
 @given(servable_models())
 def test_rendered_predictor_config_survives_its_command_line(case: Any) -> None:
     model, operator_config, child = rendered(case)
-    config = predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, operator_config))
+    profile = operator_config.profile(model.spec.resources.profile)
+    config = predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, operator_config, profile))
     assert PredictorConfig.from_args(config.to_args()) == config
     assert PredictorConfig.from_args(child["spec"]["predictor"]["containers"][0]["args"]) == config
 

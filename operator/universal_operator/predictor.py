@@ -8,7 +8,7 @@ simulated cluster share, so a model runs the same way in a cluster and on a lapt
 from __future__ import annotations
 
 from universal_operator import kserve
-from universal_operator.config import OperatorConfig
+from universal_operator.config import OperatorConfig, Profile
 from universal_operator.spec import ScalingMode, UniversalModel
 from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
@@ -106,18 +106,16 @@ def scales_to_zero(model: UniversalModel, config: OperatorConfig) -> bool:
     return kserve.can_stop(config.kserve.release, scaling.mode)
 
 
-def compile_cache_claim(model: UniversalModel, config: OperatorConfig) -> str | None:
+def compile_cache_claim(model: UniversalModel, profile: Profile | None) -> str | None:
     """The profile's compile-cache claim, for a model that may run vLLM (the only engine that compiles)."""
-    try:
-        profile = config.profile(model.spec.resources.profile)
-    except KeyError:  # an unknown profile: check_servable names it
-        return None
     if profile is None or Backend.VLLM not in possible_backends(model):
         return None
     return profile.compile_cache_claim
 
 
-def engine_arg_defaults(model: UniversalModel, config: OperatorConfig) -> dict[Backend, dict[str, str]]:
+def engine_arg_defaults(
+    model: UniversalModel, config: OperatorConfig, profile: Profile | None
+) -> dict[Backend, dict[str, str]]:
     """Engine-arg defaults by backend, for the backends the predictor may run (it applies only its own's).
 
     The profile's ``engineArgs``; and for vLLM on a model that scales to zero without a compile cache,
@@ -125,12 +123,12 @@ def engine_arg_defaults(model: UniversalModel, config: OperatorConfig) -> dict[B
     again, into an emptyDir that is gone at the next scale to zero (a minute or more of a cold start on
     large models, paid by the request that woke it), where eager mode costs decode speed instead. A
     profile's or the model's own ``enforce_eager`` wins; a compile-cache claim keeps compilation.
+    ``profile`` is the model's, as :func:`~universal_operator.reconcile.checks.check_servable` returns it.
     """
-    profile = config.profile(model.spec.resources.profile)
     defaults: dict[Backend, dict[str, str]] = {}
     for backend in possible_backends(model):
         given = profile.engine_args.get(backend, {}) if profile is not None else {}
         defaults[backend] = {key: render_engine_arg(value) for key, value in given.items()}
-    if Backend.VLLM in defaults and scales_to_zero(model, config) and compile_cache_claim(model, config) is None:
+    if Backend.VLLM in defaults and scales_to_zero(model, config) and compile_cache_claim(model, profile) is None:
         defaults[Backend.VLLM].setdefault(EAGER_ARG, "true")
     return {backend: args for backend, args in defaults.items() if args}

@@ -7,7 +7,7 @@ that names the field and says what to do.
 
 from __future__ import annotations
 
-from universal_operator.config import OperatorConfig
+from universal_operator.config import OperatorConfig, Profile
 from universal_operator.predictor import compile_cache_claim
 from universal_operator.spec import ScalingMode, SpecError, UniversalModel
 
@@ -24,8 +24,12 @@ FEATURE_FIELD_REF = "kubernetes.podspec-fieldref"
 DNS_LABEL_MAX = 63
 
 
-def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
-    """What only the operator can judge: the profile exists, the source can be fetched in a cluster."""
+def check_servable(model: UniversalModel, config: OperatorConfig) -> Profile | None:
+    """What only the operator can judge: the profile exists, the source can be fetched in a cluster.
+
+    Returns the model's profile (None where neither the spec nor the configuration names one): the one
+    lookup a render makes, handed on to what depends on the profile.
+    """
     spec = model.spec
     if spec.resources.profile is not None and spec.resources.profile not in config.profiles:
         known = ", ".join(sorted(config.profiles)) or "none are configured"
@@ -33,6 +37,7 @@ def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
             "spec.resources.profile",
             f"profile {spec.resources.profile!r} is not in the operator's configuration ({known})",
         )
+    profile = config.profile(spec.resources.profile)
     source = spec.source
     if source.scheme == "file" or (source.scheme is None and not source.uri.startswith("/")):
         raise SpecError(
@@ -44,7 +49,8 @@ def check_servable(model: UniversalModel, config: OperatorConfig) -> None:
         if isinstance(value, dict | list):
             raise SpecError(f"spec.engineArgs.{key}", "must be a string, number or boolean")
     check_host_names(model)
-    check_knative_features(model, config)
+    check_knative_features(model, config, profile)
+    return profile
 
 
 def check_host_names(model: UniversalModel) -> None:
@@ -71,7 +77,9 @@ def check_host_names(model: UniversalModel) -> None:
         )
 
 
-def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> dict[str, list[str]]:
+def knative_features_needed(
+    model: UniversalModel, config: OperatorConfig, profile: Profile | None
+) -> dict[str, list[str]]:
     """Knative mode: the config-features flags each part of the spec needs, by the spec field that needs them.
 
     knative serving knative-v1.16.0 pkg/apis/serving/fieldmask.go (PodSpecMask, VolumeSourceMask,
@@ -82,10 +90,6 @@ def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> di
     if spec.scaling.mode is not ScalingMode.KNATIVE:
         return {}
     needed: dict[str, list[str]] = {}
-    try:
-        profile = config.profile(spec.resources.profile)
-    except KeyError:
-        profile = None
     if profile is not None:
         where = f"spec.resources.profile {spec.resources.profile or config.default_profile!r}"
         if profile.node_selector:
@@ -94,7 +98,7 @@ def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> di
             needed.setdefault(where, []).append(FEATURE_TOLERATIONS)
         if profile.runtime_class_name:
             needed.setdefault(where, []).append(FEATURE_RUNTIME_CLASS)
-    if compile_cache_claim(model, config) is not None:
+    if compile_cache_claim(model, profile) is not None:
         where = f"spec.resources.profile {spec.resources.profile or config.default_profile!r} (compileCacheClaim)"
         needed.setdefault(where, []).extend([FEATURE_PVC, FEATURE_PVC_WRITE])
     if spec.state is not None:
@@ -108,12 +112,12 @@ def knative_features_needed(model: UniversalModel, config: OperatorConfig) -> di
     return needed
 
 
-def check_knative_features(model: UniversalModel, config: OperatorConfig) -> None:
+def check_knative_features(model: UniversalModel, config: OperatorConfig, profile: Profile | None) -> None:
     """Refuse, naming the flags, a Knative-mode spec the cluster's Knative would not admit."""
     enabled = set(config.knative.features)
     missing = {
         where: [flag for flag in flags if flag not in enabled]
-        for where, flags in knative_features_needed(model, config).items()
+        for where, flags in knative_features_needed(model, config, profile).items()
     }
     missing = {where: flags for where, flags in missing.items() if flags}
     if not missing:

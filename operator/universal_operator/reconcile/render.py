@@ -250,19 +250,18 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
     Applied by server-side apply, so fields KServe or the gateway set (defaults, the stop annotation)
     are theirs and stay untouched. Raises SpecError for a spec only the operator can reject.
     """
-    check_servable(model, config)
+    profile = check_servable(model, config)
     spec = model.spec
-    profile = config.profile(spec.resources.profile)
     scaling = spec.scaling
     knative = scaling.mode is ScalingMode.KNATIVE
-    compile_claim = compile_cache_claim(model, config)
+    compile_claim = compile_cache_claim(model, profile)
 
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": _image(model, profile, config),
         "imagePullPolicy": config.images.pull_policy,
         "command": ["python", "-m", PREDICTOR_MODULE],
-        "args": predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, config)).to_args(),
+        "args": predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, config, profile)).to_args(),
         "env": _env(model, COMPILE_CACHE_ENV if compile_claim else {}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
         **predictor_probes(model),
