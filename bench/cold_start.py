@@ -46,7 +46,9 @@ sys.path.insert(0, str(ROOT))  # tests.predictors.harness; the packages themselv
 
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
 from universal_operator.config import parse_config  # noqa: E402
-from universal_operator.reconcile import desired_inference_service, parse_model, predictor_config  # noqa: E402
+from universal_operator.predictor import predictor_config  # noqa: E402
+from universal_operator.reconcile.render import desired_inference_service  # noqa: E402
+from universal_operator.spec import parse_model  # noqa: E402
 from universal_predictors.config import resolve_source  # noqa: E402
 from universal_simcluster.kserve import storage_initializer  # noqa: E402
 from universal_simcluster.podman import (  # noqa: E402

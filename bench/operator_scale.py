@@ -33,10 +33,11 @@ import psutil
 from lightkube import AsyncClient
 from lightkube.types import PatchType
 
-from universal_operator import reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.crd import custom_resource_definition
 from universal_operator.kube import FIELD_MANAGER, InferenceService, UniversalModelResource
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.spec import parse_model
 from universal_simcluster.apiserver import HARNESS_HEADER, KubeEmulator, ServedEmulator, serve_emulator
 from universal_simcluster.kserve.standin import ready_status
 
@@ -182,10 +183,8 @@ async def run_anchor(served: ServedEmulator, n: int) -> Run:
 
     async def reconcile_one(obj: dict[str, Any]) -> None:
         async with gate:
-            model = reconcile.parse_model(obj)
-            await client.apply(
-                InferenceService.from_dict(reconcile.desired_inference_service(model, config)), force=True
-            )
+            model = parse_model(obj)
+            await client.apply(InferenceService.from_dict(desired_inference_service(model, config)), force=True)
             await client.patch(
                 UniversalModelResource.Status, model.metadata.name, {"status": {"phase": "Pending"}},
                 namespace="default", patch_type=PatchType.MERGE,

@@ -10,8 +10,8 @@ import yaml
 from hypothesis import strategies as st
 
 from universal_operator.config import OperatorConfig, parse_config
-from universal_operator.reconcile import desired_inference_service, parse_model
-from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration, parse_model
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,

@@ -16,7 +16,8 @@ import yaml
 from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, TEST_OPERATOR_CONFIG, cluster_for
 from tests.factories import CONFIG, at, load, model, render
 from universal_operator.config import parse_config
-from universal_operator.reconcile import SpecError, desired_inference_service, parse_model
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.spec import SpecError, parse_model
 from universal_simcluster import admission
 from universal_simcluster.admission import Cluster, Denied, admit
 

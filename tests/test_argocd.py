@@ -15,8 +15,8 @@ from tests.test_kserve_status_documents import CASES as KSERVE_DOCUMENTS
 from tests.test_kserve_status_documents import the_model
 from tests.test_status_from_inference_service import CASES, QWEN, child
 from universal_operator.config import OperatorConfig
-from universal_operator.reconcile import SpecError, status_for_invalid_spec, status_from_inference_service
-from universal_operator.spec import GROUP, KIND, Phase
+from universal_operator.reconcile.status import status_for_invalid_spec, status_from_inference_service
+from universal_operator.spec import GROUP, KIND, Phase, SpecError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "argocd"
 HEALTH_KEY = f"resource.customizations.health.{GROUP}_{KIND}"

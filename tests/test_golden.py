@@ -21,7 +21,9 @@ import pytest
 import yaml
 
 from universal_operator.config import OperatorConfig, parse_config
-from universal_operator.reconcile import desired_inference_service, desired_service_account, parse_model
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.service_account import desired_service_account
+from universal_operator.spec import parse_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "cluster"

@@ -18,9 +18,11 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import Status
 
 from tests.conftest import load_manifest
-from universal_operator import reconcile
 from universal_operator.config import OperatorConfig
 from universal_operator.handlers import OperatorState, mirror_child_event, reconcile_model
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.status import status_from_inference_service
+from universal_operator.spec import parse_model
 from universal_simcluster.kserve.standin import ready_status
 
 
@@ -109,7 +111,7 @@ async def test_new_model_applies_child_once_writes_pending_and_posts_an_event(
     body = _model()
     await reconcile_model(state, body, {}, reason="created")
 
-    assert api.applied == [reconcile.desired_inference_service(reconcile.parse_model(body), state.config)]
+    assert api.applied == [desired_inference_service(parse_model(body), state.config)]
     [(namespace, name, status)] = api.statuses
     assert (namespace, name, status["phase"]) == ("default", "minilm", "Pending")
     [event] = _drain(events)
@@ -120,11 +122,9 @@ async def test_unchanged_model_with_matching_child_writes_nothing(
     state: OperatorState, api: RecordingApi, events: asyncio.Queue[posting.K8sEvent]
 ) -> None:
     body = _model()
-    child = await api.apply_inference_service(
-        reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
-    )
+    child = await api.apply_inference_service(desired_inference_service(parse_model(body), state.config))
     api.applied.clear()
-    body["status"] = reconcile.status_from_inference_service(child, reconcile.parse_model(body))
+    body["status"] = status_from_inference_service(child, parse_model(body))
 
     await reconcile_model(state, body, {("default", "minilm"): [child]}, reason="drift check")
 
@@ -135,7 +135,7 @@ async def test_unchanged_model_with_matching_child_writes_nothing(
 
 async def test_drifted_child_is_reapplied(state: OperatorState, api: RecordingApi) -> None:
     body = _model()
-    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    child = desired_inference_service(parse_model(body), state.config)
     child["spec"]["predictor"]["maxReplicas"] = 7
 
     await reconcile_model(state, body, {("default", "minilm"): [child]}, reason="drift check")
@@ -197,7 +197,7 @@ async def test_child_rejected_by_the_api_server_is_an_invalid_spec(
 
 async def test_child_event_mirrors_ready_status_into_parent(state: OperatorState, api: RecordingApi) -> None:
     body = _model()
-    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    child = desired_inference_service(parse_model(body), state.config)
     child["metadata"]["generation"] = 1
     child["status"] = ready_status(child)
 
@@ -210,7 +210,7 @@ async def test_child_event_mirrors_ready_status_into_parent(state: OperatorState
 
 async def test_child_deleted_event_recreates_it(state: OperatorState, api: RecordingApi) -> None:
     body = _model()
-    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    child = desired_inference_service(parse_model(body), state.config)
 
     await mirror_child_event(state, "DELETED", child, {("default", "minilm"): [body]})
 
@@ -219,7 +219,7 @@ async def test_child_deleted_event_recreates_it(state: OperatorState, api: Recor
 
 async def test_child_of_another_owner_is_ignored(state: OperatorState, api: RecordingApi) -> None:
     body = _model()
-    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    child = desired_inference_service(parse_model(body), state.config)
     child["metadata"]["ownerReferences"][0]["uid"] = "someone-else"
 
     await mirror_child_event(state, "DELETED", child, {("default", "minilm"): [body]})
@@ -233,8 +233,8 @@ async def test_stale_child_event_does_not_override_a_newer_applied_generation(
     state: OperatorState, api: RecordingApi
 ) -> None:
     body = _model()
-    model = reconcile.parse_model(body)
-    old = reconcile.desired_inference_service(model, state.config)
+    model = parse_model(body)
+    old = desired_inference_service(model, state.config)
     old["metadata"]["generation"] = 1
     old["status"] = ready_status(old)
     state.latest_child[("default", "minilm")] = {**copy.deepcopy(old), "metadata": {**old["metadata"], "generation": 2}}
@@ -265,9 +265,9 @@ async def test_an_existing_child_of_this_model_is_adopted_without_a_write_when_u
     state: OperatorState, api: RecordingApi
 ) -> None:
     body = _model()
-    child = reconcile.desired_inference_service(reconcile.parse_model(body), state.config)
+    child = desired_inference_service(parse_model(body), state.config)
     api.existing[("default", "minilm")] = child
-    body["status"] = reconcile.status_from_inference_service(child, reconcile.parse_model(body))
+    body["status"] = status_from_inference_service(child, parse_model(body))
 
     await reconcile_model(state, body, {}, reason="operator start")
 

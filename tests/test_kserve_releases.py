@@ -14,7 +14,7 @@ import pytest
 from tests.factories import model
 from universal_operator import kserve
 from universal_operator.config import OperatorConfig
-from universal_operator.reconcile import desired_inference_service, request_timeout_seconds
+from universal_operator.reconcile.render import desired_inference_service, request_timeout_seconds
 from universal_operator.spec import ScalingMode
 from universal_simcluster.kserve.standin import KServeVersion
 

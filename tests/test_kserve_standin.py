@@ -18,7 +18,8 @@ from tests.conftest import eventually
 from tests.factories import model
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import InferenceService
-from universal_operator.reconcile import desired_inference_service, status_from_inference_service
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.status import status_from_inference_service
 from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator
 from universal_simcluster.kserve.standin import (
     Child,

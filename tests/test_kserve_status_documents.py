@@ -37,7 +37,7 @@ import pytest
 
 from tests.factories import load, model, pick
 from universal_operator.config import OperatorConfig
-from universal_operator.reconcile import status_from_inference_service
+from universal_operator.reconcile.status import status_from_inference_service
 
 NAME, NAMESPACE = "qwen-chat", "models"
 MODEL_GENERATION = 3  # the UniversalModel's and the InferenceService's: KServe's observedGeneration is the child's

@@ -14,8 +14,9 @@ import yaml
 from lightkube import AsyncClient
 
 from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, eventually, load_manifest
-from universal_operator import reconcile
 from universal_operator.handlers import OperatorState
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.spec import parse_model
 from universal_simcluster.apiserver import ServedEmulator
 from universal_simcluster.kserve.standin import Child, loading_status, ready_status
 
@@ -68,7 +69,7 @@ async def test_create_renders_owned_inference_service_with_expected_spec(
         "controller": True,
         "blockOwnerDeletion": True,
     }
-    expected = reconcile.desired_inference_service(reconcile.parse_model(model), operator.config)
+    expected = desired_inference_service(parse_model(model), operator.config)
     assert child["spec"] == expected["spec"]
     assert child["metadata"]["labels"]["serving.universal-runtime.dev/task"] == "embed"
     # Nothing of kopf's lands on the child.

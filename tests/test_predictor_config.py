@@ -190,7 +190,7 @@ def test_values_starting_with_a_dash_survive_the_command_line(field: str) -> Non
 
 def _vllm_engine_args(resources: str, engine_args: str = "{}") -> dict[str, str]:
     from tests.factories import model
-    from universal_operator.reconcile import predictor_config
+    from universal_operator.predictor import predictor_config
 
     manifest = f"""
     metadata: {{name: llama}}
@@ -223,7 +223,7 @@ def test_one_gpu_or_another_backend_gets_no_tensor_parallel_size() -> None:
 
 
 def test_embed_on_vllm_is_refused_with_the_backends_that_serve_it() -> None:
-    from universal_operator.reconcile import SpecError, parse_model
+    from universal_operator.spec import SpecError, parse_model
 
     with pytest.raises(SpecError) as refused:
         parse_model(

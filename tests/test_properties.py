@@ -17,17 +17,11 @@ from hypothesis import strategies as st
 
 from tests.factories import is_dns_1035_label, is_label_value, servable_models
 from universal_operator.config import OperatorConfig
-from universal_operator.reconcile import (
-    FAILURE_REASONS,
-    child_drifted,
-    desired_inference_service,
-    engine_arg_defaults,
-    is_subset,
-    parse_model,
-    predictor_config,
-    status_from_inference_service,
-)
-from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration
+from universal_operator.predictor import engine_arg_defaults, predictor_config
+from universal_operator.reconcile.drift import child_drifted, is_subset
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.status import FAILURE_REASONS, status_from_inference_service
+from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration, parse_model
 from universal_predictors.config import PredictorConfig
 from universal_simcluster import admission
 
@@ -191,7 +185,8 @@ def test_child_round_trips_through_the_kserve_sdk_without_loss(case: Any) -> Non
 @given(servable_models())
 def test_rendered_predictor_config_survives_its_command_line(case: Any) -> None:
     model, operator_config, child = rendered(case)
-    config = predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, operator_config))
+    profile = operator_config.profile(model.spec.resources.profile)
+    config = predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, operator_config, profile))
     assert PredictorConfig.from_args(config.to_args()) == config
     assert PredictorConfig.from_args(child["spec"]["predictor"]["containers"][0]["args"]) == config
 

@@ -13,13 +13,10 @@ import pytest
 
 from tests.factories import CONFIG, at, is_label_value, load, model, pick, render
 from universal_operator.config import parse_config
-from universal_operator.reconcile import (
-    SpecError,
-    check_servable,
-    desired_inference_service,
-    desired_service_account,
-    parse_model,
-)
+from universal_operator.reconcile.checks import check_servable
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.service_account import desired_service_account
+from universal_operator.spec import SpecError, parse_model
 from universal_predictors.config import GPUS_ENV, PredictorConfig
 
 EMBED = """
@@ -811,7 +808,8 @@ def test_parse_model_rejects_a_non_scalar_engine_arg_naming_its_key(value: objec
 
 def test_state_claim_is_mounted_and_passed_as_state_dir() -> None:
     from universal_operator.config import OperatorConfig
-    from universal_operator.reconcile import desired_inference_service, parse_model
+    from universal_operator.reconcile.render import desired_inference_service
+    from universal_operator.spec import parse_model
     from universal_predictors.config import PredictorConfig
 
     model = parse_model(

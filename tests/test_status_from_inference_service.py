@@ -11,14 +11,8 @@ from typing import Any
 import pytest
 
 from tests.factories import load, manifest, model, pick
-from universal_operator.reconcile import (
-    SpecError,
-    parse_model,
-    status_changed,
-    status_for_invalid_spec,
-    status_from_inference_service,
-)
-from universal_operator.spec import Phase
+from universal_operator.reconcile.status import status_changed, status_for_invalid_spec, status_from_inference_service
+from universal_operator.spec import Phase, SpecError, parse_model
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 T1 = datetime(2026, 1, 2, 4, 0, 0, tzinfo=UTC)

@@ -43,8 +43,15 @@ from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import PredictorReporter
 from universal_operator import kserve
 from universal_operator.kube import InferenceService, UniversalModelResource
-from universal_operator.reconcile import CONDITION_IDLE_STOP, SpecError, parse_model
-from universal_operator.spec import Phase, ScalingMode, UniversalModel, UniversalModelStatus
+from universal_operator.spec import (
+    CONDITION_IDLE_STOP,
+    Phase,
+    ScalingMode,
+    SpecError,
+    UniversalModel,
+    UniversalModelStatus,
+    parse_model,
+)
 from universal_predictors import metric_names
 from universal_predictors.config import Task
 from universal_predictors.errors import Unavailable

@@ -32,7 +32,7 @@ from universal_gateway.backends import Backends, ModelState, ModelView, UsageSta
 from universal_gateway.manifests import Manifest
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
-from universal_operator.reconcile import predictor_config, resolved_backend
+from universal_operator.predictor import predictor_config, resolved_backend
 from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, Backend, resolve_source
 from universal_predictors.errors import Unavailable
 

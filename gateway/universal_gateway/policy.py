@@ -31,7 +31,7 @@ class ServingPolicy:
         scaling = model.spec.scaling
         return cls(
             mode=scaling.mode,
-            idle_timeout=parse_duration(scaling.idle_timeout).total_seconds(),
+            idle_timeout=scaling.idle_duration.total_seconds(),
             startup_timeout=parse_duration(scaling.startup_timeout).total_seconds(),
             always_on=scaling.min_replicas >= 1,
             idle_timeout_text=scaling.idle_timeout,

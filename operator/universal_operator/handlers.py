@@ -25,14 +25,25 @@ from typing import Any, NoReturn, cast
 import kopf
 from lightkube.core.exceptions import ApiError
 
-from universal_operator import kserve, reconcile
+from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
-from universal_operator.spec import GROUP, PLURAL, VERSION, UniversalModel
+from universal_operator.predictor import reported_backend
+from universal_operator.reconcile.drift import child_drifted, service_account_drifted
+from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.service_account import desired_service_account
+from universal_operator.reconcile.status import (
+    status_changed,
+    status_for_forbidden,
+    status_for_invalid_spec,
+    status_from_inference_service,
+)
+from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
 
 logger = logging.getLogger(__name__)
 
-MANAGED = {reconcile.LABEL_MANAGED_BY: reconcile.MANAGED_BY}
+MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 FINALIZER = f"{GROUP}/kopf-finalizer"
 #: Retry delay after the API server refused a write (409 conflict, 5xx, 429).
 RETRY_DELAY = 2.0
@@ -91,7 +102,7 @@ def _newer(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]
 async def write_status(state: OperatorState, key: Key, current: dict[str, Any] | None, status: dict[str, Any]) -> bool:
     """Patch the parent's status if it would change; returns whether a write happened."""
     known = state.written_status.get(key, current)
-    if not reconcile.status_changed(known, status):
+    if not status_changed(known, status):
         return False
     try:
         await state.api.patch_model_status(key[0], key[1], status)
@@ -107,9 +118,9 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     """Recompute the parent's status from the freshest view of its child and write it if it changed."""
     key = _key(body)
     async with state.lock(key):
-        model = reconcile.parse_model(_plain(body))
+        model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
-        status = reconcile.status_from_inference_service(freshest, model, config=state.config)
+        status = status_from_inference_service(freshest, model, config=state.config)
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -135,9 +146,9 @@ async def _reconcile_model(
     key = _key(body)
     plain = _plain(body)
     try:
-        model = reconcile.parse_model(plain)
-        desired = reconcile.desired_inference_service(model, state.config)
-    except reconcile.SpecError as error:
+        model = parse_model(plain)
+        desired = desired_inference_service(model, state.config)
+    except SpecError as error:
         await report_invalid_spec(state, plain, error)
         return None
 
@@ -154,7 +165,7 @@ async def _reconcile_model(
             await report_invalid_spec(
                 state,
                 plain,
-                reconcile.SpecError(
+                SpecError(
                     "metadata.name",
                     f"an InferenceService named {key[1]!r} already exists in {key[0]!r} and is not owned by this "
                     "UniversalModel; rename the model or remove that InferenceService",
@@ -167,7 +178,7 @@ async def _reconcile_model(
     if not await ensure_service_account(state, plain, model, retry):
         return None
     applied: dict[str, Any] | None = None
-    if reconcile.child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
+    if child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
         try:
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:
@@ -184,7 +195,7 @@ async def _reconcile_model(
         logger.info("applied InferenceService %s/%s (%s)", key[0], key[1], reason)
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
-        status = reconcile.status_from_inference_service(state.latest_child.get(key), model, config=state.config)
+        status = status_from_inference_service(state.latest_child.get(key), model, config=state.config)
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
 
@@ -195,7 +206,7 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
     Runs before the InferenceService is applied, so its pods never start under an account that is not
     there yet. Returns False when the model cannot be served (the name is taken), which it reports.
     """
-    desired = reconcile.desired_service_account(model)
+    desired = desired_service_account(model)
     if desired is None:
         return True
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
@@ -205,18 +216,18 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
         if api_error_code(exc) == 403:
             await report_forbidden(state, body, model, exc, retry)
         raise kopf.TemporaryError(f"reading the ServiceAccount failed: {exc}", delay=RETRY_DELAY) from exc
-    if actual is not None and not reconcile.owned_by(actual, model):
+    if actual is not None and not owned_by(actual, model):
         await report_invalid_spec(
             state,
             body,
-            reconcile.SpecError(
+            SpecError(
                 "spec.source.credentialsSecret",
                 f"the ServiceAccount {name!r} that would carry the credentials already exists in {namespace!r} and "
                 "is not owned by this UniversalModel; rename the model or remove that ServiceAccount",
             ),
         )
         return False
-    if not reconcile.service_account_drifted(desired, actual):
+    if not service_account_drifted(desired, actual):
         return True
     try:
         await state.api.apply_service_account(desired)
@@ -235,17 +246,17 @@ async def report_refused_write(
     never the spec's fault)."""
     code = api_error_code(exc)
     if code in (400, 422) or denied_by_webhook(exc):
-        await report_invalid_spec(state, body, reconcile.SpecError(field, f"{what} was rejected: {exc}"))
+        await report_invalid_spec(state, body, SpecError(field, f"{what} was rejected: {exc}"))
         return
     if code == 403:
         await report_forbidden(state, body, model, exc, retry)
     raise kopf.TemporaryError(f"applying {what} failed ({code}): {exc}", delay=RETRY_DELAY) from exc
 
 
-async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: reconcile.SpecError) -> None:
+async def report_invalid_spec(state: OperatorState, body: dict[str, Any], error: SpecError) -> None:
     """SpecValid=False with the field and what to do, one Warning Event; no retry (the spec must change)."""
     key = _key(body)
-    status = reconcile.status_for_invalid_spec(body, error)
+    status = status_for_invalid_spec(body, error)
     async with state.lock(key):
         changed = await write_status(state, key, _plain(body.get("status") or {}), status)
     if changed:
@@ -263,7 +274,7 @@ async def report_forbidden(
 ) -> NoReturn:
     """Say in the status which permission is missing (one Warning Event), then retry with back-off."""
     key = _key(body)
-    status = reconcile.status_for_forbidden(model, str(error))
+    status = status_for_forbidden(model, str(error))
     async with state.lock(key):
         changed = await write_status(state, key, _plain(body.get("status") or {}), status)
     if changed:
@@ -392,7 +403,7 @@ async def mirror_child_event(
     state.latest_child[key] = _plain(child)
     try:
         await sync_status(state, parent, _plain(child))
-    except reconcile.SpecError:
+    except SpecError:
         return  # an invalid parent already says so in its status
 
 
@@ -411,13 +422,13 @@ async def follow_predictor_report(
     if plain.get("metadata", {}).get("deletionTimestamp"):
         return
     try:
-        model = reconcile.parse_model(plain)
-    except reconcile.SpecError:
+        model = parse_model(plain)
+    except SpecError:
         return
     report, generation = model.status.predictor_report, model.metadata.generation
     if report is None or report.generation != generation or model.status.observed_generation != generation:
         return
-    if model.status.backend == reconcile.reported_backend(model).value:
+    if model.status.backend == reported_backend(model).value:
         return
     await reconcile_model(state, body, children, reason="the predictor reported its backend")
 

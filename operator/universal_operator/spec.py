@@ -321,6 +321,11 @@ class Scaling(_Model):
         ),
     )
 
+    @property
+    def idle_duration(self) -> timedelta:
+        """``idleTimeout`` as a duration, parsed here only (the Knative bound, the render, the gateway's TTL)."""
+        return parse_duration(self.idle_timeout)
+
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Scaling:
         if self.min_replicas > self.max_replicas:
@@ -329,7 +334,7 @@ class Scaling(_Model):
 
     @model_validator(mode="after")
     def _knative_bounds(self) -> Scaling:
-        if self.mode is ScalingMode.KNATIVE and parse_duration(self.idle_timeout) > parse_duration(KNATIVE_MAX_IDLE):
+        if self.mode is ScalingMode.KNATIVE and self.idle_duration > parse_duration(KNATIVE_MAX_IDLE):
             raise ValueError(IDLE_BOUND_MESSAGE)
         startup = parse_duration(self.startup_timeout).total_seconds()
         if startup % 1:
@@ -604,6 +609,8 @@ class ObjectMeta(BaseModel):
 
 
 ConditionType = Literal["Ready", "SpecValid", "InferenceServiceReady"]
+#: The condition saying whether the gateway can stop an idle Standard-mode model (the gateway reads it).
+CONDITION_IDLE_STOP = "IdleStop"
 
 
 class Phase(StrEnum):
@@ -725,3 +732,23 @@ NAME_RULE = _cel(
     f"metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter) of at most "
     f"{MAX_NAME_LENGTH} characters, so the names KServe and Knative derive from it stay valid",
 )
+
+
+class SpecError(Exception):
+    """A spec the operator cannot serve; ``field`` names where, the message says what to do."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+def parse_model(body: dict[str, Any]) -> UniversalModel:
+    """Validate a UniversalModel object; SpecError names the first offending field."""
+    try:
+        return UniversalModel.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise SpecError(loc, message) from None

@@ -13,7 +13,7 @@ import pytest
 from tests.chart.rendering import CHART_DIR, GATEWAY, NAMESPACE, render
 from universal_gateway.cli import _limits
 from universal_gateway.limits import GatewayLimits
-from universal_operator.reconcile import LABEL_MANAGED_BY, MANAGED_BY
+from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY
 from universal_predictors.config import DEFAULT_HTTP_PORT
 
 POLICY = "ur-universal-runtime-predictors"

@@ -65,13 +65,10 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret, ServiceAccount
 
 from universal_operator.kube import InferenceService
-from universal_operator.reconcile import (
-    ANNOTATION_PROGRESS_DEADLINE,
-    ANNOTATION_RETENTION,
-    CONTAINER_NAME,
-)
+from universal_operator.predictor import CONTAINER_NAME
 from universal_operator.spec import parse_duration
 from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
+from universal_simcluster import admission
 from universal_simcluster.kserve import storage_initializer
 from universal_simcluster.kserve.standin import (
     DEFAULT_VERSION,
@@ -386,12 +383,12 @@ class PredictorWorkload:
     @property
     def idle_window(self) -> float:
         """How long without requests before scaling to zero: the retention period the operator rendered."""
-        text = self._component_annotation(ANNOTATION_RETENTION)
+        text = self._component_annotation(admission.RETENTION)
         return parse_duration(text).total_seconds() if text else KNATIVE_DEFAULT_IDLE_S
 
     @property
     def startup_deadline(self) -> float:
-        text = self._component_annotation(ANNOTATION_PROGRESS_DEADLINE)
+        text = self._component_annotation(admission.PROGRESS_DEADLINE)
         return parse_duration(text).total_seconds() if text else DEFAULT_STARTUP_S
 
     @property

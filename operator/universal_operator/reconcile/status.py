@@ -1,0 +1,317 @@
+"""Status: the UniversalModel's status from its InferenceService as KServe last reported it, for a spec the
+operator cannot serve, and while the API server refuses the operator a request.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from universal_operator import kserve
+from universal_operator.config import OperatorConfig
+from universal_operator.predictor import reported_backend
+from universal_operator.reconcile.render import request_timeout_seconds
+from universal_operator.spec import CONDITION_IDLE_STOP, Condition, Phase, ScalingMode, SpecError, UniversalModel
+
+#: Ready=False reasons from KServe/Knative that a retry will not fix.
+FAILURE_REASONS = frozenset(
+    {
+        "RevisionFailed",
+        "ProgressDeadlineExceeded",
+        "ContainerMissing",
+        "ExitCode",
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "ModelLoadFailed",
+        "InvalidSpec",
+        "BlockedByFailedLoad",
+        "RevisionMissing",
+    }
+)
+
+
+def _now_text(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _find(conditions: list[dict[str, Any]] | None, kind: str) -> dict[str, Any] | None:
+    for cond in conditions or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
+
+
+def _conditions(
+    previous: list[Condition], generation: int, now: datetime, *updates: tuple[str, str, str, str]
+) -> list[dict[str, Any]]:
+    """Conditions in a fixed order, keeping lastTransitionTime where the status did not change."""
+    before = {c.type: c for c in previous}
+    out = []
+    for kind, status, reason, message in updates:
+        old = before.get(kind)
+        since = (
+            old.last_transition_time if old is not None and old.status == status and old.last_transition_time else ""
+        )
+        out.append(
+            {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": since or _now_text(now),
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def _child_failure(status: dict[str, Any], ready: dict[str, Any] | None) -> str | None:
+    """A message when KServe's current state is a failure retrying will not fix, else None.
+
+    Only the current state counts: ``lastFailureInfo`` is never cleared (SetModelFailureInfo is its only writer,
+    KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/inference_service_status.go), so it explains a failure the
+    transition status, the target state or Ready report, and is never one by itself. UpdateModelRevisionStates
+    sets the *target* state to FailedToLoad (transition BlockedByFailedLoad); the active state keeps the last
+    loaded one; InvalidSpec comes from UpdateModelTransitionStatus.
+    """
+    model_status = status.get("modelStatus") or {}
+    info = model_status.get("lastFailureInfo") or {}
+    target = (model_status.get("states") or {}).get("targetModelState")
+    transition = model_status.get("transitionStatus")
+    ready_failure = None
+    if ready is not None and ready.get("status") == "False" and ready.get("reason") in FAILURE_REASONS:
+        ready_failure = f"{ready.get('reason')}: {ready.get('message') or 'the predictor failed'}"
+    if target == "FailedToLoad" or transition in ("BlockedByFailedLoad", "InvalidSpec"):
+        parts = [info.get("reason"), info.get("message")]
+        if info.get("exitCode") is not None:
+            parts.append(f"exit code {info['exitCode']}")
+        text = ": ".join(str(p) for p in parts if p)
+        return text or ready_failure or f"the model failed to load ({transition or target})"
+    return ready_failure
+
+
+def _is_true(condition: dict[str, Any] | None) -> bool:
+    return condition is not None and condition.get("status") == "True"
+
+
+def status_from_inference_service(
+    isvc: dict[str, Any] | None,
+    model: UniversalModel,
+    now: datetime | None = None,
+    *,
+    config: OperatorConfig | None = None,
+) -> dict[str, Any]:
+    """The UniversalModel's status given its InferenceService as KServe last reported it.
+
+    What KServe reports, and so what this reads (KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/
+    inference_service_status.go unless named):
+
+    * ``status.observedGeneration`` is the Knative Service's or the Deployment's (PropagateStatus,
+      PropagateRawStatus), never the InferenceService's: it is not compared with anything. A rollout shows as
+      Ready not True, or in Knative mode as ``components.predictor.latestCreatedRevision`` differing from
+      ``latestReadyRevision``.
+    * A stop (``serving.kserve.io/stop``) empties the whole status but the deployment mode, PredictorReady=False
+      and Stopped=True (KServe v0.15.1+ components/predictor.go for Serverless, v0.16.0+ for both modes;
+      controller.go sets Stopped): stopped is judged first.
+    * At zero pods (Knative scale to zero) PropagateModelStatus sets only targetModelState Pending and
+      transitionStatus InProgress; activeModelState stays Loaded and Ready stays True. With the revisions
+      equal that is Idle, not a rollout. ``copies.totalCopies`` keeps its last count up to 0.15 (written with
+      Loaded only) and is the ready-pod count from 0.16 (PropagateModelStatus): it is not relied on.
+    * Failure comes from the current state (:func:`_child_failure`); Ready=True wins over a stale failure.
+    """
+    now = now or datetime.now(UTC)
+    config = config or OperatorConfig()
+    release = config.kserve.release
+    mode = model.spec.scaling.mode
+    knative = mode is ScalingMode.KNATIVE
+    generation = model.metadata.generation
+    base: dict[str, Any] = {
+        "observedGeneration": generation,
+        "servedName": model.served_name,
+        "backend": reported_backend(model).value,
+        "inferenceService": model.metadata.name,
+        "requestTimeoutSeconds": request_timeout_seconds(model, config),
+    }
+    spec_valid = ("SpecValid", "True", "Valid", "The spec is valid.")
+    extra: list[tuple[str, str, str, str]] = []
+    if not knative:
+        refusal = kserve.stop_unsupported(release, mode)
+        extra.append(
+            (CONDITION_IDLE_STOP, "False", "UnsupportedByKServe", refusal)
+            if refusal is not None
+            else (
+                CONDITION_IDLE_STOP, "True", "GatewayStops",
+                f"With minReplicas 0 the gateway stops the model after idleTimeout without requests "
+                f"({kserve.STOP_ANNOTATION}) and the next request wakes it.",
+            )
+        )  # fmt: skip
+    previous = model.status.conditions
+
+    if isvc is None:
+        message = "Creating the InferenceService."
+        return {
+            **base,
+            "phase": Phase.PENDING.value,
+            "url": None,
+            "address": None,
+            "replicas": None,
+            "message": message,
+            "conditions": _conditions(
+                previous, generation, now,
+                ("Ready", "False", "InferenceServiceMissing", message),
+                spec_valid,
+                ("InferenceServiceReady", "Unknown", "NotCreated", message),
+                *extra,
+            ),
+        }  # fmt: skip
+
+    status = isvc.get("status") or {}
+    conditions = status.get("conditions") or []
+    ready = _find(conditions, "Ready")
+    model_status = status.get("modelStatus") or {}
+    copies = (model_status.get("copies") or {}).get("totalCopies")
+    states = model_status.get("states") or {}
+    predictor = (status.get("components") or {}).get("predictor") or {}
+    created, serving = predictor.get("latestCreatedRevision"), predictor.get("latestReadyRevision")
+    rolling_out = knative and bool(created) and created != serving
+    url = status.get("url")
+    address = (status.get("address") or {}).get("url") or (predictor.get("address") or {}).get("url")
+    stop_asked = str((isvc.get("metadata", {}).get("annotations") or {}).get(kserve.STOP_ANNOTATION, "")).lower()
+    stop_asked_and_honoured = stop_asked == "true" and kserve.can_stop(release, mode)
+    stopped = _is_true(_find(conditions, "Stopped"))
+
+    replicas: int | None = copies
+    if stop_asked_and_honoured or (stopped and stop_asked == "true"):
+        phase, replicas = Phase.IDLE, 0
+        message = "Stopped while idle; the next request wakes it."
+        isvc_cond = ("True", "Stopped", message)
+    elif not conditions:
+        phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
+        message = "Waiting for KServe to pick up the InferenceService."
+    elif stopped:
+        phase = Phase.LOADING
+        message = "Waking: KServe is starting the predictor again."
+        isvc_cond = ("Unknown", "Resuming", message)
+    elif _is_true(ready):
+        at_zero = states.get("targetModelState") == "Pending" and model_status.get("transitionStatus") == "InProgress"
+        if rolling_out:
+            phase = Phase.LOADING
+            message = f"Rolling out revision {created}; {serving} serves meanwhile."
+        elif knative and at_zero and states.get("activeModelState") == "Loaded":
+            phase, replicas = Phase.IDLE, 0
+            message = "Scaled to zero; the next request wakes it."
+        else:
+            phase, message = Phase.READY, "Serving."
+        isvc_cond = ("True", str((ready or {}).get("reason") or "Ready"), str((ready or {}).get("message") or "Ready."))
+    elif (failure := _child_failure(status, ready)) is not None:
+        phase, message = Phase.FAILED, failure
+        isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
+    else:
+        phase = Phase.LOADING
+        message = str((ready or {}).get("message") or "The predictor is starting.")
+        if rolling_out and not (ready or {}).get("message"):
+            message = f"Rolling out revision {created}."
+        isvc_cond = (
+            str((ready or {}).get("status") or "Unknown"),
+            str((ready or {}).get("reason") or "Starting"),
+            message,
+        )
+
+    if phase in (Phase.READY, Phase.IDLE):
+        ready_cond = ("Ready", "True", "ScaledToZero" if phase is Phase.IDLE else "Serving", message)
+    elif phase is Phase.FAILED:
+        ready_cond = ("Ready", "False", "InferenceServiceFailed", message)
+    else:
+        ready_cond = ("Ready", "False", phase.value, message)
+
+    return {
+        **base,
+        "phase": phase.value,
+        "url": url,
+        "address": address,
+        "replicas": replicas,
+        "message": message,
+        "conditions": _conditions(
+            previous, generation, now, ready_cond, spec_valid, ("InferenceServiceReady", *isvc_cond), *extra
+        ),
+    }
+
+
+def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetime | None = None) -> dict[str, Any]:
+    """The status of a UniversalModel whose spec cannot be served: SpecValid=False naming the field."""
+    now = now or datetime.now(UTC)
+    meta = body.get("metadata", {})
+    generation = int(meta.get("generation") or 0)
+    raw_previous = (body.get("status") or {}).get("conditions") or []
+    previous = []
+    for item in raw_previous:
+        try:
+            previous.append(Condition.model_validate(item))
+        except ValidationError:
+            continue
+    message = f"Invalid spec: {error}"
+    raw_spec = body.get("spec")
+    served = raw_spec.get("servedName") if isinstance(raw_spec, dict) else None
+    return {
+        "phase": Phase.FAILED.value,
+        "observedGeneration": generation,
+        "servedName": served if isinstance(served, str) else meta.get("name"),
+        "message": message,
+        "conditions": _conditions(
+            previous, generation, now,
+            ("Ready", "False", "InvalidSpec", message),
+            ("SpecValid", "False", "InvalidSpec", message),
+            ("InferenceServiceReady", "Unknown", "NotCreated", "No InferenceService for an invalid spec."),
+        ),
+    }  # fmt: skip
+
+
+def status_for_forbidden(model: UniversalModel, refused: str, now: datetime | None = None) -> dict[str, Any]:
+    """The status while the API server refuses the operator a request: RBAC, never a spec error.
+
+    ``refused`` is the API server's 403 message, which names the user, verb, resource and namespace.
+    SpecValid stays True (nothing in the spec can fix it); the handler retries with a growing delay.
+    """
+    now = now or datetime.now(UTC)
+    generation = model.metadata.generation
+    message = (
+        f"The API server refused the operator: {refused}. This is RBAC, not the spec: grant the operator's "
+        "service account that permission (the Helm chart's operator role lists what it needs); the operator "
+        "retries meanwhile."
+    )
+    return {
+        "observedGeneration": generation,
+        "servedName": model.served_name,
+        "backend": reported_backend(model).value,
+        "inferenceService": model.metadata.name,
+        "phase": Phase.PENDING.value,
+        "message": message,
+        "conditions": _conditions(
+            model.status.conditions, generation, now,
+            ("Ready", "False", "Forbidden", message),
+            ("SpecValid", "True", "Valid", "The spec is valid."),
+            ("InferenceServiceReady", "Unknown", "Forbidden", message),
+        ),
+    }  # fmt: skip
+
+
+def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether writing ``new`` would change what ``current`` says (None values mean absent)."""
+    current = current or {}
+    for key, value in new.items():
+        if key == "conditions":
+            continue
+        if current.get(key) != value and not (value is None and key not in current):
+            return True
+    return _strip_times(current.get("conditions")) != _strip_times(new.get("conditions"))
+
+
+def _strip_times(conditions: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
+    return [
+        (c.get("type"), c.get("status"), c.get("reason"), c.get("message"), c.get("observedGeneration"))
+        for c in conditions or []
+    ]
