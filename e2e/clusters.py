@@ -194,6 +194,8 @@ class RealCluster(EndToEndCluster):
         self.client, self.openai, self.workdir, self.namespace = client, openai, workdir, namespace
         #: Every predictor pod seen per InferenceService (by uid), from a watch over the whole run.
         self.pods_seen: dict[str, set[str]] = {}
+        #: Set once :meth:`watch_pods` has listed: every pod that appears after that is seen.
+        self.pods_listed = asyncio.Event()
 
     async def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return await _kubectl("--namespace", self.namespace, *args)
@@ -262,11 +264,19 @@ class RealCluster(EndToEndCluster):
         return f"http://{name}.{self.namespace}.svc.cluster.local"
 
     async def watch_pods(self) -> None:
-        """Record every predictor pod that appears, however briefly (for :meth:`launches`)."""
+        """Record every predictor pod that appears, however briefly (for :meth:`launches`).
+
+        List, then watch from the list's resourceVersion, as a Kubernetes controller does: the watch replays
+        every change after the list, so a pod made before the watch request reaches the server is not missed."""
         selector = {ISVC_POD_LABEL: exists()}
         while True:
             with contextlib.suppress(ApiError, OSError):
-                async for _, pod in self.client.watch(Pod, namespace=self.namespace, labels=selector):
+                listing = self.client.list(Pod, namespace=self.namespace, labels=selector)
+                self._record([pod async for pod in listing])
+                self.pods_listed.set()
+                async for _, pod in self.client.watch(
+                    Pod, namespace=self.namespace, labels=selector, resource_version=listing.resourceVersion
+                ):
                     self._record([pod])
             await asyncio.sleep(1)
 
