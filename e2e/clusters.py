@@ -32,6 +32,7 @@ from lightkube.operators import exists
 from lightkube.resources.core_v1 import Namespace, Pod, Service
 from openai import AsyncOpenAI
 
+from tests.clock import SteppedClock
 from tests.conftest import TEST_OPERATOR_CONFIG, embedded_operator
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
@@ -113,6 +114,10 @@ class EndToEndCluster(abc.ABC):
         result = await self.kubectl("apply", *self.apply_flags, "-f", str(path))
         assert result.returncode == 0, result.stderr
 
+    @abc.abstractmethod
+    async def idle_for(self, seconds: float) -> None:
+        """Let ``seconds`` pass without a request, as the idle timers count (Knative's window, the gateway's TTL)."""
+
     async def phase(self, name: str) -> str | None:
         return (((await self.model(name)).get("status")) or {}).get("phase")
 
@@ -146,9 +151,16 @@ class SimulatedCluster(EndToEndCluster):
 
     apply_flags = ("--validate=false",)  # the emulator serves no OpenAPI schema to validate against
 
-    def __init__(self, served: ServedEmulator, kserve: ProcessKServe, openai: AsyncOpenAI, workdir: Path) -> None:
+    def __init__(
+        self, served: ServedEmulator, kserve: ProcessKServe, openai: AsyncOpenAI, workdir: Path, clock: SteppedClock
+    ) -> None:
         self.served, self.kserve, self.openai, self.workdir = served, kserve, openai, workdir
         self.namespace = "default"
+        #: What the stand-in's Knative window and the gateway's TTL read: idle time passes only by idle_for.
+        self.clock = clock
+
+    async def idle_for(self, seconds: float) -> None:
+        self.clock.advance(seconds)  # the timers see it at their next tick
 
     async def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return await self.served.kubectl(*args)
@@ -194,9 +206,14 @@ class RealCluster(EndToEndCluster):
         self.client, self.openai, self.workdir, self.namespace = client, openai, workdir, namespace
         #: Every predictor pod seen per InferenceService (by uid), from a watch over the whole run.
         self.pods_seen: dict[str, set[str]] = {}
+        #: Set once :meth:`watch_pods` has listed: every pod that appears after that is seen.
+        self.pods_listed = asyncio.Event()
 
     async def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return await _kubectl("--namespace", self.namespace, *args)
+
+    async def idle_for(self, seconds: float) -> None:
+        pass  # the cluster's clocks run by themselves: the waits that follow allow for the time
 
     async def _get(self, resource: Any, name: str) -> dict[str, Any]:
         try:
@@ -262,11 +279,19 @@ class RealCluster(EndToEndCluster):
         return f"http://{name}.{self.namespace}.svc.cluster.local"
 
     async def watch_pods(self) -> None:
-        """Record every predictor pod that appears, however briefly (for :meth:`launches`)."""
+        """Record every predictor pod that appears, however briefly (for :meth:`launches`).
+
+        List, then watch from the list's resourceVersion, as a Kubernetes controller does: the watch replays
+        every change after the list, so a pod made before the watch request reaches the server is not missed."""
         selector = {ISVC_POD_LABEL: exists()}
         while True:
             with contextlib.suppress(ApiError, OSError):
-                async for _, pod in self.client.watch(Pod, namespace=self.namespace, labels=selector):
+                listing = self.client.list(Pod, namespace=self.namespace, labels=selector)
+                self._record([pod async for pod in listing])
+                self.pods_listed.set()
+                async for _, pod in self.client.watch(
+                    Pod, namespace=self.namespace, labels=selector, resource_version=listing.resourceVersion
+                ):
                     self._record([pod])
             await asyncio.sleep(1)
 
@@ -371,6 +396,7 @@ async def simulated_cluster(
     """The simulated cluster: the emulator ($KUBECONFIG names it meanwhile), the stand-in running real predictor
     processes (``sources``: storage URIs it "downloads" from local folders beyond its defaults; ``gated``: those
     its hub serves only with a token), the embedded operator and the in-process gateway."""
+    clock = SteppedClock()
     with pytest.MonkeyPatch.context() as env:
         async with serve_emulator(workdir, crds=[crd]) as served:
             env.setenv("KUBECONFIG", str(served.kubeconfig))
@@ -379,12 +405,17 @@ async def simulated_cluster(
                 async with (
                     embedded_operator(parse_config(TEST_OPERATOR_CONFIG)),
                     kserve_processes(
-                        client, workdir / "kserve", sources={**DEFAULT_SOURCES, **sources}, gated=gated, grace_period=10
+                        client,
+                        workdir / "kserve",
+                        sources={**DEFAULT_SOURCES, **sources},
+                        gated=gated,
+                        grace_period=10,
+                        clock=clock.monotonic,
                     ) as kserve,
-                    Gateway(KubernetesBackends(["default"], reap_interval=0.2)).serving() as url,
+                    Gateway(KubernetesBackends(["default"], reap_interval=0.2, clock=clock)).serving() as url,
                 ):
                     openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=openai_timeout)
-                    cluster = SimulatedCluster(served, kserve, openai, workdir)
+                    cluster = SimulatedCluster(served, kserve, openai, workdir, clock)
                     yield cluster
                     await openai.close()
                 # Leaving the stand-in terminated every predictor it started: no orphans.

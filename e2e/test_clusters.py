@@ -25,7 +25,7 @@ NS = "default"
 @pytest_asyncio.fixture
 async def real(cluster: ServedEmulator, tmp_path: Path) -> AsyncIterator[RealCluster]:
     client = AsyncClient()
-    unused = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused")
+    unused = AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused", max_retries=0)
     try:
         yield RealCluster(client, unused, tmp_path, NS)
     finally:
@@ -65,7 +65,9 @@ async def test_launches_count_a_pod_that_came_and_went_between_two_looks(real: R
     assert await real.launches("minilm") == 0
     watcher = asyncio.create_task(real.watch_pods())
     try:
-        await asyncio.sleep(0.2)  # let the watch start before the pod appears
+        # Listed: the watch goes on from the list's resourceVersion, so it sees every pod made from now on,
+        # even one gone before the watch request reaches the server.
+        await asyncio.wait_for(real.pods_listed.wait(), timeout=15)
         await _pod(real, "minilm-brief", "minilm", "Running")
         await real.client.delete(Pod, "minilm-brief", namespace=NS)
         await eventually(lambda: len(real.pods_seen.get("minilm", set())) == 1)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from universal_predictors.config import Task
 
@@ -28,6 +28,30 @@ class ModelState(StrEnum):
     FAILED = "failed"
 
 
+class Clock(Protocol):
+    """The time a backend judges idleness by: the system's (:data:`SYSTEM_CLOCK`), or one a test moves, so
+    that whether a model has been idle long enough is the test's to say, not a loaded machine's."""
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back (``time.monotonic``'s)."""
+
+    def monotonic_at(self, unix_time: float) -> float:
+        """When ``unix_time``, a wall-clock time another process stamped, was on :meth:`monotonic`'s clock."""
+
+
+class SystemClock:
+    """The system's clocks."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    @staticmethod
+    def monotonic_at(unix_time: float) -> float:
+        return time.monotonic() - (time.time() - unix_time)
+
+
+SYSTEM_CLOCK: Clock = SystemClock()
+
+
 @dataclass
 class UsageStats:
     """Per-model request accounting for ``ps`` and ``/v1/models``."""
@@ -35,19 +59,25 @@ class UsageStats:
     requests: int = 0
     in_flight: int = 0
     last_used: float | None = None  # wall-clock seconds
-    last_used_monotonic: float = field(default_factory=time.monotonic)
+    #: What ``last_used_monotonic`` and the latencies are read from: the backend's idle clock.
+    clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+    #: The latest request's start or end on ``clock`` (until the first: when the model was added).
+    last_used_monotonic: float = field(init=False)
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+
+    def __post_init__(self) -> None:
+        self.last_used_monotonic = self.clock.monotonic()
 
     def begin(self) -> float:
         self.requests += 1
         self.in_flight += 1
         self.last_used = time.time()
-        now = self.last_used_monotonic = time.monotonic()
+        now = self.last_used_monotonic = self.clock.monotonic()
         return now
 
     def end(self, started: float) -> None:
         self.in_flight -= 1
-        now = self.last_used_monotonic = time.monotonic()
+        now = self.last_used_monotonic = self.clock.monotonic()
         self.latencies.append(now - started)
         self.last_used = time.time()
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
-from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import PredictorReporter
 from universal_operator import kserve
@@ -260,6 +259,7 @@ class KubernetesBackends(Backends):
         client: AsyncClient | None = None,
         reap_interval: float = 1.0,
         watch_timeout: int | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._namespaces = list(namespaces) or ["*"]
         self._client = client
@@ -270,6 +270,7 @@ class KubernetesBackends(Backends):
         self._tasks: list[asyncio.Task[None]] = []
         self._reap_interval = reap_interval
         self._watch_timeout = watch_timeout  # the API server ends each watch after this (None: its default)
+        self._clock = clock  # what Standard mode's TTL is judged by: each use, each stop and its retries
         self._health = {namespace: _WatchHealth() for namespace in self._namespaces}
         self._synced = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
@@ -385,14 +386,14 @@ class KubernetesBackends(Backends):
         self._invalid.pop(key, None)
         model = self._all.get(key)
         if model is None:
-            model = self._all[key] = ClusterModel(parsed)
+            model = self._all[key] = ClusterModel(parsed, stats=UsageStats(clock=self._clock))
         else:
             model.update(parsed)
         if model.state is ModelState.READY:
             if not model.ready.is_set():
                 # Just up: whichever replica woke it holds a request that has not reached it yet, so
                 # the model's own metrics cannot show that use; count it as used now.
-                model.used_elsewhere = max(model.used_elsewhere, time.monotonic())
+                model.used_elsewhere = max(model.used_elsewhere, self._clock.monotonic())
             model.ready.set()
             model.stop_requested = False
         else:
@@ -534,13 +535,13 @@ class KubernetesBackends(Backends):
         while True:
             await asyncio.sleep(self._reap_interval)
             for model in list(self._models.values()):
-                if not self._stoppable(model, time.monotonic()):
+                if not self._stoppable(model, self._clock.monotonic()):
                     continue
                 used = await self._used_upstream(model)
-                if used is not None and not is_idle(used, 0, model.policy.idle_timeout, time.monotonic()):
+                if used is not None and not is_idle(used, 0, model.policy.idle_timeout, self._clock.monotonic()):
                     model.used_elsewhere = max(model.used_elsewhere, used)  # check again once that use is old
                     continue
-                if self._models.get(model.served_name) is model and self._stoppable(model, time.monotonic()):
+                if self._models.get(model.served_name) is model and self._stoppable(model, self._clock.monotonic()):
                     await self._stop(model)
 
     async def _used_upstream(self, model: ClusterModel) -> float | None:
@@ -573,7 +574,7 @@ class KubernetesBackends(Backends):
             if isinstance(result, BaseException):
                 logger.info("no metrics from %s/%s at %s (%s); counting it as busy",
                             model.namespace, model.name, url, _describe(result))  # fmt: skip
-                return time.monotonic()
+                return self._clock.monotonic()
             in_flight, last = max(in_flight, result[0]), max(last, result[1])
         return self._used_at(in_flight, last)
 
@@ -625,15 +626,14 @@ class KubernetesBackends(Backends):
                     last = max(last, sample.value)
         return in_flight, last
 
-    @staticmethod
-    def _used_at(in_flight: float, last: float) -> float | None:
+    def _used_at(self, in_flight: float, last: float) -> float | None:
         """Usage as a monotonic time: now while a request is in flight, None when there never was one."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if in_flight > 0:
             return now
         if last <= 0:
             return None
-        return now - max(0.0, time.time() - last)  # the model's clock ahead of ours: used just now
+        return min(now, self._clock.monotonic_at(last))  # the model's clock ahead of ours: used just now
 
     async def _stop(self, model: ClusterModel) -> None:
         model.stop_requested = True
@@ -645,7 +645,7 @@ class KubernetesBackends(Backends):
             # Back off: a refusal (403 without the Standard-mode RBAC) does not go away by itself.
             model.stop_failures += 1
             delay = min(STOP_RETRY_MAX_S, STOP_RETRY_FIRST_S * 2 ** (model.stop_failures - 1))
-            model.stop_retry_at = time.monotonic() + delay
+            model.stop_retry_at = self._clock.monotonic() + delay
             refused = isinstance(exc, ApiError) and exc.status.code == 403
             hint = f"; {STANDARD_MODE_HINT}" if refused and model.stop_failures == 1 else ""
             logger.warning("could not stop idle %s/%s: %s%s; retrying in %.0fs",

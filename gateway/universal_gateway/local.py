@@ -28,7 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
+from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
 from universal_gateway.manifests import Manifest
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
@@ -149,8 +149,11 @@ class LocalSupervisor(Backends):
         env: dict[str, str] | None = None,
         reap_interval: float = 0.25,
         fetch: Callable[[Manifest], str] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self._models = {m.model.served_name: LocalModel(m) for m in manifests}
+        # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
+        self._clock = clock
+        self._models = {m.model.served_name: LocalModel(m, stats=UsageStats(clock=clock)) for m in manifests}
         # Loopback is shared by every user of this machine: the predictors also want this run's token.
         self._token = self.upstream_token = secrets.token_urlsafe(32)
         self._state_root = state_root or default_state_root()
@@ -344,7 +347,7 @@ class LocalSupervisor(Backends):
         """The TTL unload: stop models idle for longer than their idleTimeout."""
         while True:
             await asyncio.sleep(self._reap_interval)
-            now = time.monotonic()
+            now = self._clock.monotonic()
             for model in self._models.values():
                 policy, stats = model.policy, model.stats
                 if (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +20,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from tests.clock import SteppedClock
 from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
 from universal_gateway.app import Gateway
@@ -204,22 +206,32 @@ async def test_a_failed_standard_mode_model_answers_503_at_once_and_is_not_woken
 async def test_a_gateway_replica_without_traffic_does_not_stop_a_model_another_replica_is_serving(
     cluster: ServedEmulator, upstream: PredictorProcess
 ) -> None:
-    idle = 2.0
+    # Both replicas judge idleness on a clock the test steps: however slowly a loaded machine sends B's
+    # requests, one comes every third of an idleTimeout, and a window passes only when the test says.
+    idle, clock = 60.0, SteppedClock()
     await standard_model(cluster, f"{idle:.0f}s", "Ready", upstream.url)
-    quiet = KubernetesBackends(["default"], reap_interval=0.2)  # replica A: no request reaches it
-    busy = KubernetesBackends(["default"], reap_interval=0.2)  # replica B: every request
+    quiet = KubernetesBackends(["default"], reap_interval=0.2, clock=clock)  # replica A: no request reaches it
+    busy = KubernetesBackends(["default"], reap_interval=0.2, clock=clock)  # replica B: every request
     async with Gateway(quiet).serving(), Gateway(busy).serving() as busy_url:
         await eventually(lambda: state(quiet) is state(busy) is ModelState.READY)
         client = AsyncOpenAI(base_url=f"{busy_url}/v1", api_key="x", max_retries=0)
-        loop = asyncio.get_running_loop()
+        seen_by_quiet = quiet._models[SERVED]
+
+        def quiet_decided(used_before: float) -> bool:
+            """A learnt of a use later than ``used_before`` from the model, or stopped it."""
+            return seen_by_quiet.used_elsewhere > used_before or STOP_ANNOTATION in annotations(cluster)
+
         for window in range(3):
             # Requests through B for one whole idleTimeout: A sees none of them.
-            until = loop.time() + idle
-            while loop.time() < until:
+            used_before = seen_by_quiet.used_elsewhere
+            for _ in range(3):
                 await client.embeddings.create(model=SERVED, input=f"window {window}")
-                await asyncio.sleep(0.2)
+                clock.advance(idle / 3)
+            # Idle by its own count, A asks the model before stopping it; the model says B used it.
+            await eventually(functools.partial(quiet_decided, used_before))
             assert STOP_ANNOTATION not in annotations(cluster), f"stopped while in use (window {window})"
         # No more requests: idle on every replica, so it is stopped.
+        clock.advance(idle)
         await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=20)
     assert ("patch", ISVC) in assert_within_rbac(cluster, standard_mode=True)
 

@@ -3,7 +3,8 @@
 Each test starts an :class:`HttpServer` on 127.0.0.1 with a small handler written here, and talks to it
 over a raw connection (so the test decides exactly which bytes go out, and when: pipelining, Expect,
 malformed input, a client that stops reading) or through aiohttp where a normal client is the point.
-Nothing here waits on the clock: reads wait for bytes or EOF, everything else is polled.
+Nothing here waits on the clock: reads wait for bytes or EOF, everything else is polled; where time must pass
+between two bytes, the test moves the event loop's clock (:class:`LoopClock`).
 """
 
 from __future__ import annotations
@@ -182,6 +183,29 @@ class Recorder:
     async def __call__(self, request: Request) -> Response:
         self.requests.append(request)
         return await echo(request)
+
+
+class LoopClock:
+    """The running loop's clock, moved ahead by the test: the server's timers see the time pass at once, as
+    after a stall, and a slow machine adds only its own little delay (real time still runs underneath)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._real = loop.time
+        self._ahead = 0.0
+
+    def time(self) -> float:
+        return self._real() + self._ahead
+
+    def advance(self, seconds: float) -> None:
+        self._ahead += seconds
+
+
+@pytest.fixture
+async def loop_clock(monkeypatch: pytest.MonkeyPatch) -> LoopClock:
+    loop = asyncio.get_running_loop()
+    clock = LoopClock(loop)
+    monkeypatch.setattr(loop, "time", clock.time)  # what call_later, timers and the server's reads ask
+    return clock
 
 
 async def drain_loop(rounds: int = 20) -> None:
@@ -821,13 +845,22 @@ async def test_a_request_that_stops_arriving_gets_408_and_the_connection_closes(
     assert recorder.requests == []
 
 
-async def test_a_slow_sender_whose_bytes_keep_coming_is_not_cut_off(harness: Harness) -> None:
-    server = await harness.serve(echo, receive_timeout_s=1.0)
+async def test_a_slow_sender_whose_bytes_keep_coming_is_not_cut_off(harness: Harness, loop_clock: LoopClock) -> None:
+    # Two thirds of the timeout between bytes, three and a third timeouts in all: the receive timer fires (more
+    # than once) while the body is still arriving. Only a stall of a third of the timeout (20 s) on top of a
+    # gap could make it reach the timeout.
+    timeout = 60.0
+    gap = timeout * 2 / 3
+    server = await harness.serve(echo, receive_timeout_s=timeout)
     client = await harness.connect(server)
     await client.send(b"POST /slow HTTP/1.1\r\nHost: test\r\nContent-Length: 5\r\n\r\n")
-    for byte in b"hello":  # 1.5 s in all, more than the timeout, never 1 s without a byte
-        await asyncio.sleep(0.3)
+    *first, last = b"hello"
+    for held, byte in enumerate(first, start=1):
+        loop_clock.advance(gap)
         await client.send(bytes([byte]))
+        await eventually(lambda held=held: server.buffered == held)  # the server has it: the next gap starts
+    loop_clock.advance(gap)
+    await client.send(bytes([last]))
     answer = await client.read_answer()
     assert answer.status == 200
     assert answer.body == b"POST /slow hello"

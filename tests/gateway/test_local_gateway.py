@@ -1,10 +1,12 @@
 """`universal-runtime serve` as a user runs it: a real gateway process, real predictor processes, the real
 `openai` client. Embeddings (all-MiniLM-L6-v2 from its PyPI package) stand in for every task here; the
-per-task suites live with the predictors.
+per-task suites live with the predictors. The TTL test runs the same gateway in this process instead, so that
+it holds the clock idleness is judged by.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -12,12 +14,19 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 
-from tests.gateway.harness import GatewayProcess, pid_alive, running_gateway, wait_for
+from tests.clock import SteppedClock
+from tests.conftest import eventually
+from tests.gateway.harness import GatewayProcess, pid_alive, predictor_pid, running_gateway, wait_for
+from tests.predictors.harness import OFFLINE_ENV
+from universal_gateway.app import Gateway
+from universal_gateway.local import LocalSupervisor
+from universal_gateway.manifests import load_manifests
 
 EMBED = "all-minilm-l6-v2"
 
@@ -39,6 +48,12 @@ spec:
     return path
 
 
+def openai_client(gateway: GatewayProcess, api_key: str = "x", **options: Any) -> OpenAI:
+    """The real client without its retries: a 503 or a dropped connection it retried unseen would hide a
+    cold-start bug."""
+    return OpenAI(base_url=gateway.base_url, api_key=api_key, max_retries=0, **options)
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     folder = tmp_path_factory.mktemp("manifests")
@@ -49,7 +64,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
 
 def test_openai_client_embeds_through_both_prefixes(gateway: GatewayProcess) -> None:
     for base in (f"{gateway.url}/v1", f"{gateway.url}/openai/v1"):
-        client = OpenAI(base_url=base, api_key="unused")
+        client = OpenAI(base_url=base, api_key="unused", max_retries=0)
         result = client.embeddings.create(model=EMBED, input=["a cat sat on the mat", "stock markets fell"])
         assert [d.index for d in result.data] == [0, 1]
         assert len(result.data[0].embedding) == 384
@@ -57,7 +72,7 @@ def test_openai_client_embeds_through_both_prefixes(gateway: GatewayProcess) -> 
 
 
 def test_models_lists_state_task_and_usage(gateway: GatewayProcess) -> None:
-    OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="hello")
+    openai_client(gateway).embeddings.create(model=EMBED, input="hello")
     card = gateway.models()[EMBED]
     assert card["object"] == "model"
     assert card["task"] == "embed"
@@ -105,34 +120,47 @@ def test_invalid_json_is_a_400_not_a_5xx(gateway: GatewayProcess) -> None:
     assert response.json()["error"]["code"] == "invalid_json"
 
 
-def test_idle_model_is_unloaded_and_cold_starts_once_for_concurrent_requests(tmp_path: Path) -> None:
+async def test_idle_model_is_unloaded_and_cold_starts_once_for_concurrent_requests(tmp_path: Path) -> None:
     folder = tmp_path / "manifests"
     embed_manifest(folder, name="ttl", served="ttl-embed", idle="2s")
-    with running_gateway([folder], tmp_path / "gw") as gateway:
-        client = OpenAI(base_url=gateway.base_url, api_key="x")
-        client.embeddings.create(model="ttl-embed", input="wake up")
-        first_pid = gateway.predictor_pid("ttl-embed")
+    # `serve`'s supervisor and gateway, in this process, judging idleness on a clock the test steps: the
+    # idleTimeout passes when the test says so, never because a loaded machine was slow between two requests.
+    clock = SteppedClock()
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV, clock=clock)
+    async with (
+        Gateway(supervisor).serving() as url,
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+
+        async def card() -> dict[str, Any]:
+            return {m.id: m.model_dump() for m in (await client.models.list()).data}["ttl-embed"]
+
+        await client.embeddings.create(model="ttl-embed", input="wake up")
+        first_pid = predictor_pid(os.getpid(), "ttl-embed")
         assert first_pid is not None
         assert pid_alive(first_pid)
 
         # The TTL unload: the process is gone, the memory back with the system.
         # (the gateway marks the model idle once it has reaped the process: an instant after the pid is gone)
-        wait_for(lambda: not pid_alive(first_pid) and gateway.models()["ttl-embed"]["state"] == "idle", within=30)
+        clock.advance(2)  # the idleTimeout
+
+        async def unloaded() -> bool:
+            return not pid_alive(first_pid) and (await card())["state"] == "idle"
+
+        await eventually(unloaded, within=30)
 
         # 20 concurrent requests to the idle model: one start, all succeed.
-        with concurrent.futures.ThreadPoolExecutor(20) as pool:
-            results = list(pool.map(lambda i: client.embeddings.create(model="ttl-embed", input=f"n{i}"), range(20)))
+        results = await asyncio.gather(*(client.embeddings.create(model="ttl-embed", input=f"n{i}") for i in range(20)))
         assert len(results) == 20
-        card = gateway.models()["ttl-embed"]
-        assert card["starts"] == 2
-        assert gateway.predictor_pid("ttl-embed") not in (None, first_pid)
+        assert (await card())["starts"] == 2
+        assert predictor_pid(os.getpid(), "ttl-embed") not in (None, first_pid)
 
 
 def test_a_killed_predictor_restarts_on_the_next_request(tmp_path: Path) -> None:
     folder = tmp_path / "manifests"
     embed_manifest(folder, name="crashy", served="crashy")
     with running_gateway([folder], tmp_path / "gw") as gateway:
-        client = OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0)
+        client = openai_client(gateway)
         client.embeddings.create(model="crashy", input="one")
         pid = gateway.predictor_pid("crashy")
         assert pid is not None
@@ -156,7 +184,7 @@ def test_api_keys_and_per_key_allowlist(tmp_path: Path) -> None:
         forbidden = httpx.post(
             url, json={"model": "model-b", "input": "x"}, headers={"Authorization": "Bearer sk-only-a"}
         )
-        allowed = OpenAI(base_url=gateway.base_url, api_key="sk-only-a").embeddings.create(model="model-a", input="x")
+        allowed = openai_client(gateway, "sk-only-a").embeddings.create(model="model-a", input="x")
         visible = gateway.models(api_key="sk-only-a")
         assert missing.status_code == 401
         assert missing.json()["error"]["code"] == "missing_api_key"
@@ -207,7 +235,7 @@ def test_sigterm_stops_every_predictor(tmp_path: Path) -> None:
     folder = tmp_path / "manifests"
     embed_manifest(folder)
     with running_gateway([folder], tmp_path / "gw") as gateway:
-        OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="x")
+        openai_client(gateway).embeddings.create(model=EMBED, input="x")
         pid = gateway.predictor_pid(EMBED)
         assert pid is not None
         gateway.process.send_signal(signal.SIGTERM)
@@ -249,12 +277,12 @@ def test_an_unreachable_hub_model_fails_alone_and_the_rest_keep_serving(tmp_path
         card = gateway.models()["hub"]
         assert card["state"] == "failed"
         assert "cannot fetch" in card["message"]
-        result = OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="still here")
+        result = openai_client(gateway).embeddings.create(model=EMBED, input="still here")
         assert len(result.data[0].embedding) == 384
 
 
 def test_ps_prints_a_table_of_models(gateway: GatewayProcess) -> None:
-    OpenAI(base_url=gateway.base_url, api_key="x").embeddings.create(model=EMBED, input="counted")
+    openai_client(gateway).embeddings.create(model=EMBED, input="counted")
     result = subprocess.run(
         [sys.executable, "-m", "universal_gateway.cli", "ps", "--url", gateway.url],
         capture_output=True, text=True, timeout=60, check=False,
@@ -299,7 +327,7 @@ spec:
     )
     with running_gateway([folder], tmp_path / "gw") as gateway:
         assert gateway.models()["gpu-chat"]["backend"] == "auto"
-        client = OpenAI(base_url=gateway.base_url, api_key="x", max_retries=0, timeout=300)
+        client = openai_client(gateway, timeout=300)
         client.completions.create(model="gpu-chat", prompt="Once", max_tokens=2)
         assert gateway.models()["gpu-chat"]["backend"] == "transformers"
         result = subprocess.run(

@@ -73,7 +73,7 @@ def test_usage_counts_the_tokenizers_tokens(embed_predictor: PredictorProcess, m
 def test_openai_client_embeddings_create_works_unchanged(
     embed_predictor: PredictorProcess, minilm_in_process: Any
 ) -> None:
-    client = OpenAI(base_url=embed_predictor.openai_url, api_key="x")
+    client = OpenAI(base_url=embed_predictor.openai_url, api_key="x", max_retries=0)
     many = client.embeddings.create(model=MODEL, input=SENTENCES)  # the client asks for base64 by default
     one = client.embeddings.create(model=MODEL, input="hi", encoding_format="float")
     reference = minilm_in_process.encode(SENTENCES)

@@ -21,11 +21,12 @@ KServe records it; ``observedGeneration`` is the child workload's.
   fixed loopback port, as a Service's address outlives its pods.
 * Knative mode: the address is a small loopback proxy playing Knative's activator. With
   ``minReplicas: 0`` the process is terminated once no request has been seen for the scale-to-zero
-  retention period the operator rendered (the zero-pod status: target Pending, InProgress, Ready stays
-  True); a connection arriving at zero is held while the process starts (concurrent ones share one start)
-  and its bytes are relayed once it is ready, but no longer than the revision's timeout: the activator
-  answers 504 when no byte of the response came within it (knative-v1.16.0 cmd/activator/main.go,
-  pkg/http/handler/timeout.go; default 300 s, pkg/apis/config/defaults.go).
+  retention period the operator rendered, as ``clock`` counts it (a test may bring its own), with the zero-pod
+  status (target Pending, InProgress, Ready stays True); a connection arriving at zero is held while the
+  process starts (concurrent ones share one start) and its bytes are relayed once it is ready, but no
+  longer than the revision's timeout: the activator answers 504 when no byte of the response came within
+  it (knative-v1.16.0 cmd/activator/main.go, pkg/http/handler/timeout.go; default 300 s,
+  pkg/apis/config/defaults.go).
 * Deleting an InferenceService, or leaving :func:`kserve_processes`, terminates its process.
 
 Two modes (``mode=``), the same statuses and scaling in both:
@@ -54,7 +55,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -338,7 +339,7 @@ class PredictorWorkload:
         self._waking: asyncio.Task[Replica] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
         self._connections: set[_Connection] = set()
-        self._last_activity = time.monotonic()
+        self._last_activity = kserve.clock()
         # A Service's address outlives its pods: one port per InferenceService (Standard), or the proxy's.
         self._service_port = free_port()
         self._proxy: asyncio.Server | None = None
@@ -594,7 +595,7 @@ class PredictorWorkload:
             await self._fail(failure)
             raise
         replica.ready = True
-        self._last_activity = time.monotonic()
+        self._last_activity = self.kserve.clock()
         self._zero_generation = None
         self._loaded_before = True
         await self._report("serving", self._ready(replicas=1))
@@ -839,7 +840,7 @@ class PredictorWorkload:
             )
         finally:
             self._connections.discard(connection)
-            self._last_activity = time.monotonic()
+            self._last_activity = self.kserve.clock()
             for end in (writer, upstream):
                 if end is not None:
                     end.close()
@@ -875,12 +876,13 @@ class PredictorWorkload:
                 if not chunk:
                     sink.close()
                     return
-                connection.response_at = self._last_activity = time.monotonic()
+                connection.response_at = time.monotonic()
+                self._last_activity = self.kserve.clock()
                 sink.write(chunk)
                 await sink.drain()
             while chunk := await source.read(65536):
                 now = time.monotonic()
-                self._last_activity = now
+                self._last_activity = self.kserve.clock()
                 if request:
                     connection.request_at = max(now, connection.response_at + 1e-9)
                 else:
@@ -902,12 +904,12 @@ class PredictorWorkload:
             replica = self.replica
             if not self.scales_to_zero or replica is None or not replica.ready or self.busy:
                 continue
-            if time.monotonic() - self._last_activity < self.idle_window:
+            if self.kserve.clock() - self._last_activity < self.idle_window:
                 continue
             async with self._lock:
                 if self.replica is not replica or self.busy:
                     continue
-                if time.monotonic() - self._last_activity < self.idle_window:
+                if self.kserve.clock() - self._last_activity < self.idle_window:
                     continue
                 logger.info("KServe stand-in: scaling %s/%s to zero", *self.key)
                 await self._terminate()
@@ -955,6 +957,7 @@ class ProcessKServe:
         grace_period: float = 15.0,
         version: KServeVersion = DEFAULT_VERSION,
         mode: Mode = "process",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in ("process", "container"):
             raise ValueError(f"mode must be 'process' or 'container', not {mode!r}")
@@ -969,6 +972,8 @@ class ProcessKServe:
         self.namespace = namespace
         self.python = python
         self.grace_period = grace_period
+        #: What Knative's idle window is measured on (a test's own clock decides when a replica has idled).
+        self.clock = clock
         self.workloads: dict[Key, PredictorWorkload] = {}
         #: Every process id this stand-in started (container mode: the attached ``podman run``), so a caller can
         #: check none outlived it; in container mode also every container's name.
