@@ -308,7 +308,8 @@ class Gateway:
                     f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
                 ) from None
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
-            if not upstream.content_type.startswith("text/event-stream"):
+            head_only = request.method == "HEAD"  # the upstream's answer ended with its head
+            if head_only or not upstream.content_type.startswith("text/event-stream"):
                 try:
                     payload = await upstream.read_all(read_timeout)
                 except (TimeoutError, UpstreamError):
@@ -317,7 +318,8 @@ class Gateway:
                     ) from None
                 whole = True
                 series.ttfb.observe(time.monotonic() - started)
-                return Response(payload, status=upstream.status, headers=passed)
+                length = upstream.content_length if head_only else None
+                return Response(payload, status=upstream.status, headers=passed, length=length)
             response = await request.stream(upstream.status, passed)
             first = True
             try:
