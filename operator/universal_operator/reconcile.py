@@ -265,7 +265,7 @@ def labels_for(model: UniversalModel) -> dict[str, str]:
         LABEL_TASK: model.spec.task.value,
     }
     served = model.served_name
-    labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.match(served) else _label_safe(served)
+    labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.fullmatch(served) else _label_safe(served)
     return labels
 
 
@@ -775,7 +775,7 @@ _SUFFIX = {
 
 def _quantity(value: Any) -> Decimal | None:
     """A Kubernetes quantity's value, or None if ``value`` is not one."""
-    match = _QUANTITY.match(str(value))
+    match = _QUANTITY.fullmatch(str(value))
     if not match:
         return None
     number, suffix = match.group(1), match.group(2) or ""
