@@ -1,13 +1,14 @@
 """Hostile documents on a real OCR predictor (RapidOCR): a tiny PDF that would render for hours is stopped at
 its time budget or when its client leaves, without holding up other PDFs; a multi-frame TIFF cannot decode
-more pixels than the request's budget; a multipart upload's boundary is held to RFC 2046. The hostile files
-are built here."""
+more pixels than the request's budget, and its frames are counted no further than max_pages + 1; a multipart
+upload's boundary is held to RFC 2046. The hostile files are built here."""
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
 import io
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from universal_predictors.config import Backend, PredictorConfig, Task
 PDF_TIMEOUT_S = 20
 MAX_PIXELS = 4_000_000
 MAX_TOTAL_PIXELS = 10_000_000
+MAX_PAGES = 32  # the OCR default
 
 
 def nested_forms_pdf(depth: int = 6, repeats: int = 10) -> bytes:
@@ -69,6 +71,23 @@ def white_tiff(frames: int, side: int) -> bytes:
     buffer = io.BytesIO()
     frame.save(buffer, "TIFF", save_all=True, append_images=[frame] * (frames - 1), compression="tiff_lzw")
     return buffer.getvalue()
+
+
+def tiff_chain(frames: int, then: int = 0) -> bytes:
+    """A little-endian TIFF of ``frames`` 1x1 bilevel image directories in a chain, all on one one-byte strip
+    (114 bytes a frame: 128,000 of them are 14 MB). The last directory points on to offset ``then`` (0: the
+    chain ends there)."""
+    entries = [(256, 3, 1), (257, 3, 1), (258, 3, 1), (259, 3, 1), (262, 3, 1), (273, 4, 8), (277, 3, 1),
+               (278, 3, 1), (279, 4, 1)]  # fmt: skip
+    size = 2 + 12 * len(entries) + 4
+    out = bytearray(b"II*\x00" + struct.pack("<I", 10) + b"\x00\x00")  # the strip at 8, directories from 10
+    for number in range(frames):
+        out += struct.pack("<H", len(entries))
+        for tag, kind, value in entries:
+            # A SHORT value sits left-justified in the entry's four value bytes.
+            out += struct.pack("<HHIHH" if kind == 3 else "<HHII", tag, kind, 1, value, *([0] if kind == 3 else []))
+        out += struct.pack("<I", 10 + (number + 1) * size if number + 1 < frames else then)
+    return bytes(out)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +144,23 @@ def test_tiff_frames_over_the_requests_pixel_budget_are_a_413_before_decoding(oc
     assert error["code"] == "too_many_pixels"
     assert error["param"] == "images[0] frame 3"
     assert f"the limit max_total_pixels is {MAX_TOTAL_PIXELS}" in error["message"]
+
+
+def test_the_tiff_chain_is_a_tiff_pillow_reads_frame_by_frame() -> None:
+    with Image.open(io.BytesIO(tiff_chain(3))) as image:
+        assert (image.format, image.n_frames, image.size) == ("TIFF", 3, (1, 1))
+
+
+def test_a_tiff_over_max_pages_is_a_413_before_the_rest_of_its_chain_is_read(ocr_predictor: PredictorProcess) -> None:
+    """Issue 31, item 12: the page check came after Pillow's ``n_frames`` had walked the whole chain (128,000
+    directories: 73 s of CPU before the 413). Here directory 34 is not there at all (its offset is past the
+    end of the file): reading it fails, so only a count that stops at max_pages + 1 (33) gets to the 413."""
+    tiff = tiff_chain(MAX_PAGES + 1, then=0x7FFF_FFF0)
+    error = openai_error(ocr(ocr_predictor, images=[base64.b64encode(tiff).decode()]), 413)
+    assert error["code"] == "too_many_pages"
+    assert error["param"] == "images[0]"
+    assert f"more than {MAX_PAGES} frames" in error["message"]
+    assert f"the limit max_pages is {MAX_PAGES}" in error["message"]
 
 
 def test_the_pixel_budget_spans_all_images_of_a_request(ocr_predictor: PredictorProcess) -> None:
