@@ -28,7 +28,7 @@ from universal_gateway.server import Headers, HttpServer, Request, Response, Str
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import UPSTREAM_TOKEN_HEADER
-from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, Unavailable
+from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Gateway:
             extra_headers=self._cors if self.cors_origins else None,
             receive_timeout_s=self.limits.receive_timeout,
             head_timeout_s=self.limits.head_timeout,
-            authorize=self.authorize_head if self.keys.enabled else None,
+            authorize=self.authorize_head,
             max_connections=self.limits.max_connections,
             max_buffered_bytes=self.limits.max_buffered_bytes,
         )
@@ -107,10 +107,13 @@ class Gateway:
             await self.close()
 
     def authorize_head(self, request: Request) -> APIError | None:
-        """With keys on, a request without a valid key is refused on its head, before its body is read
-        (the model-specific check, 403, comes once the body names the model). Probes and CORS
-        preflights (a browser sends no key with those) pass."""
+        """Asked on each request's head, before its body is read. Probes and CORS preflights pass without
+        a key (a browser sends none with a preflight), so they may not bring a body: it would be read and
+        held on nobody's authority (413 instead, the body never read). With keys on, any other request
+        without a valid key is refused (the model-specific check, 403, comes once the body names the model)."""
         if request.path in self._open_paths or request.method == "OPTIONS":
+            return _unexpected_body(request)
+        if not self.keys.enabled:
             return None
         try:
             self.keys.authorize(request.headers.get("authorization"), None)
@@ -308,7 +311,8 @@ class Gateway:
                     f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
                 ) from None
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
-            if not upstream.content_type.startswith("text/event-stream"):
+            head_only = request.method == "HEAD"  # the upstream's answer ended with its head
+            if head_only or not upstream.content_type.startswith("text/event-stream"):
                 try:
                     payload = await upstream.read_all(read_timeout)
                 except (TimeoutError, UpstreamError):
@@ -317,7 +321,8 @@ class Gateway:
                     ) from None
                 whole = True
                 series.ttfb.observe(time.monotonic() - started)
-                return Response(payload, status=upstream.status, headers=passed)
+                length = upstream.content_length if head_only else None
+                return Response(payload, status=upstream.status, headers=passed, length=length)
             response = await request.stream(upstream.status, passed)
             first = True
             try:
@@ -334,3 +339,18 @@ class Gateway:
             return response
         finally:
             self._upstreams.release(upstream, whole)
+
+
+def _unexpected_body(request: Request) -> APIError | None:
+    """A 413 for a request that declares a body (Content-Length above 0, or any Transfer-Encoding: RFC 9112
+    section 6.3) where none is taken; None for one without."""
+    length = request.headers.get("content-length")
+    chunked = "transfer-encoding" in request.headers
+    if not chunked and (length is None or (length.isdigit() and int(length) == 0)):
+        return None
+    declared = f"Transfer-Encoding: {request.headers['transfer-encoding']}" if chunked else f"Content-Length: {length}"
+    return RequestTooLarge(
+        f"{request.method} {request.path} takes no request body, and this request declares one ({declared}); "
+        "send it without a body.",
+        code="body_not_allowed",
+    )

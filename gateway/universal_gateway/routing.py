@@ -44,7 +44,7 @@ class Router(Generic[H]):
 
     def add(self, path: str, method: str, handler: H) -> None:
         segments = tuple(path.split("/"))
-        if not any(_PARAM.match(s) for s in segments):
+        if not any(_PARAM.fullmatch(s) for s in segments):
             self._exact.setdefault(path, {})[method] = handler
             return
         for pattern, methods in self._patterns:
@@ -69,7 +69,7 @@ class Router(Generic[H]):
 def _bind(pattern: tuple[str, ...], segments: list[str]) -> Params | None:
     params: Params = {}
     for index, part in enumerate(pattern):
-        param = _PARAM.match(part)
+        param = _PARAM.fullmatch(part)
         if param is not None and param.group(2):  # {name:path}: the rest, at least one character
             rest = "/".join(segments[index:])
             if not rest:

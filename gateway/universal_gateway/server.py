@@ -56,14 +56,19 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 
 class Response:
-    """A whole answer. ``headers`` without Content-Length, Date or Connection: the server adds them."""
+    """A whole answer. ``headers`` without Content-Length, Date or Connection: the server adds them.
+    ``length`` is the Content-Length to declare instead of the body's: an answer to HEAD relayed from
+    an upstream has no body, but declares the length the GET answer would have."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "headers", "length", "status")
 
-    def __init__(self, body: bytes = b"", *, status: int = 200, headers: Headers | None = None) -> None:
+    def __init__(
+        self, body: bytes = b"", *, status: int = 200, headers: Headers | None = None, length: int | None = None
+    ) -> None:
         self.body = body
         self.status = status
         self.headers = headers if headers is not None else []
+        self.length = length
 
     @classmethod
     def json(cls, payload: Any, *, status: int = 200, headers: Iterable[tuple[str, str]] = ()) -> Response:
@@ -632,7 +637,8 @@ class _Connection(asyncio.Protocol):
             lines.append(b"\r\n")
             self.transport.writelines(lines)
             return
-        lines.append(b"Content-Length: %d\r\n\r\n" % len(response.body))
+        length = len(response.body) if response.length is None else response.length
+        lines.append(b"Content-Length: %d\r\n\r\n" % length)
         if response.body and request.method != "HEAD":  # HEAD: the length a GET would have, no body
             lines.append(response.body)
         self.transport.writelines(lines)

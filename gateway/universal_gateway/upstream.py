@@ -99,6 +99,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[str, str]] = []
         self.content_type = ""
+        #: The answer's Content-Length, where it declared one (the length a GET would have, for HEAD).
+        self.content_length: int | None = None
         self.reusable = False
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -106,6 +108,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers_done = False
         self._complete = False
         self._until_close = False
+        #: The request was HEAD: its answer ends with its head (RFC 9112 section 6.3).
+        self._bodiless = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -114,6 +118,7 @@ class UpstreamConnection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes, client: Request) -> None:
         assert self._transport is not None
         self._begin()
+        self._bodiless = client.method == "HEAD"
         if not self.open:  # connection_lost has come and gone: nothing would ever wake the reader
             self._error = UpstreamError("the upstream closed the connection")
             return
@@ -219,12 +224,21 @@ class UpstreamConnection(asyncio.Protocol):
                 self.content_type = value
             elif lowered in ("content-length", "transfer-encoding"):
                 delimited = True
+                if lowered == "content-length" and value.isdigit():
+                    self.content_length = int(value)
         self._until_close = not delimited
         if self.status >= 200:  # an interim 1xx answer is followed by the real one
             self._headers_done = True
+            if self._bodiless:
+                # A response to HEAD has no body whatever its Content-Length says (RFC 9112 section 6.3),
+                # and llhttp cannot be told so: it would wait for that many bytes. The answer ends here;
+                # ``reusable`` stays False, so the connection closes with the parser mid-message.
+                self._complete = True
             self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._bodiless:
+            return  # bytes a HEAD answer should not have had: never relayed
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
@@ -234,8 +248,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.status < 200:
-            self.headers, self.content_type = [], ""
+            self.headers, self.content_type, self.content_length = [], "", None
             return
+        if self._bodiless:
+            return  # complete since its head, and never reused
         self._complete = True
         self.reusable = self._parser.should_keep_alive()
         self._wake()

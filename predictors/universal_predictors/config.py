@@ -136,7 +136,7 @@ class PredictorConfig(BaseModel):
     @classmethod
     def _engine_arg_keys(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
-            if not _ENGINE_ARG_KEY.match(key):
+            if not _ENGINE_ARG_KEY.fullmatch(key):  # not match: its "$" passes a final newline
                 raise ValueError(f"engine argument key {key!r} must match {_ENGINE_ARG_KEY.pattern}")
         return value
 

@@ -155,10 +155,14 @@ async def parse_form(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     return parse_multipart(request.headers.get("content-type", ""), raw)
 
 
+#: RFC 2046 section 5.1.1: a multipart boundary is 1 to 70 characters.
+MAX_BOUNDARY_CHARS = 70
+
+
 def parse_multipart(content_type: str, body: bytes) -> list[FormPart]:
     """The parts of a ``multipart/form-data`` body, in order (python-multipart's parser, held in memory:
     the body is already read and bounded, and a read-only root file system has nowhere to spool files)."""
-    from python_multipart.exceptions import MultipartParseError
+    from python_multipart.exceptions import FormParserError
     from python_multipart.multipart import MultipartParser, parse_options_header
 
     def unparsable(why: str) -> InvalidRequest:
@@ -168,6 +172,9 @@ def parse_multipart(content_type: str, body: bytes) -> list[FormPart]:
     boundary = options.get(b"boundary")
     if not boundary:
         raise unparsable("its Content-Type names no boundary")
+    if len(boundary) > MAX_BOUNDARY_CHARS:
+        raise unparsable(f"the boundary in its Content-Type is {len(boundary)} characters; RFC 2046 allows at most "
+                         f"{MAX_BOUNDARY_CHARS}: send a shorter one")  # fmt: skip
     parts: list[FormPart] = []
     headers: dict[bytes, bytes] = {}
     field, value = bytearray(), bytearray()
@@ -200,21 +207,21 @@ def parse_multipart(content_type: str, body: bytes) -> list[FormPart]:
         nonlocal ended
         ended = True
 
-    parser = MultipartParser(
-        boundary,
-        {
-            "on_header_field": lambda chunk, start, stop: field.extend(chunk[start:stop]),
-            "on_header_value": lambda chunk, start, stop: value.extend(chunk[start:stop]),
-            "on_header_end": header_end,
-            "on_part_data": lambda chunk, start, stop: data.extend(chunk[start:stop]),
-            "on_part_end": part_end,
-            "on_end": end,
-        },
-    )
-    try:
+    try:  # building the parser checks the boundary too: inside, so no refusal of python-multipart's is a 500
+        parser = MultipartParser(
+            boundary,
+            {
+                "on_header_field": lambda chunk, start, stop: field.extend(chunk[start:stop]),
+                "on_header_value": lambda chunk, start, stop: value.extend(chunk[start:stop]),
+                "on_header_end": header_end,
+                "on_part_data": lambda chunk, start, stop: data.extend(chunk[start:stop]),
+                "on_part_end": part_end,
+                "on_end": end,
+            },
+        )
         parser.write(body)
         parser.finalize()
-    except MultipartParseError as exc:
+    except FormParserError as exc:
         raise unparsable(str(exc).rstrip(".")) from None
     if not ended:
         raise unparsable("it ends before the closing boundary")

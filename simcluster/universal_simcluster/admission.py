@@ -104,7 +104,7 @@ _SUFFIX = {
 
 def quantity(value: Any) -> Decimal:
     """A Kubernetes resource quantity's value (k8s.io/apimachinery pkg/api/resource); ValueError if malformed."""
-    match = _QUANTITY.match(str(value).strip())
+    match = _QUANTITY.fullmatch(str(value).strip())
     if not match:
         raise ValueError(f"quantities must match the regular expression {_QUANTITY.pattern!r}")
     number, suffix = match.group(1), match.group(2) or ""
@@ -230,7 +230,7 @@ def kserve_validate(isvc: JSON, old: JSON | None, cluster: Cluster) -> str | Non
         wanted = annotations.get(ANNOTATION_DEPLOYMENT_MODE)
         if recorded and wanted is not None and wanted != recorded:
             return f"update rejected: deploymentMode cannot be changed from '{recorded}' to '{wanted}'"
-    if not ISVC_NAME.match(name):
+    if not ISVC_NAME.fullmatch(name):  # Go's "$" is the end of the text; Python's match passes "name\n"
         return (
             f'the InferenceService "{name}" is invalid: a InferenceService name must consist of lower case '
             "alphanumeric characters or '-', and must start with alphabetical character. "

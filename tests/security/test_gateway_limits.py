@@ -122,6 +122,34 @@ async def test_a_request_without_a_valid_key_is_refused_on_its_head_before_any_b
         assert served.upstream_calls == []
 
 
+@pytest.mark.parametrize(
+    ("request_line", "framing"),
+    [("POST /healthz", f"Content-Length: {31 * MiB}"), ("GET /readyz", f"Content-Length: {31 * MiB}"),
+     ("OPTIONS /v1/embeddings", f"Content-Length: {31 * MiB}"), ("POST /healthz", "Transfer-Encoding: chunked")],
+)  # fmt: skip
+async def test_a_body_sent_where_no_key_is_needed_is_refused_on_its_head_and_never_held(
+    request_line: str, framing: str
+) -> None:
+    """Issue 31, item 2: probes and preflights pass without a key, so a body on them was read on nobody's
+    authority (slow 31 MiB bodies filled the body budget, and keyed requests got 503)."""
+    async with serving(GatewayLimits(max_body_bytes=32 * MiB)) as served:
+        client = await served.connect()
+        await client.send(f"{request_line} HTTP/1.1\r\nHost: gateway\r\n{framing}\r\n\r\n".encode())
+        await client.send((b"100000\r\n" if "chunked" in framing else b"") + b"x" * MiB)  # a slow upload begun
+
+        answer = await client.read_answer()
+
+        assert answer.status == 413
+        error = error_of(answer)
+        assert error["code"] == "body_not_allowed"
+        assert f"{request_line} takes no request body" in str(error["message"])
+        assert framing in str(error["message"])
+        assert answer.header("connection") == "close"
+        await client.send(b"x" * MiB)  # dropped as it arrives, not held
+        assert served.server.buffered == 0
+        assert served.upstream_calls == []
+
+
 async def test_a_request_with_the_key_still_goes_through() -> None:
     async with serving(GatewayLimits()) as served:
         client = await served.connect()

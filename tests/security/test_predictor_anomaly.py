@@ -4,6 +4,7 @@ only regular files, each within a fit's limits, with what was skipped listed ins
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,45 @@ def test_state_files_over_the_column_and_cell_limits_are_skipped(tmp_path: Path,
         listed = client.get("/v1/anomaly/detectors").json()
     assert listed["data"] == []
     assert limit in listed["skipped"][0]["reason"]
+
+
+def test_a_detector_name_ending_in_a_newline_is_a_400_and_writes_nothing(tmp_path: Path) -> None:
+    """Issue 31, item 16: names were checked with ``re.match`` and ``$``, which also matches before a final
+    newline: "ok\n" was fitted and written as "ok\n.npz", which no request could then read or delete."""
+    state = tmp_path / "state"
+    with running_predictor(anomaly_config(state), tmp_path / "logs") as predictor, predictor.client() as client:
+        refused = client.post("/v1/anomaly/fit", json={"detector": "ok\n", "algorithm": "ecod", "data": rows(20)})
+        listed = client.get("/v1/anomaly/detectors").json()
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "detector"
+    assert "'ok\\n' is not a valid detector name" in error["message"]
+    assert listed["data"] == []
+    assert list((state / "anomaly-detectors").iterdir()) == []
+
+
+def test_a_state_file_named_for_no_detector_is_skipped_and_holds_no_slot(tmp_path: Path) -> None:
+    """A file an unfixed version wrote ("ok\n.npz", its metadata naming "ok\n") is listed as skipped at load,
+    saying what to do, and does not count against max_detectors (251 of them filled it for good)."""
+    state = tmp_path / "state"
+    with running_predictor(anomaly_config(state), tmp_path / "first") as first, first.client() as client:
+        response = client.post("/v1/anomaly/fit", json={"detector": "small", "algorithm": "ecod", "data": rows(20)})
+        assert response.status_code == 200, response.text
+    detectors = state / "anomaly-detectors"
+    with np.load(detectors / "small.npz") as archive:
+        arrays = {key: archive[key] for key in archive.files}
+    meta = json.loads(arrays["meta"].tobytes())
+    arrays["meta"] = np.frombuffer(json.dumps({**meta, "name": "ok\n"}).encode(), dtype=np.uint8)
+    with (detectors / "ok\n.npz").open("wb") as handle:  # sorts before "small.npz": loaded first, if at all
+        np.savez(handle, **arrays)
+
+    second = running_predictor(anomaly_config(state, max_detectors="1"), tmp_path / "second")
+    with second as predictor, predictor.client() as client:
+        listed: dict[str, Any] = client.get("/v1/anomaly/detectors").json()
+
+    assert [d["name"] for d in listed["data"]] == ["small"]
+    assert [entry["file"] for entry in listed["skipped"]] == ["ok\n.npz"]
+    reason = listed["skipped"][0]["reason"]
+    assert "is not named for a detector" in reason
+    assert "rename or remove the file" in reason

@@ -42,14 +42,15 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SUBDIR = "anomaly-detectors"
-#: Detector names: a file name on every filesystem, never a path (no '/', no leading '.').
+#: Detector names: a file name on every filesystem, never a path (no '/', no leading '.'). Matched
+#: whole (``fullmatch``): with ``match``, ``$`` also matches before a final newline, and "ok\n" passed.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: Relative difference between saved and refitted training scores that counts as "the same".
 REFIT_TOLERANCE = 1e-9
 
 
 def valid_name(name: str) -> bool:
-    return bool(NAME_PATTERN.match(name))
+    return NAME_PATTERN.fullmatch(name) is not None
 
 
 #: Bytes of the JSON metadata a file may carry (names, parameters, categories).
@@ -156,18 +157,17 @@ class DetectorStore:
             if path.name.startswith("."):
                 continue
             try:
+                _detector_name(path)  # a misnamed file is reported as such, and holds no max_detectors slot
                 if len(loaded) >= limits.max_detectors:
                     raise CorruptDetector(f"{limits.max_detectors} detectors are loaded, the limit (max_detectors)")
                 loaded.append(self.load(path, limits))
             except Exception as exc:  # any failure in one file must not stop the others or the server
-                logger.warning("skipping anomaly detector file %s: %s", path, exc)
+                logger.warning("skipping anomaly detector file %r: %s", str(path), exc)  # %r: a name may hold "\n"
                 skipped.append(SkippedFile(path.name, str(exc)))
         return loaded, skipped
 
     def load(self, path: Path, limits: LoadLimits) -> FittedDetector:
-        name = path.name.removesuffix(".npz")
-        if not valid_name(name):
-            raise CorruptDetector(f"{path.name} is not a valid detector file name")
+        name = _detector_name(path)
         try:
             mode = os.lstat(path).st_mode
         except OSError as exc:
@@ -209,6 +209,18 @@ class DetectorStore:
                 name,
             )
         return detector
+
+
+def _detector_name(path: Path) -> str:
+    """The detector a file in the state directory holds, by its name; CorruptDetector when that is no
+    detector name (such as "ok\n.npz", which versions that matched names with ``match`` could write)."""
+    name = path.name.removesuffix(".npz")
+    if not valid_name(name):
+        raise CorruptDetector(
+            f"{path.name!r} is not named for a detector (1-64 letters, digits, '_', '.' or '-', starting with a "
+            "letter or digit, then .npz), so the API can neither read nor delete it; rename or remove the file"
+        )
+    return name
 
 
 def _read_arrays(handle: BinaryIO, limits: LoadLimits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

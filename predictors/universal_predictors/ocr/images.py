@@ -121,10 +121,36 @@ def image_pages(
     return _decode_frames(image, frames, index, field)
 
 
+def _count_frames(image: Image.Image, limit: int) -> int:
+    """A TIFF's frames, counted no further than ``limit + 1``: Pillow's ``n_frames`` walks the whole chain
+    of image directories (in time quadratic in their number), and a few megabytes can chain 100,000s."""
+    if image.format != "TIFF":
+        return 1
+    count = 1
+    while count <= limit:
+        try:
+            image.seek(count)  # reads that frame's directory, not its pixels
+        except EOFError:
+            break
+        count += 1
+    return count
+
+
 def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget | None) -> tuple[Image.Image, int]:
     image = _open_header(data, field, limits.max_pixels, pdf="PDF (send it as document)")
-    frames = getattr(image, "n_frames", 1) if image.format == "TIFF" else 1
-    _check_pages(frames, field, limits)
+    try:
+        frames = _count_frames(image, limits.max_pages)
+    except Exception:
+        raise InvalidRequest(
+            f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
+        ) from None
+    if frames > limits.max_pages:
+        raise RequestTooLarge(
+            f"{field}: the TIFF has more than {limits.max_pages} frames (pages); the limit max_pages is "
+            f"{limits.max_pages}. Send at most {limits.max_pages} pages per request",
+            param=field,
+            code="too_many_pages",
+        )
     try:
         for number in range(frames):  # headers only: seeking a TIFF reads its directory, not its pixels
             image.seek(number)
