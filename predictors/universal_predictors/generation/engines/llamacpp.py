@@ -62,7 +62,7 @@ from universal_predictors.generation.engine import (
     SamplingParams,
     VisionSupport,
 )
-from universal_predictors.generation.engines.common import Admission, QueuedSequence, stream_from_engine_thread
+from universal_predictors.generation.engines.admission import Admission, QueuedSequence, stream_from_engine_thread
 from universal_predictors.generation.engines.llamacpp_vision import (
     MAX_IMAGE_PIXELS,
     ImageChunk,
@@ -915,7 +915,7 @@ class LlamaCppEngine(Engine):
             self._release(seq, running)
 
     def _sample(self, seq: _Seq, index: int, running: list[_Seq]) -> Any:
-        """Pick the sequence's next token; returns what its consumer gets (:data:`common.TokenItem`)."""
+        """Pick the sequence's next token; returns what its consumer gets (:data:`admission.TokenItem`)."""
         params = seq.request.params
         ctx = self._ctx.ctx
         logprobs = None
