@@ -107,7 +107,10 @@ WORDS = [
 
 def make_requests(n: int, seed: int) -> list[list[str]]:
     rng = random.Random(seed)
-    sentence = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40))).capitalize() + "."  # noqa: E731
+
+    def sentence() -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40))).capitalize() + "."
+
     return [[sentence() for _ in range(rng.randint(1, 16))] for _ in range(n)]
 
 
@@ -268,7 +271,8 @@ def main() -> None:
         for url, model in servers.values():
             asyncio.run(load(url, model, requests[:20], 4))  # warm up
         singles = [[r[0]] for r in requests[:100]]
-        for c in [*levels, "single"]:
+        runs: list[int | str] = [*levels, "single"]
+        for c in runs:
             for name, (url, model) in servers.items():
                 r = asyncio.run(
                     load(url, model, singles if c == "single" else requests, 1 if c == "single" else int(c))

@@ -65,9 +65,9 @@ from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
 MODEL = "bench-embed"
 ROUNDS = 4  # direct, gateway and relay runs alternate in this many rounds each
-BODY = {"model": MODEL, "input": ["the gateway should add almost nothing", "a second sentence"]}
+BODY: dict[str, Any] = {"model": MODEL, "input": ["the gateway should add almost nothing", "a second sentence"]}
 CHAT_MODEL = "bench-chat"  # the trivial upstream's streamed answer, routed as a generate model
-CHAT_BODY = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+CHAT_BODY: dict[str, Any] = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
 STREAM_EVENTS = 16  # SSE events in the trivial upstream's streamed answer, each written on its own
 
 
@@ -759,7 +759,8 @@ def main() -> None:
             runner.run(run_gateway())
         return
     if args.serve_library:
-        serve_library(*args.serve_library, args.port)
+        server, upstream = args.serve_library
+        serve_library(server, upstream, args.port)
         return
     if args.serve_trivial:
         loop = new_event_loop()

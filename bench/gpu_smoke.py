@@ -174,7 +174,7 @@ def build_bert(out: Path, *, gpu: bool) -> Path:
                         num_attention_heads=max(2, hidden // 64), intermediate_size=4 * hidden,
                         max_position_embeddings=512)  # fmt: skip
     torch.manual_seed(0)
-    BertModel(config).eval().save_pretrained(out)
+    BertModel(config).eval().save_pretrained(out)  # type: ignore[no-untyped-call]  # transformers' eval
     return out
 
 
@@ -239,7 +239,7 @@ def out_of_memory(source: Path, facts: dict[str, Any], *, gpu: bool) -> None:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, (allocated + (64 << 20)) / total), 0)
         else:
-            fired = []
+            fired: list[str] = []
 
             def hook(stage: str, rows: int, columns: int) -> None:
                 if stage == "prefill" and not fired:

@@ -95,7 +95,8 @@ async def play_kserve(emulator: KubeEmulator, client: AsyncClient) -> None:
             async for kind, obj in client.watch(InferenceService, namespace="*"):
                 if kind == "DELETED":
                     continue
-                isvc = obj.to_dict()
+                raw: Any = obj  # a lightkube generic resource: to_dict is untyped
+                isvc = raw.to_dict()
                 meta = isvc["metadata"]
                 key = (str(meta.get("uid")), int(meta.get("generation") or 1))
                 if key in reported:
@@ -110,7 +111,8 @@ def converged(emulator: KubeEmulator, n: int) -> bool:
     if len(children) < n:
         return False
     models = emulator.list_objects("universalmodels", "default")
-    return sum((m.get("status") or {}).get("phase") == "Ready" for m in models) >= n
+    ready: int = sum((m.get("status") or {}).get("phase") == "Ready" for m in models)
+    return ready >= n
 
 
 async def wait_converged(emulator: KubeEmulator, n: int, started: float) -> float:
@@ -193,17 +195,19 @@ async def run_anchor(served: ServedEmulator, n: int) -> Run:
     async def controller() -> None:
         pending: set[asyncio.Task[None]] = set()
         async for kind, obj in client.watch(UniversalModelResource, namespace="default"):
+            raw: Any = obj  # a lightkube generic resource: to_dict is untyped
             if kind == "ADDED":
-                task = asyncio.create_task(reconcile_one(obj.to_dict()))
+                task = asyncio.create_task(reconcile_one(raw.to_dict()))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
 
     async def mirror() -> None:
         async for kind, obj in client.watch(InferenceService, namespace="default"):
-            status = obj.to_dict().get("status") or {}
+            raw: Any = obj  # a lightkube generic resource: to_dict is untyped
+            status = raw.to_dict().get("status") or {}
             if kind != "DELETED" and status.get("observedGeneration"):
                 await client.patch(
-                    UniversalModelResource.Status, obj.metadata.name, {"status": {"phase": "Ready"}},
+                    UniversalModelResource.Status, raw.metadata.name, {"status": {"phase": "Ready"}},
                     namespace="default", patch_type=PatchType.MERGE,
                 )  # fmt: skip
 

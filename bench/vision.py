@@ -119,6 +119,7 @@ def document_bench(donut: Path, rounds: int, count: int, concurrencies: list[int
 
 def chat_ttft_bench(rounds: int, logs: Path, work: Path) -> None:
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
     from tests.predictors.generation.tiny_vlm import build_vlm, data_url, render_image
 
@@ -127,15 +128,15 @@ def chat_ttft_bench(rounds: int, logs: Path, work: Path) -> None:
                              source=str(model_dir))  # fmt: skip
     image = data_url(render_image("A1", (64, 48)))
     text = "Describe the picture in one line."
-    with_image = [{"role": "user", "content": [{"type": "text", "text": text},
+    with_image: list[ChatCompletionMessageParam] = [{"role": "user", "content": [{"type": "text", "text": text},
                                                {"type": "image_url", "image_url": {"url": image}}]}]  # fmt: skip
-    text_only = [{"role": "user", "content": text}]
+    text_only: list[ChatCompletionMessageParam] = [{"role": "user", "content": text}]
     with running_predictor(config, logs) as predictor:
         client = openai.OpenAI(base_url=predictor.openai_url, api_key="unused")
 
-        def ttft(messages: list[dict[str, Any]]) -> float:
+        def ttft(messages: list[ChatCompletionMessageParam]) -> float:
             started = time.perf_counter()
-            stream = client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=8, stream=True)  # type: ignore[arg-type]
+            stream = client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=8, stream=True)
             first = None
             for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:

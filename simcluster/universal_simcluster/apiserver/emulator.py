@@ -227,13 +227,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _serve_apis(self, request: kmock.Request) -> Any:
         # Prefer the storage version of multi-version CRDs (kmock picks an arbitrary one).
         payload = await super()._serve_apis(request)
-        for group in payload.get("groups", []):
+        for group in payload.get("groups", []) if isinstance(payload, dict) else []:
             self._prefer_storage(group)
         return payload
 
     async def _serve_group(self, request: kmock.Request) -> Any:
         payload = await super()._serve_group(request)
-        self._prefer_storage(payload)
+        if isinstance(payload, dict):  # kmock's discovery documents are; its type admits any payload
+            self._prefer_storage(payload)
         return payload
 
     def _prefer_storage(self, group: JSON) -> None:

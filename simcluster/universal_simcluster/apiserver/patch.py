@@ -227,6 +227,6 @@ def apply_owned(
     for path in sorted(managers.get(owner, set()) - new_paths, key=len, reverse=True):
         if not any(other[: len(path)] == path for other in still_owned):
             _remove_path(candidate, path)
-    candidate = apply_merge(candidate, scoped, types)
+    merged: JSON = apply_merge(candidate, scoped, types)  # an object: ``scoped`` is one
     managers[owner] = new_paths
-    return candidate
+    return merged

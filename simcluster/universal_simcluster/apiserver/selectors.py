@@ -26,28 +26,40 @@ def _split_terms(selector: str) -> list[str]:
 _SET_TERM = re.compile(r"^\s*([^\s!=()]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
 
 
-def parse_label_selector(selector: str) -> Callable[[Mapping[str, str]], bool]:
+#: One term of a label selector, over an object's labels.
+LabelCheck = Callable[[Mapping[str, str]], bool]
+
+
+def _value_in(key: str, values: frozenset[str], *, negate: bool) -> LabelCheck:
+    return lambda labels: (labels.get(key) in values) != negate
+
+
+def _value_is(key: str, value: str, *, negate: bool) -> LabelCheck:
+    return lambda labels: (labels.get(key) == value) != negate
+
+
+def _present(key: str, *, negate: bool) -> LabelCheck:
+    return lambda labels: (key in labels) != negate
+
+
+def parse_label_selector(selector: str) -> LabelCheck:
     """Compile ``k=v,k!=v,k,!k,k in (a,b),k notin (a,b)`` into a predicate over labels."""
-    checks: list[Callable[[Mapping[str, str]], bool]] = []
+    checks: list[LabelCheck] = []
     for term in _split_terms(selector):
         if m := _SET_TERM.match(term):
             key, op, raw = m.group(1), m.group(2), m.group(3)
             values = frozenset(v.strip() for v in raw.split(",") if v.strip())
-            if op == "in":
-                checks.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
-            else:
-                checks.append(lambda labels, k=key, vs=values: labels.get(k) not in vs)
+            checks.append(_value_in(key, values, negate=op == "notin"))
         elif "!=" in term:
             key, value = (s.strip() for s in term.split("!=", 1))
-            checks.append(lambda labels, k=key, v=value: labels.get(k) != v)
+            checks.append(_value_is(key, value, negate=True))
         elif "=" in term:
             key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
-            checks.append(lambda labels, k=key, v=value: labels.get(k) == v)
+            checks.append(_value_is(key, value, negate=False))
         elif term.startswith("!"):
-            absent = term[1:].strip()
-            checks.append(lambda labels, k=absent: k not in labels)
+            checks.append(_present(term[1:].strip(), negate=True))
         else:
-            checks.append(lambda labels, k=term: k in labels)
+            checks.append(_present(term, negate=False))
     return lambda labels: all(check(labels) for check in checks)
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import kmock
 
@@ -61,7 +60,7 @@ class Store:
         """The log position of the first event written after resourceVersion ``rv``."""
         return bisect.bisect_right(self._log_rvs.setdefault(canon, []), rv)
 
-    def commit(self, objects: MutableMapping[Any, Any], key: Key, new: JSON, event: str) -> JSON:
+    def commit(self, objects: kmock.ObjectsArray, key: Key, new: JSON, event: str) -> JSON:
         """Stamp the next resourceVersion on ``new``, store it (or its deletion) and log the watch event."""
         self.rv += 1
         new["metadata"]["resourceVersion"] = str(self.rv)
@@ -78,7 +77,7 @@ class Store:
         return new
 
 
-def current(objects: MutableMapping[Any, Any], key: Key) -> JSON | None:
+def current(objects: kmock.ObjectsArray, key: Key) -> JSON | None:
     """The live object at ``key`` (None: absent or deleted)."""
     if key not in objects:
         return None
@@ -87,7 +86,7 @@ def current(objects: MutableMapping[Any, Any], key: Key) -> JSON | None:
 
 
 def select(
-    objects: MutableMapping[Any, Any],
+    objects: kmock.ObjectsArray,
     canon: kmock.resource,
     namespace: str | None,
     predicate: Callable[[JSON], bool],

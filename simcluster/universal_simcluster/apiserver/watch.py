@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import MutableMapping
-from typing import Any
 
 import aiohttp.web
 import kmock
@@ -29,7 +27,7 @@ async def serve_watch(
     spec: ResourceSpec,
     canon: kmock.resource,
     store: Store,
-    objects: MutableMapping[Any, Any],
+    objects: kmock.ObjectsArray,
     *,
     poll_interval: float,
 ) -> aiohttp.web.StreamResponse:

@@ -12,6 +12,7 @@ from kmock._internal import parsing as _parsing
 def parse_api_path(path: str) -> _parsing.ParsedPath:
     """Split a Kubernetes API path into group/version/plural/namespace/name/subresource."""
     parts = [p for p in path.strip("/").split("/") if p]
+    version: str | None  # a group's path may stop before its version (``/apis/serving.kserve.io``)
     if len(parts) >= 2 and parts[0] == "api":
         group, version, rest = "", parts[1], parts[2:]
     elif len(parts) >= 2 and parts[0] == "apis":

@@ -503,6 +503,11 @@ class PredictorWorkload:
             raise
         env: dict[str, str] = {}
         for ref in account.secrets or []:
+            if not ref.name:  # client-go refuses to get an unnamed object; the webhook then refuses the pod
+                raise LaunchFailed(
+                    f"FailedCreate: admission webhook refused the pod: service account {account_name!r} lists a "
+                    "secret without a name"
+                )
             try:
                 secret = await self.kserve.client.get(Secret, ref.name, namespace=self.key[0])
             except ApiError as exc:

@@ -339,7 +339,7 @@ async def record_internal_error(client: AsyncClient, isvc: dict[str, Any], messa
         source=EventSource(component="v1beta1Controllers"),
     )
     try:
-        await client.create(event, namespace=namespace)
+        await client.create(event)  # into the metadata's namespace
     except ApiError as exc:
         logger.debug("KServe stand-in could not record an event: %s", exc)
 
@@ -376,7 +376,8 @@ async def play_kserve(
     while True:
         try:
             async for kind, obj in client.watch(InferenceService, namespace=namespace):
-                isvc = obj.to_dict()
+                raw: Any = obj  # a lightkube generic resource: to_dict is untyped
+                isvc = raw.to_dict()
                 uid = str(isvc.get("metadata", {}).get("uid"))
                 if kind == "DELETED":
                     seen.pop(uid, None)

@@ -35,13 +35,11 @@ from universal_predictors.generation.engines.llamacpp import (
     LlamaCppArgs,
     LlamaCppEngine,
     ModelShape,
-    container_memory_limit,
-    default_threads,
     find_gguf,
-    physical_cores,
     plan_context,
     plan_slots,
 )
+from universal_predictors.host import container_memory_limit, default_threads, physical_cores
 
 GIB = 1 << 30
 

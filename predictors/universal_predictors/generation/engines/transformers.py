@@ -58,7 +58,7 @@ from universal_predictors.generation.engine import (
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
-from universal_predictors.generation.engines.common import Admission, QueuedSequence, stream_from_engine_thread
+from universal_predictors.generation.engines.admission import Admission, QueuedSequence, stream_from_engine_thread
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from universal_predictors.generation.engine import (
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
-from universal_predictors.generation.engines.common import Admission, overloaded
+from universal_predictors.generation.engines.admission import Admission, overloaded
 
 logger = logging.getLogger(__name__)
 

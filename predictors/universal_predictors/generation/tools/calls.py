@@ -235,7 +235,67 @@ class ArgumentsStream:
         return [args_delta(self.calls - 1, stripped)] if stripped else []
 
 
-class JSONCallStreamer:
+class CallObjectStream:
+    """What both streamers (:class:`JSONCallStreamer`, :class:`~.constrained.ConstrainedCallStreamer`) keep of
+    one choice's output, and the states of one call object they share: ``call``, waiting for the object's head
+    until the call's name is known, then ``call_args``, its arguments object streamed as generated until it
+    closes. What comes before and after a call object is each streamer's own."""
+
+    def __init__(
+        self,
+        mode: str,
+        head: re.Pattern[str],
+        known: frozenset[str],
+        call_id: Callable[[], str],
+        *,
+        default: str | None,
+        after_args: str,
+    ) -> None:
+        self.head, self.known, self.call_id = head, known, call_id
+        self.default = default  # the call's name when the head has none and it cannot follow the arguments
+        self.after_args = after_args  # the state once a call's arguments object has closed
+        self.text = ""  # everything generated so far
+        self.pos = 0  # text before this is handled (emitted or deliberately dropped)
+        self.mode = mode
+        self.args = ArgumentsStream()
+        self.args_start = 0  # where the current call's arguments object starts in ``text``
+
+    @property
+    def calls(self) -> int:
+        return self.args.calls
+
+    def step_call(self, out: list[dict[str, Any]]) -> bool:
+        """One step in the ``call`` or ``call_args`` state, its deltas appended to ``out``: True to step again,
+        False to wait for more text (or, once the state is ``whole``, for the end)."""
+        rest = self.text[self.pos :]
+        if self.mode == "call":  # waiting for the head of a call object
+            head = self.head.match(rest)
+            if head is None or not rest[head.end() :]:
+                return False
+            name = streamable_call_name(rest, head, self.default, self.known)
+            if name is WAIT:
+                return False
+            if name is None:
+                self.mode = "whole"  # not a call we can stream: decided at the end
+                return False
+            out.append(self.args.start(name, self.call_id()))
+            self.pos += head.end()
+            self.args_start = self.pos
+            self.mode = "call_args"
+            return True
+        # "call_args": the arguments object of a call, until it closes
+        end = json_value_end(self.text[self.args_start :])
+        if end is None:
+            out += self.args.piece(rest)
+            self.pos = len(self.text)
+            return False
+        out += self.args.piece(self.text[self.pos : self.args_start + end])
+        self.pos = self.args_start + end
+        self.mode = self.after_args
+        return True
+
+
+class JSONCallStreamer(CallObjectStream):
     """Turns one choice's streamed text into chat deltas under ``tool_choice: auto``: content while the
     output cannot (yet) be a tool call, then OpenAI-style ``tool_calls`` deltas (a first one with index,
     id, type and name; then pieces of ``arguments`` as they are generated). What cannot be streamed
@@ -243,17 +303,9 @@ class JSONCallStreamer:
     judged at the end, from the unary parse."""
 
     def __init__(self, syntax: JSONCallFormat, known: frozenset[str]) -> None:
-        self.syntax, self.known = syntax, known
-        self.text = ""  # everything generated so far
-        self.pos = 0  # text before this is handled (emitted or deliberately dropped)
+        super().__init__("undecided", syntax.head, known, syntax.call_id, default=None, after_args="between")
+        self.syntax = syntax
         self.content_end = 0  # text before this was sent as content
-        self.mode = "undecided"
-        self.args = ArgumentsStream()
-        self.args_start = 0  # where the current call's arguments object starts in ``text``
-
-    @property
-    def calls(self) -> int:
-        return self.args.calls
 
     def push(self, text: str) -> list[dict[str, Any]]:
         self.text += text
@@ -294,31 +346,10 @@ class JSONCallStreamer:
                 self.pos += len(rest) - len(body) + (1 if body.startswith("[") else 0)
                 self.mode = "call"
                 continue
-            if self.mode == "call":  # waiting for the head of a call object
-                head = syntax.head.match(rest)
-                if head is None or not rest[head.end() :]:
-                    return out
-                name = streamable_call_name(rest, head, None, self.known)
-                if name is WAIT:
-                    return out
-                if name is None:
-                    self.mode = "whole"  # not a call we can stream: decided at the end
-                    return out
-                out.append(self.args.start(name, syntax.call_id()))
-                self.pos += head.end()
-                self.args_start = self.pos
-                self.mode = "call_args"
-                continue
-            if self.mode == "call_args":  # the arguments object of a call, until it closes
-                end = json_value_end(self.text[self.args_start :])
-                if end is None:
-                    out += self.args.piece(rest)
-                    self.pos = len(self.text)
-                    return out
-                out += self.args.piece(self.text[self.pos : self.args_start + end])
-                self.pos = self.args_start + end
-                self.mode = "between"
-                continue
+            if self.mode in ("call", "call_args"):  # a call object's head, then its arguments
+                if self.step_call(out):
+                    continue
+                return out
             if self.mode == "between":  # the call object's end, and the separator before another call
                 after = syntax.between.match(self.text, self.pos)
                 if after is None or after.end() == len(self.text):

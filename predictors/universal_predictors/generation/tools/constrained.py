@@ -12,16 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from universal_predictors.generation.tools.base import ParsedToolCalls
-from universal_predictors.generation.tools.calls import (
-    WAIT,
-    ArgumentsStream,
-    call_head,
-    json_value_end,
-    loose_call,
-    split_call,
-    streamable_call_name,
-    tool_call,
-)
+from universal_predictors.generation.tools.calls import CallObjectStream, call_head, loose_call, split_call, tool_call
 
 _HEAD = call_head(("arguments",))
 
@@ -40,20 +31,15 @@ def parse_constrained(text: str, forced: str | None, call_id: Callable[[], str])
     return ParsedToolCalls(None, calls) if calls else ParsedToolCalls(text, [])
 
 
-class ConstrainedCallStreamer:
+class ConstrainedCallStreamer(CallObjectStream):
     """Streams the one call a constraint makes the model write (see the module's docstring)."""
 
     def __init__(self, forced: str | None, known: frozenset[str], call_id: Callable[[], str]) -> None:
-        self.forced, self.known, self.call_id = forced, known, call_id
-        self.text = ""
-        self.pos = 0
-        self.args_start = 0
-        self.mode = "args" if forced is not None else "call"
-        self.args = ArgumentsStream()
-
-    @property
-    def calls(self) -> int:
-        return self.args.calls
+        # The name comes first or is the only tool's; else it follows the arguments: wait for it.
+        only = next(iter(known)) if len(known) == 1 else None
+        mode = "args" if forced is not None else "call"
+        super().__init__(mode, _HEAD, known, call_id, default=only, after_args="done")
+        self.forced = forced
 
     def push(self, text: str) -> list[dict[str, Any]]:
         self.text += text
@@ -71,32 +57,8 @@ class ConstrainedCallStreamer:
                 out += self.args.piece(rest)
                 self.pos = len(self.text)
                 return out
-            if self.mode == "call":  # the head of the call object
-                head = _HEAD.match(rest)
-                if head is None or not rest[head.end() :]:
-                    return out
-                # The name comes first or is the only tool's; else it follows the arguments: wait for it.
-                only = next(iter(self.known)) if len(self.known) == 1 else None
-                name = streamable_call_name(rest, head, only, self.known)
-                if name is WAIT:
-                    return out
-                if name is None:
-                    self.mode = "whole"  # not a call we can stream: decided at the end
-                    return out
-                out.append(self.args.start(name, self.call_id()))
-                self.pos += head.end()
-                self.args_start = self.pos
-                self.mode = "call_args"
+            if self.mode in ("call", "call_args") and self.step_call(out):  # the call object
                 continue
-            if self.mode == "call_args":
-                end = json_value_end(self.text[self.args_start :])
-                if end is None:
-                    out += self.args.piece(rest)
-                    self.pos = len(self.text)
-                    return out
-                out += self.args.piece(self.text[self.pos : self.args_start + end])
-                self.pos = self.args_start + end
-                self.mode = "done"
             return out  # "done": the object's closing syntax; "whole": decided at the end
 
     def finish(self, message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""What the engines with a bounded queue share: admission, and the hand-over to and from an engine thread.
+"""Admission to an engine's bounded queue, and the hand-over of admitted sequences to and from its engine thread.
 
 - :class:`Admission`: ``slots`` running + ``max_queue`` waiting sequences at once; beyond the whole
   capacity a request is a 413 (waiting cannot help it), beyond what is free now a 503 ``overloaded``
