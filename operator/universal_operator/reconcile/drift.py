@@ -21,7 +21,7 @@ _SUFFIX = {
 
 def _quantity(value: Any) -> Decimal | None:
     """A Kubernetes quantity's value, or None if ``value`` is not one."""
-    match = _QUANTITY.match(str(value))
+    match = _QUANTITY.fullmatch(str(value))
     if not match:
         return None
     number, suffix = match.group(1), match.group(2) or ""

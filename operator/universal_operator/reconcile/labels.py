@@ -41,7 +41,7 @@ def labels_for(model: UniversalModel) -> dict[str, str]:
         LABEL_TASK: model.spec.task.value,
     }
     served = model.served_name
-    labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.match(served) else _label_safe(served)
+    labels[LABEL_SERVED_NAME] = served if len(served) <= 63 and _LABEL_VALUE.fullmatch(served) else _label_safe(served)
     return labels
 
 

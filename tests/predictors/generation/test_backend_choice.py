@@ -128,7 +128,9 @@ def test_a_key_only_transformers_knows_makes_auto_pick_transformers_on_a_gpu(
     assert resolve(fake_nvml, tiny_llama_dir, {"attn_implementation": "sdpa"}, 1, tmp_path)[0] == "transformers"
 
 
-# vLLM's own keys steer auto only where vllm is installed.
+# vLLM's own keys steer auto only where vllm is installed: the vLLM tier's (skipped outside the tiers where vllm is
+# missing; inside a tier a skip fails).
 @pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM's own keys steer auto only where vllm is installed")
 def test_a_key_only_vllm_knows_keeps_auto_on_vllm(fake_nvml: Path, tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert resolve(fake_nvml, tiny_llama_dir, {"gpu_memory_utilization": "0.8"}, 1, tmp_path)[0] == "vllm"
