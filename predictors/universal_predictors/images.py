@@ -6,8 +6,8 @@
 - :func:`fetch_url`: an ``http(s)`` URL fetched without server-side request forgery: only hosts an allow-list
   names, every address the host resolves to checked (no private, loopback, link-local, multicast or reserved
   address unless explicitly allowed) and the connection made to those checked addresses only (no DNS
-  rebinding), redirects followed only within the same host, the body streamed under a byte limit and the
-  whole fetch under a time limit.
+  rebinding), redirects followed only to the same scheme, host and port and through every check the first
+  URL passed, the body streamed under a byte limit and the whole fetch under a time limit.
 
 Every client mistake is an :class:`InvalidRequest` (400) and every limit a :class:`RequestTooLarge` (413), each
 naming the request field (``param``) and the limit's engine argument.
@@ -316,32 +316,68 @@ async def fetch_url(url: str, field: str, policy: UrlPolicy) -> bytes:
         ) from None
 
 
-async def _fetch(url: str, field: str, policy: UrlPolicy) -> bytes:
-    import aiohttp
+def _origin(url: str, field: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a URL check_url passed, the port defaulted from the scheme."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise InvalidRequest(f"{field}: the URL's port is not a number from 0 to 65535", param=field,
+                             code="invalid_image_url") from None  # fmt: skip
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower().rstrip("."), port or (443 if scheme == "https" else 80)
 
+
+def _check_target(url: str, field: str, policy: UrlPolicy) -> tuple[str, str, int]:
+    """Every check a URL passes before it is fetched, the first and each redirect alike: scheme, no
+    credentials, the allow-list, an IP literal's address (a name's addresses are checked as it resolves).
+    Its origin."""
     host = check_url(url, field, policy)
     # aiohttp connects to an IP literal without asking the resolver: such a host is checked here.
     with contextlib.suppress(ValueError):
         ipaddress.ip_address(host)
         _refuse_address(host, host, field, policy)
+    return _origin(url, field)
+
+
+def _redirect_target(url: str, location: str, origin: tuple[str, str, int], field: str, policy: UrlPolicy) -> str:
+    """Where a redirect from ``url`` leads, if it may be followed: to the same scheme, host and port as the
+    first URL only (another port of the host is another service), and through every check the first passed
+    (a ``Location`` with ``user:secret@`` would have the fetch send those credentials)."""
+    target = urljoin(url, location)
+    parts = urlsplit(target)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest(f"{field}: the URL redirects to something other than an http(s) URL", param=field,
+                             code="image_url_not_allowed")  # fmt: skip
+    scheme, host, port = _origin(target, field)
+    for what, theirs, ours in (("scheme", scheme, origin[0]), ("host", host, origin[1]), ("port", port, origin[2])):
+        if theirs != ours:
+            raise InvalidRequest(
+                f"{field}: the URL redirects to another {what} ({theirs!r}); redirects are followed only to the "
+                "same scheme, host and port",
+                param=field,
+                code="image_url_not_allowed",
+            )
+    try:
+        _check_target(target, field, policy)
+    except InvalidRequest as exc:
+        why = exc.message.removeprefix(f"{field}: ")
+        raise InvalidRequest(f"{field}: the URL redirects to a URL that is refused: {why}", param=field,
+                             code="image_url_not_allowed") from None  # fmt: skip
+    return target
+
+
+async def _fetch(url: str, field: str, policy: UrlPolicy) -> bytes:
+    import aiohttp
+
+    origin = _check_target(url, field, policy)
     connector = aiohttp.TCPConnector(resolver=_CheckedResolver(policy, field), use_dns_cache=False)  # type: ignore[arg-type]
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         for _ in range(policy.max_redirects + 1):
             try:
                 async with session.get(url, allow_redirects=False, headers={"Accept": "image/*"}) as response:
                     if response.status in (301, 302, 303, 307, 308):
-                        target = urljoin(url, response.headers.get("Location", ""))
-                        if (urlsplit(target).hostname or "").lower() != host.lower() or urlsplit(target).scheme not in (
-                            "http",
-                            "https",
-                        ):
-                            raise InvalidRequest(
-                                f"{field}: the URL redirects to another host ({urlsplit(target).hostname!r}); "
-                                "redirects are followed only within the same host",
-                                param=field,
-                                code="image_url_not_allowed",
-                            )
-                        url = target
+                        url = _redirect_target(url, response.headers.get("Location", ""), origin, field, policy)
                         continue
                     if response.status != 200:
                         raise InvalidRequest(

@@ -1,6 +1,7 @@
 """A real HTTP server on loopback that serves test images, for the image-URL paths (no mocks).
 
-Routes: ``/<name>`` serves a registered body (``image/png``); ``/redirect?to=URL`` answers 302 to ``URL``;
+Routes: ``/<name>`` serves a registered body (``image/png``); ``/redirect?to=URL`` answers 302 to ``URL``
+(``&code=307``: that status);
 ``/endless`` streams chunks without a Content-Length until the client goes; ``/stall`` sends its headers
 and then nothing until the server stops (a fetch's time limit ends it).
 """
@@ -22,6 +23,8 @@ class ImageServer:
     stop: threading.Event = field(default_factory=threading.Event)
     #: Paths requested, in order (a refused URL must never reach the server).
     requests: list[str] = field(default_factory=list)
+    #: The Authorization header of each request, in order (None: none sent).
+    authorizations: list[str | None] = field(default_factory=list)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
@@ -40,8 +43,9 @@ def image_server() -> Iterator[ImageServer]:
         def do_GET(self) -> None:
             parts = urlsplit(self.path)
             state.requests.append(parts.path)
+            state.authorizations.append(self.headers.get("Authorization"))
             if parts.path == "/redirect":
-                self.send_response(302)
+                self.send_response(int(parse_qs(parts.query).get("code", ["302"])[0]))
                 self.send_header("Location", parse_qs(parts.query)["to"][0])
                 self.send_header("Content-Length", "0")
                 self.end_headers()

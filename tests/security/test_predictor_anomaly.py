@@ -139,3 +139,78 @@ def test_a_state_file_named_for_no_detector_is_skipped_and_holds_no_slot(tmp_pat
     reason = listed["skipped"][0]["reason"]
     assert "is not named for a detector" in reason
     assert "rename or remove the file" in reason
+
+
+# -- the fitted detectors' budgets (issue 31, item 17) ---------------------------------------------------
+
+#: ECOD keeps five float64 copies of its training matrix (measured 5.1-5.3), estimated as six: 40,000 x 16
+#: values (5.1 MB) hold about 32 MiB once fitted, so a budget of 80 MiB takes two such detectors.
+BIG_ROWS, BIG_COLUMNS = 40_000, 16
+MEMORY_BUDGET_MB = 80
+FITS = 12
+
+
+def big_rows(seed: int) -> list[list[float]]:
+    return np.round(np.random.default_rng(seed).normal(size=(BIG_ROWS, BIG_COLUMNS)), 3).tolist()
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def test_fits_past_the_memory_budget_are_413s_and_the_process_holds_no_more(tmp_path: Path) -> None:
+    """Before the budget, twelve such fits held every detector: about 330 MiB more RSS (2.8 GB at max_cells)."""
+    config = anomaly_config(max_detector_memory_mb=str(MEMORY_BUDGET_MB))
+    with running_predictor(config, tmp_path / "logs") as predictor, predictor.client(timeout=300) as client:
+        data = big_rows(0)
+        client.post("/v1/anomaly/fit", json={"detector": "warm", "algorithm": "ecod", "data": rows(100)})
+        before = rss_kib(predictor.process.pid)
+        responses = [client.post("/v1/anomaly/fit", json={"detector": f"d{i}", "algorithm": "ecod", "data": data})
+                     for i in range(FITS)]  # fmt: skip
+        rise = (rss_kib(predictor.process.pid) - before) * 1024
+        assert [r.status_code for r in responses] == [200, 200] + [413] * (FITS - 2)
+        error = responses[-1].json()["error"]
+        assert (error["code"], error["param"]) == ("detector_budget_exceeded", "data")
+        assert f"ecod, {BIG_ROWS} rows x {BIG_COLUMNS} columns" in error["message"]
+        assert "(engine arg max_detector_memory_mb)" in error["message"]
+        assert f"of the budget of {MEMORY_BUDGET_MB:.1f} MiB" in error["message"]
+        assert "Delete a detector no longer needed (DELETE /v1/anomaly/detectors/{name})" in error["message"]
+        assert rise < 2 * MEMORY_BUDGET_MB * 2**20, f"RSS rose {rise / 2**20:.0f} MiB"
+        # Deleting one frees its share; refitting a name replaces it within the budget.
+        assert client.delete("/v1/anomaly/detectors/d0").status_code == 200
+        assert (
+            client.post("/v1/anomaly/fit", json={"detector": "d2", "algorithm": "ecod", "data": data}).status_code
+            == 200
+        )
+        assert (
+            client.post("/v1/anomaly/fit", json={"detector": "d2", "algorithm": "ecod", "data": data}).status_code
+            == 200
+        )
+
+
+def test_a_detector_alone_over_the_budget_says_to_fit_it_smaller(tmp_path: Path) -> None:
+    config = anomaly_config(max_detector_memory_mb="16")
+    with running_predictor(config, tmp_path / "logs") as predictor, predictor.client(timeout=300) as client:
+        response = client.post("/v1/anomaly/fit", json={"detector": "big", "algorithm": "ecod", "data": big_rows(1)})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["message"].endswith("Fit it on fewer rows or columns.")
+
+
+def test_detector_files_past_the_state_budget_are_413s_and_skipped_at_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    # One file of 40,000 x 16 float64 values is 5.4 MB: two do not fit in 8 MiB.
+    config = anomaly_config(state, max_state_mb="8")
+    with running_predictor(config, tmp_path / "logs") as predictor, predictor.client(timeout=300) as client:
+        first = client.post("/v1/anomaly/fit", json={"detector": "a", "algorithm": "pca", "data": big_rows(2)})
+        second = client.post("/v1/anomaly/fit", json={"detector": "b", "algorithm": "pca", "data": big_rows(3)})
+    assert first.status_code == 200, first.text
+    assert second.status_code == 413, second.text
+    assert "(engine arg max_state_mb)" in second.json()["error"]["message"]
+    assert [p.name for p in (state / "anomaly-detectors").glob("*.npz")] == ["a.npz"]
+    # A smaller budget at the next start skips the file instead of loading it, and says why.
+    with running_predictor(anomaly_config(state, max_state_mb="4"), tmp_path / "logs2") as predictor:
+        listed = httpx.get(f"{predictor.url}/v1/anomaly/detectors", timeout=30).json()
+    assert listed["data"] == []
+    assert [s["file"] for s in listed["skipped"]] == ["a.npz"]
+    assert "max_state_mb" in listed["skipped"][0]["reason"]

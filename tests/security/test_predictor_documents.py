@@ -1,7 +1,8 @@
 """Hostile documents on a real OCR predictor (RapidOCR): a tiny PDF that would render for hours is stopped at
 its time budget or when its client leaves, without holding up other PDFs; a multi-frame TIFF cannot decode
 more pixels than the request's budget, and its frames are counted no further than max_pages + 1; a multipart
-upload's boundary is held to RFC 2046. The hostile files are built here."""
+upload's boundary is held to RFC 2046; the document route decodes the TIFF page it reads and none before it.
+The hostile files are built here."""
 
 from __future__ import annotations
 
@@ -73,10 +74,11 @@ def white_tiff(frames: int, side: int) -> bytes:
     return buffer.getvalue()
 
 
-def tiff_chain(frames: int, then: int = 0) -> bytes:
+def tiff_chain(frames: int, then: int = 0, strips: list[int] | None = None) -> bytes:
     """A little-endian TIFF of ``frames`` 1x1 bilevel image directories in a chain, all on one one-byte strip
     (114 bytes a frame: 128,000 of them are 14 MB). The last directory points on to offset ``then`` (0: the
-    chain ends there)."""
+    chain ends there). ``strips``: each frame's strip offset instead (one past the file's end: pixels that
+    cannot be read)."""
     entries = [(256, 3, 1), (257, 3, 1), (258, 3, 1), (259, 3, 1), (262, 3, 1), (273, 4, 8), (277, 3, 1),
                (278, 3, 1), (279, 4, 1)]  # fmt: skip
     size = 2 + 12 * len(entries) + 4
@@ -84,6 +86,7 @@ def tiff_chain(frames: int, then: int = 0) -> bytes:
     for number in range(frames):
         out += struct.pack("<H", len(entries))
         for tag, kind, value in entries:
+            value = strips[number] if strips is not None and tag == 273 else value
             # A SHORT value sits left-justified in the entry's four value bytes.
             out += struct.pack("<HHIHH" if kind == 3 else "<HHII", tag, kind, 1, value, *([0] if kind == 3 else []))
         out += struct.pack("<I", 10 + (number + 1) * size if number + 1 < frames else then)
@@ -219,3 +222,45 @@ def test_a_70_character_boundary_is_read(ocr_predictor: PredictorProcess) -> Non
     response = upload(ocr_predictor, "b" * 70, png(sample.image))
     assert response.status_code == 200, response.text
     assert samples.similarity(sample.text, response.json()["data"][0]["text"]) >= samples.SIMILARITY_THRESHOLD
+
+
+# -- the document route's page (issue 31, item 13) ----------------------------------------------------------
+
+#: The document predictor's page limit: a 6000 x 6000 frame is within it, 36,000,000 pixels.
+DOCUMENT_MAX_PIXELS = 40_000_000
+
+
+@pytest.fixture(scope="module")
+def document_predictor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    from tests.predictors.tiny_layoutlm import build_layoutlm
+
+    root = tmp_path_factory.mktemp("security-document")
+    config = PredictorConfig(model_name="document", task=Task.DOCUMENT, source=str(build_layoutlm(root / "qa", "qa")),
+                             engine_args={"max_pixels": str(DOCUMENT_MAX_PIXELS)})  # fmt: skip
+    with running_predictor(config, root / "logs") as predictor:
+        yield predictor
+
+
+def document_qa(predictor: PredictorProcess, image: bytes, page: int) -> httpx.Response:
+    """A question on ``page`` of ``image``, with the page's words sent (no OCR)."""
+    body = {"image": base64.b64encode(image).decode(), "page": page, "question": "What?", "words": ["total"],
+            "boxes": [[0, 0, 1, 1]]}  # fmt: skip
+    with predictor.client(timeout=300) as client:
+        return client.post("/v1/document/qa", json=body)
+
+
+def test_a_tiff_page_is_decoded_alone_never_the_frames_before_it(document_predictor: PredictorProcess) -> None:
+    """The first frame's pixels lie past the end of the file: decoding it fails, so only a route that seeks
+    past it to page 2 answers."""
+    tiff = tiff_chain(2, strips=[0x7FFF_FFF0, 8])
+    with Image.open(io.BytesIO(tiff)) as image, pytest.raises(OSError, match="truncated"):
+        image.load()
+    response = document_qa(document_predictor, tiff, page=2)
+    assert response.status_code == 200, response.text
+    assert openai_error(document_qa(document_predictor, tiff, page=3), 400)["code"] == "page_out_of_range"
+
+
+def test_a_page_over_the_documents_pixel_limit_is_a_413_before_decoding(document_predictor: PredictorProcess) -> None:
+    tiff = white_tiff(frames=1, side=6400)  # 40,960,000 pixels
+    error = openai_error(document_qa(document_predictor, tiff, page=1), 413)
+    assert "max_pixels" in error["message"]

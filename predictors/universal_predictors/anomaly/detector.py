@@ -66,6 +66,10 @@ class FittedDetector:
     persisted: bool = False
     persist_error: str | None = None
     n_samples: int = 0
+    #: What it holds in memory (an estimate made before its fit) and its file's size, in bytes: what it takes
+    #: of the budgets max_detector_memory_mb and max_state_mb.
+    memory_bytes: int = 0
+    disk_bytes: int = 0
 
     @property
     def threshold(self) -> float:

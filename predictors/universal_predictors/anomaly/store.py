@@ -49,6 +49,16 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 REFIT_TOLERANCE = 1e-9
 
 
+def file_bytes(rows: int, columns: int) -> int:
+    """The size of a detector's file, known before it is written: the float64 training matrix and scores,
+    with room for the .npy headers and the zip's directory (the metadata is counted when it is written)."""
+    return rows * columns * 8 + rows * 8 + 4096
+
+
+def mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
 def valid_name(name: str) -> bool:
     return NAME_PATTERN.fullmatch(name) is not None
 
@@ -70,6 +80,8 @@ class LoadLimits:
     max_cells: int
     max_categories: int
     max_detectors: int
+    max_memory_bytes: int
+    max_disk_bytes: int
 
 
 @dataclass(frozen=True)
@@ -106,8 +118,9 @@ class DetectorStore:
             raise ValueError(f"invalid detector name {name!r}")
         return self.root / f"{name}.npz"
 
-    def save(self, detector: FittedDetector, matrix: np.ndarray) -> None:
-        """Write atomically: temporary file in the same directory, fsync, rename, fsync the directory."""
+    def save(self, detector: FittedDetector, matrix: np.ndarray) -> int:
+        """Write atomically: temporary file in the same directory, fsync, rename, fsync the directory; the
+        file's size."""
         meta = {"format": FORMAT_VERSION, **detector.spec.to_json()}
         target = self.path(detector.spec.name)
         temporary = self.root / f".{detector.spec.name}.{uuid.uuid4().hex}.tmp"
@@ -121,11 +134,13 @@ class DetectorStore:
                 )
                 handle.flush()
                 os.fsync(handle.fileno())
+                size = os.fstat(handle.fileno()).st_size
             os.replace(temporary, target)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
         self._sync_dir()
+        return size
 
     def delete(self, name: str) -> bool:
         try:
@@ -153,6 +168,7 @@ class DetectorStore:
             return [], []
         loaded: list[FittedDetector] = []
         skipped: list[SkippedFile] = []
+        memory = disk = 0
         for path in sorted(self.root.glob("*.npz")):
             if path.name.startswith("."):
                 continue
@@ -160,13 +176,18 @@ class DetectorStore:
                 _detector_name(path)  # a misnamed file is reported as such, and holds no max_detectors slot
                 if len(loaded) >= limits.max_detectors:
                     raise CorruptDetector(f"{limits.max_detectors} detectors are loaded, the limit (max_detectors)")
-                loaded.append(self.load(path, limits))
+                detector = self.load(path, limits, limits.max_memory_bytes - memory, limits.max_disk_bytes - disk)
+                loaded.append(detector)
+                memory += detector.memory_bytes
+                disk += detector.disk_bytes
             except Exception as exc:  # any failure in one file must not stop the others or the server
                 logger.warning("skipping anomaly detector file %r: %s", str(path), exc)  # %r: a name may hold "\n"
                 skipped.append(SkippedFile(path.name, str(exc)))
         return loaded, skipped
 
-    def load(self, path: Path, limits: LoadLimits) -> FittedDetector:
+    def load(self, path: Path, limits: LoadLimits, memory_left: int, disk_left: int) -> FittedDetector:
+        """The detector in ``path``, refitted only when what it holds fits in ``memory_left`` bytes and its
+        file in ``disk_left`` (what the detectors loaded before it left of the budgets)."""
         name = _detector_name(path)
         try:
             mode = os.lstat(path).st_mode
@@ -183,6 +204,12 @@ class DetectorStore:
             mode = os.fstat(handle.fileno()).st_mode
             if not stat.S_ISREG(mode):
                 raise CorruptDetector(f"{_kind(mode)}, not a regular file")
+            size = os.fstat(handle.fileno()).st_size
+            if size > disk_left:
+                raise CorruptDetector(
+                    f"its file of {mib(size)} is over what the detectors loaded before it leave of the state "
+                    f"directory's budget ({mib(max(disk_left, 0))} of max_state_mb)"
+                )
             meta_bytes, matrix, saved_scores = _read_arrays(handle, limits)
         if meta_bytes.dtype != np.uint8 or matrix.dtype != np.float64 or saved_scores.dtype != np.float64:
             raise CorruptDetector("unexpected array types")
@@ -198,8 +225,17 @@ class DetectorStore:
                 )
         if matrix.ndim != 2 or matrix.shape[1] != spec.features.n_encoded or not np.isfinite(matrix).all():
             raise CorruptDetector(f"training matrix of shape {matrix.shape} does not match its feature space")
+        rows, columns = matrix.shape
+        algorithm = ALGORITHMS[spec.algorithm]
+        memory = algorithm.held_bytes(algorithm.validate(spec.params), rows, columns)
+        if memory > memory_left:
+            raise CorruptDetector(
+                f"fitted, it would hold about {mib(memory)}, over what the detectors loaded before it leave of "
+                f"the memory budget ({mib(max(memory_left, 0))} of max_detector_memory_mb)"
+            )
         detector = fit(spec, matrix)
         detector.persisted = True
+        detector.memory_bytes, detector.disk_bytes = memory, size
         if saved_scores.shape != detector.training_scores.shape or not np.allclose(
             saved_scores, detector.training_scores, rtol=REFIT_TOLERANCE, atol=REFIT_TOLERANCE
         ):

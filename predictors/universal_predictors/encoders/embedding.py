@@ -30,7 +30,14 @@ from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, is_gguf
 from universal_predictors.devices import detect_device, dtype_for, release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
-from universal_predictors.encoders.limits import TRUNCATE_REMEDY, check_lengths, input_limit
+from universal_predictors.encoders.limits import (
+    TRUNCATE_REMEDY,
+    char_limit,
+    check_lengths,
+    context_length_exceeded,
+    input_limit,
+    text_too_long,
+)
 from universal_predictors.encoders.padding import pad_batch
 from universal_predictors.errors import InvalidRequest
 
@@ -63,8 +70,8 @@ class TextEncoder(Protocol):
     vocab_size: int
     matryoshka: list[int] | None
 
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """Token ids with special tokens; truncated to ``max_tokens`` only when ``truncate``."""
+    def tokenize(self, texts: Sequence[str], max_length: int | None) -> list[list[int]]:
+        """Token ids with special tokens; cut to ``max_length`` when it is given."""
         ...
 
     def encode(self, batch: Sequence[list[int]]) -> list[np.ndarray]:
@@ -150,12 +157,13 @@ class TransformersEncoder:
         prepared = [self.prompt + t for t in texts] if self.prompt else list(texts)
         return [t.lower() for t in prepared] if self.lower_case else prepared
 
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+    def tokenize(self, texts: Sequence[str], max_length: int | None) -> list[list[int]]:
         encoded = self.tokenizer(
             self._prepare(texts),
             add_special_tokens=True,
-            truncation=truncate,
-            max_length=self.max_tokens if truncate else None,
+            truncation=max_length is not None,
+            max_length=max_length,
+            verbose=False,
             return_attention_mask=False,
             return_token_type_ids=False,
         )
@@ -204,9 +212,9 @@ class LlamaCppEncoder:
         self.matryoshka = _declared_matryoshka(Path(path).parent, args.matryoshka_dimensions)
         self.mode = "llamacpp"
 
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+    def tokenize(self, texts: Sequence[str], max_length: int | None) -> list[list[int]]:
         out = [list(self.llm.tokenize(t.encode("utf-8"), add_bos=True, special=True)) for t in texts]
-        return [ids[: self.max_tokens] for ids in out] if truncate else out
+        return [ids[:max_length] for ids in out] if max_length is not None else out
 
     def encode(self, batch: Sequence[list[int]]) -> list[np.ndarray]:
         import llama_cpp
@@ -296,10 +304,41 @@ class EmbeddingService:
             out.extend(self.encoder.encode(chunk))
         return out
 
-    async def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+    async def tokenize(
+        self, texts: Sequence[str], truncate: bool, param: str = "input", remedy: str = TRUNCATE_REMEDY,
+        single: bool = False,
+    ) -> list[list[int]]:  # fmt: skip
+        """Token ids of ``texts`` within the encoder's limit: cut to it when ``truncate``, else a 400 naming
+        ``param[i]`` (``param`` alone when ``single``) for the first text over it.
+
+        What a text may cost is bounded before it is paid: a text over :func:`char_limit` characters is cut
+        to it (``truncate``) or refused unread, and the tokenizer hands back one token past the limit at most.
+        """
+        limit = self.encoder.max_tokens
+        most = char_limit(limit)
+
+        def name(index: int) -> str:
+            return param if single else f"{param}[{index}]"
+
+        if truncate:
+            texts = [text[:most] for text in texts]
+        else:
+            long = next((i for i, text in enumerate(texts) if len(text) > most), None)
+            if long is not None:
+                raise text_too_long(name(long), len(texts[long]), limit, remedy)
+        cap = limit if truncate else limit + 1
+        sequences = await self._in_thread(texts, cap)
+        over = next((i for i, seq in enumerate(sequences) if len(seq) > limit), None)
+        if over is not None:  # within char_limit: counting all of its tokens is bounded
+            [full] = await self._in_thread([texts[over]], None)
+            raise context_length_exceeded(name(over), len(full), limit, remedy)
+        return sequences
+
+    async def _in_thread(self, texts: Sequence[str], cap: int | None) -> list[list[int]]:
+        """The encoder's tokens of ``texts``; off the event loop when there is much text."""
         if sum(len(t) for t in texts) <= _INLINE_TOKENIZE_CHARS:
-            return self.encoder.tokenize(texts, truncate)
-        return await asyncio.to_thread(self.encoder.tokenize, texts, truncate)
+            return self.encoder.tokenize(texts, cap)
+        return await asyncio.to_thread(self.encoder.tokenize, texts, cap)
 
     def check_ids(self, sequences: Sequence[Sequence[int]], truncate: bool, param: str) -> list[list[int]]:
         """Token-id input: ids within the vocabulary, length within the limit (or cut when asked)."""

@@ -12,6 +12,11 @@ The limit counts tokens with the special tokens added. It is the smallest of:
 - the tokenizer's ``model_max_length`` where it is set (transformers writes ``int(1e30)`` for "unset");
 - caps the model or the deployment declare: sentence-transformers' ``max_seq_length``, the
   ``max_input_tokens`` engine argument.
+
+Counting tokens costs memory in proportion to the text (about 600 bytes a character for a whole-text
+tokenisation: a 2 MiB input took 1.2 GB), so a text is first held to :data:`MAX_CHARS_PER_TOKEN` characters a
+token of the limit (:func:`char_limit`): longer, it is refused unread, or cut to that many characters when the
+request asks for truncation; within it, tokenizers cap what they hand back at one token over the limit.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ FIXED_PADDING_IDX = {"mpnet": 1}
 _UNSET_MAX_LENGTH = 10**9
 #: The limit when neither the model nor its tokenizer says one (BERT's).
 DEFAULT_LIMIT = 512
+
+#: Characters read per token of the limit. A token covers at least one character; this many covers every word a
+#: WordPiece vocabulary splits (``max_input_chars_per_word`` is 100: longer words are one ``[UNK]``) and the
+#: whitespace around it, several times over for ordinary text (4-5 characters a token).
+MAX_CHARS_PER_TOKEN = 64
 
 #: What to do about a text over the limit where the request can ask for truncation.
 TRUNCATE_REMEDY = 'Shorten it, or send "truncate": true to cut it to the limit.'
@@ -89,6 +99,29 @@ def context_length_exceeded(param: str, length: int, limit: int, remedy: str = T
         param=param,
         code="context_length_exceeded",
     )
+
+
+def char_limit(tokens: int) -> int:
+    """The most characters of one text read for an input limit of ``tokens`` tokens."""
+    return tokens * MAX_CHARS_PER_TOKEN
+
+
+def text_too_long(param: str, chars: int, limit: int, remedy: str = TRUNCATE_REMEDY) -> InvalidRequest:
+    """The 400 for a text refused before tokenising: more characters than ``limit`` tokens can hold."""
+    return InvalidRequest(
+        f"{param} is {chars} characters long, more than this model's limit of {limit} tokens can hold (at most "
+        f"{char_limit(limit)} characters, {MAX_CHARS_PER_TOKEN} a token, are read). {remedy}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def check_chars(texts: Sequence[str], limit: int, param: str, remedy: str = TRUNCATE_REMEDY) -> None:
+    """:func:`text_too_long` for the first of ``texts`` over :func:`char_limit`, named ``param[i]``."""
+    most = char_limit(limit)
+    for index, text in enumerate(texts):
+        if len(text) > most:
+            raise text_too_long(f"{param}[{index}]", len(text), limit, remedy)
 
 
 def check_lengths(lengths: Sequence[int], limit: int, param: str, remedy: str = TRUNCATE_REMEDY) -> None:

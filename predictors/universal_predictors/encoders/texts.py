@@ -21,7 +21,14 @@ from universal_predictors.config import Backend
 from universal_predictors.devices import release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.base import EncoderPredictor, load_model, load_tokenizer
-from universal_predictors.encoders.limits import SHORTEN_REMEDY, TRUNCATE_REMEDY, check_lengths, input_limit
+from universal_predictors.encoders.limits import (
+    SHORTEN_REMEDY,
+    TRUNCATE_REMEDY,
+    char_limit,
+    check_chars,
+    context_length_exceeded,
+    input_limit,
+)
 from universal_predictors.encoders.padding import pad_batch
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 
@@ -119,12 +126,21 @@ class TextsPredictor(EncoderPredictor):
             "return_offsets_mapping": self.needs_offsets,
             "verbose": False,  # the over-long warning: we answer with a 400 (or truncate) instead
         }
-        batch = self.tokenizer(list(texts), truncation=False, **kwargs)
+        # KServe's instances have no truncate option: only the routes' texts can ask for it.
+        remedy = TRUNCATE_REMEDY if field == "texts" else SHORTEN_REMEDY
+        most = char_limit(self.max_tokens)
+        shortened = {i for i, text in enumerate(texts) if len(text) > most}
+        if truncate:
+            texts = [text[:most] for text in texts]
+        else:
+            check_chars(texts, self.max_tokens, field, remedy)
+        # One token past the limit tells a text is over it; the tokens after it are never handed back.
+        batch = self.tokenizer(list(texts), truncation=True, max_length=self.max_tokens + 1, **kwargs)
         over = [i for i, ids in enumerate(batch["input_ids"]) if len(ids) > self.max_tokens]
         if over and not truncate:
-            # KServe's instances have no truncate option: only the routes' texts can ask for it.
-            remedy = TRUNCATE_REMEDY if field == "texts" else SHORTEN_REMEDY
-            check_lengths([len(ids) for ids in batch["input_ids"]], self.max_tokens, field, remedy)
+            first = over[0]  # within char_limit: counting all of its tokens is bounded
+            length = len(self.tokenizer(texts[first], add_special_tokens=True, verbose=False)["input_ids"])
+            raise context_length_exceeded(f"{field}[{first}]", length, self.max_tokens, remedy)
         cut = (
             self.tokenizer([texts[i] for i in over], truncation=True, max_length=self.max_tokens, **kwargs)
             if over
@@ -141,7 +157,7 @@ class TextsPredictor(EncoderPredictor):
                     offsets=[tuple(o) for o in source["offset_mapping"][j]] if self.needs_offsets else [],
                     special=[bool(s) for s in source["special_tokens_mask"][j]],
                     words=list(source.word_ids(j)) if self.needs_offsets else [],
-                    truncated=i in replaced,
+                    truncated=i in replaced or (truncate and i in shortened),
                 )
             )
         return items

@@ -136,14 +136,17 @@ def _count_frames(image: Image.Image, limit: int) -> int:
     return count
 
 
-def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget | None) -> tuple[Image.Image, int]:
+def _corrupt(field: str) -> InvalidRequest:
+    return InvalidRequest(f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image")
+
+
+def _open_counted(data: bytes, field: str, limits: Limits) -> tuple[Image.Image, int]:
+    """The image opened from its header and its frames counted (a 413 past ``max_pages``); no pixels read."""
     image = _open_header(data, field, limits.max_pixels, pdf="PDF (send it as document)")
     try:
         frames = _count_frames(image, limits.max_pages)
     except Exception:
-        raise InvalidRequest(
-            f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
-        ) from None
+        raise _corrupt(field) from None
     if frames > limits.max_pages:
         raise RequestTooLarge(
             f"{field}: the TIFF has more than {limits.max_pages} frames (pages); the limit max_pages is "
@@ -151,35 +154,66 @@ def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget |
             param=field,
             code="too_many_pages",
         )
+    return image, frames
+
+
+def _check_frame(image: Image.Image, number: int, frames: int, field: str, limits: Limits,
+                 budget: PixelBudget | None) -> None:  # fmt: skip
+    """Frame ``number`` (0-based) within ``max_pixels`` and taken from ``budget``, from its header alone."""
     try:
-        for number in range(frames):  # headers only: seeking a TIFF reads its directory, not its pixels
-            image.seek(number)
-            _check_pixels(image.width, image.height, field, limits)
-            if budget is not None:
-                budget.take(image.width, image.height, field if frames == 1 else f"{field} frame {number + 1}")
-        image.seek(0)
+        image.seek(number)  # seeking a TIFF reads its directory, not its pixels
+        _check_pixels(image.width, image.height, field, limits)
+        if budget is not None:
+            budget.take(image.width, image.height, field if frames == 1 else f"{field} frame {number + 1}")
     except RequestTooLarge:
         raise
     except Exception:
-        raise InvalidRequest(
-            f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
-        ) from None
+        raise _corrupt(field) from None
+
+
+def _open_checked(data: bytes, field: str, limits: Limits, budget: PixelBudget | None) -> tuple[Image.Image, int]:
+    image, frames = _open_counted(data, field, limits)
+    for number in range(frames):
+        _check_frame(image, number, frames, field, limits, budget)
+    try:
+        image.seek(0)
+    except Exception:
+        raise _corrupt(field) from None
     return image, frames
+
+
+def _decode_frame(image: Image.Image, number: int, frames: int, index: int, field: str) -> Page:
+    try:
+        image.seek(number)
+        image.load()
+        frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
+        return Page(index, number + 1 if frames > 1 else None, _to_rgb(frame), _image_dpi(image))
+    except Exception:
+        raise _corrupt(field) from None
 
 
 def _decode_frames(image: Image.Image, frames: int, index: int, field: str) -> Iterator[Page]:
     for number in range(frames):
-        try:
-            image.seek(number)
-            image.load()
-            frame = ImageOps.exif_transpose(image) if image.format == "JPEG" else image
-            page = Page(index, number + 1 if frames > 1 else None, _to_rgb(frame), _image_dpi(image))
-        except Exception:
-            raise InvalidRequest(
-                f"{field}: the image data is corrupt or truncated", param=field, code="invalid_image"
-            ) from None
-        yield page
+        yield _decode_frame(image, number, frames, index, field)
     image.close()
+
+
+def image_page(data: bytes, field: str, limits: Limits, budget: PixelBudget, number: int) -> Page:
+    """Frame ``number`` (1-based; TIFFs have several) of an image as an RGB page, decoded (blocking). The
+    frames before it are seeked past, their directories read and their pixels not; only the chosen frame is
+    checked (``max_pixels``) and taken from ``budget`` before it is decoded."""
+    image, frames = _open_counted(data, field, limits)
+    try:
+        if not 1 <= number <= frames:
+            raise InvalidRequest(
+                f"page: the image has {frames} frame{'s' if frames != 1 else ''}; page {number} is out of range",
+                param="page",
+                code="page_out_of_range",
+            )
+        _check_frame(image, number - 1, frames, field, limits, budget)
+        return _decode_frame(image, number - 1, frames, 0, field)
+    finally:
+        image.close()
 
 
 def render_pdf_pages(

@@ -29,7 +29,15 @@ from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
 from universal_predictors.anomaly.detector import DetectorSpec, FitFailed, FittedDetector, fit
 from universal_predictors.anomaly.features import FeatureSpace, FieldKind
 from universal_predictors.anomaly.normalize import Normalization
-from universal_predictors.anomaly.store import NAME_PATTERN, DetectorStore, LoadLimits, SkippedFile, valid_name
+from universal_predictors.anomaly.store import (
+    NAME_PATTERN,
+    DetectorStore,
+    LoadLimits,
+    SkippedFile,
+    file_bytes,
+    mib,
+    valid_name,
+)
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.config import Backend, Task
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
@@ -50,6 +58,12 @@ class AnomalyEngineArgs(BaseModel):
     max_cells: int = Field(default=5_000_000, ge=1, description="Rows x columns per request.")
     max_categories: int = Field(default=256, ge=1, description="Distinct values per categorical field at fit.")
     max_detectors: int = Field(default=256, ge=1, description="Detectors held at once.")
+    max_detector_memory_mb: float = Field(
+        default=2048.0, gt=0, description="Memory all fitted detectors may hold together, in MiB (an estimate per fit)."
+    )
+    max_state_mb: float = Field(
+        default=4096.0, gt=0, description="Disk all detector files in the state directory may take together, in MiB."
+    )
     max_body_mb: float = Field(default=64.0, gt=0, description="Request body limit in MiB.")
     engine_threads: int = Field(default=1, ge=1, le=64, description="Threads fitting and scoring.")
     default_detector: str | None = Field(default=None, description="The detector KServe v1/v2 requests use.")
@@ -137,6 +151,9 @@ class AnomalyPredictor(UniversalPredictor):
         # New names whose fit is under way: each holds a max_detectors slot from its check to its end, so
         # concurrent fits cannot all pass the check and exceed the limit together.
         self._reserved: set[str] = set()
+        # What fits under way will hold (memory, disk bytes), by name: counted against the budgets like the
+        # fitted detectors, from the check before the fit to its end.
+        self._pending: dict[str, tuple[int, int]] = {}
         self.skipped: list[SkippedFile] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -148,7 +165,7 @@ class AnomalyPredictor(UniversalPredictor):
             self.store.prepare()  # an unwritable state dir stops start-up: persistence was asked for
             started = time.monotonic()
             limits = LoadLimits(args.max_rows, args.max_features, args.max_cells, args.max_categories,
-                                args.max_detectors)  # fmt: skip
+                                args.max_detectors, self._memory_budget, self._disk_budget)  # fmt: skip
             loaded, self.skipped = self.store.load_all(limits)
             for detector in loaded:
                 self.detectors[detector.spec.name] = detector
@@ -209,6 +226,39 @@ class AnomalyPredictor(UniversalPredictor):
                 f"{args.max_cells} (engine arg max_cells)"
             )
 
+    @property
+    def _memory_budget(self) -> int:
+        return int(self.args.max_detector_memory_mb * 2**20)
+
+    @property
+    def _disk_budget(self) -> int:
+        return int(self.args.max_state_mb * 2**20)
+
+    def _check_budgets(self, name: str, memory: int, disk: int, shape: str) -> None:
+        """A 413 naming the budget when the detector ``name`` (``memory`` and ``disk`` bytes) would take the
+        fitted detectors and the fits under way past it; a detector it replaces does not count."""
+        others = [d for n, d in self.detectors.items() if n != name]
+        pending = [held for n, held in self._pending.items() if n != name]
+        for index, (size, budget, arg, what) in enumerate((
+            (memory, self._memory_budget, "max_detector_memory_mb", "in memory"),
+            (disk, self._disk_budget, "max_state_mb", "in the state directory"),
+        )):  # fmt: skip
+            held = sum(d.disk_bytes if index else d.memory_bytes for d in others) + sum(p[index] for p in pending)
+            if held + size <= budget:
+                continue
+            remedy = (
+                "Fit it on fewer rows or columns."
+                if size > budget
+                else "Delete a detector no longer needed (DELETE /v1/anomaly/detectors/{name}), or fit this one on "
+                "fewer rows or columns."
+            )
+            raise RequestTooLarge(
+                f"data: this detector ({shape}) would take about {mib(size)} {what}; the detectors hold {mib(held)} "
+                f"of the budget of {mib(budget)} (engine arg {arg}). {remedy}",
+                param="data",
+                code="detector_budget_exceeded",
+            )
+
     def _default_detector_name(self) -> str | None:
         if self.args.default_detector:
             return self.args.default_detector
@@ -233,10 +283,18 @@ class AnomalyPredictor(UniversalPredictor):
         store = self.store
         args = self.args
 
-        def job() -> FittedDetector:
-            space, matrix = FeatureSpace.fit(
+        # Encoding is this request's own cost (bounded by max_cells); what the fitted detector will hold is
+        # known from its encoded shape, and checked against the budgets before the fit pays it.
+        space, matrix = await self._on_engine(
+            lambda: FeatureSpace.fit(
                 body.data, body.schema_, max_categories=args.max_categories, max_features=args.max_features
             )
+        )
+        rows, columns = matrix.shape
+        memory = algorithm.held_bytes(algorithm.validate(params), rows, columns)
+        disk = file_bytes(rows, columns) if store is not None else 0
+
+        def job() -> FittedDetector:
             spec = DetectorSpec(
                 name=name,
                 algorithm=body.algorithm,
@@ -250,9 +308,10 @@ class AnomalyPredictor(UniversalPredictor):
                 detector = fit(spec, matrix)
             except FitFailed as exc:
                 raise InvalidRequest(f"data: {exc}", param="data", code="fit_failed") from None
+            detector.memory_bytes = memory
             if store is not None:
                 try:
-                    store.save(detector, matrix)
+                    detector.disk_bytes = store.save(detector, matrix)
                     detector.persisted = True
                 except OSError as exc:  # the detector still serves from memory; the response says so
                     logger.warning("could not persist anomaly detector %s: %s", name, exc)
@@ -275,10 +334,14 @@ class AnomalyPredictor(UniversalPredictor):
                         param="detector",
                         code="too_many_detectors",
                     )
+            self._check_budgets(name, memory, disk, f"{body.algorithm}, {rows} rows x {columns} columns")
+            self._pending[name] = (memory, disk)
+            if not replaced:
                 self._reserved.add(name)
                 reserved = True
             future = asyncio.get_running_loop().run_in_executor(self._executor, job)
         except BaseException:
+            self._pending.pop(name, None)
             if reserved:
                 self._reserved.discard(name)
             lock.release()
@@ -291,6 +354,7 @@ class AnomalyPredictor(UniversalPredictor):
                 if not done.cancelled() and done.exception() is None:
                     self.detectors[name] = done.result()
             finally:
+                self._pending.pop(name, None)
                 if reserved:
                     self._reserved.discard(name)
                 lock.release()

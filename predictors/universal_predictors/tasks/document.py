@@ -48,7 +48,7 @@ from universal_predictors.ocr.images import (
     PixelBudget,
     decode_document,
     decode_image_bytes,
-    image_pages,
+    image_page,
     is_pdf,
 )
 from universal_predictors.ocr.layout import Line
@@ -338,7 +338,7 @@ class DocumentPredictor(UniversalPredictor):
             pages = [p async for p in self.renderers.pages(data, 0, source.field, self.limits, budget, number or 1)]
             return pages[0]
         raw = await asyncio.to_thread(decode_image_bytes, source.value, source.field, self.limits)
-        return await asyncio.to_thread(_frame, raw, source.field, self.limits, number)
+        return await asyncio.to_thread(image_page, raw, source.field, self.limits, budget, number or 1)
 
     async def _words(self, body: DocumentRequest, page: Page) -> PageWords | None:
         args: DocumentEngineArgs = self.engine_args
@@ -537,22 +537,3 @@ class DocumentPredictor(UniversalPredictor):
         router.add_api_route(ROUTES[Head.QA], qa, methods=["POST"])
         router.add_api_route(ROUTES[Head.EXTRACT], extract, methods=["POST"])
         router.add_api_route(ROUTES[Head.CLASSIFY], classify, methods=["POST"])
-
-
-def _frame(data: bytes, field: str, limits: Limits, number: int | None) -> Page:
-    """The image's frame ``number`` (1-based; TIFFs have several), decoded (blocking)."""
-    pages = image_pages(data, 0, field, limits, None)
-    found: Page | None = None
-    count = 0
-    for page in pages:
-        count += 1
-        if count == (number or 1):
-            found = page
-            break
-    if found is None:
-        raise InvalidRequest(
-            f"page: the image has {count} frame{'s' if count != 1 else ''}; page {number} is out of range",
-            param="page",
-            code="page_out_of_range",
-        )
-    return found

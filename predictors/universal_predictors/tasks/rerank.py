@@ -32,7 +32,7 @@ from universal_predictors.devices import release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.base import EncoderPredictor, load_model, load_tokenizer
 from universal_predictors.encoders.embedding import EmbeddingService, EmbedEngineArgs, TransformersEncoder
-from universal_predictors.encoders.limits import context_length_exceeded, input_limit
+from universal_predictors.encoders.limits import char_limit, context_length_exceeded, input_limit, text_too_long
 from universal_predictors.encoders.padding import pad_batch
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import loads_json, parse_json, validation_error
@@ -186,7 +186,11 @@ class RerankPredictor(EncoderPredictor):
             # The query and each document share the model's tokens; a document is cut to fit, so the query
             # must leave room for at least one of its tokens.
             query_limit = self.max_tokens - cross.pair_specials - 1
+            if len(query) > char_limit(query_limit):  # refused unread: counting its tokens costs its length
+                raise text_too_long("query", len(query), query_limit, _QUERY_REMEDY)
             query_tokens = cross.query_tokens(query)
+            # Only a document's first tokens are read: the rest of it is not tokenised either.
+            documents = [document[: char_limit(self.max_tokens)] for document in documents]
             if query_tokens > query_limit:
                 raise context_length_exceeded("query", query_tokens, query_limit, _QUERY_REMEDY)
             if len(query) * len(documents) + sum(len(d) for d in documents) <= 16_384:
@@ -196,9 +200,8 @@ class RerankPredictor(EncoderPredictor):
             values = await self.batcher.submit_many(pairs)
             return values, sum(len(ids) for ids, _ in pairs)
         service = self.embedder
-        [query_ids] = await service.tokenize([query], truncate=False)
-        if len(query_ids) > self.max_tokens:
-            raise context_length_exceeded("query", len(query_ids), self.max_tokens, "Shorten the query.")
+        [query_ids] = await service.tokenize([query], truncate=False, param="query", remedy="Shorten the query.",
+                                             single=True)  # fmt: skip
         doc_ids = await service.tokenize(documents, truncate=True)
         vectors = await service.embed_ids([query_ids, *doc_ids])
         matrix = np.stack(vectors[1:])
