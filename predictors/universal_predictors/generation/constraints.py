@@ -1,6 +1,6 @@
 """JSON-schema constrained decoding with llguidance, shared by the transformers and llama.cpp engines.
 
-A schema is compiled to an llguidance grammar once (cached by its JSON text) and checked: a schema that
+A schema is compiled to an llguidance grammar once (cached, see below) and checked: a schema that
 llguidance cannot enforce completely (an unimplemented keyword such as ``not``, a look-around regex, an
 unsatisfiable bound) is refused with :class:`UnsupportedSchema` before anything is generated, never
 silently loosened. Each constrained sequence then gets one :class:`llguidance.LLMatcher`; per decoding
@@ -12,6 +12,13 @@ The JSON is compact (no free whitespace between tokens): a weak model given free
 in it until ``max_tokens`` (the vLLM engine asks its backend for the same). An object schema that lists
 ``properties`` without saying ``additionalProperties`` gets no other keys (OpenAI's strict structured
 outputs, and vLLM's xgrammar default): otherwise a model may append invented keys until ``max_tokens``.
+
+Bounds, checked in Python (linear in the schema) before llguidance sees the schema: llguidance compiles a
+``$ref`` chain by native recursion, and 4,000 ``$defs`` each referring to the previous overflow the stack
+(SIGSEGV: the whole predictor dies). :data:`MAX_SCHEMA_DEPTH` bounds the deepest path through the schema,
+``$ref`` followed, and :data:`MAX_SCHEMA_BYTES` its size. At the depth bound every chain shape compiles
+within a 1 MiB thread stack (measured ~4-8 KiB per level; 512 KiB is not enough), and Python's threads
+and the main thread get 8 MiB: pinned by ``tests/security/test_predictor_schemas.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,13 @@ if TYPE_CHECKING:
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 #: ``response_format: json_object``: any JSON object.
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+
+#: The deepest path through a schema, counting every object on it (a sub-schema, or a ``properties``/``$defs``
+#: map) and following ``$ref``: a ``$ref`` cycle counts all its members once. 128 is serde_json's own
+#: nesting limit inside llguidance, so only ``$ref`` chains meet this bound first.
+MAX_SCHEMA_DEPTH = 128
+#: The most bytes of a schema's JSON (compact, as :func:`json.dumps` writes it).
+MAX_SCHEMA_BYTES = 256 * 1024
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*)\]")
 
@@ -121,6 +135,93 @@ def _resolve(root: Mapping[str, Any], ref: str) -> Any:
     return node
 
 
+def _children(node: Mapping[str, Any] | list[Any]) -> list[Any]:
+    """The objects directly inside ``node`` (through lists: a list is not a level of its own)."""
+    out: list[Any] = []
+    pending: list[Any] = list(node.values()) if isinstance(node, Mapping) else list(node)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            out.append(item)
+        elif isinstance(item, list):
+            pending.extend(item)
+    return out
+
+
+def schema_depth(root: Mapping[str, Any]) -> int:
+    """The number of objects on the deepest path through ``root``, following local ``$ref``s, with a
+    ``$ref`` cycle's members counted once each (an upper bound on any path llguidance's recursion can
+    take). Linear: Tarjan's strongly connected components, iterative, and the longest path over them."""
+    edges: dict[int, list[Mapping[str, Any]]] = {}
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    depth: dict[int, int] = {}  # per component root, then per node once its component is done
+    on_stack: set[int] = set()
+    stack: list[Mapping[str, Any]] = []
+
+    def successors(node: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        out = _children(node)
+        ref = node.get("$ref")
+        target = _resolve(root, ref) if isinstance(ref, str) else None
+        if isinstance(target, Mapping):
+            out.append(target)
+        return out
+
+    work: list[tuple[Mapping[str, Any], int]] = [(root, 0)]
+    while work:
+        node, position = work.pop()
+        key = id(node)
+        if position == 0:
+            index[key] = low[key] = len(index)
+            stack.append(node)
+            on_stack.add(key)
+            edges[key] = successors(node)
+        nexts = edges[key]
+        while position < len(nexts):
+            child = nexts[position]
+            position += 1
+            if id(child) not in index:
+                work.append((node, position))
+                work.append((child, 0))
+                break
+            if id(child) in on_stack:
+                low[key] = min(low[key], index[id(child)])
+        else:
+            if low[key] == index[key]:  # a component: pop it, its depth = its size + the deepest below
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(id(member))
+                    members.append(id(member))
+                    if member is node:
+                        break
+                inside = set(members)
+                below = max((depth[id(c)] for m in members for c in edges[m] if id(c) not in inside), default=0)
+                for m in members:
+                    depth[m] = len(members) + below
+            if work:
+                parent = work[-1][0]
+                low[id(parent)] = min(low[id(parent)], low[key])
+    return depth[id(root)]
+
+
+def check_bounds(schema: Mapping[str, Any], size: int) -> None:
+    """UnsupportedSchema when the schema (``size`` bytes of JSON) is over :data:`MAX_SCHEMA_BYTES` or
+    nests deeper than :data:`MAX_SCHEMA_DEPTH`: checked before llguidance, whose recursion it bounds."""
+    if size > MAX_SCHEMA_BYTES:
+        raise UnsupportedSchema(
+            f"the JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted. Send a smaller schema "
+            "(descriptions, titles and examples count too)"
+        )
+    depth = schema_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise UnsupportedSchema(
+            f"the JSON schema nests {depth} levels deep, counting each '$ref' it follows; at most "
+            f"{MAX_SCHEMA_DEPTH} are accepted. Flatten the schema or shorten its '$ref' chains",
+            keywords=["$ref"],
+        )
+
+
 def _check_finite(root: Mapping[str, Any]) -> None:
     """UnsupportedSchema when ``$ref`` makes the schema describe only infinitely deep values.
 
@@ -198,6 +299,7 @@ def _compile(schema_json: str) -> str:
     schema = json.loads(schema_json)
     if not isinstance(schema, dict):
         raise UnsupportedSchema("the JSON schema is not a JSON object")
+    check_bounds(schema, len(schema_json.encode()))
     _check_finite(schema)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
     # Without a tokenizer: the same verdict (grammar and regex checks do not depend on one) and cheaper.
