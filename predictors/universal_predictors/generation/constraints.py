@@ -229,7 +229,8 @@ def _check_finite(root: Mapping[str, Any]) -> None:
     referring to each other: no finite JSON matches, and constrained decoding would run out of parser
     items or of allowed tokens mid-generation. A least fixed point decides which sub-schemas a finite value
     can satisfy; recursion through something optional (a property not required, an array that may be
-    empty, another ``anyOf`` branch) is fine.
+    empty, another ``anyOf`` branch) is fine. Linear in the schema (a quadratic fixed point took 29 s,
+    on the event loop, for 6,000 chained ``$defs``).
     """
     nodes: dict[int, Mapping[str, Any]] = {}
     refs: list[str] = []
@@ -246,44 +247,56 @@ def _check_finite(root: Mapping[str, Any]) -> None:
             stack.extend(node.values())
     if not refs:
         return
+    # Horn satisfiability, linear: a node is finite once each of its requirements is met, a requirement
+    # being a group of alternatives of which one finite member suffices (anyOf/oneOf: the branches; every
+    # other requirement: one sub-schema). Each node and requirement is visited a bounded number of times.
+    waiting: dict[int, int] = {}  # node -> requirements not met yet
+    watchers: dict[int, list[tuple[int, list[bool]]]] = {}  # member -> (node, its group's met flag)
     finite: set[int] = set()
+    ready: list[int] = []
+
+    for key, node in nodes.items():
+        groups: list[list[Any]] = []
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            groups.append([_resolve(root, ref)])
+        if isinstance(node.get("allOf"), list):
+            groups += [[s] for s in node["allOf"]]
+        for keyword in ("anyOf", "oneOf"):
+            if isinstance(node.get(keyword), list) and node[keyword]:
+                groups.append(list(node[keyword]))
+        properties, required = node.get("properties"), node.get("required")
+        if isinstance(properties, Mapping) and isinstance(required, list):
+            groups += [[properties.get(name)] for name in required if isinstance(name, str)]
+        min_items = node.get("minItems")
+        need = min_items if isinstance(min_items, int) and min_items > 0 else 0
+        if need:
+            groups.append([node.get("items")])
+            prefix = node.get("prefixItems")
+            if isinstance(prefix, list):
+                groups += [[s] for s in prefix[:need]]
+        # A group with a member that is not an object (absent, true, a dangling $ref) is met already.
+        pending = [g for g in groups if all(isinstance(m, Mapping) for m in g)]
+        waiting[key] = len(pending)
+        for group in pending:
+            met = [False]
+            for member in group:
+                watchers.setdefault(id(member), []).append((key, met))
+        if not pending:
+            ready.append(key)
+    while ready:
+        key = ready.pop()
+        finite.add(key)
+        for node_key, met in watchers.pop(key, ()):
+            if not met[0]:
+                met[0] = True
+                waiting[node_key] -= 1
+                if waiting[node_key] == 0:
+                    ready.append(node_key)
 
     def ok(node: Any) -> bool:
         return not isinstance(node, Mapping) or id(node) in finite
 
-    def satisfiable(node: Mapping[str, Any]) -> bool:
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            target = _resolve(root, ref)
-            if isinstance(target, Mapping) and not ok(target):
-                return False
-        if isinstance(node.get("allOf"), list) and not all(ok(s) for s in node["allOf"]):
-            return False
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key] and not any(ok(s) for s in node[key]):
-                return False
-        properties = node.get("properties")
-        required = node.get("required")
-        if (
-            isinstance(properties, Mapping)
-            and isinstance(required, list)
-            and not all(ok(properties.get(name)) for name in required if isinstance(name, str))
-        ):
-            return False
-        min_items = node.get("minItems")
-        need = min_items if isinstance(min_items, int) and min_items > 0 else 0
-        if need and not ok(node.get("items")):
-            return False
-        prefix = node.get("prefixItems")
-        return not (isinstance(prefix, list) and not all(ok(s) for s in prefix[:need]))
-
-    changed = True
-    while changed:  # each pass adds at least one node, so at most len(nodes) passes
-        changed = False
-        for key, node in nodes.items():
-            if key not in finite and satisfiable(node):
-                finite.add(key)
-                changed = True
     if id(root) not in finite:
         looping = next((r for r in refs if not ok(_resolve(root, r))), refs[0])
         raise UnsupportedSchema(

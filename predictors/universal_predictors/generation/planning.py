@@ -143,13 +143,8 @@ class RequestPlanner:
                 f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
                 param=constraint.param,
             )
-        if constraint is not None and constraint.schema is not None:
-            from universal_predictors.generation.constraints import check_schema
-
-            try:  # one verdict on every engine (vLLM's own backend would silently ignore what it lacks)
-                check_schema(constraint.schema)
-            except ValueError as exc:
-                raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
+        if constraint is not None:
+            self.check_constraint(constraint)
         jobs = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
@@ -157,6 +152,37 @@ class RequestPlanner:
                 jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint, multimodal)))
         self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
         return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
+
+    def check_constraint(self, constraint: JSONSchemaConstraint) -> None:
+        """A 400 naming the field when no engine could enforce the schema exactly: one verdict on every
+        engine (vLLM's own backend would silently ignore what it lacks). Linear in the schema and cached,
+        but a large schema costs milliseconds: the service calls it on a worker thread first."""
+        if constraint.schema is None:
+            return
+        if not self.engine.capabilities.constraints:
+            raise InvalidRequest(
+                f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
+                param=constraint.param,
+            )
+        from universal_predictors.generation.constraints import check_schema
+
+        try:
+            check_schema(constraint.schema)
+        except ValueError as exc:
+            raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
+
+    @staticmethod
+    def chat_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint | None, str | None]:
+        """The constraint of a chat request (a forced tool, else ``response_format``) and the forced
+        function's name when ``tool_choice`` names one."""
+        constraint, forced = tool_constraint(body)
+        if constraint is None and body.response_format is not None:
+            if body.response_format.type == "json_object":
+                constraint = JSONSchemaConstraint(None)
+            elif body.response_format.type == "json_schema":
+                assert body.response_format.json_schema is not None
+                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        return constraint, forced
 
     @staticmethod
     def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -197,13 +223,7 @@ class RequestPlanner:
             raise no_vision(self.engine.config.model_name, body.images()[0][0])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self._check_capabilities(body, logprobs)
-        constraint, forced = tool_constraint(body)
-        if constraint is None and body.response_format is not None:
-            if body.response_format.type == "json_object":
-                constraint = JSONSchemaConstraint(None)
-            elif body.response_format.type == "json_schema":
-                assert body.response_format.json_schema is not None
-                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        constraint, forced = self.chat_constraint(body)
         ids = list(multimodal.prompt_ids) if multimodal is not None else self._chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._plan(body, [ids], max_tokens, logprobs, constraint, multimodal), forced

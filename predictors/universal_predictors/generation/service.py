@@ -71,6 +71,9 @@ class GenerationService:
         return self._tool_parser
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        constraint, _ = self.planner.chat_constraint(body)
+        if constraint is not None:  # checked (and compiled, cached) off the event loop: planning then hits the cache
+            await asyncio.to_thread(self.planner.check_constraint, constraint)
         multimodal = await self._multimodal_prompt(body) if body.images() else None
         plan, forced = self.planner.plan_chat(body, multimodal)
         tools = ChatTools(body, forced, self.tool_parser)
