@@ -30,6 +30,11 @@ from universal_predictors.generation.protocol import (
 
 #: ``max_tokens`` when a completions request names none (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: The most top-logprob entries one request may ask for: choices x tokens (``max_tokens``, clipped to the
+#: context) x ``top_logprobs``. Each entry is ~30-50 bytes of JSON and more as Python objects: a 152-byte
+#: body of ``n=16, max_tokens=1000, top_logprobs=20`` made responses of 9 MiB and left GBs of RSS behind.
+#: 65,536 is ``top_logprobs=20`` over 3,276 tokens of one choice (or 16 choices of 204 tokens): a few MiB.
+MAX_LOGPROB_ENTRIES = 65_536
 
 
 @dataclass
@@ -150,8 +155,25 @@ class RequestPlanner:
             for i in range(body.n):
                 params = self._params(body, len(ids), max_tokens, logprobs, i)
                 jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint, multimodal)))
+        if logprobs:
+            self._check_logprob_entries(body, [job.params.max_tokens for _, job in jobs], logprobs)
         self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
         return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
+
+    @staticmethod
+    def _check_logprob_entries(body: SamplingFields, max_tokens: list[int], top: int) -> None:
+        """400 when the choices' tokens x ``top`` exceed :data:`MAX_LOGPROB_ENTRIES`, before generating."""
+        entries = sum(max_tokens) * top
+        if entries <= MAX_LOGPROB_ENTRIES:
+            return
+        param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise InvalidRequest(
+            f"{param}: n x max_tokens x {param} is {entries} logprob entries ({len(max_tokens)} choices of up to "
+            f"{max(max_tokens)} tokens, max_tokens clipped to the context, x {top}); at most {MAX_LOGPROB_ENTRIES} "
+            f"are returned for one request. Lower max_tokens, n or {param}.",
+            param=param,
+            code="too_many_logprobs",
+        )
 
     def check_constraint(self, constraint: JSONSchemaConstraint) -> None:
         """A 400 naming the field when no engine could enforce the schema exactly: one verdict on every
