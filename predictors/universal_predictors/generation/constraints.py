@@ -1,6 +1,7 @@
 """JSON-schema constrained decoding with llguidance, shared by the transformers and llama.cpp engines.
 
-A schema is compiled to an llguidance grammar once (cached, see below) and checked: a schema that
+A schema is compiled to an llguidance grammar once (cached by its grammar-relevant JSON, within a byte
+budget: :class:`GrammarCache`) and checked: a schema that
 llguidance cannot enforce completely (an unimplemented keyword such as ``not``, a look-around regex, an
 unsatisfiable bound) is refused with :class:`UnsupportedSchema` before anything is generated, never
 silently loosened. Each constrained sequence then gets one :class:`llguidance.LLMatcher`; per decoding
@@ -16,16 +17,18 @@ outputs, and vLLM's xgrammar default): otherwise a model may append invented key
 Bounds, checked in Python (linear in the schema) before llguidance sees the schema: llguidance compiles a
 ``$ref`` chain by native recursion, and 4,000 ``$defs`` each referring to the previous overflow the stack
 (SIGSEGV: the whole predictor dies). :data:`MAX_SCHEMA_DEPTH` bounds the deepest path through the schema,
-``$ref`` followed, and :data:`MAX_SCHEMA_BYTES` its size. At the depth bound every chain shape compiles
-within a 1 MiB thread stack (measured ~4-8 KiB per level; 512 KiB is not enough), and Python's threads
-and the main thread get 8 MiB: pinned by ``tests/security/test_predictor_schemas.py``.
+``$ref`` followed, and :data:`MAX_SCHEMA_BYTES` its size without annotations. At the depth bound every
+chain shape compiles within a 1 MiB thread stack (measured ~4-8 KiB per level; 512 KiB is not enough),
+and Python's threads and the main thread get 8 MiB: pinned by ``tests/security/test_predictor_schemas.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +50,13 @@ ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 #: map) and following ``$ref``: a ``$ref`` cycle counts all its members once. 128 is serde_json's own
 #: nesting limit inside llguidance, so only ``$ref`` chains meet this bound first.
 MAX_SCHEMA_DEPTH = 128
-#: The most bytes of a schema's JSON (compact, as :func:`json.dumps` writes it).
+#: The most bytes of a schema's JSON once its annotations are stripped (:func:`grammar_relevant`).
 MAX_SCHEMA_BYTES = 256 * 1024
+#: What the compiled grammars may hold in memory at most (keys and grammars, as Python sizes them).
+GRAMMAR_CACHE_BYTES = 32 * 2**20
+#: Keywords that describe a schema without constraining its values: stripped before compiling and
+#: before keying the cache, so 8 MiB of ``description`` neither reach llguidance nor stay in memory.
+ANNOTATIONS = frozenset({"description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*)\]")
 
@@ -75,11 +83,84 @@ def check_schema(schema: Mapping[str, Any]) -> None:
     _compile_checked(schema)
 
 
+class GrammarCache:
+    """Compiled grammars by the grammar-relevant JSON of their schema, least recently used dropped first,
+    bounded by the bytes it holds rather than by entries (90 schemas with 8 MiB descriptions held 1.5 GB
+    in an LRU of 512 entries keyed by the whole schema). Thread-safe: the event loop's worker threads
+    check schemas, engine threads compile them for matchers."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: str, grammar: str) -> None:
+        size = sys.getsizeof(key) + sys.getsizeof(grammar)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (grammar, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+grammar_cache = GrammarCache(GRAMMAR_CACHE_BYTES)
+
+
+def grammar_relevant(schema: Any) -> Any:
+    """``schema`` without :data:`ANNOTATIONS` wherever a schema stands (not inside ``enum``, ``const`` or
+    a ``properties`` map, where such a name is data): the same grammar, from less text."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ANNOTATIONS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: grammar_relevant(s) for name, s in value.items()}
+        elif key in _SUBSCHEMA_KEYS and isinstance(value, Mapping):
+            out[key] = grammar_relevant(value)
+        elif key in _SUBSCHEMA_KEYS and isinstance(value, list):
+            out[key] = [grammar_relevant(s) for s in value]
+        else:
+            out[key] = value
+    return out
+
+
 def _compile_checked(schema: Mapping[str, Any]) -> str:
     try:
-        return _compile(json.dumps(schema))
+        key = json.dumps(grammar_relevant(schema), separators=(",", ":"))
     except RecursionError:
         raise UnsupportedSchema("the JSON schema nests too deeply") from None
+    grammar = grammar_cache.get(key)
+    if grammar is None:
+        try:
+            grammar = _compile(key)
+        except RecursionError:
+            raise UnsupportedSchema("the JSON schema nests too deeply") from None
+        grammar_cache.put(key, grammar)
+    return grammar
 
 
 def matcher_failure(made: llguidance.LLMatcher) -> ValueError:
@@ -95,6 +176,7 @@ _SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "
 _SUBSCHEMAS = ("anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SUBSCHEMA_KEYS = frozenset({*_SUBSCHEMA, *_SUBSCHEMAS, "allOf"})
 
 
 def closed_objects(schema: Any, *, in_all_of: bool = False) -> Any:
@@ -307,7 +389,6 @@ def _check_finite(root: Mapping[str, Any]) -> None:
         )
 
 
-@functools.lru_cache(maxsize=512)
 def _compile(schema_json: str) -> str:
     schema = json.loads(schema_json)
     if not isinstance(schema, dict):
