@@ -35,6 +35,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: body of ``n=16, max_tokens=1000, top_logprobs=20`` made responses of 9 MiB and left GBs of RSS behind.
 #: 65,536 is ``top_logprobs=20`` over 3,276 tokens of one choice (or 16 choices of 204 tokens): a few MiB.
 MAX_LOGPROB_ENTRIES = 65_536
+#: Characters one token can stand for at most, for the size check before tokenizing: a prompt of more than
+#: ``context_length`` x this many characters cannot fit, whatever the tokenizer (vocabularies' longest
+#: tokens are runs of 16-128 spaces or symbols; this leaves twice the longest). A 15 MiB prompt took the
+#: tokenizer 20 s on the event loop to reach the same 400.
+MAX_CHARS_PER_TOKEN = 256
 
 
 @dataclass
@@ -174,6 +179,60 @@ class RequestPlanner:
             param=param,
             code="too_many_logprobs",
         )
+
+    # -- counts and sizes on the raw JSON, before model validation and the tokenizer ----------------------
+
+    def check_prompt_chars(self, chars: int, what: str, param: str = "prompt") -> None:
+        """400 ``context_length_exceeded`` when ``chars`` characters cannot fit the context."""
+        context = self.engine.context_length
+        if chars > context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"This model's maximum context length is {context} tokens, at most {context * MAX_CHARS_PER_TOKEN} "
+                f"characters ({MAX_CHARS_PER_TOKEN} per token at most); {what} is {chars} characters. "
+                "Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def precheck_chat(self, data: dict[str, Any]) -> None:
+        """Refuse by count and size before validation: more messages than the context has tokens (every
+        chat template spends at least one token on a message), or more text than it could hold."""
+        messages = data.get("messages")
+        if not isinstance(messages, list):
+            return
+        context = self.engine.context_length
+        if len(messages) > context:
+            raise InvalidRequest(
+                f"messages: {len(messages)} messages; this model's maximum context length is {context} tokens and "
+                "every message takes at least one. Send fewer messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        self.check_prompt_chars(chars, "the messages' text", param="messages")
+
+    def precheck_completion(self, data: dict[str, Any]) -> None:
+        """Refuse by count and size before validation and the tokenizer: more prompts x ``n`` than the
+        engine ever admits (413), token ids or text beyond the context (400)."""
+        prompt = data.get("prompt")
+        n = data.get("n", 1)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16 else 1
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "the prompt")
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            self.engine.check_capacity(len(prompt) * n)
+            self.check_prompt_chars(max(len(p) if isinstance(p, str) else 0 for p in prompt), "the longest prompt")
+        elif isinstance(prompt, list) and len(prompt) >= self.engine.context_length:
+            max_tokens = data.get("max_tokens")
+            raise context_error(
+                self.engine.context_length, len(prompt), max_tokens if isinstance(max_tokens, int) else None
+            )
 
     def check_constraint(self, constraint: JSONSchemaConstraint) -> None:
         """A 400 naming the field when no engine could enforce the schema exactly: one verdict on every
