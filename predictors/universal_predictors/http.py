@@ -110,14 +110,22 @@ def loads_json(raw: bytes | str, what: str = "The request body", param: str | No
     return data
 
 
-async def parse_json(request: Request, model: type[M], max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> M:
-    """Read and validate a JSON body as ``model``; 400/413 with the field named on failure."""
+async def parse_json(
+    request: Request,
+    model: type[M],
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    precheck: Callable[[dict[str, Any]], None] | None = None,
+) -> M:
+    """Read and validate a JSON body as ``model``; 400/413 with the field named on failure. ``precheck``
+    sees the parsed object first: counts and sizes refused there cost no model validation."""
     raw = await read_body(request, max_bytes)
     if not raw.strip():
         raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
     data = loads_json(raw)
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    if precheck is not None:
+        precheck(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kserve import model_server
 
+from universal_predictors.allocator import TrimWhenIdle
 from universal_predictors.base import UniversalPredictor, common_routes
 from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
@@ -98,6 +99,7 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_middleware(TrimWhenIdle, quiet_paths=TOKEN_FREE_PATHS)
     token = os.environ.get(UPSTREAM_TOKEN_ENV)
     if token:
         app.add_middleware(RequireToken, token=token)

@@ -30,6 +30,16 @@ from universal_predictors.generation.protocol import (
 
 #: ``max_tokens`` when a completions request names none (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: The most top-logprob entries one request may ask for: choices x tokens (``max_tokens``, clipped to the
+#: context) x ``top_logprobs``. Each entry is ~30-50 bytes of JSON and more as Python objects: a 152-byte
+#: body of ``n=16, max_tokens=1000, top_logprobs=20`` made responses of 9 MiB and left GBs of RSS behind.
+#: 65,536 is ``top_logprobs=20`` over 3,276 tokens of one choice (or 16 choices of 204 tokens): a few MiB.
+MAX_LOGPROB_ENTRIES = 65_536
+#: Characters one token can stand for at most, for the size check before tokenizing: a prompt of more than
+#: ``context_length`` x this many characters cannot fit, whatever the tokenizer (vocabularies' longest
+#: tokens are runs of 16-128 spaces or symbols; this leaves twice the longest). A 15 MiB prompt took the
+#: tokenizer 20 s on the event loop to reach the same 400.
+MAX_CHARS_PER_TOKEN = 256
 
 
 @dataclass
@@ -143,20 +153,117 @@ class RequestPlanner:
                 f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
                 param=constraint.param,
             )
-        if constraint is not None and constraint.schema is not None:
-            from universal_predictors.generation.constraints import check_schema
-
-            try:  # one verdict on every engine (vLLM's own backend would silently ignore what it lacks)
-                check_schema(constraint.schema)
-            except ValueError as exc:
-                raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
+        if constraint is not None:
+            self.check_constraint(constraint)
         jobs = []
         for p, ids in enumerate(prompts):
             for i in range(body.n):
                 params = self._params(body, len(ids), max_tokens, logprobs, i)
                 jobs.append((p, GenerationRequest(uuid.uuid4().hex, ids, params, constraint, multimodal)))
+        if logprobs:
+            self._check_logprob_entries(body, [job.params.max_tokens for _, job in jobs], logprobs)
         self.engine.check_capacity(len(jobs))  # overload: a 503 before any stream starts
         return Plan(prompts, jobs, body.stops(), sum(len(ids) for ids in prompts))
+
+    @staticmethod
+    def _check_logprob_entries(body: SamplingFields, max_tokens: list[int], top: int) -> None:
+        """400 when the choices' tokens x ``top`` exceed :data:`MAX_LOGPROB_ENTRIES`, before generating."""
+        entries = sum(max_tokens) * top
+        if entries <= MAX_LOGPROB_ENTRIES:
+            return
+        param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise InvalidRequest(
+            f"{param}: n x max_tokens x {param} is {entries} logprob entries ({len(max_tokens)} choices of up to "
+            f"{max(max_tokens)} tokens, max_tokens clipped to the context, x {top}); at most {MAX_LOGPROB_ENTRIES} "
+            f"are returned for one request. Lower max_tokens, n or {param}.",
+            param=param,
+            code="too_many_logprobs",
+        )
+
+    # -- counts and sizes on the raw JSON, before model validation and the tokenizer ----------------------
+
+    def check_prompt_chars(self, chars: int, what: str, param: str = "prompt") -> None:
+        """400 ``context_length_exceeded`` when ``chars`` characters cannot fit the context."""
+        context = self.engine.context_length
+        if chars > context * MAX_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"This model's maximum context length is {context} tokens, at most {context * MAX_CHARS_PER_TOKEN} "
+                f"characters ({MAX_CHARS_PER_TOKEN} per token at most); {what} is {chars} characters. "
+                "Shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def precheck_chat(self, data: dict[str, Any]) -> None:
+        """Refuse by count and size before validation: more messages than the context has tokens (every
+        chat template spends at least one token on a message), or more text than it could hold."""
+        messages = data.get("messages")
+        if not isinstance(messages, list):
+            return
+        context = self.engine.context_length
+        if len(messages) > context:
+            raise InvalidRequest(
+                f"messages: {len(messages)} messages; this model's maximum context length is {context} tokens and "
+                "every message takes at least one. Send fewer messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        self.check_prompt_chars(chars, "the messages' text", param="messages")
+
+    def precheck_completion(self, data: dict[str, Any]) -> None:
+        """Refuse by count and size before validation and the tokenizer: more prompts x ``n`` than the
+        engine ever admits (413), token ids or text beyond the context (400)."""
+        prompt = data.get("prompt")
+        n = data.get("n", 1)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16 else 1
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "the prompt")
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            self.engine.check_capacity(len(prompt) * n)
+            self.check_prompt_chars(max(len(p) if isinstance(p, str) else 0 for p in prompt), "the longest prompt")
+        elif isinstance(prompt, list) and len(prompt) >= self.engine.context_length:
+            max_tokens = data.get("max_tokens")
+            raise context_error(
+                self.engine.context_length, len(prompt), max_tokens if isinstance(max_tokens, int) else None
+            )
+
+    def check_constraint(self, constraint: JSONSchemaConstraint) -> None:
+        """A 400 naming the field when no engine could enforce the schema exactly: one verdict on every
+        engine (vLLM's own backend would silently ignore what it lacks). Linear in the schema and cached,
+        but a large schema costs milliseconds: the service calls it on a worker thread first."""
+        if constraint.schema is None:
+            return
+        if not self.engine.capabilities.constraints:
+            raise InvalidRequest(
+                f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
+                param=constraint.param,
+            )
+        from universal_predictors.generation.constraints import check_schema
+
+        try:
+            check_schema(constraint.schema)
+        except ValueError as exc:
+            raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
+
+    @staticmethod
+    def chat_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint | None, str | None]:
+        """The constraint of a chat request (a forced tool, else ``response_format``) and the forced
+        function's name when ``tool_choice`` names one."""
+        constraint, forced = tool_constraint(body)
+        if constraint is None and body.response_format is not None:
+            if body.response_format.type == "json_object":
+                constraint = JSONSchemaConstraint(None)
+            elif body.response_format.type == "json_schema":
+                assert body.response_format.json_schema is not None
+                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        return constraint, forced
 
     @staticmethod
     def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -197,13 +304,7 @@ class RequestPlanner:
             raise no_vision(self.engine.config.model_name, body.images()[0][0])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self._check_capabilities(body, logprobs)
-        constraint, forced = tool_constraint(body)
-        if constraint is None and body.response_format is not None:
-            if body.response_format.type == "json_object":
-                constraint = JSONSchemaConstraint(None)
-            elif body.response_format.type == "json_schema":
-                assert body.response_format.json_schema is not None
-                constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
+        constraint, forced = self.chat_constraint(body)
         ids = list(multimodal.prompt_ids) if multimodal is not None else self._chat_prompt(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._plan(body, [ids], max_tokens, logprobs, constraint, multimodal), forced

@@ -28,7 +28,12 @@ from universal_predictors.generation.engine import (
     no_vision,
 )
 from universal_predictors.generation.images import ImageArgs, check_count, load_images
-from universal_predictors.generation.planning import COMPLETIONS_DEFAULT_MAX_TOKENS, RequestPlanner, context_error
+from universal_predictors.generation.planning import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    Plan,
+    RequestPlanner,
+    context_error,
+)
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_shape, completion_shape, respond
 from universal_predictors.generation.streaming import ChoiceRunner, ignore
@@ -71,8 +76,11 @@ class GenerationService:
         return self._tool_parser
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        constraint, _ = self.planner.chat_constraint(body)
+        if constraint is not None:  # checked (and compiled, cached) off the event loop: planning then hits the cache
+            await asyncio.to_thread(self.planner.check_constraint, constraint)
         multimodal = await self._multimodal_prompt(body) if body.images() else None
-        plan, forced = self.planner.plan_chat(body, multimodal)
+        plan, forced = await asyncio.to_thread(self.planner.plan_chat, body, multimodal)  # template, tokenizer
         tools = ChatTools(body, forced, self.tool_parser)
         return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
 
@@ -86,13 +94,18 @@ class GenerationService:
         return await asyncio.to_thread(self.planner.multimodal_prompt, body, images)
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        plan = self.planner.plan_completion(body)
-        echoes = [self.engine.detokenize(ids) if body.echo else "" for ids in plan.prompts]
+        plan, echoes = await asyncio.to_thread(self._plan_completion, body)
         return await respond(self.runner, request, body, plan, completion_shape(body, plan, echoes))
+
+    def _plan_completion(self, body: CompletionRequest) -> tuple[Plan, list[str]]:
+        """The plan and the echoed prompts: tokenizer work, for a worker thread."""
+        plan = self.planner.plan_completion(body)
+        return plan, [self.engine.detokenize(ids) if body.echo else "" for ids in plan.prompts]
 
     async def complete_text(self, prompt: str, max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> str:
         """Greedy text for one prompt (KServe v1/v2 text in, text out)."""
-        ids = self.engine.tokenize(prompt, add_special_tokens=True)
+        self.planner.check_prompt_chars(len(prompt), "the prompt")
+        ids = await asyncio.to_thread(self.engine.tokenize, prompt, add_special_tokens=True)
         if not ids:
             raise InvalidRequest("the prompt is empty")
         if len(ids) >= self.engine.context_length:

@@ -127,17 +127,32 @@ class GeneratePredictor(UniversalPredictor):
             outputs.append(self.service.complete_text(prompt, max_tokens))
         return list(await asyncio.gather(*outputs))
 
+    def _precheck(self, check: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        """``check`` (counts and sizes on the raw JSON) once the body names this model and it is loaded."""
+
+        def precheck(data: dict[str, Any]) -> None:
+            model = data.get("model")
+            self.check_model(model if isinstance(model, str) else None)
+            self.require_ready()
+            check(data)
+
+        return precheck
+
     def add_routes(self, router: APIRouter) -> None:
         @self.route("chat_completions")
         async def chat_completions(request: Request) -> Response:
-            body = await parse_json(request, ChatCompletionRequest)
+            body = await parse_json(
+                request, ChatCompletionRequest, precheck=self._precheck(self.service.planner.precheck_chat)
+            )
             self.check_model(body.model)
             self.require_ready()
             return await self.service.chat(request, body)
 
         @self.route("completions")
         async def completions(request: Request) -> Response:
-            body = await parse_json(request, CompletionRequest)
+            body = await parse_json(
+                request, CompletionRequest, precheck=self._precheck(self.service.planner.precheck_completion)
+            )
             self.check_model(body.model)
             self.require_ready()
             return await self.service.completions(request, body)
