@@ -178,6 +178,12 @@ def pip_sources() -> list[str]:
     return args
 
 
+def resolution(sources: list[str], python: str, platform: str) -> list[str]:
+    """uv's arguments for where packages come from (pip's rule across indexes) and the target; wheels only."""
+    return ["--index-strategy", "unsafe-best-match", *sources, "--python-version", python,
+            "--python-platform", platform, "--only-binary", ":all:"]  # fmt: skip
+
+
 def uv() -> str:
     found = shutil.which("uv", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if not found:
@@ -206,15 +212,7 @@ def compile_target(target: Target, pins: list[str], work: Path, sources: list[st
         "--quiet",
         "--no-header",
         "--generate-hashes",
-        "--index-strategy",
-        "unsafe-best-match",
-        *sources,
-        "--python-version",
-        python,
-        "--python-platform",
-        platform,
-        "--only-binary",
-        ":all:",
+        *resolution(sources, python, platform),
         *(a for p in SDIST_ALLOWED for a in ("--no-binary", p)),
         "-c",
         str(ROOT / "constraints.txt"),
@@ -262,15 +260,7 @@ def newest_opencv(sources: list[str], work: Path) -> str:
                 "--quiet",
                 "--no-header",
                 "--no-annotate",
-                "--index-strategy",
-                "unsafe-best-match",
-                *sources,
-                "--python-version",
-                python,
-                "--python-platform",
-                platform,
-                "--only-binary",
-                ":all:",
+                *resolution(sources, python, platform),
                 str(spec),
             ],
             capture_output=True,

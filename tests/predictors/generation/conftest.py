@@ -75,6 +75,8 @@ def require_engine(case: EngineCase) -> None:
     and skipped there, and run in .venv-vllm through .ci/vllm.sh, the mandatory second step of `make test`.
     """
     if importlib.util.find_spec(case.package) is None:
+        # Outside the tiers only (a developer's venv without an engine): inside one this skip fails, and the
+        # unit tier deselects the vLLM cases by marker before they get here (tests/tiers.py).
         pytest.skip(
             f"the {case.backend.value} engine needs the {case.package!r} package, which is not installed in this "
             "environment (the vLLM cases run in .venv-vllm through .ci/vllm.sh)"
