@@ -71,7 +71,7 @@ def load(text: str) -> Any:
 
 def manifest(text: str, *, uid: str = "uid-1", generation: int = 1) -> dict[str, Any]:
     """A UniversalModel body from YAML; apiVersion, kind, namespace, uid and generation filled in if absent."""
-    body = load(text)
+    body: dict[str, Any] = load(text)
     body.setdefault("apiVersion", "serving.universal-runtime.dev/v1alpha1")
     body.setdefault("kind", "UniversalModel")
     meta = body.setdefault("metadata", {})

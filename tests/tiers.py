@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
     name = tier()
     if name is not None:
@@ -98,7 +99,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
     outcome = yield
     name = tier()
     if name is not None:

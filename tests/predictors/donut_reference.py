@@ -39,7 +39,8 @@ class DonutReference:
         self.dtype = dtype or torch.float32
         self.device = device
         model = VisionEncoderDecoderModel.from_pretrained(path, local_files_only=True, dtype=self.dtype)
-        self.model = model.to(device).eval()
+        # transformers wraps `to` in a decorator whose stub takes the model as the first argument
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.num_beams = num_beams
 
     def generate(self, images: list[Any], prompt: str) -> Any:

@@ -74,7 +74,7 @@ def plain_embed_predictor(
 def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight BERT with a one-logit sequence-classification head and a word-level vocabulary."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
     directory = tmp_path_factory.mktemp("tiny-cross-encoder")
     words = [
@@ -110,7 +110,7 @@ def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(words))]
     vocab_file = directory / "vocab.txt"
     vocab_file.write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=True, model_max_length=64)
+    tokenizer = BertTokenizer(vocab_file=str(vocab_file), do_lower_case=True, model_max_length=64)
     torch.manual_seed(1234)
     config = BertConfig(
         vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

@@ -115,7 +115,7 @@ def build_tokenizer(
     return tokenizer
 
 
-def _config(num_labels: int, labels: list[str], **extra: object) -> BertConfig:
+def _config(num_labels: int, labels: list[str], **extra: Any) -> BertConfig:
     return BertConfig(
         vocab_size=len(vocabulary()),
         hidden_size=32,

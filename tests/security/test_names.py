@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tests.test_admission import isvc, refusal
+from tests.operator.test_admission import isvc, refusal
 from universal_predictors.anomaly.store import valid_name
 from universal_predictors.config import PredictorConfig, Task
 

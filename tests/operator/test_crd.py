@@ -18,7 +18,7 @@ from tests.factories import load, servable_models
 from universal_operator.crd import custom_resource_definition, render_crd_yaml
 from universal_operator.spec import UniversalModel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "universalmodels.yaml"
 EXAMPLES = sorted((ROOT / "examples" / "cluster").glob("*.yaml"))
 

@@ -1,6 +1,6 @@
 """The KServe stand-in writes what the chosen KServe release writes, and the operator reads it so.
 
-The statuses themselves are checked against KServe's source in tests/test_kserve_status_documents.py; here:
+The statuses themselves are checked against KServe's source in tests/operator/test_kserve_status_documents.py; here:
 the stand-in's builders give the phases those documents give, and play_kserve follows a release through
 creation, a spec edit, a stop and a wake (observedGeneration from the child, the status wiped by a stop).
 """

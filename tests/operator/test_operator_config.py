@@ -22,7 +22,7 @@ from universal_operator.config import (
     parse_config,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 FULL_YAML = """
 images:

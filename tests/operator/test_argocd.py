@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from tests.factories import model
-from tests.test_kserve_status_documents import CASES as KSERVE_DOCUMENTS
-from tests.test_kserve_status_documents import the_model
-from tests.test_status_from_inference_service import CASES, QWEN, child
+from tests.operator.test_kserve_status_documents import CASES as KSERVE_DOCUMENTS
+from tests.operator.test_kserve_status_documents import the_model
+from tests.operator.test_status_from_inference_service import CASES, QWEN, child
 from universal_operator.config import OperatorConfig
 from universal_operator.reconcile.status import status_for_invalid_spec, status_from_inference_service
 from universal_operator.spec import GROUP, KIND, Phase, SpecError
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "argocd"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "argocd"
 HEALTH_KEY = f"resource.customizations.health.{GROUP}_{KIND}"
 #: What each phase the operator reports means to someone looking at an Argo CD Application.
 HEALTH = {

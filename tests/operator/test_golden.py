@@ -1,13 +1,13 @@
 """The whole objects the operator renders for each example in ``examples/cluster/``, against golden files.
 
 The fragment tables (``test_render_inference_service.py``) pin one behaviour each; these pin everything, so a
-field nobody meant to add (or lose) shows up as a diff. ``tests/golden/<example>.yaml`` holds, in apply order,
+field nobody meant to add (or lose) shows up as a diff. ``tests/operator/golden/<example>.yaml`` holds, in apply order,
 every object ``desired_service_account`` and ``desired_inference_service`` render for the example.
 
 After a deliberate change to rendering, regenerate them and review the diff like code::
 
-    UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
-    git diff tests/golden/
+    UPDATE_GOLDEN=1 python -m pytest tests/operator/test_golden.py
+    git diff tests/operator/golden/
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
 from universal_operator.spec import parse_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "cluster"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-REGENERATE = "UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py"
+REGENERATE = "UPDATE_GOLDEN=1 python -m pytest tests/operator/test_golden.py"
 
 #: Where ``kubectl apply -f examples/cluster/`` puts a manifest that names no namespace, and a fixed uid (the
 #: API server's, in a real cluster) so the ownerReferences are stable.
@@ -89,10 +89,10 @@ def dump(objects: list[dict[str, Any]]) -> str:
 
 
 def header(example: str) -> str:
-    config = "the default OperatorConfig" if example not in CONFIGS else "tests/test_golden.py's CONFIGS entry"
+    config = "the default OperatorConfig" if example not in CONFIGS else "tests/operator/test_golden.py's CONFIGS entry"
     return (
         f"# What the operator renders for examples/cluster/{example}.yaml (namespace {NAMESPACE}) with {config}.\n"
-        f"# Generated: {REGENERATE} (see tests/golden/README.md).\n"
+        f"# Generated: {REGENERATE} (see tests/operator/golden/README.md).\n"
     )
 
 
@@ -115,7 +115,7 @@ def test_the_operator_renders_the_golden_objects_for_each_example(example: str) 
         )
         pytest.fail(
             f"the rendered objects differ from the golden file; if the change is meant, regenerate with {REGENERATE} "
-            "and review `git diff tests/golden/`:\n" + "".join(diff),
+            "and review `git diff tests/operator/golden/`:\n" + "".join(diff),
             pytrace=False,
         )
 
