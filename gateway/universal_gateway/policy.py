@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from universal_operator.spec import ScalingMode, UniversalModel, parse_duration
+from universal_operator.spec import ScalingMode, UniversalModel
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ServingPolicy:
         return cls(
             mode=scaling.mode,
             idle_timeout=scaling.idle_duration.total_seconds(),
-            startup_timeout=parse_duration(scaling.startup_timeout).total_seconds(),
+            startup_timeout=scaling.startup_duration.total_seconds(),
             always_on=scaling.min_replicas >= 1,
             idle_timeout_text=scaling.idle_timeout,
             startup_timeout_text=scaling.startup_timeout,

@@ -326,6 +326,12 @@ class Scaling(_Model):
         """``idleTimeout`` as a duration, parsed here only (the Knative bound, the render, the gateway's TTL)."""
         return parse_duration(self.idle_timeout)
 
+    @property
+    def startup_duration(self) -> timedelta:
+        """``startupTimeout`` as a duration, parsed here only (its checks, the probes, the revision timeout, the
+        gateway's wait for a wake)."""
+        return parse_duration(self.startup_timeout)
+
     @model_validator(mode="after")
     def _min_not_above_max(self) -> Scaling:
         if self.min_replicas > self.max_replicas:
@@ -336,7 +342,7 @@ class Scaling(_Model):
     def _knative_bounds(self) -> Scaling:
         if self.mode is ScalingMode.KNATIVE and self.idle_duration > parse_duration(KNATIVE_MAX_IDLE):
             raise ValueError(IDLE_BOUND_MESSAGE)
-        startup = parse_duration(self.startup_timeout).total_seconds()
+        startup = self.startup_duration.total_seconds()
         if startup % 1:
             raise ValueError(STARTUP_PRECISION_MESSAGE)
         if startup <= 0:

@@ -25,7 +25,7 @@ from universal_operator.reconcile.labels import (
     visibility_labels,
 )
 from universal_operator.reconcile.service_account import predictor_service_account
-from universal_operator.spec import ScalingMode, UniversalModel, parse_duration
+from universal_operator.spec import ScalingMode, UniversalModel
 from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
     GPUS_ENV,
@@ -66,7 +66,7 @@ KNATIVE_SCALE_TO_ZERO_GRACE = timedelta(seconds=30)
 
 def predictor_probes(model: UniversalModel) -> dict[str, Any]:
     """Readiness, liveness and startup probes of the predictor container (see LIVE_PATH)."""
-    startup_s = parse_duration(model.spec.scaling.startup_timeout).total_seconds()
+    startup_s = model.spec.scaling.startup_duration.total_seconds()
     live = {"httpGet": {"path": LIVE_PATH, "port": DEFAULT_HTTP_PORT}, "periodSeconds": PROBE_PERIOD_S,
             "timeoutSeconds": PROBE_TIMEOUT_S}  # fmt: skip
     return {
@@ -240,7 +240,7 @@ def request_timeout_seconds(model: UniversalModel, config: OperatorConfig) -> in
     scaling = model.spec.scaling
     if scaling.mode is ScalingMode.STANDARD:
         return int(LONGEST_REQUEST.total_seconds())
-    wanted = parse_duration(scaling.startup_timeout) + LONGEST_REQUEST
+    wanted = scaling.startup_duration + LONGEST_REQUEST
     return min(int(wanted.total_seconds()), config.knative.max_revision_timeout_seconds)
 
 
