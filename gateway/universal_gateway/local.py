@@ -32,8 +32,19 @@ from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState
 from universal_gateway.manifests import Manifest
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
+from universal_gateway.standby import StandbyPool
 from universal_operator.predictor import predictor_config, resolved_backend
-from universal_predictors.config import PARENT_PID_ENV, UPSTREAM_TOKEN_ENV, Backend, resolve_source
+from universal_predictors.config import (
+    GPUS_ENV,
+    PARENT_PID_ENV,
+    PREDICTOR_MODULE,
+    STANDBY_FLAG,
+    UPSTREAM_TOKEN_ENV,
+    Backend,
+    PredictorConfig,
+    resolve_backend,
+    resolve_source,
+)
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -120,6 +131,8 @@ class LocalModel:
     watchers: set[asyncio.Task[None]] = field(default_factory=set)
     #: The backend the running predictor says it runs, where the spec leaves it to the predictor (``auto``).
     running_backend: Backend | None = None
+    #: Whether the running process is a standby that took this model (its libraries were imported already).
+    from_standby: bool = False
     policy: ServingPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +163,7 @@ class LocalSupervisor(Backends):
         reap_interval: float = 0.25,
         fetch: Callable[[Manifest], str] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        standby: bool = True,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
@@ -163,6 +177,13 @@ class LocalSupervisor(Backends):
         self._fetch = fetch or fetch_source
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        # One waiting predictor with its libraries imported, for the next model to wake (universal_gateway.standby);
+        # worth its memory only when some model can be at zero.
+        self.standby = StandbyPool(
+            [python, "-m", PREDICTOR_MODULE, STANDBY_FLAG], self._process_env,
+            enabled=standby and any(not m.policy.always_on for m in self._models.values()),
+            start_new_session=True, preexec_fn=die_with_parent(),
+        )  # fmt: skip
 
     # -- Backends ----------------------------------------------------------------------------------
 
@@ -172,12 +193,15 @@ class LocalSupervisor(Backends):
         for model in self._models.values():
             if model.policy.always_on:
                 model.starting = asyncio.create_task(self._start(model))
+        if not any(m.policy.always_on for m in self._models.values()):
+            self.standby.replenish()  # else once the always-on models are up (the end of _start)
 
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.standby.close()
         await asyncio.gather(*(self._stop(m, reason="gateway shutting down") for m in self._models.values()))
         if self._session is not None:
             await self._session.close()
@@ -220,7 +244,30 @@ class LocalSupervisor(Backends):
         if model.state is not ModelState.READY:
             raise Unavailable(f"The model {model.name!r} is not available: {model.message}", code="model_failed")
 
+    def _process_env(self, model: LocalModel | None = None) -> dict[str, str]:
+        """A predictor's environment: the gateway's, the model's ``spec.env``, and the per-process variables."""
+        own = {e.name: e.value for e in model.manifest.model.spec.env if e.value} if model is not None else {}
+        return {**os.environ, **self._env, **own, PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}
+
+    @staticmethod
+    def _standby_fits(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> bool:
+        """Whether the standby (torch, transformers and sentence-transformers imported) serves this model as a fresh
+        process would: a model on transformers (what ``auto`` resolves to, by the predictor's own rule) with no
+        variables of its own (a library may read them when it is imported). The rest start fresh, without
+        libraries they do not use (OCR, anomaly) or with the OpenMP wait policy they want (llama.cpp)."""
+        if model.manifest.model.spec.env:
+            return False
+        pattern = config.source_file or config.source_projector_file
+        gpus = int(env[GPUS_ENV]) if env.get(GPUS_ENV, "").isdigit() else 0
+        return resolve_backend(config.task, config.backend, config.source, pattern, gpus) is Backend.TRANSFORMERS
+
     async def _start(self, model: LocalModel) -> None:
+        try:
+            await self._start_once(model)
+        finally:
+            self.standby.replenish()  # after the wake, not during it: the two would share the CPUs
+
+    async def _start_once(self, model: LocalModel) -> None:
         if model.running() and model.state is ModelState.READY:
             return
         backoff = self._backoff(model)
@@ -239,11 +286,12 @@ class LocalSupervisor(Backends):
         state_dir.mkdir(parents=True, exist_ok=True)
         config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir))
         config = config.model_copy(update={"http_host": LOOPBACK})
-        env = {**os.environ, **self._env, **{e.name: e.value for e in model.manifest.model.spec.env if e.value},
-               PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}  # fmt: skip
+        env = self._process_env(model)
         model.log_tail.clear()
         model.stopping = False
-        model.process = await asyncio.create_subprocess_exec(
+        handed = await self.standby.take(config.to_args(), env) if self._standby_fits(model, config, env) else None
+        model.from_standby = handed is not None
+        model.process = handed or await asyncio.create_subprocess_exec(
             *config.to_command(self._python),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
@@ -252,7 +300,8 @@ class LocalSupervisor(Backends):
             preexec_fn=die_with_parent(),
         )
         model.starts += 1
-        logger.info("starting %s (pid %d, port %d)", model.name, model.process.pid, model.port)
+        logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port,
+                    ", in the standby process" if model.from_standby else "")  # fmt: skip
         model.watchers = {
             asyncio.create_task(self._pump_logs(model, model.process)),
             asyncio.create_task(self._watch_exit(model, model.process)),
@@ -369,7 +418,11 @@ class LocalSupervisor(Backends):
             endpoint=model.url if model.running() else None,
             pid=model.process.pid if model.running() and model.process else None,
             stats=model.stats,
-            extra={"starts": model.starts, "idle_timeout": model.policy.idle_timeout_text},
+            extra={
+                "starts": model.starts,
+                "idle_timeout": model.policy.idle_timeout_text,
+                "started_in_standby": model.from_standby,
+            },
         )
 
 

@@ -14,8 +14,10 @@ import threading
 import time
 from collections.abc import Sequence
 
+from universal_predictors import standby
 from universal_predictors.config import (
     PARENT_PID_ENV,
+    STANDBY_FLAG,
     Backend,
     PredictorConfig,
     resolve_backend,
@@ -76,6 +78,12 @@ def watch_parent(parent: int, interval_s: float = 1.0) -> threading.Thread:
     return thread
 
 
+def wants_active_openmp_wait(config: PredictorConfig) -> bool:
+    """Whether the model runs llama.cpp, whose threads want OpenMP's active wait (see set_openmp_wait_policy)."""
+    pattern = config.source_file or config.source_projector_file
+    return resolve_backend(config.task, config.backend, config.source, pattern, gpus=0) is Backend.LLAMACPP
+
+
 def set_openmp_wait_policy(config: PredictorConfig) -> None:
     """``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it or the engine is llama.cpp.
 
@@ -85,14 +93,19 @@ def set_openmp_wait_policy(config: PredictorConfig) -> None:
     puts each one to sleep there (measured on the ~155M bench Llama at c=1: 31 tok/s against 41 spinning,
     which is llama-server's own default). Called before any engine loads libgomp (neither kserve nor the
     config imports it), since libgomp reads the variable once, when it loads."""
-    pattern = config.source_file or config.source_projector_file
-    backend = resolve_backend(config.task, config.backend, config.source, pattern, gpus=0)
-    if backend is not Backend.LLAMACPP:
+    if not wants_active_openmp_wait(config):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from_standby = argv == [STANDBY_FLAG]
+    if from_standby:
+        try:  # wait, libraries imported, for the command line of the model to serve
+            argv = standby.run(sys.stdin, sys.stdout, sys.argv[0])
+        except standby.Declined as exc:
+            print(f"{PROG}: standby declined: {exc}", flush=True)
+            return standby.DECLINED
     if os.environ.get(PARENT_PID_ENV, "").isdigit():
         watch_parent(int(os.environ[PARENT_PID_ENV]))
     # kserve.model_server parses sys.argv when imported; give it only what it knows.
@@ -109,6 +122,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
 
+    if from_standby:
+        if wants_active_openmp_wait(config):
+            print(f"{PROG}: standby declined: llama.cpp models start fresh (OpenMP's wait policy was set when "
+                  f"torch loaded)", flush=True)  # fmt: skip
+            return standby.DECLINED
+        standby.retitle(argv)
+        print(standby.ACCEPTED_LINE, flush=True)
+        logging.getLogger(PROG).info("standby process %d serves %s", os.getpid(), config.model_name)
     set_openmp_wait_policy(config)
 
     if os.environ.get(MODEL_INIT_MODE_ENV) == "async" and config.source.startswith("/"):

@@ -39,6 +39,13 @@ GPUS_ENV = "UNIVERSAL_RUNTIME_GPUS"
 #: answers only requests that carry it in UPSTREAM_TOKEN_HEADER (probes and /metrics excepted).
 UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"
 UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
+#: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
+#: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
+#: status when it declines that model.
+STANDBY_FLAG = "--standby"
+STANDBY_READY_LINE = "universal-runtime standby ready"
+STANDBY_ACCEPTED_LINE = "universal-runtime standby accepted"
+STANDBY_DECLINED_EXIT = 3
 
 
 #: Tasks whose sources may hold several weight files, one picked by ``source.file`` (a GGUF pattern).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -92,8 +93,11 @@ def running_gateway(
 
 
 def command_line(pid: int) -> list[str]:
+    """The process's arguments; a title set by setproctitle (a standby predictor that took a model: one
+    shell-quoted line in place of the arguments) split back into them."""
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        parts = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+        return shlex.split(parts[0]) if len(parts) == 1 and " " in parts[0] else parts
     return []
 
 

@@ -1,0 +1,123 @@
+"""`serve`'s standby predictor: a process with torch, transformers and sentence-transformers imported, waiting
+for the next model to wake (universal_gateway.standby, universal_predictors.standby). Real processes, the real
+`openai` client, MiniLM from its PyPI package."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from tests.gateway.harness import command_line, pid_alive, predictor_pid
+from tests.gateway.test_local_gateway import embed_manifest
+from tests.predictors.harness import OFFLINE_ENV
+from universal_gateway.app import Gateway
+from universal_gateway.local import LocalSupervisor
+from universal_gateway.manifests import load_manifests
+from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_DECLINED_EXIT, STANDBY_READY_LINE
+
+#: A standby imports torch, transformers and sentence-transformers: seconds, more on a loaded machine.
+READY_WITHIN_S = 300.0
+
+
+async def standby_pid(supervisor: LocalSupervisor) -> int:
+    pid = await asyncio.wait_for(supervisor.standby.wait_ready(), READY_WITHIN_S)
+    assert pid is not None
+    return pid
+
+
+async def test_a_wake_runs_in_the_standby_and_the_next_standby_follows(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="minilm", served="warm-embed")
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV)
+    async with (
+        Gateway(supervisor).serving() as url,
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        waiting = await standby_pid(supervisor)
+        result = await client.embeddings.create(model="warm-embed", input=["a cat sat on the mat"])
+        assert len(result.data[0].embedding) == 384
+
+        # The model runs in the process that was waiting, and says so under its own command line.
+        assert predictor_pid(os.getpid(), "warm-embed") == waiting
+        assert "--model_name=warm-embed" in command_line(waiting)
+        card = {m.id: m.model_dump() for m in (await client.models.list()).data}["warm-embed"]
+        assert card["started_in_standby"] is True
+        assert supervisor.standby.handed_over == 1
+
+        # Once the model is up, the next standby starts (a new process; the first one is the model now).
+        following = await standby_pid(supervisor)
+        assert following != waiting
+        assert pid_alive(waiting)
+
+
+async def test_a_model_with_variables_of_its_own_starts_fresh(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    path = embed_manifest(folder, name="minilm", served="own-env")
+    path.write_text(path.read_text() + "  env: [{name: TOKENIZERS_PARALLELISM, value: 'false'}]\n")
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV)
+    async with (
+        Gateway(supervisor).serving() as url,
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        waiting = await standby_pid(supervisor)
+        await client.embeddings.create(model="own-env", input="hello")
+        assert predictor_pid(os.getpid(), "own-env") not in (None, waiting)
+        assert supervisor.standby.pid == waiting  # still waiting for a model it can serve
+        assert supervisor.standby.handed_over == 0
+
+
+async def test_no_standby_when_asked_or_when_no_model_can_be_at_zero(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="minilm", served="cold-embed")
+    off = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "a", env=OFFLINE_ENV, standby=False)
+    assert not off.standby.enabled
+    path = embed_manifest(tmp_path / "always", name="always", served="always-on")
+    path.write_text(path.read_text().replace("scaling: {idleTimeout: 5m}", "scaling: {minReplicas: 1}"))
+    always = LocalSupervisor(load_manifests([path.parent]), state_root=tmp_path / "b", env=OFFLINE_ENV)
+    assert not always.standby.enabled
+
+
+def standby_process() -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "universal_predictors", "--standby"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **OFFLINE_ENV},
+    )  # fmt: skip
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.rstrip() == STANDBY_READY_LINE:
+            return process
+    raise AssertionError(f"the standby exited with {process.wait()} before it was ready")
+
+
+def hand_over(process: subprocess.Popen[str], argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    out, _ = process.communicate(json.dumps({"argv": argv, "env": env}) + "\n", timeout=READY_WITHIN_S)
+    return process.returncode, out
+
+
+@pytest.mark.parametrize(
+    ("case", "extra_argv", "extra_env", "said"),
+    [
+        ("llama.cpp", ["--backend", "llamacpp"], {}, "llama.cpp models start fresh"),
+        ("kserve flags", ["--max_threads", "2"], {}, "KServe's flags differ from the standby's (max_threads)"),
+        ("environment", [], {"OMP_NUM_THREADS": "1"}, "environment differs from the standby's in OMP_NUM_THREADS"),
+    ],
+)
+def test_the_standby_declines_what_it_did_not_import_for(tmp_path: Path, case: str, extra_argv: list[str],
+                                                         extra_env: dict[str, Any], said: str) -> None:  # fmt: skip
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # never read: the standby declines before loading anything
+    process = standby_process()
+    argv = ["--model_name", "m", "--task", "generate", "--source", str(model), "--http_port", "1", *extra_argv]
+    code, out = hand_over(process, argv, {**os.environ, **OFFLINE_ENV, **extra_env})
+    assert code == STANDBY_DECLINED_EXIT, out
+    assert said in out
+    assert STANDBY_ACCEPTED_LINE not in out
