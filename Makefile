@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 REQUEST_SCHEMAS := predictors/universal_predictors/request_schemas.json
 
-.PHONY: help venv lock lock-check system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
+.PHONY: help venv lock lock-upgrade lock-check system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -46,8 +46,13 @@ $(STAMP): requirements/dev.txt requirements/build-tools.txt
 
 # Re-resolve requirements/*.txt from pyproject.toml and constraints.txt (uv, hashes; .ci/lock.py). Run it after
 # changing a dependency in pyproject.toml or constraints.txt, and commit requirements/ with the change.
+# Keeps every pin it can (uv prefers the current lock's versions): adding a dependency moves only what it must.
 lock: venv
 	$(PY) .ci/lock.py compile
+
+# Every package to the newest release the ranges allow (then run the whole suite before committing).
+lock-upgrade: venv
+	LOCK_UPGRADE=1 $(PY) .ci/lock.py compile
 
 # Offline and instant: fails when pyproject.toml's dependencies changed and `make lock` was not run.
 lock-check:
