@@ -136,8 +136,9 @@ def serve_run(standby: bool) -> Run:
         with tempfile.TemporaryDirectory() as scratch:
             folder = Path(scratch) / "manifests"
             folder.mkdir()
-            text = (ROOT / "examples/cluster/minilm-embed.yaml").read_text()
-            (folder / "minilm.yaml").write_text(text)
+            manifest = yaml.safe_load((ROOT / "examples/cluster/minilm-embed.yaml").read_text())
+            manifest["spec"]["source"] = {"uri": MODEL_SOURCE}  # no hub here: the copy its package carries
+            (folder / "minilm.yaml").write_text(yaml.safe_dump(manifest))
             supervisor = LocalSupervisor(load_manifests([folder]), state_root=Path(scratch) / "state",
                                          env={**OFFLINE_ENV, "HOME": scratch}, standby=standby)  # fmt: skip
             async with Gateway(supervisor).serving() as url:
