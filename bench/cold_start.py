@@ -157,6 +157,79 @@ def serve_run(standby: bool) -> Run:
     return asyncio.run(wake())
 
 
+#: ``--tasks``: one small model per task (built by the tests' builders, or carried by a PyPI package), each woken
+#: through `serve`'s supervisor: the time until it is ready, fresh and in the standby.
+TASK_MODELS: dict[str, tuple[str, str]] = {
+    "embed": ("embed", MODEL_SOURCE),
+    "rerank": ("rerank", MODEL_SOURCE),
+    "classify": ("classify", "classifier"),
+    "ner": ("ner", "tagger"),
+    "generate (transformers)": ("generate", "llama"),
+    "document": ("document", "document-qa"),
+    "ocr": ("ocr", "package://rapidocr_onnxruntime/models"),
+    "anomaly": ("anomaly", "./anomaly"),
+}
+
+
+def build_task_models(folder: Path) -> dict[str, str]:
+    """The built models' folders by name."""
+    from tests.predictors.generation.tiny_llama import build_llama
+    from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
+    from tests.predictors.tiny_layoutlm import build_layoutlm
+
+    return {
+        "classifier": str(build_sequence_classifier(folder / "classifier")),
+        "tagger": str(build_token_classifier(folder / "tagger")),
+        "llama": str(build_llama(folder / "llama")),
+        "document-qa": str(build_layoutlm(folder / "document-qa", "qa")),
+    }
+
+
+def task_wake(task: str, source: str, standby: bool) -> Run:
+    """Seconds until a model of ``task`` woken through `serve`'s supervisor is ready (no request: what every held
+    request waits for), and the predictor's own load."""
+    from universal_gateway.local import LocalSupervisor
+    from universal_gateway.manifests import load_manifests
+
+    async def wake() -> Run:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = Path(scratch) / "manifests"
+            folder.mkdir()
+            backend = {"generate": "transformers", "ocr": "rapidocr"}.get(task, "auto")
+            spec = {"task": task, "servedName": "m", "backend": backend, "source": {"uri": source}}
+            manifest = {"apiVersion": "serving.universal-runtime.dev/v1alpha1", "kind": "UniversalModel",
+                        "metadata": {"name": "m"}, "spec": spec}  # fmt: skip
+            (folder / "m.yaml").write_text(yaml.safe_dump(manifest))
+            supervisor = LocalSupervisor(load_manifests([folder]), state_root=Path(scratch) / "state",
+                                         env={**OFFLINE_ENV, "HOME": scratch}, standby=standby)  # fmt: skip
+            await supervisor.start()
+            try:
+                if standby:
+                    await asyncio.wait_for(supervisor.standby.wait_ready(), DEADLINE_S)
+                local = supervisor.model("m")
+                assert local is not None
+                started = time.monotonic()
+                await supervisor.ensure_ready(local)
+                return Run(time.monotonic() - started, local.last_load_seconds)
+            finally:
+                await supervisor.close()
+
+    return asyncio.run(wake())
+
+
+def task_rows(runs: int) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        built = build_task_models(Path(scratch))
+        print("| task | wake, fresh process | wake, standby | standby used |")
+        print("|---|---|---|---|")
+        for label, (task, source) in TASK_MODELS.items():
+            source = built.get(source, source)
+            fresh = statistics.median(task_wake(task, source, False).cold_start_s for _ in range(runs))
+            warm = statistics.median(task_wake(task, source, True).cold_start_s for _ in range(runs))
+            used = "yes" if warm < fresh / 2 else "no (starts fresh)"
+            print(f"| {label} | {fresh:.1f} s | {warm:.1f} s | {used} |", flush=True)
+
+
 def weights_floor() -> tuple[float, float]:
     """Seconds to read the model's weight files: from the page cache, and from disk (dropped from the cache first)."""
     files = [p for p in Path(resolve_source(MODEL_SOURCE)).rglob("*") if p.suffix in {".safetensors", ".bin"}]
@@ -232,6 +305,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--image", default="ghcr.io/universal-runtime/predictor-cpu:0.1.0")
     parser.add_argument("--model-image", default="ghcr.io/universal-runtime/model-all-minilm-l6-v2:0.1.0")
+    parser.add_argument("--tasks", action="store_true", help="also wake one small model per task, fresh and standby")
     args = parser.parse_args()
 
     isvc, model = rendered()
@@ -253,6 +327,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, runs in rows:
         print(summary(label, runs))
+    if args.tasks:
+        task_rows(args.runs)
     cached, disk = weights_floor()
     print(f"floor: reading the weights takes {cached * 1000:.0f} ms from the page cache, {disk * 1000:.0f} ms "
           "from disk")  # fmt: skip
