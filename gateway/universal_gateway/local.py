@@ -32,8 +32,8 @@ from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState
 from universal_gateway.manifests import Manifest
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
-from universal_gateway.standby import StandbyPool
-from universal_operator.predictor import predictor_config, resolved_backend
+from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool
+from universal_operator.predictor import possible_backends, predictor_config, resolved_backend
 from universal_predictors.config import (
     GPUS_ENV,
     PARENT_PID_ENV,
@@ -177,13 +177,19 @@ class LocalSupervisor(Backends):
         self._fetch = fetch or fetch_source
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
-        # One waiting predictor with its libraries imported, for the next model to wake (universal_gateway.standby);
-        # worth its memory only when some model can be at zero.
-        self.standby = StandbyPool(
-            [python, "-m", PREDICTOR_MODULE, STANDBY_FLAG], self._process_env,
-            enabled=standby and any(not m.policy.always_on for m in self._models.values()),
-            start_new_session=True, preexec_fn=die_with_parent(),
-        )  # fmt: skip
+        # A waiting predictor per library family, for the next model of that family to wake
+        # (universal_gateway.standby); worth its memory only for a family some model at zero can use.
+        wanted = {
+            family for m in self._models.values() if not m.policy.always_on
+            for b in possible_backends(m.manifest.model) if (family := STANDBY_FAMILIES.get(b)) is not None
+        }  # fmt: skip
+        self.standbys = {
+            family: StandbyPool(
+                [python, "-m", PREDICTOR_MODULE, STANDBY_FLAG, family], self._process_env,
+                enabled=standby and family in wanted, start_new_session=True, preexec_fn=die_with_parent(),
+            )
+            for family in sorted(set(STANDBY_FAMILIES.values()))
+        }  # fmt: skip
 
     # -- Backends ----------------------------------------------------------------------------------
 
@@ -194,14 +200,14 @@ class LocalSupervisor(Backends):
             if model.policy.always_on:
                 model.starting = asyncio.create_task(self._start(model))
         if not any(m.policy.always_on for m in self._models.values()):
-            self.standby.replenish()  # else once the always-on models are up (the end of _start)
+            self._replenish()  # else once the always-on models are up (the end of _start)
 
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        await self.standby.close()
+        await asyncio.gather(*(pool.close() for pool in self.standbys.values()))
         await asyncio.gather(*(self._stop(m, reason="gateway shutting down") for m in self._models.values()))
         if self._session is not None:
             await self._session.close()
@@ -250,22 +256,25 @@ class LocalSupervisor(Backends):
         return {**os.environ, **self._env, **own, PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}
 
     @staticmethod
-    def _standby_fits(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> bool:
-        """Whether the standby (torch, transformers and sentence-transformers imported) serves this model as a fresh
-        process would: a model on transformers (what ``auto`` resolves to, by the predictor's own rule) with no
-        variables of its own (a library may read them when it is imported). The rest start fresh, without
-        libraries they do not use (OCR, anomaly) or with the OpenMP wait policy they want (llama.cpp)."""
+    def _standby_family(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> str | None:
+        """The standby family that serves this model as a fresh process would: by the backend it runs (what
+        ``auto`` resolves to, by the predictor's own rule); None for llama.cpp and vLLM (their own threads and
+        libraries) and for a model with variables of its own (a library may read them when it is imported)."""
         if model.manifest.model.spec.env:
-            return False
+            return None
         pattern = config.source_file or config.source_projector_file
         gpus = int(env[GPUS_ENV]) if env.get(GPUS_ENV, "").isdigit() else 0
-        return resolve_backend(config.task, config.backend, config.source, pattern, gpus) is Backend.TRANSFORMERS
+        return STANDBY_FAMILIES.get(resolve_backend(config.task, config.backend, config.source, pattern, gpus))
+
+    def _replenish(self) -> None:
+        for pool in self.standbys.values():
+            pool.replenish()
 
     async def _start(self, model: LocalModel) -> None:
         try:
             await self._start_once(model)
         finally:
-            self.standby.replenish()  # after the wake, not during it: the two would share the CPUs
+            self._replenish()  # after the wake, not during it: the two would share the CPUs
 
     async def _start_once(self, model: LocalModel) -> None:
         if model.running() and model.state is ModelState.READY:
@@ -289,7 +298,8 @@ class LocalSupervisor(Backends):
         env = self._process_env(model)
         model.log_tail.clear()
         model.stopping = False
-        handed = await self.standby.take(config.to_args(), env) if self._standby_fits(model, config, env) else None
+        family = self._standby_family(model, config, env)
+        handed = await self.standbys[family].take(config.to_args(), env) if family is not None else None
         model.from_standby = handed is not None
         model.process = handed or await asyncio.create_subprocess_exec(
             *config.to_command(self._python),
@@ -301,7 +311,7 @@ class LocalSupervisor(Backends):
         )
         model.starts += 1
         logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port,
-                    ", in the standby process" if model.from_standby else "")  # fmt: skip
+                    f", in the {family} standby process" if model.from_standby else "")  # fmt: skip
         model.watchers = {
             asyncio.create_task(self._pump_logs(model, model.process)),
             asyncio.create_task(self._watch_exit(model, model.process)),

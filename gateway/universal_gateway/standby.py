@@ -2,8 +2,9 @@
 
 A local wake of a small model is mostly the interpreter importing torch, transformers and sentence-transformers
 (about 5 of MiniLM's 7.5 s on a 2-CPU machine); the predictor's side is :mod:`universal_predictors.standby`.
-The supervisor keeps one such process (``serve --no-standby`` keeps none: it costs the memory of those imports,
-about 0.5 GB, while it waits), hands it the next eligible model's command line and environment as one JSON line on
+The supervisor keeps one such process per library family some model at zero uses (:data:`STANDBY_FAMILIES`;
+``serve --no-standby`` keeps none: each costs the memory of its imports while it waits, about 0.5 GB for torch's,
+0.35 GB for the light one), hands it the next eligible model's command line and environment as one JSON line on
 its stdin, and starts the next standby only once that model is up, so the two never share the CPUs during a wake.
 A standby that declines (a llama.cpp model, KServe flags or an environment it did not import with) says why and
 exits; the model then starts as a fresh process, as it would without a standby.
@@ -19,10 +20,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_READY_LINE
+from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_READY_LINE, Backend
 
 logger = logging.getLogger(__name__)
 
+#: The standby family (the libraries it imports: universal_predictors.standby.PRELOAD) of each backend a standby
+#: serves: torch for transformers, a light one for PyOD, RapidOCR and Tesseract. llama.cpp and vLLM start fresh.
+STANDBY_FAMILIES: dict[Backend, str] = {
+    Backend.TRANSFORMERS: "torch",
+    Backend.PYOD: "light",
+    Backend.RAPIDOCR: "light",
+    Backend.TESSERACT: "light",
+}
 #: After a standby failed to start, wait this long before trying another (a broken install must not spin).
 RETRY_AFTER_FAILURE_S = 60.0
 #: How long a standby has to say it took the model (it parses a command line: milliseconds).

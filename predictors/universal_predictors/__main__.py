@@ -99,10 +99,10 @@ def set_openmp_wait_policy(config: PredictorConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from_standby = argv == [STANDBY_FLAG]
+    from_standby = len(argv) == 2 and argv[0] == STANDBY_FLAG
     if from_standby:
         try:  # wait, libraries imported, for the command line of the model to serve
-            argv = standby.run(sys.stdin, sys.stdout, sys.argv[0])
+            argv = standby.run(argv[1], sys.stdin, sys.stdout, sys.argv[0])
         except standby.Declined as exc:
             print(f"{PROG}: standby declined: {exc}", flush=True)
             return standby.DECLINED

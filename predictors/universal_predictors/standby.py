@@ -2,9 +2,11 @@
 
 Most of a small model's wake is not its weights but the interpreter and its libraries: MiniLM (90 MB of weights,
 read from the page cache in milliseconds) took 7.5 s from ``python -m universal_predictors`` to ready on a 2-CPU
-machine, of which importing torch, transformers and sentence-transformers was about 5 s. ``serve`` keeps one
-process that has paid for those imports waiting (``python -m universal_predictors --standby``): on a wake it is
-handed the model's command line and environment on its stdin (one JSON line) and goes on as if started with them.
+machine, of which importing torch, transformers and sentence-transformers was about 5 s (an anomaly model: PyOD
+and scikit-learn, about 2 of its 3.5 s). ``serve`` keeps a process per library family that has paid for those
+imports waiting (``python -m universal_predictors --standby torch``, or ``light``: :data:`PRELOAD`): on a wake it
+is handed the model's command line and environment on its stdin (one JSON line) and goes on as if started with
+them.
 
 What the standby imported must not change what the predictor does, so it takes only what it can serve
 exactly as a fresh process would, and declines the rest (exit status :data:`DECLINED`, one line saying why; the
@@ -41,16 +43,18 @@ from universal_predictors.config import (
     UPSTREAM_TOKEN_ENV,
 )
 
-#: What a standby imports ahead of time: the libraries of the torch-based engines (sentence-transformers for
-#: embeddings and reranking, transformers for everything else on torch), and the predictor's own server.
+#: What a standby imports ahead of time, by family: ``torch`` for the engines on torch (sentence-transformers for
+#: embeddings and reranking, transformers for the rest), ``light`` for those without it (PyOD's detectors as the
+#: anomaly task imports them at load, RapidOCR on onnxruntime, PDFium), each with the predictor's own server.
 #: A missing one (an install without that extra) is skipped.
-PRELOAD = (
-    "torch",
-    "transformers",
-    "sentence_transformers",
-    "universal_predictors.server",
-    "universal_predictors.base",
-)
+SERVER = ("universal_predictors.server", "universal_predictors.base")
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "torch": ("torch", "transformers", "sentence_transformers", *SERVER),
+    "light": (
+        *(f"pyod.models.{m}" for m in ("iforest", "ecod", "copod", "hbos", "lof", "knn", "ocsvm", "pca")),
+        "onnxruntime", "rapidocr_onnxruntime", "pypdfium2", *SERVER,
+    ),
+}  # fmt: skip
 #: The first line a standby prints once its imports are done; the supervisor waits for it.
 READY_LINE = STANDBY_READY_LINE
 #: The line a standby prints once it has checked what it was handed and serves it; until then it may decline.
@@ -70,7 +74,7 @@ class Declined(Exception):
     """The standby cannot serve this command line exactly as a fresh process would."""
 
 
-def preload(modules: Sequence[str] = PRELOAD) -> list[str]:
+def preload(modules: Sequence[str]) -> list[str]:
     """Import ``modules``; the names that could be imported."""
     done = []
     for name in modules:
@@ -123,7 +127,7 @@ def check_kserve_flags(argv: Sequence[str]) -> None:
         raise Declined(f"KServe's flags differ from the standby's ({', '.join(differ)})")
 
 
-def run(stdin: IO[str], stdout: IO[str], argv_prefix: str) -> list[str]:
+def run(family: str, stdin: IO[str], stdout: IO[str], argv_prefix: str) -> list[str]:
     """The standby's life up to the hand-over: import, announce, wait, check. The command line to run (the
     engine check, llama.cpp or not, is the caller's: it needs the parsed configuration)."""
     global _setproctitle
@@ -132,7 +136,9 @@ def run(stdin: IO[str], stdout: IO[str], argv_prefix: str) -> list[str]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # kserve.model_server parses sys.argv when imported: the standby's own command line has no KServe flags.
     sys.argv = [argv_prefix]
-    preload()
+    if family not in PRELOAD:
+        raise Declined(f"no standby family {family!r}; one of {', '.join(PRELOAD)}")
+    preload(PRELOAD[family])
     print(READY_LINE, file=stdout, flush=True)
     argv, env = read_assignment(stdin)
     check_environment(env, inherited)

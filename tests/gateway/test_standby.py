@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from openai import AsyncOpenAI
 
@@ -27,8 +28,8 @@ from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_DECLINED_
 READY_WITHIN_S = 300.0
 
 
-async def standby_pid(supervisor: LocalSupervisor) -> int:
-    pid = await asyncio.wait_for(supervisor.standby.wait_ready(), READY_WITHIN_S)
+async def standby_pid(supervisor: LocalSupervisor, family: str = "torch") -> int:
+    pid = await asyncio.wait_for(supervisor.standbys[family].wait_ready(), READY_WITHIN_S)
     assert pid is not None
     return pid
 
@@ -50,12 +51,35 @@ async def test_a_wake_runs_in_the_standby_and_the_next_standby_follows(tmp_path:
         assert "--model_name=warm-embed" in command_line(waiting)
         card = {m.id: m.model_dump() for m in (await client.models.list()).data}["warm-embed"]
         assert card["started_in_standby"] is True
-        assert supervisor.standby.handed_over == 1
+        assert supervisor.standbys["torch"].handed_over == 1
 
         # Once the model is up, the next standby starts (a new process; the first one is the model now).
         following = await standby_pid(supervisor)
         assert following != waiting
         assert pid_alive(waiting)
+
+
+async def test_an_anomaly_model_wakes_in_the_light_standby_without_torch(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    (folder / "anomaly.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: anomaly}\n"
+        "spec: {task: anomaly, servedName: detect, source: {uri: ./anomaly}}\n"
+    )
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV)
+    assert [f for f, pool in supervisor.standbys.items() if pool.enabled] == ["light"]
+    async with Gateway(supervisor).serving() as url:
+        waiting = await standby_pid(supervisor, "light")
+        async with httpx.AsyncClient(timeout=READY_WITHIN_S) as http:
+            fitted = await http.post(f"{url}/v1/anomaly/fit", json={
+                "model": "detect", "detector": "d", "algorithm": "ecod",
+                "data": [[float(i % 7), float(i % 3)] for i in range(64)],
+            })  # fmt: skip
+        assert fitted.status_code == 200, fitted.text
+        assert predictor_pid(os.getpid(), "detect") == waiting
+        # The light standby never imported torch, and the detector needed none.
+        maps = await asyncio.to_thread(Path(f"/proc/{waiting}/maps").read_text)
+        assert "libtorch" not in maps
 
 
 async def test_a_model_with_variables_of_its_own_starts_fresh(tmp_path: Path) -> None:
@@ -70,24 +94,24 @@ async def test_a_model_with_variables_of_its_own_starts_fresh(tmp_path: Path) ->
         waiting = await standby_pid(supervisor)
         await client.embeddings.create(model="own-env", input="hello")
         assert predictor_pid(os.getpid(), "own-env") not in (None, waiting)
-        assert supervisor.standby.pid == waiting  # still waiting for a model it can serve
-        assert supervisor.standby.handed_over == 0
+        assert supervisor.standbys["torch"].pid == waiting  # still waiting for a model it can serve
+        assert supervisor.standbys["torch"].handed_over == 0
 
 
 async def test_no_standby_when_asked_or_when_no_model_can_be_at_zero(tmp_path: Path) -> None:
     folder = tmp_path / "manifests"
     embed_manifest(folder, name="minilm", served="cold-embed")
     off = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "a", env=OFFLINE_ENV, standby=False)
-    assert not off.standby.enabled
+    assert not any(pool.enabled for pool in off.standbys.values())
     path = embed_manifest(tmp_path / "always", name="always", served="always-on")
     path.write_text(path.read_text().replace("scaling: {idleTimeout: 5m}", "scaling: {minReplicas: 1}"))
     always = LocalSupervisor(load_manifests([path.parent]), state_root=tmp_path / "b", env=OFFLINE_ENV)
-    assert not always.standby.enabled
+    assert not any(pool.enabled for pool in always.standbys.values())
 
 
 def standby_process() -> subprocess.Popen[str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "universal_predictors", "--standby"],
+        [sys.executable, "-m", "universal_predictors", "--standby", "torch"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **OFFLINE_ENV},
     )  # fmt: skip
