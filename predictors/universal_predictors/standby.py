@@ -47,12 +47,17 @@ from universal_predictors.config import (
 #: embeddings and reranking, transformers for the rest), ``light`` for those without it (PyOD's detectors as the
 #: anomaly task imports them at load, RapidOCR on onnxruntime, PDFium), each with the predictor's own server.
 #: A missing one (an install without that extra) is skipped.
-SERVER = ("universal_predictors.server", "universal_predictors.base")
+SERVER = ("universal_predictors.server", "universal_predictors.base", "universal_predictors.registry")
 PRELOAD: dict[str, tuple[str, ...]] = {
-    "torch": ("torch", "transformers", "sentence_transformers", *SERVER),
+    "torch": (
+        "torch", "transformers", "sentence_transformers", *SERVER,
+        *(f"universal_predictors.tasks.{t}" for t in ("embed", "rerank", "classify", "ner", "generate", "document")),
+        "universal_predictors.generation.engines.transformers",
+    ),
     "light": (
         *(f"pyod.models.{m}" for m in ("iforest", "ecod", "copod", "hbos", "lof", "knn", "ocsvm", "pca")),
         "onnxruntime", "rapidocr_onnxruntime", "pypdfium2", *SERVER,
+        "universal_predictors.tasks.anomaly", "universal_predictors.tasks.ocr",
     ),
 }  # fmt: skip
 #: The first line a standby prints once its imports are done; the supervisor waits for it.

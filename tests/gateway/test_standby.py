@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from tests.conftest import eventually
 from tests.gateway.harness import command_line, pid_alive, predictor_pid
 from tests.gateway.test_local_gateway import embed_manifest
 from tests.predictors.harness import OFFLINE_ENV
@@ -51,6 +53,11 @@ async def test_a_wake_runs_in_the_standby_and_the_next_standby_follows(tmp_path:
         assert "--model_name=warm-embed" in command_line(waiting)
         card = {m.id: m.model_dump() for m in (await client.models.list()).data}["warm-embed"]
         assert card["started_in_standby"] is True
+        # Its start-up, by phase: no process start of its own, imports already done but for the stragglers.
+        local = supervisor.model("warm-embed")
+        assert local is not None
+        ready = await eventually(lambda: [line for line in local.log_tail if "warm-embed is ready" in line])
+        assert re.search(r"process 0\.00s, imports [0-9.]+s, weights_and_engine [0-9.]+s\)", ready[0]), ready[0]
         assert supervisor.standbys["torch"].handed_over == 1
 
         # Once the model is up, the next standby starts (a new process; the first one is the model now).
@@ -94,6 +101,14 @@ async def test_a_model_with_variables_of_its_own_starts_fresh(tmp_path: Path) ->
         waiting = await standby_pid(supervisor)
         await client.embeddings.create(model="own-env", input="hello")
         assert predictor_pid(os.getpid(), "own-env") not in (None, waiting)
+        # A fresh process reports its own start and the imports it paid for (torch's alone is most of a second).
+        local = supervisor.model("own-env")
+        assert local is not None
+        (ready,) = await eventually(lambda: [line for line in local.log_tail if "own-env is ready" in line])
+        phases = re.search(r"process ([0-9.]+)s, imports ([0-9.]+)s, weights_and_engine ([0-9.]+)s\)", ready)
+        assert phases is not None, ready
+        assert float(phases.group(1)) > 0
+        assert float(phases.group(2)) > 0.5
         assert supervisor.standbys["torch"].pid == waiting  # still waiting for a model it can serve
         assert supervisor.standbys["torch"].handed_over == 0
 
