@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
+import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +28,10 @@ from tests.security.predictor_fixtures import openai_error
 from universal_predictors.config import Backend, PredictorConfig, Task
 
 PDF_TIMEOUT_S = 20
+#: The time-budget tests' render memory: above what the hostile PDF takes at 200 dpi (about 1.6 GB, measured).
+ROOMY_RENDER_MB = 4096
+#: The memory test's: far below it.
+TIGHT_RENDER_MB = 512
 MAX_PIXELS = 4_000_000
 MAX_TOTAL_PIXELS = 10_000_000
 MAX_PAGES = 32  # the OCR default
@@ -96,11 +104,57 @@ def tiff_chain(frames: int, then: int = 0, strips: list[int] | None = None) -> b
 @pytest.fixture(scope="module")
 def ocr_predictor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
     engine_args = {"pdf_timeout_s": str(PDF_TIMEOUT_S), "max_pixels": str(MAX_PIXELS),
-                   "max_total_pixels": str(MAX_TOTAL_PIXELS)}  # fmt: skip
+                   "max_total_pixels": str(MAX_TOTAL_PIXELS), "max_render_memory_mb": str(ROOMY_RENDER_MB)}  # fmt: skip
     config = PredictorConfig(model_name="ocr", task=Task.OCR, backend=Backend.RAPIDOCR, source="builtin",
                              engine_args=engine_args)  # fmt: skip
     with running_predictor(config, tmp_path_factory.mktemp("security-ocr")) as predictor:
         yield predictor
+
+
+def children_rss_mb(pid: int) -> int:
+    """The resident memory of ``pid``'s child processes now, in MiB (Linux /proc)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) == pid:
+                total += int(stat[21]) * os.sysconf("SC_PAGE_SIZE") // 2**20
+    return total
+
+
+def test_a_pdf_over_its_render_memory_is_refused_and_its_process_bounded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    engine_args = {"pdf_timeout_s": "120", "max_render_memory_mb": str(TIGHT_RENDER_MB)}
+    config = PredictorConfig(model_name="ocr", task=Task.OCR, backend=Backend.RAPIDOCR, source="builtin",
+                             engine_args=engine_args)  # fmt: skip
+    with running_predictor(config, tmp_path_factory.mktemp("render-memory")) as predictor:
+        peak = 0
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, children_rss_mb(predictor.process.pid))
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            refused = ocr(predictor, 120, document=base64.b64encode(nested_forms_pdf()).decode())
+        finally:
+            done.set()
+            sampler.join()
+        error = openai_error(refused, 413)
+        assert error["code"] == "render_memory"
+        assert error["param"] == "document"
+        assert f"max_render_memory_mb ({TIGHT_RENDER_MB} MiB)" in error["message"]
+        # Without the limit the render process reaches about 1.6 GB; with it, its limit and the interpreter.
+        assert peak < TIGHT_RENDER_MB + 256, f"the render process peaked at {peak} MiB"
+        after = ocr(predictor, document=samples.b64(samples.pdf()))
+        assert after.status_code == 200, after.text
 
 
 def ocr(predictor: PredictorProcess, timeout: float = 120, **body: Any) -> httpx.Response:

@@ -93,6 +93,7 @@ class DocumentEngineArgs(BaseModel):
     pdf_dpi: int = Field(default=150, ge=50, le=600, description="Resolution PDF pages are rendered at.")
     pdf_timeout_s: float = Field(default=60.0, gt=0)
     pdf_workers: int = Field(default=2, ge=1, le=64)
+    max_render_memory_mb: int = Field(default=1024, ge=64, le=1024 * 1024)
     # OCR-free encoder-decoders (Donut): the task prompt of each route and how the decoder generates.
     max_length: int | None = Field(
         default=None, ge=2, description="Decoder tokens at most, the prompt included (default: its positions)."
@@ -108,7 +109,7 @@ class DocumentEngineArgs(BaseModel):
 
     def limits(self) -> Limits:
         return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_pixels,
-                      self.pdf_timeout_s)  # fmt: skip
+                      self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
 
 
 class DocumentRequest(BaseModel):
@@ -248,7 +249,7 @@ class DocumentPredictor(UniversalPredictor):
             self.default_languages = list(resolve_languages(_codes(args.ocr_languages), self.ocr.languages(), []))
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
-        self.renderers = PdfRenderers(args.pdf_workers)
+        self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
         self.max_wait_ms = model.max_wait_ms if args.max_wait_ms is None else args.max_wait_ms
         self.in_flight = 0
         policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=self.max_wait_ms)

@@ -71,6 +71,9 @@ class OcrEngineArgs(BaseModel):
     )
     pdf_timeout_s: float = Field(default=60.0, gt=0, description="Longest a PDF may take to render (a process).")
     pdf_workers: int = Field(default=2, ge=1, le=64, description="PDF render processes at once.")
+    max_render_memory_mb: int = Field(
+        default=1024, ge=64, le=1024 * 1024, description="Memory one PDF render process may add, in MiB."
+    )
     # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
     languages: str | None = None
     # rapidocr
@@ -87,7 +90,7 @@ class OcrEngineArgs(BaseModel):
 
     def limits(self) -> Limits:
         return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_total_pixels,
-                      self.pdf_timeout_s)  # fmt: skip
+                      self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
 
 
 class OcrRequest(BaseModel):
@@ -243,7 +246,7 @@ class OcrPredictor(UniversalPredictor):
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.ocr = engine
         self.limits = args.limits()
-        self.renderers = PdfRenderers(args.pdf_workers)
+        self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
         self.batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
             engine.recognise_batch,
             model_name=self.name,
@@ -275,6 +278,7 @@ class OcrPredictor(UniversalPredictor):
                 "pdf_dpi": limits.pdf_dpi,
                 "max_total_pixels": limits.max_total_pixels,
                 "pdf_timeout_s": limits.pdf_timeout_s,
+                "max_render_memory_mb": limits.max_render_memory_mb,
             },
             **self.ocr.describe(),
         }
