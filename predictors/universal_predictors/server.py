@@ -80,6 +80,29 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
+class AnswerHead:
+    """ASGI middleware: HEAD is answered as GET without the body (RFC 9110 section 9.3.2), headers included
+    (``content-length`` as GET's). FastAPI's routes take only the methods they name, so HEAD was a 405 on every
+    route; a HEAD that is relayed to us (the gateway's own HEAD handling aside) now gets what GET would say."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                if not message.get("more_body", False):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
+
+
 def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
     """Put the predictor's routes ahead of KServe's (Starlette matches in order)."""
     router = common_routes(predictor)
@@ -100,6 +123,7 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_middleware(TrimWhenIdle, quiet_paths=TOKEN_FREE_PATHS)
+    app.add_middleware(AnswerHead)  # inside the token check (the last added is the outermost)
     token = os.environ.get(UPSTREAM_TOKEN_ENV)
     if token:
         app.add_middleware(RequireToken, token=token)
