@@ -20,6 +20,8 @@ Bounds, checked in Python (linear in the schema) before llguidance sees the sche
 ``$ref`` followed, and :data:`MAX_SCHEMA_BYTES` its size without annotations. At the depth bound every
 chain shape compiles within a 1 MiB thread stack (measured ~4-8 KiB per level; 512 KiB is not enough),
 and Python's threads and the main thread get 8 MiB: pinned by ``tests/security/test_predictor_schemas.py``.
+llguidance itself then runs in a compiler process (:mod:`universal_predictors.generation.schema_compiler`), so a
+shape these bounds miss costs a 400, not the predictor.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ import llguidance
 import numpy as np
 from numpy.typing import NDArray
 
+from universal_predictors.generation import schema_compiler
 from universal_predictors.generation.engine import JSONSchemaConstraint
 
 if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+    pass  # a TypedDict of the stubs only
 
-#: llguidance's JSON compile options: ``","`` and ``":"`` separators, no whitespace.
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 #: ``response_format: json_object``: any JSON object.
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 
@@ -395,11 +396,18 @@ def _compile(schema_json: str) -> str:
         raise UnsupportedSchema("the JSON schema is not a JSON object")
     check_bounds(schema, len(schema_json.encode()))
     _check_finite(schema)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
-    # Without a tokenizer: the same verdict (grammar and regex checks do not depend on one) and cheaper.
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    refused = schema_compiler.refusals.get(schema_json)
+    if refused is not None:
+        raise UnsupportedSchema(refused)
+    try:
+        # In the compiler process (schema_compiler): a native crash there costs this schema, not the model.
+        grammar, messages = schema_compiler.compiler.compile(json.dumps(closed_objects(schema)))
+    except schema_compiler.CompilerFailed as exc:
+        reason = f"the JSON schema is too complex to compile: {exc}"
+        schema_compiler.refusals.put(schema_json, reason)
+        raise UnsupportedSchema(reason) from None
     # Every warning is an error here: a warning means part of the schema would not be enforced.
-    if is_error or messages:
+    if grammar is None:
         raise _unsupported(messages)
     return grammar
 
