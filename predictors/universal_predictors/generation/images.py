@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.generation.protocol import ChatCompletionRequest, ImagePart
 
@@ -39,6 +40,10 @@ class ImageArgs(BaseModel):
     image_url_allow_private: bool = False
     #: The time one URL fetch may take, connection, redirects and body together.
     image_url_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    #: Memory images being decoded may take across concurrent requests, in MiB (universal_predictors.decode_budget).
+    decode_budget_mb: int = Field(default=1024, ge=16, le=1024 * 1024)
+    #: The longest a request waits for its share of that budget (503 ``decode_budget_busy`` beyond).
+    decode_wait_s: float = Field(default=30.0, gt=0, le=3600)
 
     def url_policy(self) -> Any:
         from universal_predictors.images import UrlPolicy, parse_hosts
@@ -69,16 +74,35 @@ def check_count(body: ChatCompletionRequest, args: ImageArgs) -> list[tuple[str,
     return parts
 
 
-async def load_images(parts: list[tuple[str, ImagePart]], args: ImageArgs, max_pixels: int | None) -> list[Any]:
+#: Memory one pixel of an image takes while it is decoded and downscaled, in bytes: Pillow's decoded frame and
+#: its RGB conversion, then the resampled copy (about four 3-byte copies at full size).
+DECODE_BYTES_PER_PIXEL = 12
+
+
+async def load_images(parts: list[tuple[str, ImagePart]], args: ImageArgs, max_pixels: int | None,
+                      budget: DecodeBudget | None = None) -> list[Any]:  # fmt: skip
     """The parts' images as RGB Pillow images in prompt order, each downscaled to ``max_pixels`` when given.
     The bytes are fetched concurrently; the images are decoded one at a time off the event loop, so a
-    request holds at most one image at full size (its pixels bounded by ``max_image_pixels``)."""
+    request holds at most one image at full size (its pixels bounded by ``max_image_pixels``), and each
+    decode first reserves its full-size cost from the predictor's ``budget`` (shared by concurrent requests)."""
     policy = args.url_policy()
     blobs = await asyncio.gather(*(_bytes_of(field, part, args, policy) for field, part in parts))
     decoded = []
     for (field, _), data in zip(parts, blobs, strict=True):
-        decoded.append(await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels))
+        if budget is None:
+            decoded.append(await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels))
+            continue
+        pixels = await asyncio.to_thread(_pixels, data, field, args.max_image_pixels)
+        async with budget.reserve(pixels * DECODE_BYTES_PER_PIXEL, field):
+            decoded.append(await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels))
     return decoded
+
+
+def _pixels(data: bytes, field: str, limit: int) -> int:
+    from universal_predictors import images
+
+    image = images.open_image(data, field, limit, "max_image_pixels")
+    return int(image.width * image.height)
 
 
 async def _bytes_of(field: str, part: ImagePart, args: ImageArgs, policy: Any) -> bytes:

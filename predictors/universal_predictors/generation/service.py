@@ -19,6 +19,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engine import (
     Engine,
@@ -61,6 +62,7 @@ class GenerationService:
         self.engine = engine
         self.model_name = model_name
         self.image_args = image_args or ImageArgs()
+        self.decode_budget = DecodeBudget(self.image_args.decode_budget_mb * 2**20, self.image_args.decode_wait_s)
         self.planner = RequestPlanner(engine)
         self.runner = ChoiceRunner(engine, model_name)
         self._tool_call_parser = tool_call_parser
@@ -90,7 +92,8 @@ class GenerationService:
         vision = self.engine.vision
         if vision is None:
             raise no_vision(self.model_name, body.images()[0][0])
-        images = await load_images(check_count(body, self.image_args), self.image_args, vision.max_pixels)
+        images = await load_images(check_count(body, self.image_args), self.image_args, vision.max_pixels,
+                                   self.decode_budget)  # fmt: skip
         return await asyncio.to_thread(self.planner.multimodal_prompt, body, images)
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:

@@ -23,6 +23,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.http import (
     FormPart,
@@ -45,6 +46,11 @@ from universal_predictors.ocr.images import (
     is_pdf,
 )
 from universal_predictors.ocr.layout import Line, assemble
+
+#: Memory one page's pixel takes while it is decoded and recognised, in bytes: RGB, RapidOCR's resized copies
+#: and ONNX Runtime's buffers. From 16 concurrent 6300x6300 pages taking 4,235 MB above idle (about 7 B/pixel),
+#: rounded up.
+OCR_BYTES_PER_PIXEL = 8
 
 
 def _codes(value: str) -> list[str]:
@@ -74,6 +80,11 @@ class OcrEngineArgs(BaseModel):
     max_render_memory_mb: int = Field(
         default=1024, ge=64, le=1024 * 1024, description="Memory one PDF render process may add, in MiB."
     )
+    decode_budget_mb: int = Field(
+        default=1024, ge=16, le=1024 * 1024,
+        description="Memory decoded pages may take across concurrent requests, in MiB (413/503 beyond).",
+    )  # fmt: skip
+    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
     # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
     languages: str | None = None
     # rapidocr
@@ -247,6 +258,7 @@ class OcrPredictor(UniversalPredictor):
         self.ocr = engine
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
+        self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s)
         self.batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
             engine.recognise_batch,
             model_name=self.name,
@@ -347,6 +359,16 @@ class OcrPredictor(UniversalPredictor):
                 await source.aclose()
         return out
 
+    def _decode_cost(self, budget: PixelBudget, *, pdf: bool) -> int:
+        """What a request holds at once while its pages are read, in bytes: at most a window (about
+        ``max_pixels``) plus the page being decoded, at :data:`OCR_BYTES_PER_PIXEL`. For images, no more than
+        their headers add up to (counted before any is decoded); a PDF's pages are sized as they render, so it
+        reserves the window's worth, within the budget (PDFs then take turns, never a 413 for that)."""
+        window = 2 * self.limits.max_pixels
+        pixels = window if pdf else min(window, budget.limit - budget.left)
+        cost = pixels * OCR_BYTES_PER_PIXEL
+        return min(cost, self.decode_budget.total) if pdf else cost
+
     @staticmethod
     def _result(read: Read, return_boxes: bool) -> dict[str, Any]:
         text, confidence, ordered = assemble(read.lines)
@@ -389,7 +411,9 @@ class OcrPredictor(UniversalPredictor):
                 raw = await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
                 frames = await asyncio.to_thread(image_pages, raw, index, field, self.limits, budget)
                 sources.append(_in_thread(frames))
-        read = await self._read_pages(sources, languages)
+        field = body.document[0] if body.document is not None else "images"
+        async with self.decode_budget.reserve(self._decode_cost(budget, pdf=body.document is not None), field):
+            read = await self._read_pages(sources, languages)
         data = [self._result(item, body.return_boxes) for item in read]
         return {
             "object": "list",
@@ -413,7 +437,8 @@ class OcrPredictor(UniversalPredictor):
         sources = [
             self._input_pages(value, i, f"instances[{i}]", budget, document=None) for i, value in enumerate(instances)
         ]
-        read = await self._read_pages(sources, tuple(self.default_languages))
+        async with self.decode_budget.reserve(self._decode_cost(budget, pdf=True), "instances"):
+            read = await self._read_pages(sources, tuple(self.default_languages))
         outputs: list[Any] = []
         for position in range(len(instances)):
             items = [self._result(item, False) for item in read if item.index == position]

@@ -1,0 +1,87 @@
+"""One budget, per predictor, for the memory that decoded images and pages take across concurrent requests.
+
+Each request's limits (``max_pixels``, ``max_total_pixels``) bound what one request decodes; nothing bounded them
+together: 16 concurrent 6300x6300 OCR pages, each within its limits, took an OCR predictor from 680 to 4,915 MB,
+and 8 chat requests of 8 inline 5000x5000 PNGs a vision model from 937 to 3,883 MB. A request now reserves what
+its decoding and the work on those pixels will hold (pixels times a per-pixel cost measured for that path) before
+it decodes anything, and gives it back when that work is done. Reservations are granted first come, first served
+(a large one is not starved by small ones behind it). One larger than the whole budget is a 413
+``decode_budget_exceeded`` naming the budget; one that waits longer than ``decode_wait_s`` a 503
+``decode_budget_busy`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+
+from universal_predictors.errors import RequestTooLarge, Unavailable
+
+
+class DecodeBudget:
+    """Bytes of decoded pixels (and what works on them) the predictor holds at once (module docstring).
+    Used from the event loop only."""
+
+    def __init__(self, total_bytes: int, wait_s: float, arg: str = "decode_budget_mb") -> None:
+        self.total = total_bytes
+        self.wait_s = wait_s
+        self.arg = arg
+        self.held = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, nbytes: int, field: str) -> AsyncIterator[None]:
+        """Hold ``nbytes`` of the budget for the block (waiting in line for them)."""
+        nbytes = max(0, nbytes)
+        if nbytes > self.total:
+            raise RequestTooLarge(
+                f"{field}: decoding and reading these images needs about {nbytes // 2**20} MiB, more than this "
+                f"model's whole decode budget ({self.total // 2**20} MiB, the engine argument {self.arg}); send "
+                "smaller or fewer images per request, or raise it",
+                param=field,
+                code="decode_budget_exceeded",
+            )
+        if self._waiters or self.held + nbytes > self.total:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry = (nbytes, waiter)
+            self._waiters.append(entry)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), self.wait_s)
+            except TimeoutError:
+                if waiter.done():  # granted just as the wait ran out: give it back
+                    self.held -= nbytes
+                else:
+                    self._waiters.remove(entry)
+                self._grant()
+                raise Unavailable(
+                    f"{field}: the model is decoding other requests' images up to its decode budget "
+                    f"({self.total // 2**20} MiB, {self.arg}) and this request waited {self.wait_s:g} s for its "
+                    "share; retry shortly",
+                    code="decode_budget_busy",
+                    retry_after=max(1.0, self.wait_s / 2),
+                ) from None
+            except asyncio.CancelledError:
+                if waiter.done():
+                    self.held -= nbytes
+                else:
+                    self._waiters.remove(entry)
+                self._grant()
+                raise
+        else:
+            self.held += nbytes
+        try:
+            yield
+        finally:
+            self.held -= nbytes
+            self._grant()
+
+    def _grant(self) -> None:
+        """Wake waiters in order while the first one fits."""
+        while self._waiters and self.held + self._waiters[0][0] <= self.total:
+            nbytes, waiter = self._waiters.popleft()
+            if waiter.done():
+                continue
+            self.held += nbytes
+            waiter.set_result(None)
