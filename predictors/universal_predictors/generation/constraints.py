@@ -127,6 +127,9 @@ class GrammarCache:
 
 
 grammar_cache = GrammarCache(GRAMMAR_CACHE_BYTES)
+#: Why each schema the compiler process failed on was refused, by the same key: refused again at once, without
+#: losing another compiler process to it.
+refusals = GrammarCache(schema_compiler.REFUSALS_BYTES)
 
 
 def grammar_relevant(schema: Any) -> Any:
@@ -396,7 +399,7 @@ def _compile(schema_json: str) -> str:
         raise UnsupportedSchema("the JSON schema is not a JSON object")
     check_bounds(schema, len(schema_json.encode()))
     _check_finite(schema)
-    refused = schema_compiler.refusals.get(schema_json)
+    refused = refusals.get(schema_json)
     if refused is not None:
         raise UnsupportedSchema(refused)
     try:
@@ -404,7 +407,7 @@ def _compile(schema_json: str) -> str:
         grammar, messages = schema_compiler.compiler.compile(json.dumps(closed_objects(schema)))
     except schema_compiler.CompilerFailed as exc:
         reason = f"the JSON schema is too complex to compile: {exc}"
-        schema_compiler.refusals.put(schema_json, reason)
+        refusals.put(schema_json, reason)
         raise UnsupportedSchema(reason) from None
     # Every warning is an error here: a warning means part of the schema would not be enforced.
     if grammar is None:

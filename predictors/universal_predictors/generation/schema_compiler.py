@@ -6,7 +6,7 @@ model failed. The Python bounds in :mod:`universal_predictors.generation.constra
 this is the second wall, for the shapes not found yet. One warm child (spawned on first use, reused) compiles one
 schema at a time under an address-space cap (:data:`MEMORY_MB`) and a time limit (:data:`TIMEOUT_S`). A child that
 dies, runs out of memory or time is killed and replaced on the next compile, and that schema is refused: a 400
-naming it too complex to compile, remembered (:class:`Refusals`) so it is not tried again.
+naming it too complex to compile, remembered (``constraints.refusals``) so it is not tried again.
 
 Compiled grammars are cached by the caller, so the child sees each distinct schema once: measured on a 2-CPU machine,
 the first compile with the child's start 0.3 s, later ones a millisecond plus llguidance's own time.
@@ -18,9 +18,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import sys
 import threading
-from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -164,33 +162,4 @@ def _how(code: int | None) -> str:
     return f"exit status {code}"
 
 
-class Refusals:
-    """Keys of schemas the compiler failed on, bounded by bytes: the same schema is refused at once, not tried
-    (and a process lost) again."""
-
-    def __init__(self, max_bytes: int = REFUSALS_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> str | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            return entry[0] if entry is not None else None
-
-    def put(self, key: str, reason: str) -> None:
-        size = sys.getsizeof(key) + sys.getsizeof(reason)
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            if key not in self._entries:
-                self._entries[key] = (reason, size)
-                self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, dropped) = self._entries.popitem(last=False)
-                self.bytes -= dropped
-
-
 compiler = SchemaCompiler()
-refusals = Refusals()
