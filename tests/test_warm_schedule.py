@@ -8,6 +8,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from pydantic import ValidationError
 
+from universal_operator.spec import UniversalModel
 from universal_operator.warm import WarmWindow, parse_days, warm_at
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -85,3 +86,21 @@ def test_no_windows_never_warm_and_naive_time_refused() -> None:
     assert warm_at([], datetime(2026, 12, 3, tzinfo=UTC)) == (False, None)
     with pytest.raises(ValueError, match="aware datetime"):
         warm_at([], datetime(2026, 12, 3))
+
+
+MINILM = {
+    "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+    "kind": "UniversalModel",
+    "metadata": {"name": "minilm", "namespace": "models"},
+    "spec": {"task": "embed", "source": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"}},
+}
+
+
+def test_the_model_spec_carries_the_schedule_and_names_a_bad_field() -> None:
+    weekdays = {"days": "Mon-Fri", "start": "08:00", "end": "18:00"}
+    body = {**MINILM, "spec": {**MINILM["spec"], "scaling": {"warmSchedule": [weekdays]}}}
+    assert UniversalModel.model_validate(body).spec.scaling.warm_schedule[0].days == "Mon-Fri"
+    mars = {"start": "08:00", "end": "18:00", "timeZone": "Mars/Olympus"}
+    body = {**MINILM, "spec": {**MINILM["spec"], "scaling": {"warmSchedule": [mars]}}}
+    with pytest.raises(ValidationError, match="timeZone"):
+        UniversalModel.model_validate(body)

@@ -65,6 +65,7 @@ class WarmWindow(BaseModel):
     days: str = Field(
         default="*",
         pattern=DAYS_PATTERN,
+        max_length=64,
         description='Days the window starts on: Mon..Sun, ranges and commas ("Mon-Fri", "Sat,Sun"); "*" is every day.',
     )
     start: str = Field(pattern=CLOCK_PATTERN, description='Start, HH:MM wall-clock time in timeZone, e.g. "08:00".')
@@ -72,7 +73,9 @@ class WarmWindow(BaseModel):
         pattern=CLOCK_PATTERN,
         description="End, HH:MM in timeZone; at or before start the window crosses midnight into the next day.",
     )
-    time_zone: str = Field(default="UTC", description='IANA time zone, e.g. "Europe/Berlin". Default UTC.')
+    time_zone: str = Field(
+        default="UTC", max_length=64, description='IANA time zone, e.g. "Europe/Berlin". Default UTC.'
+    )
 
     @field_validator("days")
     @classmethod
