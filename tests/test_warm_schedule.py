@@ -8,6 +8,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from pydantic import ValidationError
 
+from tests.factories import CONFIG
+from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.spec import UniversalModel
 from universal_operator.warm import WarmWindow, parse_days, warm_at
 
@@ -104,3 +106,14 @@ def test_the_model_spec_carries_the_schedule_and_names_a_bad_field() -> None:
     body = {**MINILM, "spec": {**MINILM["spec"], "scaling": {"warmSchedule": [mars]}}}
     with pytest.raises(ValidationError, match="timeZone"):
         UniversalModel.model_validate(body)
+
+
+def test_render_holds_a_replica_inside_the_window_and_none_outside() -> None:
+    weekdays = {"days": "Mon-Fri", "start": "08:00", "end": "18:00", "timeZone": "Europe/Berlin"}
+    body = {**MINILM, "metadata": {**MINILM["metadata"], "uid": "uid-1", "generation": 1}}
+    body["spec"] = {**MINILM["spec"], "scaling": {"minReplicas": 0, "warmSchedule": [weekdays]}}
+    model = UniversalModel.model_validate(body)
+    inside = desired_inference_service(model, CONFIG, now=datetime(2026, 12, 3, 12, tzinfo=BERLIN))
+    outside = desired_inference_service(model, CONFIG, now=datetime(2026, 12, 5, 12, tzinfo=BERLIN))
+    assert inside["spec"]["predictor"]["minReplicas"] == 1
+    assert outside["spec"]["predictor"]["minReplicas"] == 0
