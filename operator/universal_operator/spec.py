@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from universal_operator.warm import WarmWindow
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
@@ -318,6 +319,15 @@ class Scaling(_Model):
         max_length=64,
         description=(
             "Budget for download plus load before a rollout counts as failed (large models need more); whole seconds."
+        ),
+    )
+    warm_schedule: list[WarmWindow] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Windows (days, start, end, timeZone) during which the model keeps at least one replica even when "
+            'minReplicas is 0, e.g. [{days: "Mon-Fri", start: "08:00", end: "18:00", timeZone: "Europe/Berlin"}]. '
+            "Outside them it scales to zero after idleTimeout as usual."
         ),
     )
 

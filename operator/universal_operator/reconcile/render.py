@@ -6,7 +6,7 @@ ServiceAccount's name) and from the predictor's command line in :mod:`universal_
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from universal_operator import kserve
@@ -26,6 +26,7 @@ from universal_operator.reconcile.labels import (
 )
 from universal_operator.reconcile.service_account import predictor_service_account
 from universal_operator.spec import ScalingMode, UniversalModel
+from universal_operator.warm import WarmWindow, warm_at
 from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
     GPUS_ENV,
@@ -244,8 +245,22 @@ def request_timeout_seconds(model: UniversalModel, config: OperatorConfig) -> in
     return min(int(wanted.total_seconds()), config.knative.max_revision_timeout_seconds)
 
 
-def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> dict[str, Any]:
+def _min_replicas(min_replicas: int, schedule: list[WarmWindow], now: datetime | None) -> int:
+    """``minReplicas``, raised to 1 while a warm window is open (no schedule: unchanged, so no clock is read)."""
+    if not schedule or min_replicas >= 1:
+        return min_replicas
+    active, _ = warm_at(schedule, now or datetime.now(UTC))
+    return 1 if active else min_replicas
+
+
+def desired_inference_service(
+    model: UniversalModel, config: OperatorConfig, *, now: datetime | None = None
+) -> dict[str, Any]:
     """The InferenceService that serves ``model``: everything the operator owns in it, nothing else.
+
+    ``now`` (aware; default the current time) decides whether a ``scaling.warmSchedule`` window holds a replica:
+    inside one, the predictor's ``minReplicas`` is at least 1 (KServe turns it into Knative's min-scale
+    annotation; /work/shared/REFERENCE.md, "Raw deployment vs Serverless"). Standard mode already keeps 1.
 
     Applied by server-side apply, so fields KServe or the gateway set (defaults, the stop annotation)
     are theirs and stay untouched. Raises SpecError for a spec only the operator can reject.
@@ -296,7 +311,9 @@ def desired_inference_service(model: UniversalModel, config: OperatorConfig) -> 
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
 
     predictor: dict[str, Any] = {
-        "minReplicas": scaling.min_replicas if knative else max(scaling.min_replicas, 1),
+        "minReplicas": _min_replicas(scaling.min_replicas, scaling.warm_schedule, now)
+        if knative
+        else max(scaling.min_replicas, 1),
         "maxReplicas": scaling.max_replicas,
         "timeout": request_timeout_seconds(model, config),
         "containers": [container],

@@ -1,0 +1,119 @@
+"""Scheduled warm windows (issue 23 item 6): parsing, validation and ``warm_at`` across days, midnight and DST."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
+
+import pytest
+from pydantic import ValidationError
+
+from tests.factories import CONFIG
+from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.spec import UniversalModel
+from universal_operator.warm import WarmWindow, parse_days, warm_at
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def window(**fields: str) -> WarmWindow:
+    return WarmWindow.model_validate(fields)
+
+
+def test_days_ranges_lists_and_wrapping() -> None:
+    assert parse_days("Mon-Fri") == {0, 1, 2, 3, 4}
+    assert parse_days("Sat,Sun") == {5, 6}
+    assert parse_days("Fri-Mon") == {4, 5, 6, 0}
+    assert parse_days("Mon,Wed-Thu") == {0, 2, 3}
+    assert parse_days("*") == set(range(7))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"days": "Monday", "start": "08:00", "end": "18:00"}, "days"),
+        ({"start": "8:00", "end": "18:00"}, "start"),
+        ({"start": "08:00", "end": "24:00"}, "end"),
+        ({"start": "08:00", "end": "18:00", "timeZone": "Europe/Berln"}, "timeZone"),
+        ({"start": "08:00", "end": "18:00", "cron": "* * * * *"}, "cron"),
+    ],
+)
+def test_bad_windows_are_refused_naming_the_field(fields: dict[str, str], named: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        window(**fields)
+    assert named in str(raised.value)
+
+
+def test_weekday_window_in_berlin() -> None:
+    schedule = [window(days="Mon-Fri", start="08:00", end="18:00", timeZone="Europe/Berlin")]
+    # Thursday 2026-12-03 07:59 Berlin (UTC+1): not yet warm; warm from 08:00 Berlin = 07:00 UTC.
+    assert warm_at(schedule, datetime(2026, 12, 3, 7, 59, tzinfo=BERLIN)) == (
+        False,
+        datetime(2026, 12, 3, 7, tzinfo=UTC),
+    )
+    assert warm_at(schedule, datetime(2026, 12, 3, 12, tzinfo=BERLIN)) == (True, datetime(2026, 12, 3, 17, tzinfo=UTC))
+    # Friday evening: the next start is Monday morning, not Saturday.
+    assert warm_at(schedule, datetime(2026, 12, 4, 18, tzinfo=BERLIN)) == (False, datetime(2026, 12, 7, 7, tzinfo=UTC))
+
+
+def test_window_crossing_midnight_belongs_to_its_start_day() -> None:
+    schedule = [window(days="Fri", start="22:00", end="06:00")]
+    assert warm_at(schedule, datetime(2026, 12, 5, 3, tzinfo=UTC)) == (True, datetime(2026, 12, 5, 6, tzinfo=UTC))
+    # Saturday 22:00 is not in the window: Saturday is not listed.
+    assert warm_at(schedule, datetime(2026, 12, 5, 23, tzinfo=UTC)) == (False, datetime(2026, 12, 11, 22, tzinfo=UTC))
+
+
+def test_spring_forward_shortens_the_window_by_an_hour() -> None:
+    # Sunday 2026-03-29: Berlin jumps from 02:00 CET to 03:00 CEST.
+    schedule = [window(days="Sat", start="20:00", end="08:00", timeZone="Europe/Berlin")]
+    active, ends = warm_at(schedule, datetime(2026, 3, 28, 23, tzinfo=UTC))
+    assert active
+    assert ends == datetime(2026, 3, 29, 6, tzinfo=UTC)  # 08:00 CEST
+    assert ends - datetime(2026, 3, 28, 19, tzinfo=UTC) == datetime(2026, 1, 1, 11) - datetime(2026, 1, 1)
+
+
+def test_autumn_back_keeps_wall_clock_times() -> None:
+    # Sunday 2026-10-25: Berlin goes back from 03:00 CEST to 02:00 CET.
+    schedule = [window(days="Sun", start="08:00", end="18:00", timeZone="Europe/Berlin")]
+    assert warm_at(schedule, datetime(2026, 10, 25, 1, tzinfo=UTC)) == (False, datetime(2026, 10, 25, 7, tzinfo=UTC))
+    assert warm_at(schedule, datetime(2026, 10, 18, 1, tzinfo=UTC)) == (False, datetime(2026, 10, 18, 6, tzinfo=UTC))
+
+
+def test_touching_windows_merge_into_one_change() -> None:
+    schedule = [window(start="08:00", end="12:00"), window(start="12:00", end="18:00")]
+    assert warm_at(schedule, datetime(2026, 12, 3, 9, tzinfo=UTC)) == (True, datetime(2026, 12, 3, 18, tzinfo=UTC))
+
+
+def test_no_windows_never_warm_and_naive_time_refused() -> None:
+    assert warm_at([], datetime(2026, 12, 3, tzinfo=UTC)) == (False, None)
+    with pytest.raises(ValueError, match="aware datetime"):
+        warm_at([], datetime(2026, 12, 3))
+
+
+MINILM = {
+    "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+    "kind": "UniversalModel",
+    "metadata": {"name": "minilm", "namespace": "models"},
+    "spec": {"task": "embed", "source": {"uri": "hf://sentence-transformers/all-MiniLM-L6-v2"}},
+}
+
+
+def test_the_model_spec_carries_the_schedule_and_names_a_bad_field() -> None:
+    weekdays = {"days": "Mon-Fri", "start": "08:00", "end": "18:00"}
+    body = {**MINILM, "spec": {**MINILM["spec"], "scaling": {"warmSchedule": [weekdays]}}}
+    assert UniversalModel.model_validate(body).spec.scaling.warm_schedule[0].days == "Mon-Fri"
+    mars = {"start": "08:00", "end": "18:00", "timeZone": "Mars/Olympus"}
+    body = {**MINILM, "spec": {**MINILM["spec"], "scaling": {"warmSchedule": [mars]}}}
+    with pytest.raises(ValidationError, match="timeZone"):
+        UniversalModel.model_validate(body)
+
+
+def test_render_holds_a_replica_inside_the_window_and_none_outside() -> None:
+    weekdays = {"days": "Mon-Fri", "start": "08:00", "end": "18:00", "timeZone": "Europe/Berlin"}
+    body = {**MINILM, "metadata": {**MINILM["metadata"], "uid": "uid-1", "generation": 1}}
+    body["spec"] = {**MINILM["spec"], "scaling": {"minReplicas": 0, "warmSchedule": [weekdays]}}
+    model = UniversalModel.model_validate(body)
+    inside = desired_inference_service(model, CONFIG, now=datetime(2026, 12, 3, 12, tzinfo=BERLIN))
+    outside = desired_inference_service(model, CONFIG, now=datetime(2026, 12, 5, 12, tzinfo=BERLIN))
+    assert inside["spec"]["predictor"]["minReplicas"] == 1
+    assert outside["spec"]["predictor"]["minReplicas"] == 0
