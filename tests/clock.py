@@ -9,14 +9,16 @@ decisions read it; waits, deadlines and the event loop keep real time.
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 
 class SteppedClock:
     """Monotonic seconds that move only by :meth:`advance` (a :class:`universal_gateway.backends.Clock`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_at: datetime | None = None) -> None:
         self._now = time.monotonic()
         self._start = self._now
+        self._wall_start = start_at or datetime.now(UTC)
         #: (Unix time of a step, the reading after it), oldest first.
         self._steps: list[tuple[float, float]] = []
 
@@ -27,6 +29,10 @@ class SteppedClock:
 
     def monotonic(self) -> float:
         return self._now
+
+    def now(self) -> datetime:
+        """Wall-clock time, moved by the same steps (from ``start_at``, the real time when not given)."""
+        return self._wall_start + timedelta(seconds=self._now - self._start)
 
     def monotonic_at(self, unix_time: float) -> float:
         """The reading this clock had at ``unix_time`` (another process's stamp, a predictor's last request):

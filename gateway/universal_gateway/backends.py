@@ -13,6 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -38,6 +39,9 @@ class Clock(Protocol):
     def monotonic_at(self, unix_time: float) -> float:
         """When ``unix_time``, a wall-clock time another process stamped, was on :meth:`monotonic`'s clock."""
 
+    def now(self) -> datetime:
+        """The wall-clock time, time-zone aware (scheduled warm windows are judged by it)."""
+
 
 class SystemClock:
     """The system's clocks."""
@@ -47,6 +51,10 @@ class SystemClock:
     @staticmethod
     def monotonic_at(unix_time: float) -> float:
         return time.monotonic() - (time.time() - unix_time)
+
+    @staticmethod
+    def now() -> datetime:
+        return datetime.now(UTC)
 
 
 SYSTEM_CLOCK: Clock = SystemClock()

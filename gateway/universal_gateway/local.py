@@ -403,12 +403,25 @@ class LocalSupervisor(Backends):
             model.message = f"Stopped ({reason}); the next request starts it."
 
     async def _reap_idle(self) -> None:
-        """The TTL unload: stop models idle for longer than their idleTimeout."""
+        """The TTL unload: stop models idle for longer than their idleTimeout; and warm windows
+        (``scaling.warmSchedule``): start a model when one begins, keep it through it."""
         while True:
             await asyncio.sleep(self._reap_interval)
             now = self._clock.monotonic()
+            wall = self._clock.now()
             for model in self._models.values():
                 policy, stats = model.policy, model.stats
+                warm = policy.warm(wall)
+                if (
+                    warm
+                    and not model.running()
+                    and model.state is ModelState.IDLE
+                    and (model.starting is None or model.starting.done())
+                ):  # a warm window began (or the model stopped inside one): start it before the first request
+                    model.starting = asyncio.create_task(self._start(model), name=f"warm-start-{model.name}")
+                    continue
+                if warm:
+                    continue  # kept running through the window, idle or not
                 if (
                     model.state is ModelState.READY
                     and model.running()

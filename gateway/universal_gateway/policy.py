@@ -7,8 +7,10 @@ models, whose TTL the gateway owns). Pure: plain data in, plain data out; the ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from universal_operator.spec import ScalingMode, UniversalModel
+from universal_operator.warm import WarmWindow, warm_at
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,12 @@ class ServingPolicy:
     #: The idleTimeout as the manifest writes it, for messages ("idle for 5m").
     idle_timeout_text: str
     startup_timeout_text: str
+    #: ``spec.scaling.warmSchedule``: windows during which the model is kept running (and started at their start).
+    warm_schedule: tuple[WarmWindow, ...] = ()
+
+    def warm(self, now: datetime) -> bool:
+        """Whether ``now`` is inside a warm window (:func:`universal_operator.warm.warm_at`)."""
+        return bool(self.warm_schedule) and warm_at(list(self.warm_schedule), now)[0]
 
     @classmethod
     def from_model(cls, model: UniversalModel) -> ServingPolicy:
@@ -36,6 +44,7 @@ class ServingPolicy:
             always_on=scaling.min_replicas >= 1,
             idle_timeout_text=scaling.idle_timeout,
             startup_timeout_text=scaling.startup_timeout,
+            warm_schedule=tuple(scaling.warm_schedule),
         )
 
     def gateway_stops_when_idle(self, *, in_cluster: bool) -> bool:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +338,32 @@ spec:
         assert result.returncode == 0, result.stderr
         [row] = [r for r in result.stdout.splitlines() if r.startswith("gpu-chat")]
         assert row.split()[1:4] == ["generate", "transformers", "ready"]
+
+
+async def test_a_warm_window_starts_the_model_keeps_it_and_lets_it_go_after(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    path = embed_manifest(folder, name="warm", served="warm-embed", idle="2s")
+    path.write_text(path.read_text().replace(
+        "scaling: {idleTimeout: 2s}",
+        'scaling: {idleTimeout: 2s, warmSchedule: [{days: "*", start: "08:00", end: "09:00", timeZone: UTC}]}',
+    ))  # fmt: skip
+    # 07:59:30 UTC on a Monday: the window opens in 30 s of the test's clock.
+    clock = SteppedClock(start_at=datetime(2026, 11, 30, 7, 59, 30, tzinfo=UTC))
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV, clock=clock,
+                                 standby=False)  # fmt: skip
+    async with Gateway(supervisor).serving():
+        await asyncio.sleep(1)
+        assert predictor_pid(os.getpid(), "warm-embed") is None  # before the window: nothing runs
+
+        clock.advance(60)  # 08:00:30: inside the window, no request yet
+        pid = await eventually(lambda: predictor_pid(os.getpid(), "warm-embed"), within=120)
+        model = supervisor.model("warm-embed")
+        assert model is not None
+        await eventually(lambda: model.state.value == "ready", within=120)
+
+        clock.advance(30 * 60)  # idle far past its idleTimeout, still inside the window: kept
+        await asyncio.sleep(1)
+        assert pid_alive(pid)
+
+        clock.advance(30 * 60)  # 09:00:30: the window is over; idle, so the TTL unloads it
+        await eventually(lambda: not pid_alive(pid), within=60)
