@@ -664,6 +664,17 @@ class PredictorReport(_Model):
     generation: int = Field(description="The UniversalModel's metadata.generation the predictor was asked for.")
 
 
+class WarmScheduleStatus(_Model):
+    """Where the model stands in its ``scaling.warmSchedule``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    active: bool = Field(description="Whether a warm window holds a replica now.")
+    next_change: str | None = Field(
+        default=None, description="When the next window opens or the current one closes (RFC 3339, UTC)."
+    )
+
+
 class UniversalModelStatus(_Model):
     """What the operator observed (and, in predictorReport, the gateway)."""
 
@@ -693,6 +704,9 @@ class UniversalModelStatus(_Model):
         ),
     )
     message: str | None = Field(default=None, description="The most useful thing to know right now.")
+    warm_schedule: WarmScheduleStatus | None = Field(
+        default=None, description="With scaling.warmSchedule: whether a window is on now, and when that changes."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description=(

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from tests.factories import CONFIG
 from universal_operator.reconcile.render import desired_inference_service
-from universal_operator.spec import UniversalModel
+from universal_operator.reconcile.status import status_from_inference_service
+from universal_operator.spec import UniversalModel, UniversalModelStatus
 from universal_operator.warm import WarmWindow, parse_days, warm_at
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -117,3 +118,20 @@ def test_render_holds_a_replica_inside_the_window_and_none_outside() -> None:
     outside = desired_inference_service(model, CONFIG, now=datetime(2026, 12, 5, 12, tzinfo=BERLIN))
     assert inside["spec"]["predictor"]["minReplicas"] == 1
     assert outside["spec"]["predictor"]["minReplicas"] == 0
+
+
+def test_status_says_whether_a_window_is_on_and_when_that_changes() -> None:
+    weekdays = {"days": "Mon-Fri", "start": "08:00", "end": "18:00", "timeZone": "Europe/Berlin"}
+    body = {**MINILM, "metadata": {**MINILM["metadata"], "uid": "uid-1", "generation": 1}}
+    body["spec"] = {**MINILM["spec"], "scaling": {"minReplicas": 0, "warmSchedule": [weekdays]}}
+    model = UniversalModel.model_validate(body)
+    # Thursday 12:00 in Berlin (11:00 UTC): on, until 18:00 Berlin (17:00 UTC).
+    inside = status_from_inference_service(None, model, datetime(2026, 12, 3, 12, tzinfo=BERLIN), config=CONFIG)
+    assert inside["warmSchedule"] == {"active": True, "nextChange": "2026-12-03T17:00:00Z"}
+    # Saturday: off, until Monday 08:00 Berlin (07:00 UTC).
+    weekend = status_from_inference_service(None, model, datetime(2026, 12, 5, 12, tzinfo=BERLIN), config=CONFIG)
+    assert weekend["warmSchedule"] == {"active": False, "nextChange": "2026-12-07T07:00:00Z"}
+    # The status validates against the model's status schema (what the CRD is generated from).
+    UniversalModelStatus.model_validate(inside)
+    plain = UniversalModel.model_validate({**body, "spec": MINILM["spec"]})
+    assert "warmSchedule" not in status_from_inference_service(None, plain, config=CONFIG)

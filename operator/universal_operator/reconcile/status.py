@@ -14,6 +14,7 @@ from universal_operator.config import OperatorConfig
 from universal_operator.predictor import reported_backend
 from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.spec import CONDITION_IDLE_STOP, Condition, Phase, ScalingMode, SpecError, UniversalModel
+from universal_operator.warm import warm_at
 
 #: Ready=False reasons from KServe/Knative that a retry will not fix.
 FAILURE_REASONS = frozenset(
@@ -136,6 +137,9 @@ def status_from_inference_service(
         "inferenceService": model.metadata.name,
         "requestTimeoutSeconds": request_timeout_seconds(model, config),
     }
+    if model.spec.scaling.warm_schedule:
+        active, next_change = warm_at(model.spec.scaling.warm_schedule, now)
+        base["warmSchedule"] = {"active": active, "nextChange": _now_text(next_change) if next_change else None}
     spec_valid = ("SpecValid", "True", "Valid", "The spec is valid.")
     extra: list[tuple[str, str, str, str]] = []
     if not knative:
