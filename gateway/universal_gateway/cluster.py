@@ -483,6 +483,14 @@ class KubernetesBackends(Backends):
         await asyncio.shield(model.waking)
         await self._wait_ready(model, model.policy.startup_timeout)
 
+    async def _warm_wake(self, model: ClusterModel) -> None:
+        """Wake a stopped model because a warm window opened (no request waits on it: a refusal is logged)."""
+        try:
+            await self._unstop(model)
+        except Unavailable as exc:
+            logger.warning("%s/%s: a warm window opened but the model could not be woken: %s", model.namespace,
+                           model.name, exc.message)  # fmt: skip
+
     async def _unstop(self, model: ClusterModel) -> None:
         logger.info("waking %s/%s (removing %s)", model.namespace, model.name, kserve.STOP_ANNOTATION)
         try:
@@ -531,10 +539,21 @@ class KubernetesBackends(Backends):
         )
 
     async def _reap_idle(self) -> None:
-        """Stop models idle past their idleTimeout, unless the model says another replica used it."""
+        """Stop models idle past their idleTimeout, unless the model says another replica used it; inside a
+        warm window keep them, and wake a stopped one."""
         while True:
             await asyncio.sleep(self._reap_interval)
+            wall = self._clock.now()
             for model in list(self._models.values()):
+                if model.standard_mode and model.policy.warm(wall):
+                    # A warm window (scaling.warmSchedule): never stopped in it, and woken when it opens.
+                    if (
+                        model.stop_supported
+                        and model.state is ModelState.IDLE
+                        and (model.waking is None or model.waking.done())
+                    ):
+                        model.waking = asyncio.create_task(self._warm_wake(model))
+                    continue
                 if not self._stoppable(model, self._clock.monotonic()):
                     continue
                 used = await self._used_upstream(model)

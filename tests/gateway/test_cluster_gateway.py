@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -541,3 +542,27 @@ def test_a_universal_model_that_does_not_parse_is_not_routed_and_is_reported_onc
     backends._observe("MODIFIED", invalid)
     [fixed] = [m for m in backends._all.values() if m.name == "other"]
     assert (fixed.served_name, fixed.standard_mode, fixed.policy.idle_timeout) == ("other-embed", True, 90.0)
+
+
+async def test_in_a_warm_window_a_standard_mode_model_is_kept_and_a_stopped_one_woken(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], upstream: PredictorProcess
+) -> None:
+    _, backends = gateway
+    now = datetime.now(UTC)
+    window = {"days": "*", "start": (now - timedelta(hours=1)).strftime("%H:%M"),
+              "end": (now + timedelta(hours=1)).strftime("%H:%M"), "timeZone": "UTC"}  # fmt: skip
+    manifest = model_manifest(mode="Standard", idle="1s")
+    manifest["spec"]["scaling"]["warmSchedule"] = [window]
+    await create(cluster, UM, manifest)
+    await create(cluster, ISVC, {**ISVC_MANIFEST, "metadata": {**ISVC_MANIFEST["metadata"],
+                                                                "annotations": {STOP_ANNOTATION: "true"}}})  # fmt: skip
+    # Stopped (as before the window opened): the gateway wakes it with no request waiting.
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url))
+    await backends.wait_synced()
+    await eventually(lambda: STOP_ANNOTATION not in annotations(cluster), within=15)
+
+    # Ready and idle far past its idleTimeout, inside the window: never stopped.
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    await eventually(lambda: state(backends) is ModelState.READY)
+    await asyncio.sleep(3)  # fifteen reaps at 0.2 s
+    assert STOP_ANNOTATION not in annotations(cluster)
