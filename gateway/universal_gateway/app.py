@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.limits import GatewayLimits as GatewayLimits
-from universal_gateway.limits import ModelGate
+from universal_gateway.limits import ModelGate, WakeWaits
 from universal_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, ModelSeries
 from universal_gateway.openapi import openapi_document
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
@@ -50,6 +51,7 @@ class Gateway:
         self.backends = backends
         self.keys = keys or ApiKeys()
         self.limits = limits or GatewayLimits()
+        self.wake_waits = WakeWaits()
         self.cors_origins = cors_origins or []
         self.catalog = catalog
         self.metrics = GatewayMetrics()
@@ -253,13 +255,32 @@ class Gateway:
         series.in_flight.inc()
         try:
             async with gate:
-                woke = view.state is not ModelState.READY
-                async with self.backends.lease(name) as upstream:
-                    if woke:
-                        series.woke(time.monotonic() - started)
-                    response = await self._relay(request, view, series, upstream, path, body, started)
-                    status = response.status
-                    return response
+                held = view.state is not ModelState.READY
+                waiter = asyncio.current_task()
+                if held:  # held for the wake, within the model's bound (429 beyond)
+                    self._hold(name, view)
+                    if waiter is not None:  # a client that leaves while held stops waiting; the wake goes on
+                        request.on_gone = _canceller(waiter)
+                try:
+                    async with self.backends.lease(name) as upstream:
+                        if held:
+                            request.on_gone = None
+                            held, waited = False, time.monotonic() - started
+                            self._unhold(name)
+                            self.wake_waits.woke(name, waited)
+                            series.woke(waited)
+                        response = await self._relay(request, view, series, upstream, path, body, started)
+                except asyncio.CancelledError:
+                    if not (held and request.gone and waiter is not None):
+                        raise
+                    waiter.uncancel()  # our own cancel, for a client that left: not the server's shutdown
+                    raise ConnectionResetError("the client left while the model woke") from None
+                finally:
+                    if held:  # the wake failed, or the client left while held
+                        request.on_gone = None
+                        self._unhold(name)
+                status = response.status
+                return response
         except APIError as error:
             status = error.status_code
             raise
@@ -270,6 +291,19 @@ class Gateway:
             series.in_flight.dec()
             series.count(status)
             series.latency.observe(time.monotonic() - started)
+
+    def _hold(self, name: str, view: ModelView) -> None:
+        """Count a request held for ``name``'s wake: 429 beyond its ``scaling.maxHeldRequests`` (or ours)."""
+        try:
+            self.wake_waits.enter(name, view.extra.get("max_held_requests") or self.limits.max_held_per_model)
+        except APIError:
+            self.metrics.held_rejected.labels(name).inc()
+            raise
+        self.metrics.held.labels(name).inc()
+
+    def _unhold(self, name: str) -> None:
+        self.wake_waits.leave(name)
+        self.metrics.held.labels(name).dec()
 
     async def _relay(
         self,
@@ -354,3 +388,12 @@ def _unexpected_body(request: Request) -> APIError | None:
         "send it without a body.",
         code="body_not_allowed",
     )
+
+
+def _canceller(task: asyncio.Task[Any]) -> Callable[[], None]:
+    """A callback that cancels ``task`` (a held request's, when its client leaves)."""
+
+    def cancel() -> None:
+        task.cancel()
+
+    return cancel

@@ -103,6 +103,7 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         max_body_bytes=int(args.max_body_mb * MiB),
         max_concurrency_per_model=args.max_concurrency,
         max_queue_per_model=args.max_queue,
+        max_held_per_model=args.max_held_requests,
         max_connections=args.max_connections,
         max_buffered_bytes=int(args.max_buffered_mb * MiB),
         head_timeout=args.head_timeout,
@@ -146,6 +147,11 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=LIMITS.max_queue_per_model,
         help="requests per model waiting; beyond: 429 (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-held-requests", type=int, default=LIMITS.max_held_per_model,
+        help="requests per model held while it wakes, unless its scaling.maxHeldRequests says; beyond: 429 with "
+             "Retry-After from the expected wake time (default %(default)d)",
     )  # fmt: skip
     parser.add_argument(
         "--max-connections", type=int, default=LIMITS.max_connections,

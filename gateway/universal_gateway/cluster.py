@@ -441,7 +441,12 @@ class KubernetesBackends(Backends):
                 message=m.status.message or "",
                 endpoint=m.address,
                 stats=m.stats,
-                extra={"namespace": m.namespace, "mode": m.policy.mode.value, "url": m.status.url},
+                extra={
+                    "namespace": m.namespace,
+                    "mode": m.policy.mode.value,
+                    "url": m.status.url,
+                    **({"max_held_requests": m.policy.max_held} if m.policy.max_held else {}),
+                },
             )
             for m in self._models.values()
         ]

@@ -445,6 +445,7 @@ class LocalSupervisor(Backends):
                 "starts": model.starts,
                 "idle_timeout": model.policy.idle_timeout_text,
                 "started_in_standby": model.from_standby,
+                **({"max_held_requests": model.policy.max_held} if model.policy.max_held else {}),
             },
         )
 

@@ -27,6 +27,8 @@ class ServingPolicy:
     #: The idleTimeout as the manifest writes it, for messages ("idle for 5m").
     idle_timeout_text: str
     startup_timeout_text: str
+    #: ``spec.scaling.maxHeldRequests``: requests held while the model wakes (None: the gateway's default).
+    max_held: int | None = None
     #: ``spec.scaling.warmSchedule``: windows during which the model is kept running (and started at their start).
     warm_schedule: tuple[WarmWindow, ...] = ()
 
@@ -44,6 +46,7 @@ class ServingPolicy:
             always_on=scaling.min_replicas >= 1,
             idle_timeout_text=scaling.idle_timeout,
             startup_timeout_text=scaling.startup_timeout,
+            max_held=scaling.max_held_requests,
             warm_schedule=tuple(scaling.warm_schedule),
         )
 

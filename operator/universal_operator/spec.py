@@ -321,6 +321,15 @@ class Scaling(_Model):
             "Budget for download plus load before a rollout counts as failed (large models need more); whole seconds."
         ),
     )
+    max_held_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=100000,
+        description=(
+            "Requests the gateway holds for this model while it wakes; one more gets 429 with Retry-After from the "
+            "expected wake time. Empty: the gateway's --max-held-requests (the chart's gateway.maxHeldRequests)."
+        ),
+    )
     warm_schedule: list[WarmWindow] = Field(
         default_factory=list,
         max_length=16,

@@ -367,3 +367,34 @@ async def test_a_warm_window_starts_the_model_keeps_it_and_lets_it_go_after(tmp_
 
         clock.advance(30 * 60)  # 09:00:30: the window is over; idle, so the TTL unloads it
         await eventually(lambda: not pid_alive(pid), within=60)
+
+
+async def test_requests_held_for_a_wake_are_bounded_and_a_client_that_leaves_frees_its_place(tmp_path: Path) -> None:
+    folder = tmp_path / "manifests"
+    path = embed_manifest(folder, name="bounded", served="bounded-embed")
+    path.write_text(
+        path.read_text().replace("scaling: {idleTimeout: 5m}", "scaling: {idleTimeout: 5m, maxHeldRequests: 2}")
+    )
+    # No standby: the wake takes seconds (the libraries imported afresh), long enough to hold requests in.
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
+                                 standby=False)  # fmt: skip
+    async with Gateway(supervisor).serving() as url, httpx.AsyncClient(base_url=f"{url}/v1") as http:
+        body = {"model": "bounded-embed", "input": "hello"}
+        # Two clients give up while held: their places are freed, and the wake goes on.
+        for _ in range(2):
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/embeddings", json=body, timeout=0.5)
+        answers = await asyncio.gather(*(http.post("/embeddings", json=body, timeout=300) for _ in range(5)))
+        codes = sorted(a.status_code for a in answers)
+        assert codes == [200, 200, 429, 429, 429], codes
+        refused = next(a for a in answers if a.status_code == 429)
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "maxHeldRequests" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        metrics = (await http.get(f"{url}/metrics")).text
+        assert 'universal_gateway_held_rejected_total{model="bounded-embed"} 3.0' in metrics
+        assert 'universal_gateway_held_requests{model="bounded-embed"} 0.0' in metrics
+        # Awake: nothing is held, the bound does not apply.
+        awake = await asyncio.gather(*(http.post("/embeddings", json=body, timeout=60) for _ in range(5)))
+        assert [a.status_code for a in awake] == [200] * 5
