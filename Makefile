@@ -65,6 +65,7 @@ system-deps:
 	@command -v c++ >/dev/null 2>&1 && command -v cmake >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq build-essential cmake ninja-build; }
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
 	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { apt-get update -qq && apt-get install -y -qq nginx-light; }
 
 # lint, typecheck, layering, crd-check and unit, then test-vllm and test-images, with the vLLM tier's install
 # and the image tier's builds in the background meanwhile (.ci/test.sh: logs under .cache/ci-logs/).

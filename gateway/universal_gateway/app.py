@@ -257,10 +257,15 @@ class Gateway:
             async with gate:
                 held = view.state is not ModelState.READY
                 waiter = asyncio.current_task()
+                stream: StreamedResponse | None = None
+                keepalive: asyncio.Task[None] | None = None
                 if held:  # held for the wake, within the model's bound (429 beyond)
                     self._hold(name, view)
                     if waiter is not None:  # a client that leaves while held stops waiting; the wake goes on
                         request.on_gone = _canceller(waiter)
+                    if self.limits.wake_keepalive_s > 0 and _asks_to_stream(body):
+                        stream = await request.stream(200, SSE_HEADERS)
+                        keepalive = asyncio.create_task(self._keep_alive(stream, self.limits.wake_keepalive_s))
                 try:
                     async with self.backends.lease(name) as upstream:
                         if held:
@@ -269,13 +274,27 @@ class Gateway:
                             self._unhold(name)
                             self.wake_waits.woke(name, waited)
                             series.woke(waited)
-                        response = await self._relay(request, view, series, upstream, path, body, started)
+                        if keepalive is not None:
+                            await _stop(keepalive)
+                        response = await self._relay(request, view, series, upstream, path, body, started, stream)
+                except APIError as error:
+                    if stream is None:
+                        raise
+                    # The head went out while the model woke: the failure ends the stream as an error event.
+                    if keepalive is not None:
+                        await _stop(keepalive)
+                    status = error.status_code
+                    await stream.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+                    await stream.end()
+                    return stream
                 except asyncio.CancelledError:
                     if not (held and request.gone and waiter is not None):
                         raise
                     waiter.uncancel()  # our own cancel, for a client that left: not the server's shutdown
                     raise ConnectionResetError("the client left while the model woke") from None
                 finally:
+                    if keepalive is not None:
+                        await _stop(keepalive)
                     if held:  # the wake failed, or the client left while held
                         request.on_gone = None
                         self._unhold(name)
@@ -291,6 +310,14 @@ class Gateway:
             series.in_flight.dec()
             series.count(status)
             series.latency.observe(time.monotonic() - started)
+
+    @staticmethod
+    async def _keep_alive(stream: StreamedResponse, every_s: float) -> None:
+        """SSE comments (which clients ignore) on a held stream: one at once, then one every ``every_s``."""
+        with contextlib.suppress(ConnectionResetError):  # the client left: its request stops waiting too
+            while True:
+                await stream.write(b": waking model\n\n")
+                await asyncio.sleep(every_s)
 
     def _hold(self, name: str, view: ModelView) -> None:
         """Count a request held for ``name``'s wake: 429 beyond its ``scaling.maxHeldRequests`` (or ours)."""
@@ -314,7 +341,10 @@ class Gateway:
         path: str,
         body: bytes,
         started: float,
+        into: StreamedResponse | None = None,
     ) -> Response | StreamedResponse:
+        """The upstream's answer, relayed; ``into``: a stream already started (a held streaming request), which an
+        event stream continues and any other answer ends as an error event."""
         name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
@@ -346,7 +376,17 @@ class Gateway:
                 ) from None
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             head_only = request.method == "HEAD"  # the upstream's answer ended with its head
-            if head_only or not upstream.content_type.startswith("text/event-stream"):
+            event_stream = upstream.content_type.startswith("text/event-stream")
+            if into is not None and not (event_stream and upstream.status == 200):
+                try:
+                    payload = await upstream.read_all(read_timeout)
+                except (TimeoutError, UpstreamError):
+                    payload = b""
+                whole = True
+                await into.write(b"data: " + _error_event(payload, upstream.status, name) + b"\n\n")
+                await into.end()
+                return into
+            if head_only or not event_stream:
                 try:
                     payload = await upstream.read_all(read_timeout)
                 except (TimeoutError, UpstreamError):
@@ -357,7 +397,7 @@ class Gateway:
                 series.ttfb.observe(time.monotonic() - started)
                 length = upstream.content_length if head_only else None
                 return Response(payload, status=upstream.status, headers=passed, length=length)
-            response = await request.stream(upstream.status, passed)
+            response = into if into is not None else await request.stream(upstream.status, passed)
             first = True
             try:
                 while chunk := await upstream.read_some(read_timeout):
@@ -397,3 +437,37 @@ def _canceller(task: asyncio.Task[Any]) -> Callable[[], None]:
         task.cancel()
 
     return cancel
+
+
+#: The head of a held streaming request's answer, sent before the model is up.
+SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")]
+
+
+def _asks_to_stream(body: bytes) -> bool:
+    """Whether a JSON body asks for a stream (``"stream": true``); a body that is not JSON does not."""
+    if b'"stream"' not in body:
+        return False
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
+def _error_event(payload: bytes, status: int, name: str) -> bytes:
+    """The OpenAI error object of an upstream's non-stream answer to a held streaming request, as JSON."""
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return orjson.dumps(parsed)
+    error = APIError(f"The model {name!r} answered {status} instead of a stream.", status_code=502,
+                     code="upstream_error")  # fmt: skip
+    return orjson.dumps(error.body())
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -104,6 +104,7 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         max_concurrency_per_model=args.max_concurrency,
         max_queue_per_model=args.max_queue,
         max_held_per_model=args.max_held_requests,
+        wake_keepalive_s=args.wake_keepalive,
         max_connections=args.max_connections,
         max_buffered_bytes=int(args.max_buffered_mb * MiB),
         head_timeout=args.head_timeout,
@@ -152,6 +153,11 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
         "--max-held-requests", type=int, default=LIMITS.max_held_per_model,
         help="requests per model held while it wakes, unless its scaling.maxHeldRequests says; beyond: 429 with "
              "Retry-After from the expected wake time (default %(default)d)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wake-keepalive", type=float, default=LIMITS.wake_keepalive_s,
+        help="a held streaming request gets its head at once and an SSE comment this often (seconds) until the "
+             "model answers; 0: none (default %(default)g)",
     )  # fmt: skip
     parser.add_argument(
         "--max-connections", type=int, default=LIMITS.max_connections,

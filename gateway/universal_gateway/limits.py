@@ -23,6 +23,9 @@ class GatewayLimits:
     #: Requests held per model while it wakes (a model's ``scaling.maxHeldRequests`` overrides it); one more gets
     #: 429 with Retry-After from the expected wake time.
     max_held_per_model: int = 128
+    #: A held streaming request gets its answer's head at once and an SSE comment this often (seconds) until the
+    #: model answers, so that proxies with a read timeout (ingress-nginx: 60 s) keep it; 0: no keep-alive.
+    wake_keepalive_s: float = 15.0
     connect_timeout: float = 5.0
     read_timeout: float = 600.0
     #: How long a client may pause while sending a request before it gets 408.
