@@ -193,8 +193,12 @@ class Gateway:
 
     async def _list_models(self, request: Request, params: Params) -> Response:
         allowed = self._allowed(request)
-        cards = [v.card() for v in self.backends.models() if allowed is None or v.name in allowed]
+        cards = [self._card(v) for v in self.backends.models() if allowed is None or v.name in allowed]
         return Response.json({"object": "list", "data": cards})
+
+    def _card(self, view: ModelView) -> dict[str, Any]:
+        """The model's card, with the requests held for its wake right now."""
+        return {**view.card(), "held": self.wake_waits.held.get(view.name, 0)}
 
     async def _get_model(self, request: Request, params: Params) -> Response:
         name = params["name"]
@@ -202,7 +206,7 @@ class Gateway:
         view = self.backends.find(name)
         if view is None:
             raise self._unknown(name)
-        return Response.json(view.card())
+        return Response.json(self._card(view))
 
     # -- proxying ----------------------------------------------------------------------------------
 

@@ -185,10 +185,10 @@ def _age(timestamp: float | None) -> str:
 
 
 def format_ps(models: list[dict[str, object]]) -> str:
-    """The ``ps`` table: name, task, backend, state, last used, requests, p50 latency.
+    """The ``ps`` table: name, task, backend, state, requests held for its wake, last used, requests, p50 latency.
 
     Not the predictors' ports or pids: the API does not publish where a predictor listens."""
-    header = ["NAME", "TASK", "BACKEND", "STATE", "LAST USED", "REQUESTS", "P50"]
+    header = ["NAME", "TASK", "BACKEND", "STATE", "HELD", "LAST USED", "REQUESTS", "P50"]
     rows = [header]
     for m in models:
         p50 = m.get("p50_ms")
@@ -199,6 +199,7 @@ def format_ps(models: list[dict[str, object]]) -> str:
                 str(m.get("task", "")),
                 str(m.get("backend", "")),
                 str(m.get("state", "")),
+                str(m.get("held", 0)),
                 _age(float(last_used) if isinstance(last_used, int | float) else None),
                 str(m.get("requests", 0)),
                 f"{float(p50):.0f}ms" if isinstance(p50, int | float) else "-",

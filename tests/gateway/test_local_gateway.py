@@ -290,10 +290,10 @@ def test_ps_prints_a_table_of_models(gateway: GatewayProcess) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "TASK", "BACKEND", "STATE", "LAST", "USED", "REQUESTS", "P50"]
+    assert header.split() == ["NAME", "TASK", "BACKEND", "STATE", "HELD", "LAST", "USED", "REQUESTS", "P50"]
     [row] = [r for r in rows if r.startswith(EMBED)]
     cells = row.split()
-    assert cells[1:4] == ["embed", "transformers", "ready"]
+    assert cells[1:5] == ["embed", "transformers", "ready", "0"]
     assert cells[-1].endswith("ms")
 
 
@@ -395,6 +395,8 @@ async def test_requests_held_for_a_wake_are_bounded_and_a_client_that_leaves_fre
         metrics = (await http.get(f"{url}/metrics")).text
         assert 'universal_gateway_held_rejected_total{model="bounded-embed"} 3.0' in metrics
         assert 'universal_gateway_held_requests{model="bounded-embed"} 0.0' in metrics
+        cards = (await http.get("/models")).json()["data"]
+        assert [c["held"] for c in cards if c["id"] == "bounded-embed"] == [0]
         # Awake: nothing is held, the bound does not apply.
         awake = await asyncio.gather(*(http.post("/embeddings", json=body, timeout=60) for _ in range(5)))
         assert [a.status_code for a in awake] == [200] * 5
