@@ -8,28 +8,59 @@ it decodes anything, and gives it back when that work is done. Reservations are 
 (a large one is not starved by small ones behind it). One larger than the whole budget is a 413
 ``decode_budget_exceeded`` naming the budget; one that waits longer than ``decode_wait_s`` a 503
 ``decode_budget_busy`` with ``Retry-After``.
+
+The decoding itself runs on the budget's own threads, as many as the budget holds of its largest reservation
+(at least one, at most the cores), not on the event loop's shared pool. glibc's malloc gives each thread an
+arena of its own and keeps what that thread frees for its next allocation: pixels decoded and freed on six
+pool threads, one after another, stayed resident six times over (a tiny vision model went 840 MiB above idle
+decoding 23-megapixel PNGs strictly one at a time, against 177 MiB on one thread). With the threads bounded
+by the budget, what their arenas keep is within it too; the heap is trimmed once the predictor is idle
+(universal_predictors.allocator).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from universal_predictors.errors import RequestTooLarge, Unavailable
+
+T = TypeVar("T")
 
 
 class DecodeBudget:
     """Bytes of decoded pixels (and what works on them) the predictor holds at once (module docstring).
     Used from the event loop only."""
 
-    def __init__(self, total_bytes: int, wait_s: float, arg: str = "decode_budget_mb") -> None:
+    def __init__(self, total_bytes: int, wait_s: float, arg: str = "decode_budget_mb", *,
+                 largest_bytes: int | None = None) -> None:  # fmt: skip
+        """``largest_bytes``: the most one decode on a thread may hold (the limits' largest image), which
+        sizes the decode threads (module docstring)."""
         self.total = total_bytes
         self.wait_s = wait_s
         self.arg = arg
         self.held = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        at_once = total_bytes // max(1, largest_bytes or total_bytes)
+        self.threads = max(1, min(os.cpu_count() or 1, at_once))
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on one of the budget's decode threads (module docstring)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="decode")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     @contextlib.asynccontextmanager
     async def reserve(self, nbytes: int, field: str) -> AsyncIterator[None]:

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import os
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,36 +16,36 @@ from PIL import Image, ImageDraw
 
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.security.memory import peak_rise_mb, settled_rss_mb
 from tests.security.predictor_fixtures import openai_error
 from universal_predictors.config import Backend, PredictorConfig, Task
-from universal_predictors.tasks.ocr import OCR_BYTES_PER_PIXEL
+from universal_predictors.ocr.images import OCR_BYTES_PER_PIXEL
 
-SIDE = 3000
-PAGE_MB = SIDE * SIDE * OCR_BYTES_PER_PIXEL / 2**20  # what one page reserves: about 69 MiB
-BUDGET_MB = 150  # two pages at once
-BURST = 16
+SIDE = 6000  # 36 megapixels, within the default max_pixels (40,000,000)
+PAGE_MB = SIDE * SIDE * OCR_BYTES_PER_PIXEL // 2**20  # what one page reserves: 549 MiB
+BUDGET_MB = PAGE_MB + 26  # one page at a time
+BURST = 12
+#: Detection works at this side at most: the engine's own working memory (a few hundred MB at the default
+#: 2000, whatever the page's size) stays small beside the pages this test is about.
+MAX_SIDE = 640
 
 
-def big_page() -> str:
-    """A SIDE x SIDE page of ruled lines and boxes (a few hundred KB as PNG), for RapidOCR to look through."""
-    image = Image.new("RGB", (SIDE, SIDE), "white")
+def big_page(side: int = SIDE) -> str:
+    """A side x side page of ruled lines and boxes (a few hundred KB as PNG), for RapidOCR to look through."""
+    image = Image.new("RGB", (side, side), "white")
     draw = ImageDraw.Draw(image)
-    for y in range(40, SIDE, 60):
-        draw.line((40, y, SIDE - 40, y), fill="black", width=3)
-    for x in range(80, SIDE, 400):
+    for y in range(40, side, 60):
+        draw.line((40, y, side - 40, y), fill="black", width=3)
+    for x in range(80, side, 400):
         draw.rectangle((x, 100, x + 200, 160), outline="black", width=4)
     return base64.b64encode(samples.encode(image)).decode()
-
-
-def rss_mb(pid: int) -> float:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @pytest.fixture(scope="module")
 def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
     config = PredictorConfig(model_name="ocr", task=Task.OCR, backend=Backend.RAPIDOCR, source="builtin",
                              engine_args={"decode_budget_mb": str(BUDGET_MB), "decode_wait_s": "600",
-                                          "max_batch_size": "1"})  # fmt: skip
+                                          "max_side": str(MAX_SIDE)})  # fmt: skip
     with running_predictor(config, tmp_path_factory.mktemp("decode-budget")) as predictor:
         yield predictor
 
@@ -58,54 +55,31 @@ def ocr(predictor: PredictorProcess, images: list[str], timeout: float = 600) ->
         return client.post("/v1/ocr", json={"images": images})
 
 
-def peak_rise_mb(pid: int, idle: float, work: Callable[[], object]) -> float:
-    """How far ``pid``'s RSS rose above ``idle`` while ``work`` ran (sampled every 20 ms)."""
-    peak = idle
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, rss_mb(pid))
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        work()
-    finally:
-        done.set()
-        sampler.join()
-    return peak - idle
-
-
 def test_a_burst_of_large_pages_takes_turns_and_gives_the_memory_back(budgeted: PredictorProcess) -> None:
     page = big_page()
     assert ocr(budgeted, [page]).status_code == 200  # warm: the engine's own buffers exist before measuring
-    time.sleep(1.5)  # the heap trimmed once idle (universal_predictors.allocator)
     pid = budgeted.process.pid
-    idle = rss_mb(pid)
+    idle = settled_rss_mb(pid)
     answers: list[httpx.Response] = []
 
     def burst() -> None:
         with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
             answers.extend(pool.map(lambda _: ocr(budgeted, [page]), range(BURST)))
 
-    # Sixteen pages, two at a time within the budget: every one answered (none refused for waiting).
-    # RapidOCR's own working memory for such a page (about 0.9-1.0 GB measured, serial on its engine thread)
-    # is not the budget's; the decoded pages waiting for it are.
+    # Twelve 36-megapixel pages, one decoded and read at a time within the budget: every one answered (none
+    # refused for waiting), and the peak within the budget. Before it, the pages were decoded side by side and
+    # waited, decoded, for the engine thread: 12 x 103 MiB of RGB and their copies at once.
     rise = peak_rise_mb(pid, idle, burst)
     assert [a.status_code for a in answers] == [200] * BURST
-    time.sleep(2)
-    after = rss_mb(pid) - idle
-    assert after < BUDGET_MB + PAGE_MB, (
-        f"the burst's memory was not given back: {after:.0f} MiB above idle (peak {rise:.0f})"
-    )
+    assert rise < BUDGET_MB, f"{BURST} concurrent {SIDE}x{SIDE} pages took RSS {rise:.0f} MiB above idle"
+    time.sleep(1.5)  # the heap trimmed once idle (universal_predictors.allocator)
+    after = settled_rss_mb(pid) - idle
+    assert after < PAGE_MB / 2, f"the burst's memory was not given back: {after} MiB above idle (peak {rise:.0f})"
 
 
 def test_a_request_over_the_whole_budget_is_a_413(budgeted: PredictorProcess) -> None:
     page = big_page()
-    error = openai_error(ocr(budgeted, [page, page, page]), 413)
+    error = openai_error(ocr(budgeted, [page, page]), 413)
     assert error["code"] == "decode_budget_exceeded"
     assert f"({BUDGET_MB} MiB, the engine argument decode_budget_mb)" in error["message"]
 
@@ -115,7 +89,7 @@ def test_a_request_that_waits_past_decode_wait_s_is_a_503_with_retry_after(
 ) -> None:
     config = PredictorConfig(model_name="ocr", task=Task.OCR, backend=Backend.RAPIDOCR, source="builtin",
                              engine_args={"decode_budget_mb": "80", "decode_wait_s": "0.2"})  # fmt: skip
-    page = big_page()
+    page = big_page(2000)  # 61 MiB reserved: one at a time
     with (
         running_predictor(config, tmp_path_factory.mktemp("decode-wait")) as predictor,
         concurrent.futures.ThreadPoolExecutor(4) as pool,

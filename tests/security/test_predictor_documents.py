@@ -24,8 +24,10 @@ from PIL import Image
 
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.security.memory import peak_rise_mb, settled_rss_mb
 from tests.security.predictor_fixtures import openai_error
 from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.ocr.images import OCR_BYTES_PER_PIXEL
 
 PDF_TIMEOUT_S = 20
 #: The time-budget tests' render memory: above what the hostile PDF takes at 200 dpi (about 1.6 GB, measured).
@@ -318,3 +320,54 @@ def test_a_page_over_the_documents_pixel_limit_is_a_413_before_decoding(document
     tiff = white_tiff(frames=1, side=6400)  # 40,960,000 pixels
     error = openai_error(document_qa(document_predictor, tiff, page=1), 413)
     assert "max_pixels" in error["message"]
+
+
+# -- the document route's pages across requests (issue 31, items 4 and 14: the decode budget) ----------------
+
+#: One 6000 x 6000 page's reservation (36 megapixels at OCR_BYTES_PER_PIXEL) and a little: one page at a time.
+DOCUMENT_BUDGET_MB = 6000 * 6000 * OCR_BYTES_PER_PIXEL // 2**20 + 26
+
+
+@pytest.fixture(scope="module")
+def budgeted_document(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PredictorProcess]:
+    from tests.predictors.tiny_layoutlm import build_layoutlm
+
+    root = tmp_path_factory.mktemp("security-document-budget")
+    config = PredictorConfig(model_name="document", task=Task.DOCUMENT, source=str(build_layoutlm(root / "qa", "qa")),
+                             engine_args={"max_pixels": str(DOCUMENT_MAX_PIXELS), "decode_wait_s": "600",
+                                          "decode_budget_mb": str(DOCUMENT_BUDGET_MB)})  # fmt: skip
+    with running_predictor(config, root / "logs") as predictor:
+        yield predictor
+
+
+def test_concurrent_large_pages_are_read_within_the_decode_budget(budgeted_document: PredictorProcess) -> None:
+    """Before the budget, each request decoded its page as it came: 8 concurrent 6000 x 6000 pages were all
+    held at once (item 13 measured 2.9 GB for 3 concurrent 500-page TIFFs)."""
+    page = png(Image.new("RGB", (6000, 6000), "white"))
+    assert document_qa(budgeted_document, page, page=1).status_code == 200  # warm
+    pid = budgeted_document.process.pid
+    idle = settled_rss_mb(pid)
+    answers: list[httpx.Response] = []
+
+    def burst() -> None:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers.extend(pool.map(lambda _: document_qa(budgeted_document, page, page=1), range(8)))
+
+    rise = peak_rise_mb(pid, idle, burst)
+    assert [a.status_code for a in answers] == [200] * 8, answers[0].text
+    assert rise < DOCUMENT_BUDGET_MB, f"8 concurrent 6000x6000 pages took RSS {rise:.0f} MiB above idle"
+    time.sleep(1.5)  # the heap trimmed once idle
+    assert settled_rss_mb(pid) - idle < DOCUMENT_BUDGET_MB / 4
+
+
+def test_a_page_over_the_whole_decode_budget_is_a_413(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.predictors.tiny_layoutlm import build_layoutlm
+
+    root = tmp_path_factory.mktemp("security-document-small-budget")
+    config = PredictorConfig(model_name="document", task=Task.DOCUMENT, source=str(build_layoutlm(root / "qa", "qa")),
+                             engine_args={"decode_budget_mb": "64"})  # fmt: skip
+    with running_predictor(config, root / "logs") as predictor:
+        error = openai_error(document_qa(predictor, png(Image.new("RGB", (3000, 3000), "white")), page=1), 413)
+        assert error["code"] == "decode_budget_exceeded"
+        assert "(64 MiB, the engine argument decode_budget_mb)" in error["message"]
+        assert document_qa(predictor, png(Image.new("RGB", (1000, 1000), "white")), page=1).status_code == 200

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.security.memory import rss_mb
 from tests.security.predictor_fixtures import openai_error, tiny_llama_dir
 from universal_predictors.config import Backend, PredictorConfig, Task
 from universal_predictors.generation.planning import MAX_LOGPROB_ENTRIES
@@ -39,11 +40,6 @@ def wide_predictor(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
     )
     with running_predictor(config, tmp_path_factory.mktemp("security-logprobs")) as predictor:
         yield predictor
-
-
-def rss_mb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
 
 
 def post_all(predictor: PredictorProcess, path: str, bodies: list[dict[str, Any]]) -> list[int]:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from tests.predictors.harness import PredictorProcess
+from tests.security.memory import rss_mb
 from tests.security.predictor_fixtures import *  # noqa: F403  (the predictor fixtures)
 from universal_predictors.generation.constraints import GrammarCache, grammar_relevant
 
@@ -21,11 +22,6 @@ def described(index: int, description: str = DESCRIPTION) -> dict[str, Any]:
     return {"type": "object", "title": "t", "description": description,
             "properties": {"a": {"enum": [index], "description": description, "examples": ["e"]}},
             "required": ["a"]}  # fmt: skip
-
-
-def rss_mb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
 
 
 def test_annotations_do_not_key_the_cache_but_a_property_named_like_one_does() -> None:

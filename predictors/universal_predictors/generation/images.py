@@ -94,8 +94,14 @@ async def load_images(parts: list[tuple[str, ImagePart]], args: ImageArgs, max_p
             continue
         pixels = await asyncio.to_thread(_pixels, data, field, args.max_image_pixels)
         async with budget.reserve(pixels * DECODE_BYTES_PER_PIXEL, field):
-            decoded.append(await asyncio.to_thread(_decode, data, field, args.max_image_pixels, max_pixels))
+            decoded.append(await budget.run(_decode, data, field, args.max_image_pixels, max_pixels))
     return decoded
+
+
+def decode_budget(args: ImageArgs) -> DecodeBudget:
+    """The predictor-wide budget for chat images, its decode threads sized by the largest image allowed."""
+    return DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s,
+                        largest_bytes=args.max_image_pixels * DECODE_BYTES_PER_PIXEL)  # fmt: skip
 
 
 def _pixels(data: bytes, field: str, limit: int) -> int:

@@ -19,7 +19,6 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engine import (
     Engine,
@@ -28,7 +27,7 @@ from universal_predictors.generation.engine import (
     SamplingParams,
     no_vision,
 )
-from universal_predictors.generation.images import ImageArgs, check_count, load_images
+from universal_predictors.generation.images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.planning import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Plan,
@@ -62,7 +61,7 @@ class GenerationService:
         self.engine = engine
         self.model_name = model_name
         self.image_args = image_args or ImageArgs()
-        self.decode_budget = DecodeBudget(self.image_args.decode_budget_mb * 2**20, self.image_args.decode_wait_s)
+        self.decode_budget = decode_budget(self.image_args)
         self.planner = RequestPlanner(engine)
         self.runner = ChoiceRunner(engine, model_name)
         self._tool_call_parser = tool_call_parser

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -52,6 +52,14 @@ class Limits:
     pdf_timeout_s: float
     #: What a PDF render process may add to its address space, in MiB (RLIMIT_AS: PDFium aborts beyond it).
     max_render_memory_mb: int = 1024
+
+
+#: Memory one page's pixel takes while it is decoded and recognised, in bytes, as a predictor's RSS shows it: the
+#: decoded frame and its RGB copy (Pillow keeps 4 bytes a pixel), the engine's BGR array and RapidOCR's resized
+#: copies, on two threads whose malloc arenas each keep what they freed until the heap is trimmed. Measured: one
+#: 6000x6000 PNG page raised an OCR predictor's RSS by 545-585 MiB (15-17 B/pixel); rounded up.
+#: The engine's working memory for detection (set by ``max_side``, not the page) is separate: one page at a time.
+OCR_BYTES_PER_PIXEL = 16
 
 
 class PixelBudget:
@@ -199,8 +207,12 @@ def _decode_frame(image: Image.Image, number: int, frames: int, index: int, fiel
 
 def _decode_frames(image: Image.Image, frames: int, index: int, field: str) -> Iterator[Page]:
     for number in range(frames):
-        yield _decode_frame(image, number, frames, index, field)
-    image.close()
+        page = _decode_frame(image, number, frames, index, field)
+        if number == frames - 1:
+            # The decoded frame goes before its RGB copy does to the engine, not when the caller asks for a
+            # next page: a 36-megapixel page held twice was 275 MiB instead of 137.
+            image.close()
+        yield page
 
 
 def image_page(data: bytes, field: str, limits: Limits, budget: PixelBudget, number: int) -> Page:
@@ -355,8 +367,17 @@ class PdfRenderers:
                            "either engine argument", workers, memory_mb, limit // 2**20)  # fmt: skip
 
     async def pages(
-        self, data: bytes, index: int, field: str, limits: Limits, budget: PixelBudget, only: int | None = None
+        self,
+        data: bytes,
+        index: int,
+        field: str,
+        limits: Limits,
+        budget: PixelBudget,
+        only: int | None = None,
+        run: Callable[..., Awaitable[Any]] = asyncio.to_thread,
     ) -> AsyncIterator[Page]:
+        """The PDF's pages (or page ``only``), rendered by a child process; ``run`` receives them off the event
+        loop (the decode budget's threads: universal_predictors.decode_budget)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         async with self._slots:
@@ -376,7 +397,7 @@ class PdfRenderers:
                     waited_from = loop.time()
                     try:
                         message = await asyncio.wait_for(
-                            asyncio.to_thread(_receive, receiver), max(0.0, time_left) if started else START_TIMEOUT_S
+                            run(_receive, receiver), max(0.0, time_left) if started else START_TIMEOUT_S
                         )
                     except TimeoutError:
                         outcome = f"over pdf_timeout_s ({limits.pdf_timeout_s:g} s)"

@@ -121,7 +121,12 @@ class RapidOcrEngine:
         return list(self._languages)
 
     def recognise(self, job: Job) -> list[Line]:
-        bgr = np.ascontiguousarray(np.asarray(job.image)[:, :, ::-1])
+        import cv2  # imported with RapidOCR by model_files, on the main thread
+
+        # One copy of the page, its channels swapped in place (PP-OCR reads BGR): a 36-megapixel page is 103 MiB
+        # a copy, and a second one was what a page held at its peak beyond this (decode_budget's accounting).
+        bgr = np.array(job.image)
+        cv2.cvtColor(bgr, cv2.COLOR_RGB2BGR, dst=bgr)
         if self.word_boxes:
             # Keyword arguments reset the post-processing settings: pass the configured ones along.
             result, _elapsed = self.ocr(bgr, return_word_box=True, text_score=self.settings["text_score"],

@@ -27,6 +27,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.document.donut import CLASSIFY_PROMPT, EXTRACT_PROMPT, QA_PROMPT
 from universal_predictors.document.family import DocumentModel, Head, PageJob, resolve
 from universal_predictors.document.words import PageWords, from_lines, from_request, normalise
@@ -40,8 +41,10 @@ from universal_predictors.http import (
     unless_disconnected,
     validation_error,
 )
+from universal_predictors.images import open_image
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
 from universal_predictors.ocr.images import (
+    OCR_BYTES_PER_PIXEL,
     Limits,
     Page,
     PdfRenderers,
@@ -94,6 +97,11 @@ class DocumentEngineArgs(BaseModel):
     pdf_timeout_s: float = Field(default=60.0, gt=0)
     pdf_workers: int = Field(default=2, ge=1, le=64)
     max_render_memory_mb: int = Field(default=1024, ge=64, le=1024 * 1024)
+    decode_budget_mb: int = Field(
+        default=1024, ge=16, le=1024 * 1024,
+        description="Memory pages being decoded and read may take across concurrent requests, in MiB (413/503 beyond).",
+    )  # fmt: skip
+    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
     # OCR-free encoder-decoders (Donut): the task prompt of each route and how the decoder generates.
     max_length: int | None = Field(
         default=None, ge=2, description="Decoder tokens at most, the prompt included (default: its positions)."
@@ -250,6 +258,8 @@ class DocumentPredictor(UniversalPredictor):
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
+        self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s,
+                                          largest_bytes=args.max_pixels * OCR_BYTES_PER_PIXEL)  # fmt: skip
         self.max_wait_ms = model.max_wait_ms if args.max_wait_ms is None else args.max_wait_ms
         self.in_flight = 0
         policy = BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=self.max_wait_ms)
@@ -326,20 +336,36 @@ class DocumentPredictor(UniversalPredictor):
                 code="unsupported_route",
             )
 
-    async def _page(self, source: PageInput | None, number: int | None) -> Page:
+    async def _source(self, source: PageInput | None) -> tuple[PageInput, bytes]:
+        """The page's bytes (a PDF or an image) from base64 or the upload, within ``max_image_bytes``."""
         if source is None:
             raise InvalidRequest(
                 "image: send the page as image (a base64 image, or a file uploaded in the form field 'file') or "
                 "document (a base64 PDF, with page)",
                 param="image",
             )
+        decode = decode_document if source.document else decode_image_bytes
+        return source, await asyncio.to_thread(decode, source.value, source.field, self.limits)
+
+    def _decode_cost(self, source: PageInput, data: bytes, number: int | None) -> int:
+        """What reading the page holds, in bytes (:data:`OCR_BYTES_PER_PIXEL` per pixel: the page, the OCR's
+        copies, the model's input): an image's first frame by its header; a PDF page (sized only once
+        rendered) or a later TIFF frame at ``max_pixels``, within the whole budget (they take turns)."""
+        if source.document or (number or 1) > 1:
+            return min(self.limits.max_pixels * OCR_BYTES_PER_PIXEL, self.decode_budget.total)
+        header = open_image(data, source.field, self.limits.max_pixels)
+        try:
+            return header.width * header.height * OCR_BYTES_PER_PIXEL
+        finally:
+            header.close()
+
+    async def _page(self, source: PageInput, data: bytes, number: int | None) -> Page:
         budget = PixelBudget(self.limits)
         if source.document:
-            data = await asyncio.to_thread(decode_document, source.value, source.field, self.limits)
-            pages = [p async for p in self.renderers.pages(data, 0, source.field, self.limits, budget, number or 1)]
+            pages = [p async for p in self.renderers.pages(data, 0, source.field, self.limits, budget, number or 1,
+                                                          run=self.decode_budget.run)]  # fmt: skip
             return pages[0]
-        raw = await asyncio.to_thread(decode_image_bytes, source.value, source.field, self.limits)
-        return await asyncio.to_thread(image_page, raw, source.field, self.limits, budget, number or 1)
+        return await self.decode_budget.run(image_page, data, source.field, self.limits, budget, number or 1)
 
     async def _words(self, body: DocumentRequest, page: Page) -> PageWords | None:
         args: DocumentEngineArgs = self.engine_args
@@ -374,12 +400,18 @@ class DocumentPredictor(UniversalPredictor):
 
     async def _read(self, body: DocumentRequest, source: PageInput | None, head: Head, question: str | None
                     ) -> tuple[Page, PageWords | None, Any, Any]:  # fmt: skip
-        page = await self._page(source, body.page)
-        words = await self._words(body, page)
-        job = PageJob(page.image, words, question, head)
-        if words is not None and not words.words:
-            return page, words, None, None  # nothing to read: no forward pass
-        encoded = await asyncio.to_thread(self.document_model.encode, job)
+        source, data = await self._source(source)
+        cost = await asyncio.to_thread(self._decode_cost, source, data, body.page)
+        # The page's memory is held from its decode until the model has its input (the predictor-wide budget).
+        async with self.decode_budget.reserve(cost, source.field):
+            page = await self._page(source, data, body.page)
+            words = await self._words(body, page)
+            job = PageJob(page.image, words, question, head)
+            if words is not None and not words.words:
+                return page, words, None, None  # nothing to read: no forward pass
+            # The processor works on the full page (its own resize decides what the model sees) on the budget's
+            # threads, where what it frees is reused by the next page (universal_predictors.decode_budget).
+            encoded = await self.decode_budget.run(self.document_model.encode, job)
         output = await self._forward(encoded)
         return page, words, encoded, output
 

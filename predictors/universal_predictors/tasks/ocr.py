@@ -35,6 +35,7 @@ from universal_predictors.http import (
 )
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
 from universal_predictors.ocr.images import (
+    OCR_BYTES_PER_PIXEL,
     Limits,
     Page,
     PdfRenderers,
@@ -46,11 +47,6 @@ from universal_predictors.ocr.images import (
     is_pdf,
 )
 from universal_predictors.ocr.layout import Line, assemble
-
-#: Memory one page's pixel takes while it is decoded and recognised, in bytes: RGB, RapidOCR's resized copies
-#: and ONNX Runtime's buffers. From 16 concurrent 6300x6300 pages taking 4,235 MB above idle (about 7 B/pixel),
-#: rounded up.
-OCR_BYTES_PER_PIXEL = 8
 
 
 def _codes(value: str) -> list[str]:
@@ -258,7 +254,8 @@ class OcrPredictor(UniversalPredictor):
         self.ocr = engine
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
-        self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s)
+        self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s,
+                                          largest_bytes=2 * args.max_pixels * OCR_BYTES_PER_PIXEL)  # fmt: skip
         self.batcher: MicroBatcher[Job, list[Line]] = MicroBatcher(
             engine.recognise_batch,
             model_name=self.name,
@@ -315,7 +312,8 @@ class OcrPredictor(UniversalPredictor):
         if document:
             if value_bytes is None:
                 value_bytes = await asyncio.to_thread(decode_document, value, field, self.limits)
-            async for page in self.renderers.pages(value_bytes, index, field, self.limits, budget):
+            async for page in self.renderers.pages(value_bytes, index, field, self.limits, budget,
+                                                   run=self.decode_budget.run):  # fmt: skip
                 yield page
             return
         data = (
@@ -324,7 +322,7 @@ class OcrPredictor(UniversalPredictor):
             else await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
         )
         frames = await asyncio.to_thread(image_pages, data, index, field, self.limits, budget)
-        async for page in _in_thread(frames):
+        async for page in self._decoded(frames):
             yield page
 
     async def _read_pages(self, sources: list[AsyncGenerator[Page, None]], languages: tuple[str, ...]
@@ -358,6 +356,11 @@ class OcrPredictor(UniversalPredictor):
             for source in sources:
                 await source.aclose()
         return out
+
+    async def _decoded(self, pages: Iterator[Page]) -> AsyncGenerator[Page, None]:
+        """Iterate a blocking page iterator (decoding) on the decode budget's threads, one page at a time."""
+        while (page := await self.decode_budget.run(next, pages, None)) is not None:
+            yield page
 
     def _decode_cost(self, budget: PixelBudget, *, pdf: bool) -> int:
         """What a request holds at once while its pages are read, in bytes: at most a window (about
@@ -410,7 +413,7 @@ class OcrPredictor(UniversalPredictor):
             for index, (field, value) in enumerate(body.images or []):
                 raw = await asyncio.to_thread(decode_image_bytes, value, field, self.limits)
                 frames = await asyncio.to_thread(image_pages, raw, index, field, self.limits, budget)
-                sources.append(_in_thread(frames))
+                sources.append(self._decoded(frames))
         field = body.document[0] if body.document is not None else "images"
         async with self.decode_budget.reserve(self._decode_cost(budget, pdf=body.document is not None), field):
             read = await self._read_pages(sources, languages)
@@ -465,9 +468,3 @@ class OcrPredictor(UniversalPredictor):
             return await unless_disconnected(request, self.ocr_request(inputs))
 
         router.add_api_route("/v1/ocr", ocr, methods=["POST"])
-
-
-async def _in_thread(pages: Iterator[Page]) -> AsyncGenerator[Page, None]:
-    """Iterate a blocking page iterator (decoding) on worker threads, one page at a time."""
-    while (page := await asyncio.to_thread(next, pages, None)) is not None:
-        yield page
