@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tests.predictors.harness import OFFLINE_ENV, free_port, running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 WORDS = [
     "the",

@@ -60,7 +60,8 @@ from universal_gateway.local import LocalSupervisor  # noqa: E402
 from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_gateway.server import Request, Response  # noqa: E402
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, UpstreamPool  # noqa: E402
-from universal_predictors.config import PredictorConfig, Task, resolve_source  # noqa: E402
+from universal_predictors.catalog import Task  # noqa: E402
+from universal_predictors.config import PredictorConfig, resolve_source  # noqa: E402
 from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
 MODEL = "bench-embed"

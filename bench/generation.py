@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama
 from tests.predictors.harness import running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 BENCH_SHAPE = LlamaShape(hidden=512, heads=8, kv_heads=8, layers=8, intermediate=1408, vocab_size=2000, context=1024)
 

@@ -29,7 +29,8 @@ from bench.llama_server import build_llama_server
 
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama, write_gguf
 from tests.predictors.harness import free_port, running_predictor, stop
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 ROUNDS = 2
 SLOTS = 8

@@ -22,7 +22,8 @@ from typing import Any
 from bench.anchors import wait_for_openai_server
 
 from tests.predictors.harness import OFFLINE_ENV, free_port, running_predictor, stop
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 ROUNDS = 2
 ENGINE_ARGS = {"max_model_len": "1024", "enforce_eager": "true", "kv_cache_memory_bytes": "1G"}

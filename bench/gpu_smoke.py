@@ -42,7 +42,8 @@ from bench.generation import measure, prompt_of
 
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama, write_gguf
 from tests.predictors.harness import running_predictor
-from universal_predictors.config import GPUS_ENV, Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import GPUS_ENV, PredictorConfig
 
 #: A ~150M-parameter Llama for the GPU: big enough that the GPU, not Python, sets the pace.
 GPU_SHAPE = LlamaShape(hidden=1024, heads=16, kv_heads=4, layers=12, intermediate=2816, vocab_size=2000, context=4096)

@@ -54,7 +54,8 @@ from PIL import Image  # noqa: E402
 
 from tests.predictors import ocr_samples as samples  # noqa: E402
 from tests.predictors.harness import running_predictor  # noqa: E402
-from universal_predictors.config import Backend, PredictorConfig, Task  # noqa: E402
+from universal_predictors.catalog import Backend, Task  # noqa: E402
+from universal_predictors.config import PredictorConfig  # noqa: E402
 
 EXTRACT_PROMPT = "<s_cord-v2>"
 

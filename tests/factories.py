@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration, parse_model
-from universal_predictors.config import (
-    FILE_PATTERN_BACKENDS,
-    FILE_PATTERN_TASKS,
-    TASK_BACKENDS,
-    Backend,
-    Task,
-)
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import FILE_PATTERN_BACKENDS, FILE_PATTERN_TASKS, TASK_BACKENDS
 
 #: An operator configuration with two hardware profiles, as a deployer would write it, for a cluster whose
 #: Knative admits what the profiles set (and downward-API env).

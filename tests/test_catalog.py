@@ -117,7 +117,14 @@ def test_the_readme_task_table_lists_every_task_as_the_catalog_has_it() -> None:
 
 
 def _entry(name: str, path: str = "translate", **fields: object) -> TaskEntry:
-    route = Route(method="POST", path=path, upstream=f"/v1/{path}", operation=path.replace("/", "_"), summary="x")
+    route = Route(
+        method="POST",
+        path=path,
+        upstream=f"/v1/{path}",
+        operation=path.replace("/", "_"),
+        summary="x",
+        handler="answer",
+    )
     values: dict[str, object] = {
         "name": name, "summary": "x", "backends": (Backend.TRANSFORMERS,), "extra": "transformers",
         "predictor": "somewhere:Predictor", "routes": (route,), **fields,
@@ -150,4 +157,17 @@ def test_auto_as_a_listed_backend_is_refused() -> None:
 )
 def test_a_route_whose_parts_disagree_is_refused(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        Route.model_validate({"operation": "op", "summary": "x", **fields})
+        Route.model_validate({"operation": "op", "summary": "x", "handler": "op", **fields})
+
+
+def test_the_docs_task_table_lists_every_task_as_the_catalog_has_it() -> None:
+    """docs/README.md's table: each task in catalog order, its backends, and its page (which exists)."""
+    text = (ROOT / "docs" / "README.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")]
+    assert [_codes(row[0])[0] for row in rows] == CATALOG.names
+    for entry, (_, backends, page) in zip(CATALOG.tasks, rows, strict=True):
+        # The document row adds the OCR engines its words come from, after the backends.
+        assert _codes(backends)[: len(entry.backends)] == [b.value for b in entry.backends], entry.name
+        link = re.fullmatch(r"\[[^]]+\]\((tasks/[a-z]+\.md)\)", page)
+        assert link is not None, (entry.name, page)
+        assert (ROOT / "docs" / link.group(1)).is_file(), entry.name

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Folders whose markdown is not the project's: virtualenvs, caches, vendored sources.

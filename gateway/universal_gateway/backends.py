@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 
 class ModelState(StrEnum):

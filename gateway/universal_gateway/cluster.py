@@ -52,7 +52,7 @@ from universal_operator.spec import (
     parse_model,
 )
 from universal_predictors import metric_names
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 from universal_predictors.errors import Unavailable
 
 logger = logging.getLogger(__name__)

@@ -34,13 +34,13 @@ from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
 from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool
 from universal_operator.predictor import possible_backends, predictor_config, resolved_backend
+from universal_predictors.catalog import Backend
 from universal_predictors.config import (
     GPUS_ENV,
     PARENT_PID_ENV,
     PREDICTOR_MODULE,
     STANDBY_FLAG,
     UPSTREAM_TOKEN_ENV,
-    Backend,
     PredictorConfig,
     resolve_backend,
     resolve_source,

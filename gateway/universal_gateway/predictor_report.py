@@ -30,7 +30,8 @@ from lightkube.types import PatchType
 
 from universal_operator.kube import UniversalModelResource
 from universal_operator.spec import Phase, UniversalModel
-from universal_predictors.config import UPSTREAM_TOKEN_HEADER, Backend
+from universal_predictors.catalog import Backend
+from universal_predictors.config import UPSTREAM_TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
 

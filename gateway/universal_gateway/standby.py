@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_READY_LINE, Backend
+from universal_predictors.catalog import Backend
+from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_READY_LINE
 
 logger = logging.getLogger(__name__)
 

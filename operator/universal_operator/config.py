@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from universal_predictors.config import Backend, EngineArgValue
+from universal_predictors.catalog import Backend
+from universal_predictors.config import EngineArgValue
 
 CONFIG_ENV = "UNIVERSAL_RUNTIME_OPERATOR_CONFIG"
 DEFAULT_CPU_IMAGE = "ghcr.io/universal-runtime/predictor-cpu:0.1.0"

@@ -10,12 +10,12 @@ from __future__ import annotations
 from universal_operator import kserve
 from universal_operator.config import OperatorConfig, Profile
 from universal_operator.spec import ScalingMode, UniversalModel
+from universal_predictors.catalog import Backend
 from universal_predictors.config import (
     DEFAULT_HTTP_PORT,
     MODEL_MOUNT_PATH,
     STATE_MOUNT_PATH,
     TASK_BACKENDS,
-    Backend,
     PredictorConfig,
     render_engine_arg,
     resolve_backend,

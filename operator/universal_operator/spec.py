@@ -26,14 +26,12 @@ from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
 from universal_operator.warm import WarmWindow
-from universal_predictors.catalog import CATALOG, Catalog
+from universal_predictors.catalog import CATALOG, Backend, Catalog, Task
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,
     TASK_BACKENDS,
-    Backend,
     EngineArgValue,
-    Task,
     backend_allowed,
 )
 

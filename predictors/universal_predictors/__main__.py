@@ -15,14 +15,8 @@ import time
 from collections.abc import Sequence
 
 from universal_predictors import standby, wake_phases
-from universal_predictors.config import (
-    PARENT_PID_ENV,
-    STANDBY_FLAG,
-    Backend,
-    PredictorConfig,
-    resolve_backend,
-    resolve_source,
-)
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PARENT_PID_ENV, STANDBY_FLAG, PredictorConfig, resolve_backend, resolve_source
 
 PROG = "universal_predictors"
 #: KServe's signal that the model may appear only after the predictor starts: its pod webhook sets

@@ -1,8 +1,9 @@
 """The base of every predictor: one model per process, served by KServe's ModelServer.
 
 A task subclasses :class:`UniversalPredictor`: ``load()`` (blocking, runs in a thread while the
-server already answers 503 "loading"), ``add_routes()`` for its OpenAI/task routes, ``infer()`` for
-KServe's v1/v2 protocols, ``unload()`` to give memory back. Engine arguments are a pydantic model per
+server already answers 503 "loading"), a method per route its catalog entry names (bound by
+:mod:`universal_predictors.binding`), ``infer()`` for KServe's v1/v2 protocols, ``unload()`` to give
+memory back. Engine arguments are a pydantic model per
 predictor: an unknown key stops the process at start-up with one line naming it.
 """
 
@@ -26,10 +27,11 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 from pydantic import BaseModel, ValidationError
 
 from universal_predictors import metrics, wake_phases
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import CATALOG, Backend, Catalog, Route, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
-from universal_predictors.http import endpoint, error_response
+from universal_predictors.http import DEFAULT_MAX_BODY_BYTES, endpoint, error_response, parse_json
 
 logger = logging.getLogger("universal_predictors")
 
@@ -83,8 +85,33 @@ class UniversalPredictor(kserve.Model):
     def unload(self) -> None:
         """Drop the model and give its memory back."""
 
-    def add_routes(self, router: APIRouter) -> None:
-        """Register the task's routes (OpenAI and task-specific) on ``router``."""
+    def add_routes(self, router: APIRouter, catalog: Catalog = CATALOG) -> None:
+        """Bind the task's routes, as its catalog entry lists them, to this predictor's methods."""
+        from universal_predictors.binding import bind_routes
+
+        [entry] = [entry for entry in catalog.tasks if entry.name == self.task.value]
+        bind_routes(self, router, entry.routes)
+
+    #: Whether a client that leaves cancels its request's work (decoding, a PDF render, queued pages).
+    stop_on_disconnect: ClassVar[bool] = False
+
+    async def read_request(self, route: Route, request: Request) -> tuple[str | None, Any]:
+        """A POST route's body: the model it names and what the route's method takes. By default the
+        route's request model, read from JSON within :meth:`max_body_bytes` (400/413 naming the field)."""
+        from universal_predictors.binding import request_model
+
+        assert route.request is not None
+        body: Any = await parse_json(request, request_model(route.request), self.max_body_bytes(route),
+                                     self.precheck(route))  # fmt: skip
+        return body.model, body
+
+    def max_body_bytes(self, route: Route) -> int:
+        """The largest body ``route`` reads (413 beyond)."""
+        return DEFAULT_MAX_BODY_BYTES
+
+    def precheck(self, route: Route) -> Callable[[dict[str, Any]], None] | None:
+        """What sees ``route``'s parsed JSON before its model validates it (counts and sizes), if anything."""
+        return None
 
     async def infer(self, instances: list[Any]) -> list[Any]:
         """KServe v1/v2: a list of inputs (strings or JSON values) to a list of outputs."""

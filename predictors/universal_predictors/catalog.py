@@ -73,7 +73,15 @@ class Route(BaseModel):
         description="Under the gateway's /v1 and /openai/v1 (no leading slash); {param} is one path segment.",
     )
     upstream: str = Field(pattern=r"^/", description="The predictor's path, with the same {params}.")
-    operation: str = Field(pattern=r"^[a-z][a-z0-9_]*$", description="The OpenAPI operationId.")
+    aliases: tuple[str, ...] = Field(default=(), description="More predictor paths answering the same way.")
+    operation: str = Field(
+        pattern=r"^[a-z][a-z0-9_]*$", description="The OpenAPI operationId; the predictor's metrics label."
+    )
+    handler: str = Field(
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="The predictor method that answers (universal_predictors.binding): (body, request) for a POST, "
+        "(path params, request) for GET and DELETE.",
+    )
     summary: str = Field(min_length=1)
     model_from: tuple[ModelFrom, ...] = (ModelFrom.JSON,)
     request: str | None = Field(
@@ -156,11 +164,20 @@ class Catalog(BaseModel):
         return Catalog(tasks=(*self.tasks, entry))
 
 
-def _post(path: str, upstream: str, summary: str, request: str, *forms: ModelFrom) -> Route:
+def _post(
+    path: str, upstream: str, summary: str, request: str, *forms: ModelFrom, handler: str, aliases: tuple[str, ...] = ()
+) -> Route:
     return Route(
-        method="POST", path=path, upstream=upstream, operation=path.replace("/", "_"), summary=summary,
-        model_from=(ModelFrom.JSON, *forms), request=request,
-    )  # fmt: skip
+        method="POST",
+        path=path,
+        upstream=upstream,
+        operation=path.replace("/", "_"),
+        summary=summary,
+        model_from=(ModelFrom.JSON, *forms),
+        request=request,
+        handler=handler,
+        aliases=aliases,
+    )
 
 
 _TASKS = "universal_predictors.tasks"
@@ -183,12 +200,14 @@ CATALOG = Catalog(
                     "/openai/v1/chat/completions",
                     "OpenAI chat completions",
                     "universal_predictors.generation.protocol:ChatCompletionRequest",
+                    handler="chat_completions",
                 ),
                 _post(
                     "completions",
                     "/openai/v1/completions",
                     "OpenAI completions",
                     "universal_predictors.generation.protocol:CompletionRequest",
+                    handler="completions",
                 ),
             ),
         ),
@@ -202,7 +221,13 @@ CATALOG = Catalog(
             predictor=f"{_TASKS}.embed:EmbedPredictor",
             file_pattern=True,
             routes=(
-                _post("embeddings", "/openai/v1/embeddings", "OpenAI embeddings", f"{_TASKS}.embed:EmbeddingRequest"),
+                _post(
+                    "embeddings",
+                    "/openai/v1/embeddings",
+                    "OpenAI embeddings",
+                    f"{_TASKS}.embed:EmbeddingRequest",
+                    handler="embeddings",
+                ),
             ),
         ),
         TaskEntry(
@@ -211,7 +236,17 @@ CATALOG = Catalog(
             backends=(Backend.TRANSFORMERS,),
             extra="transformers",
             predictor=f"{_TASKS}.rerank:RerankPredictor",
-            routes=(_post("rerank", "/openai/v1/rerank", "Rerank documents", f"{_TASKS}.rerank:RerankRequest"),),
+            # /v1/rerank too: the path Cohere's and Jina's clients call a predictor on directly.
+            routes=(
+                _post(
+                    "rerank",
+                    "/openai/v1/rerank",
+                    "Rerank documents",
+                    f"{_TASKS}.rerank:RerankRequest",
+                    handler="rerank_request",
+                    aliases=("/v1/rerank",),
+                ),
+            ),
         ),
         TaskEntry(
             name=Task.CLASSIFY,
@@ -219,7 +254,15 @@ CATALOG = Catalog(
             backends=(Backend.TRANSFORMERS,),
             extra="transformers",
             predictor=f"{_TASKS}.classify:ClassifyPredictor",
-            routes=(_post("classify", "/v1/classify", "Classify texts", f"{_TASKS}.classify:ClassifyRequest"),),
+            routes=(
+                _post(
+                    "classify",
+                    "/v1/classify",
+                    "Classify texts",
+                    f"{_TASKS}.classify:ClassifyRequest",
+                    handler="classify_request",
+                ),
+            ),
         ),
         TaskEntry(
             name=Task.NER,
@@ -227,7 +270,7 @@ CATALOG = Catalog(
             backends=(Backend.TRANSFORMERS,),
             extra="transformers",
             predictor=f"{_TASKS}.ner:NerPredictor",
-            routes=(_post("ner", "/v1/ner", "Tag named entities", f"{_TASKS}.ner:NerRequest"),),
+            routes=(_post("ner", "/v1/ner", "Tag named entities", f"{_TASKS}.ner:NerRequest", handler="ner_request"),),
         ),
         TaskEntry(
             name=Task.OCR,
@@ -236,7 +279,14 @@ CATALOG = Catalog(
             extra="ocr",
             predictor=f"{_TASKS}.ocr:OcrPredictor",
             routes=(
-                _post("ocr", "/v1/ocr", "Read text in images and PDFs", f"{_TASKS}.ocr:OcrRequest", ModelFrom.FORM),
+                _post(
+                    "ocr",
+                    "/v1/ocr",
+                    "Read text in images and PDFs",
+                    f"{_TASKS}.ocr:OcrRequest",
+                    ModelFrom.FORM,
+                    handler="ocr_request",
+                ),
             ),
         ),
         # Documents are read with the OCR engines (rapidocr or tesseract, an engine arg) when the model needs words.
@@ -253,6 +303,7 @@ CATALOG = Catalog(
                     "Answer a question about a page",
                     f"{_TASKS}.document:DocumentQARequest",
                     ModelFrom.FORM,
+                    handler="answer",
                 ),
                 _post(
                     "document/extract",
@@ -260,6 +311,7 @@ CATALOG = Catalog(
                     "Extract fields from a page",
                     f"{_TASKS}.document:DocumentExtractRequest",
                     ModelFrom.FORM,
+                    handler="extract",
                 ),
                 _post(
                     "document/classify",
@@ -267,6 +319,7 @@ CATALOG = Catalog(
                     "Classify a page",
                     f"{_TASKS}.document:DocumentClassifyRequest",
                     ModelFrom.FORM,
+                    handler="classify",
                 ),
             ),
         ),
@@ -277,14 +330,33 @@ CATALOG = Catalog(
             extra="anomaly",
             predictor=f"{_TASKS}.anomaly:AnomalyPredictor",
             routes=(
-                _post("anomaly/fit", "/v1/anomaly/fit", "Fit a named detector", f"{_TASKS}.anomaly:FitRequest"),
-                _post("anomaly/score", "/v1/anomaly/score", "Score rows", f"{_TASKS}.anomaly:ScoreRequest"),
-                _post("anomaly/detect", "/v1/anomaly/detect", "Flag anomalous rows", f"{_TASKS}.anomaly:DetectRequest"),
+                _post(
+                    "anomaly/fit",
+                    "/v1/anomaly/fit",
+                    "Fit a named detector",
+                    f"{_TASKS}.anomaly:FitRequest",
+                    handler="fit_request",
+                ),
+                _post(
+                    "anomaly/score",
+                    "/v1/anomaly/score",
+                    "Score rows",
+                    f"{_TASKS}.anomaly:ScoreRequest",
+                    handler="score_request",
+                ),
+                _post(
+                    "anomaly/detect",
+                    "/v1/anomaly/detect",
+                    "Flag anomalous rows",
+                    f"{_TASKS}.anomaly:DetectRequest",
+                    handler="detect_request",
+                ),
                 Route(
                     method="GET",
                     path="anomaly/detectors",
                     upstream="/v1/anomaly/detectors",
                     operation="list_anomaly_detectors",
+                    handler="list_detectors",
                     summary="List the fitted detectors",
                     model_from=(ModelFrom.QUERY,),
                 ),
@@ -293,6 +365,7 @@ CATALOG = Catalog(
                     path="anomaly/detectors/{name}",
                     upstream="/v1/anomaly/detectors/{name}",
                     operation="get_anomaly_detector",
+                    handler="get_detector",
                     summary="One fitted detector",
                     model_from=(ModelFrom.QUERY,),
                 ),
@@ -301,6 +374,7 @@ CATALOG = Catalog(
                     path="anomaly/detectors/{name}",
                     upstream="/v1/anomaly/detectors/{name}",
                     operation="delete_anomaly_detector",
+                    handler="delete_detector_route",
                     summary="Delete a fitted detector",
                     model_from=(ModelFrom.QUERY,),
                 ),

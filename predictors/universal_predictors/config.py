@@ -16,11 +16,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# Task, Backend and TASK_BACKENDS are the catalog's, importable from here as they always were.
-from universal_predictors.catalog import CATALOG
+# TASK_BACKENDS is the catalog's, importable from here as it always was.
+from universal_predictors.catalog import CATALOG, Backend, Task
 from universal_predictors.catalog import TASK_BACKENDS as TASK_BACKENDS
-from universal_predictors.catalog import Backend as Backend
-from universal_predictors.catalog import Task as Task
 
 #: Where KServe's storage initializer puts a remote model inside the predictor container.
 MODEL_MOUNT_PATH = "/mnt/models"

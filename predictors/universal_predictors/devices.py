@@ -6,7 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from universal_predictors.config import GPUS_ENV, Backend
+from universal_predictors.catalog import Backend
+from universal_predictors.config import GPUS_ENV
 
 
 def detect_device(requested: str | None = None) -> str:

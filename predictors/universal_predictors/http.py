@@ -250,15 +250,16 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
-    """``work``'s JSON answer, or, when the client leaves first, ``work`` cancelled (its decoding, a PDF
+async def unless_disconnected(request: Request, work: Awaitable[Response | dict[str, Any]]) -> Response:
+    """``work``'s answer (a dict as JSON), or, when the client leaves first, ``work`` cancelled (its decoding, a PDF
     render process, its pages still queued for a batch) and a 499 that nobody reads (for logs and metrics)."""
     job = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(until_disconnect(request))
     try:
         await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
         if job.done():
-            return JSONResponse(job.result())
+            answer = job.result()
+            return answer if isinstance(answer, Response) else JSONResponse(answer)
         return Response(status_code=CLIENT_CLOSED)
     finally:
         for task in (job, gone):

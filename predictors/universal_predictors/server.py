@@ -20,6 +20,7 @@ from kserve import model_server
 
 from universal_predictors.allocator import TrimWhenIdle
 from universal_predictors.base import UniversalPredictor, common_routes
+from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
 from universal_predictors.http import error_response, field_path
@@ -103,10 +104,10 @@ class AnswerHead:
         await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
-def install_routes(app: FastAPI, predictor: UniversalPredictor) -> None:
-    """Put the predictor's routes ahead of KServe's (Starlette matches in order)."""
+def install_routes(app: FastAPI, predictor: UniversalPredictor, catalog: Catalog = CATALOG) -> None:
+    """Put the predictor's routes (its task's in ``catalog``) ahead of KServe's (Starlette matches in order)."""
     router = common_routes(predictor)
-    predictor.add_routes(router)
+    predictor.add_routes(router, catalog)
     app.include_router(router)
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:

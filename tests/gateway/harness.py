@@ -18,7 +18,7 @@ import httpx
 
 from tests.predictors.harness import OFFLINE_ENV, free_port
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 
 @dataclass

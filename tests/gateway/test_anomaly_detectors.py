@@ -12,7 +12,8 @@ import pytest
 from tests.gateway.harness import OneUpstream
 from tests.predictors.harness import PredictorProcess, running_predictor
 from universal_gateway.app import Gateway
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 MODEL = "anomaly"
 ROWS = [[0.1 * (i % 10), 0.2 * (i % 7)] for i in range(100)]

@@ -28,7 +28,8 @@ from universal_gateway.app import Gateway
 from universal_gateway.backends import ModelState
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_operator.kserve import STOP_ANNOTATION
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
 from universal_simcluster.apiserver.rbac import Grant, RbacEmulator, allows
 

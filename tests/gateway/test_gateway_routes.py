@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from tests.gateway.harness import OneUpstream
 from universal_gateway.app import Gateway
 from universal_gateway.multipart import multipart_model
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 from universal_predictors.errors import InvalidRequest
 
 FIELD = b"Content-Disposition: form-data; "

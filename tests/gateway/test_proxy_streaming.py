@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from tests.conftest import eventually
 from tests.gateway.harness import OneUpstream
 from universal_gateway.app import Gateway
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 MODEL = "stream-model"
 

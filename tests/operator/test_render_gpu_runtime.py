@@ -13,7 +13,8 @@ from tests.factories import CONFIG_YAML, at, load, model, pick, render
 from universal_operator.config import parse_config
 from universal_operator.reconcile.checks import check_servable
 from universal_operator.spec import SpecError
-from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
 from universal_simcluster.admission import Cluster, Denied, admit
 
 GPU_CHAT = """

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 #: The files of all-MiniLM-L6-v2 that make a plain transformers directory (no sentence-transformers files).
 _PLAIN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 MODEL = "anomaly"
 #: A source that does not exist: anomaly detectors are fitted at run time, the source is never read.

@@ -23,7 +23,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_bert import CLASSIFY_LABELS, MULTI_LABELS, build_sequence_classifier
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.tasks.classify import ClassifyPredictor, score_function
 
 TEXTS = [

@@ -23,7 +23,8 @@ from tests.predictors import ocr_samples as samples
 from tests.predictors.fixtures_encoders import metric_value
 from tests.predictors.harness import PredictorProcess, free_port, run_predictor_cli, running_predictor
 from tests.predictors.tiny_layoutlm import FIELD_LABELS, PAGE_LABELS, build_layoutlm
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.document.layoutlm import group_fields
 
 #: The page every test reads: words RapidOCR reads back exactly.

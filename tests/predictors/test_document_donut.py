@@ -23,7 +23,8 @@ from tests.predictors import ocr_samples as samples
 from tests.predictors.donut_reference import DonutReference
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_donut import CLASSES, COMPANIES, TOTALS, build_donut
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.document.donut import (
     QA_PROMPT,
     DonutEngine,

@@ -20,7 +20,8 @@ import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_bert import LIMITS, Family, Head, build_limit_model
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.encoders.limits import TRUNCATE_REMEDY
 
 FAMILIES: tuple[Family, ...] = ("bert", "roberta")

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, free_port, predictor_command, stop, wait_ready
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 
 def start(source: Path, log: Path, **env: str) -> PredictorProcess:

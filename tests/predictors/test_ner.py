@@ -22,7 +22,8 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer, pipelin
 
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_bert import NER_LABELS, build_token_classifier
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 STRATEGIES = ["none", "simple", "first", "average", "max"]
 #: Leading spaces, accents (precomposed and combining), punctuation, tabs, non-ASCII, unknown words.

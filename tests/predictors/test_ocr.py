@@ -22,7 +22,8 @@ from PIL import Image
 
 from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import PredictorProcess, free_port, run_predictor_cli, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 ENGINES = ("rapidocr", "tesseract")
 #: Small limits on the rapidocr predictor so the 413 tests stay cheap.

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import (
     FILE_PATTERN_BACKENDS,
     FILE_PATTERN_TASKS,
     PREDICTOR_MODULE,
     TASK_BACKENDS,
-    Backend,
     PredictorConfig,
-    Task,
     backend_allowed,
     render_engine_arg,
     resolve_backend,

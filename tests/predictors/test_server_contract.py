@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.predictors.harness import PredictorProcess, run_predictor_cli, running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 
 def test_readiness_and_model_list_describe_the_loaded_model(embed_predictor: PredictorProcess) -> None:

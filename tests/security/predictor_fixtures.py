@@ -12,7 +12,8 @@ import pytest
 from tests.predictors.conftest import embed_predictor, minilm_path
 from tests.predictors.generation.conftest import tiny_llama_dir
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 __all__ = ["anomaly_predictor", "chat_predictor", "embed_predictor", "minilm_path", "openai_error", "tiny_llama_dir"]
 

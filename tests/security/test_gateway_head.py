@@ -23,7 +23,7 @@ from tests.gateway.harness import OneUpstream
 from tests.gateway.test_http_server import Client
 from universal_gateway.app import Gateway
 from universal_gateway.limits import GatewayLimits
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 MODEL = "sensors"
 LISTED = {"object": "list", "persistence": False, "data": [{"name": "only"}]}

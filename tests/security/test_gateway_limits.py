@@ -25,7 +25,7 @@ from universal_gateway.app import Gateway
 from universal_gateway.auth import ApiKeys
 from universal_gateway.limits import GatewayLimits
 from universal_gateway.server import HttpServer
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 KEY = "sk-test-key"
 MODEL = "embedder"

@@ -16,7 +16,7 @@ import pytest
 from universal_gateway.app import Gateway
 from universal_gateway.auth import ApiKeys
 from universal_gateway.backends import Backends, ModelState, ModelView
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 
 ADMIN = "sk-admin"
 LIMITED = "sk-limited"

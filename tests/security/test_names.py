@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from tests.operator.test_admission import isvc, refusal
 from universal_predictors.anomaly.store import valid_name
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 
 @pytest.mark.parametrize("name", ["ok\n", "ok\r", "ok\n\n", "\nok"])

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.predictors.harness import running_predictor
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 MAX_DETECTORS = 8
 CONCURRENT_FITS = 12

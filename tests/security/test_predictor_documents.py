@@ -26,7 +26,8 @@ from tests.predictors import ocr_samples as samples
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.security.memory import peak_rise_mb, settled_rss_mb
 from tests.security.predictor_fixtures import openai_error
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.ocr.images import OCR_BYTES_PER_PIXEL
 
 PDF_TIMEOUT_S = 20

@@ -19,7 +19,8 @@ import pytest
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.predictors.tiny_bert import LIMITS, Head, build_limit_model
 from tests.security.predictor_fixtures import openai_error
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import PredictorConfig
 
 LIMIT = LIMITS["bert"]
 #: About 2 MiB of one-token words: 420,000 tokens (1.2 GB to tokenise whole, before the fix).

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER, PredictorConfig, Task
+from universal_predictors.catalog import Task
+from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER, PredictorConfig
 
 TOKEN = "head-test-token"
 

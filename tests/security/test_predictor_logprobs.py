@@ -16,7 +16,8 @@ import pytest
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.security.memory import rss_mb
 from tests.security.predictor_fixtures import openai_error, tiny_llama_dir
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.generation.planning import MAX_LOGPROB_ENTRIES
 
 __all__ = ["tiny_llama_dir"]

@@ -15,7 +15,8 @@ import pytest
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.security.predictor_fixtures import *  # noqa: F403  (the predictor fixtures)
 from tests.security.predictor_fixtures import openai_error
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.generation.constraints import MAX_SCHEMA_BYTES
 from universal_predictors.generation.schema_compiler import MEMORY_MB_ENV
 

@@ -27,7 +27,8 @@ import numpy as np
 from pydantic import Field
 
 from universal_predictors.batching import BatchPolicy, MicroBatcher
-from universal_predictors.config import Backend, is_gguf
+from universal_predictors.catalog import Backend
+from universal_predictors.config import is_gguf
 from universal_predictors.devices import detect_device, dtype_for, release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.limits import (

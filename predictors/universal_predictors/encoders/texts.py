@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from universal_predictors.batching import BatchPolicy, MicroBatcher
-from universal_predictors.config import Backend
+from universal_predictors.catalog import Backend
 from universal_predictors.devices import release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.base import EncoderPredictor, load_model, load_tokenizer

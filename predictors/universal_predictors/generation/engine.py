@@ -35,7 +35,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel
 
-from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
 from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
@@ -39,9 +38,9 @@ from universal_predictors.anomaly.store import (
     valid_name,
 )
 from universal_predictors.base import UniversalPredictor
-from universal_predictors.config import Backend, Task
+from universal_predictors.catalog import Backend, Route, Task
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
-from universal_predictors.http import field_path, loads_json, parse_json
+from universal_predictors.http import field_path, loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -403,81 +402,48 @@ class AnomalyPredictor(UniversalPredictor):
 
     # -- routes ----------------------------------------------------------------------------------------------
 
-    def add_routes(self, router: APIRouter) -> None:
-        def max_bytes() -> int:
-            return int(self.args.max_body_mb * 2**20)
+    def max_body_bytes(self, route: Route) -> int:
+        return int(self.args.max_body_mb * 2**20)
 
-        @self.route("anomaly_fit")
-        async def fit_route(request: Request) -> Response:
-            body = await parse_json(request, FitRequest, max_bytes())
-            self.check_model(body.model)
-            self.require_ready()
-            return JSONResponse({"model": self.name, **await self.fit_detector(body)})
+    async def fit_request(self, body: FitRequest, request: Request) -> dict[str, Any]:
+        return {"model": self.name, **await self.fit_detector(body)}
 
-        @self.route("anomaly_score")
-        async def score_route(request: Request) -> Response:
-            body = await parse_json(request, ScoreRequest, max_bytes())
-            self.check_model(body.model)
-            self.require_ready()
-            detector = self._get(body.detector)
-            raw, normalized, encoded = await self.score_rows(detector, body.data)
-            data = [
-                {"index": i, "score": _json_float(n), "raw_score": _json_float(r)}
-                for i, (r, n) in enumerate(zip(raw.tolist(), normalized.tolist(), strict=True))
-            ]
-            return JSONResponse(self._result(detector, data, encoded))
+    async def score_request(self, body: ScoreRequest, request: Request) -> dict[str, Any]:
+        detector = self._get(body.detector)
+        raw, normalized, encoded = await self.score_rows(detector, body.data)
+        data = [
+            {"index": i, "score": _json_float(n), "raw_score": _json_float(r)}
+            for i, (r, n) in enumerate(zip(raw.tolist(), normalized.tolist(), strict=True))
+        ]
+        return self._result(detector, data, encoded)
 
-        @self.route("anomaly_detect")
-        async def detect_route(request: Request) -> Response:
-            body = await parse_json(request, DetectRequest, max_bytes())
-            self.check_model(body.model)
-            self.require_ready()
-            detector = self._get(body.detector)
-            raw, normalized, encoded = await self.score_rows(detector, body.data)
-            threshold = detector.threshold if body.threshold is None else body.threshold
-            flags = normalized > threshold
-            data = [
-                {"index": i, "score": _json_float(n), "raw_score": _json_float(r), "is_anomaly": bool(f)}
-                for i, (r, n, f) in enumerate(zip(raw.tolist(), normalized.tolist(), flags.tolist(), strict=True))
-            ]
-            result = self._result(detector, data, encoded)
-            result["threshold"] = threshold
-            result["threshold_source"] = "contamination" if body.threshold is None else "request"
-            result["summary"] = {"rows": len(data), "anomalies": int(flags.sum())}
-            return JSONResponse(result)
+    async def detect_request(self, body: DetectRequest, request: Request) -> dict[str, Any]:
+        detector = self._get(body.detector)
+        raw, normalized, encoded = await self.score_rows(detector, body.data)
+        threshold = detector.threshold if body.threshold is None else body.threshold
+        flags = normalized > threshold
+        data = [
+            {"index": i, "score": _json_float(n), "raw_score": _json_float(r), "is_anomaly": bool(f)}
+            for i, (r, n, f) in enumerate(zip(raw.tolist(), normalized.tolist(), flags.tolist(), strict=True))
+        ]
+        result = self._result(detector, data, encoded)
+        result["threshold"] = threshold
+        result["threshold_source"] = "contamination" if body.threshold is None else "request"
+        result["summary"] = {"rows": len(data), "anomalies": int(flags.sum())}
+        return result
 
-        @self.route("anomaly_detectors")
-        async def list_route(request: Request) -> Response:
-            self.require_ready()
-            listed = [self.detectors[name].summary() for name in sorted(self.detectors)]
-            result: dict[str, Any] = {"object": "list", "persistence": self.store is not None, "data": listed}
-            if self.skipped:  # files in the state directory not loaded at start, and why
-                result["skipped"] = [skipped.as_json() for skipped in self.skipped]
-            return JSONResponse(result)
+    async def list_detectors(self, params: dict[str, str], request: Request) -> dict[str, Any]:
+        listed = [self.detectors[name].summary() for name in sorted(self.detectors)]
+        result: dict[str, Any] = {"object": "list", "persistence": self.store is not None, "data": listed}
+        if self.skipped:  # files in the state directory not loaded at start, and why
+            result["skipped"] = [skipped.as_json() for skipped in self.skipped]
+        return result
 
-        def path_name(request: Request) -> str:
-            name = str(request.path_params.get("name", ""))
-            if not valid_name(name):
-                raise InvalidRequest(f"name: {_invalid_name_message(name)}", param="name", code="invalid_value")
-            return name
+    async def get_detector(self, params: dict[str, str], request: Request) -> dict[str, Any]:
+        return self._get(_path_name(params), "name").summary()
 
-        @self.route("anomaly_detector")
-        async def get_route(request: Request) -> Response:
-            self.require_ready()
-            return JSONResponse(self._get(path_name(request), "name").summary())
-
-        @self.route("anomaly_delete")
-        async def delete_route(request: Request) -> Response:
-            self.require_ready()
-            return JSONResponse(await self.delete_detector(path_name(request)))
-
-        router.add_api_route("/v1/anomaly/fit", fit_route, methods=["POST"])
-        router.add_api_route("/v1/anomaly/score", score_route, methods=["POST"])
-        router.add_api_route("/v1/anomaly/detect", detect_route, methods=["POST"])
-        router.add_api_route("/v1/anomaly/detectors", list_route, methods=["GET"])
-        # {name:path} so 'a/b' or an encoded '..%2Fx' reaches the handler and gets a 400, not a bare 404.
-        router.add_api_route("/v1/anomaly/detectors/{name:path}", get_route, methods=["GET"])
-        router.add_api_route("/v1/anomaly/detectors/{name:path}", delete_route, methods=["DELETE"])
+    async def delete_detector_route(self, params: dict[str, str], request: Request) -> dict[str, Any]:
+        return await self.delete_detector(_path_name(params))
 
     def _result(self, detector: FittedDetector, data: list[dict[str, Any]], encoded: Any) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -499,3 +465,11 @@ def _invalid_name_message(name: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "invalid"
+
+
+def _path_name(params: dict[str, str]) -> str:
+    """The detector named in the path; a 400 for a name that is not one (the binder passes ``a/b`` through)."""
+    name = params.get("name", "")
+    if not valid_name(name):
+        raise InvalidRequest(f"name: {_invalid_name_message(name)}", param="name", code="invalid_value")
+    return name

@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 from universal_predictors.encoders.texts import TextsEngineArgs, TextsPredictor, TextsRequest
-from universal_predictors.http import parse_json
 
 ScoreFunction = Literal["softmax", "sigmoid", "none"]
 
@@ -101,15 +100,8 @@ class ClassifyPredictor(TextsPredictor):
         items = await self.encode(self.strings(instances), truncate=False, field="instances")
         return [self.result(logits, None, None) for logits in await self.run(items)]
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("classify")
-        async def classify(request: Request) -> Response:
-            body = await parse_json(request, ClassifyRequest)
-            self.check_model(body.model)
-            self.require_ready()
-            items = await self.encode(body.text_list(), body.truncate)
-            outputs = await self.run(items)
-            entries = [self.result(logits, body.top_k, body.threshold) for logits in outputs]
-            return self.list_response(items, entries, body.truncate)
-
-        router.add_api_route("/v1/classify", classify, methods=["POST"])
+    async def classify_request(self, body: ClassifyRequest, request: Request) -> Response:
+        items = await self.encode(body.text_list(), body.truncate)
+        outputs = await self.run(items)
+        entries = [self.result(logits, body.top_k, body.threshold) for logits in outputs]
+        return self.list_response(items, entries, body.truncate)

@@ -20,13 +20,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import Request
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.binding import request_model
+from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.document.donut import CLASSIFY_PROMPT, EXTRACT_PROMPT, QA_PROMPT
 from universal_predictors.document.family import DocumentModel, Head, PageJob, resolve
@@ -38,7 +39,6 @@ from universal_predictors.http import (
     loads_json,
     parse_form,
     parse_json,
-    unless_disconnected,
     validation_error,
 )
 from universal_predictors.images import open_image
@@ -447,18 +447,24 @@ class DocumentPredictor(UniversalPredictor):
 
     # -- routes --------------------------------------------------------------------------------------------
 
-    async def _body(self, request: Request, model: type[DocumentRequest]) -> tuple[Any, PageInput | None]:
+    # A client that leaves stops its request (the binder's unless_disconnected): its decoding, a PDF render
+    # process, its OCR and its page still queued for a forward pass; a batch already running finishes.
+    stop_on_disconnect = True
+
+    async def read_request(self, route: Route, request: Request) -> tuple[str | None, Any]:
+        """The route's request (JSON, or a ``multipart/form-data`` upload read as the JSON) and its page."""
+        assert route.request is not None
+        model: Any = request_model(route.request)
         limit = self.engine_args.max_body_bytes
         if is_multipart_form(request):
             body, source = form_request(await parse_form(request, limit), model)
         else:
             body = await parse_json(request, model, limit)
             source = json_input(body)
-        self.check_model(body.model)
-        self.require_ready()
-        return body, source
+        return body.model, (body, source)
 
-    async def answer(self, body: DocumentQARequest, source: PageInput | None) -> dict[str, Any]:
+    async def answer(self, read: tuple[DocumentQARequest, PageInput | None], request: Request) -> dict[str, Any]:
+        body, source = read
         self._check_head(Head.QA)
         page, words, encoded, output = await self._run(body, source, Head.QA, body.question)
         out = self._envelope("qa", page, body)
@@ -501,7 +507,9 @@ class DocumentPredictor(UniversalPredictor):
             )
         return {key: by_lower[key.lower()] for key in properties}
 
-    async def extract(self, body: DocumentExtractRequest, source: PageInput | None) -> dict[str, Any]:
+    async def extract(self, read: tuple[DocumentExtractRequest, PageInput | None], request: Request
+                      ) -> dict[str, Any]:  # fmt: skip
+        body, source = read
         self._check_head(Head.EXTRACT)
         wanted = self._wanted(body.fields_schema)  # before any decoding: a wrong key costs nothing
         page, words, encoded, output = await self._run(body, source, Head.EXTRACT)
@@ -532,7 +540,9 @@ class DocumentPredictor(UniversalPredictor):
         out["usage"] = self._usage(words, encoded, output)
         return out
 
-    async def classify(self, body: DocumentClassifyRequest, source: PageInput | None) -> dict[str, Any]:
+    async def classify(self, read: tuple[DocumentClassifyRequest, PageInput | None], request: Request
+                       ) -> dict[str, Any]:  # fmt: skip
+        body, source = read
         self._check_head(Head.CLASSIFY)
         page, words, encoded, output = await self._run(body, source, Head.CLASSIFY)
         if encoded is None:  # a page with no words: the model still sees its pixels
@@ -548,25 +558,3 @@ class DocumentPredictor(UniversalPredictor):
             out["words"] = words.as_json()
         out["usage"] = self._usage(words, encoded, output)
         return out
-
-    def add_routes(self, router: APIRouter) -> None:
-        # A client that leaves stops its request (unless_disconnected): its decoding, a PDF render process,
-        # its OCR and its page still queued for a forward pass; a batch already running finishes.
-        @self.route("document_qa")
-        async def qa(request: Request) -> Response:
-            body, source = await self._body(request, DocumentQARequest)
-            return await unless_disconnected(request, self.answer(body, source))
-
-        @self.route("document_extract")
-        async def extract(request: Request) -> Response:
-            body, source = await self._body(request, DocumentExtractRequest)
-            return await unless_disconnected(request, self.extract(body, source))
-
-        @self.route("document_classify")
-        async def classify(request: Request) -> Response:
-            body, source = await self._body(request, DocumentClassifyRequest)
-            return await unless_disconnected(request, self.classify(body, source))
-
-        router.add_api_route(ROUTES[Head.QA], qa, methods=["POST"])
-        router.add_api_route(ROUTES[Head.EXTRACT], extract, methods=["POST"])
-        router.add_api_route(ROUTES[Head.CLASSIFY], classify, methods=["POST"])

@@ -16,15 +16,14 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from universal_predictors.config import Backend, Task
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.encoders.base import EncoderPredictor
 from universal_predictors.encoders.embedding import EmbeddingService, EmbedEngineArgs, LlamaCppEncoder, open_encoder
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.http import parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -139,36 +138,29 @@ class EmbedPredictor(EncoderPredictor):
         vectors = await self.service.embed_ids(await self.prepare(body))
         return [v.tolist() for v in vectors]
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("embeddings")
-        async def embeddings(request: Request) -> Response:
-            body = await parse_json(request, EmbeddingRequest)
-            self.check_model(body.model)
-            self.require_ready()
-            self.check_dimensions(body.dimensions)
-            sequences = await self.prepare(body)
-            vectors = await self.service.embed_ids(sequences)
-            encoder = self.service.encoder
-            dims = body.dimensions
-            data = []
-            for index, vector in enumerate(vectors):
-                if dims is not None and dims != encoder.dimensions:
-                    vector = truncate_dimensions(vector, dims, encoder.normalized)
-                value: Any = (
-                    base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-                    if body.encoding_format == "base64"
-                    else np.ascontiguousarray(vector, dtype=np.float32)
-                )
-                data.append({"object": "embedding", "index": index, "embedding": value})
-            tokens = sum(len(s) for s in sequences)
-            payload = {
-                "object": "list",
-                "data": data,
-                "model": self.name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-            # orjson writes float32 arrays directly (shortest round-trip form): the standard json module
-            # spent more time on a 16 x 384 response than the model did, holding the GIL meanwhile.
-            return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
-
-        router.add_api_route("/openai/v1/embeddings", embeddings, methods=["POST"])
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        self.check_dimensions(body.dimensions)
+        sequences = await self.prepare(body)
+        vectors = await self.service.embed_ids(sequences)
+        encoder = self.service.encoder
+        dims = body.dimensions
+        data = []
+        for index, vector in enumerate(vectors):
+            if dims is not None and dims != encoder.dimensions:
+                vector = truncate_dimensions(vector, dims, encoder.normalized)
+            value: Any = (
+                base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+                if body.encoding_format == "base64"
+                else np.ascontiguousarray(vector, dtype=np.float32)
+            )
+            data.append({"object": "embedding", "index": index, "embedding": value})
+        tokens = sum(len(s) for s in sequences)
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": self.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        # orjson writes float32 arrays directly (shortest round-trip form): the standard json module
+        # spent more time on a 16 x 384 response than the model did, holding the GIL meanwhile.
+        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")

@@ -10,12 +10,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from universal_predictors.base import StartupError, UniversalPredictor, parse_engine_args
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
@@ -23,7 +24,6 @@ from universal_predictors.generation.images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
 from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named
-from universal_predictors.http import parse_json
 
 
 class _DeferredArgs(BaseModel):
@@ -138,24 +138,14 @@ class GeneratePredictor(UniversalPredictor):
 
         return precheck
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("chat_completions")
-        async def chat_completions(request: Request) -> Response:
-            body = await parse_json(
-                request, ChatCompletionRequest, precheck=self._precheck(self.service.planner.precheck_chat)
-            )
-            self.check_model(body.model)
-            self.require_ready()
-            return await self.service.chat(request, body)
+    def precheck(self, route: Route) -> Callable[[dict[str, Any]], None] | None:
+        planner = self.service.planner
+        return self._precheck(
+            planner.precheck_chat if route.handler == "chat_completions" else planner.precheck_completion
+        )
 
-        @self.route("completions")
-        async def completions(request: Request) -> Response:
-            body = await parse_json(
-                request, CompletionRequest, precheck=self._precheck(self.service.planner.precheck_completion)
-            )
-            self.check_model(body.model)
-            self.require_ready()
-            return await self.service.completions(request, body)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self.service.chat(request, body)
 
-        router.add_api_route("/openai/v1/chat/completions", chat_completions, methods=["POST"])
-        router.add_api_route("/openai/v1/completions", completions, methods=["POST"])
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self.service.completions(request, body)

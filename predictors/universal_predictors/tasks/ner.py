@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from universal_predictors.config import Task
+from universal_predictors.catalog import Task
 from universal_predictors.encoders.texts import Encoded, TextsEngineArgs, TextsPredictor, TextsRequest
-from universal_predictors.http import parse_json
 
 Strategy = Literal["none", "simple", "first", "average", "max"]
 
@@ -178,13 +177,6 @@ class NerPredictor(TextsPredictor):
         _, found = await self.entities(self.strings(instances), None, truncate=False, field="instances")
         return [{"entities": entities} for entities in found]
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("ner")
-        async def ner(request: Request) -> Response:
-            body = await parse_json(request, NerRequest)
-            self.check_model(body.model)
-            self.require_ready()
-            items, found = await self.entities(body.text_list(), body.aggregation_strategy, body.truncate)
-            return self.list_response(items, [{"entities": entities} for entities in found], body.truncate)
-
-        router.add_api_route("/v1/ner", ner, methods=["POST"])
+    async def ner_request(self, body: NerRequest, request: Request) -> Response:
+        items, found = await self.entities(body.text_list(), body.aggregation_strategy, body.truncate)
+        return self.list_response(items, [{"entities": entities} for entities in found], body.truncate)

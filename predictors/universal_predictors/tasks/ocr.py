@@ -16,13 +16,13 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import Request
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.http import (
@@ -30,7 +30,6 @@ from universal_predictors.http import (
     is_multipart_form,
     parse_form,
     parse_json,
-    unless_disconnected,
     validation_error,
 )
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
@@ -385,7 +384,7 @@ class OcrPredictor(UniversalPredictor):
             item["boxes"] = [line.as_json() for line in ordered]
         return item
 
-    async def ocr_request(self, body: OcrInputs) -> dict[str, Any]:
+    async def ocr_request(self, body: OcrInputs, request: Request | None = None) -> dict[str, Any]:
         args: OcrEngineArgs = self.engine_args
         if body.images is None and body.document is None:
             raise InvalidRequest(
@@ -453,18 +452,13 @@ class OcrPredictor(UniversalPredictor):
                 outputs.append({"text": text, "confidence": round(confidence, 4), "pages": items})
         return outputs
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("ocr")
-        async def ocr(request: Request) -> Response:
-            limit = self.engine_args.max_body_bytes
-            if is_multipart_form(request):
-                model, inputs = form_request(await parse_form(request, limit))
-            else:
-                body = await parse_json(request, OcrRequest, limit)
-                model, inputs = body.model, body.inputs()
-            self.check_model(model)
-            self.require_ready()
-            # A client that leaves stops its request: decoding, a PDF render process, queued pages.
-            return await unless_disconnected(request, self.ocr_request(inputs))
+    # A client that leaves stops its request: decoding, a PDF render process, queued pages.
+    stop_on_disconnect = True
 
-        router.add_api_route("/v1/ocr", ocr, methods=["POST"])
+    async def read_request(self, route: Route, request: Request) -> tuple[str | None, OcrInputs]:
+        """JSON (base64 images or a PDF) or a ``multipart/form-data`` upload, to the same inputs."""
+        limit = self.engine_args.max_body_bytes
+        if is_multipart_form(request):
+            return form_request(await parse_form(request, limit))
+        body = await parse_json(request, OcrRequest, limit)
+        return body.model, body.inputs()

@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from universal_predictors.batching import BatchPolicy, MicroBatcher
-from universal_predictors.config import Backend, Task
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.devices import release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.base import EncoderPredictor, load_model, load_tokenizer
@@ -35,7 +34,7 @@ from universal_predictors.encoders.embedding import EmbeddingService, EmbedEngin
 from universal_predictors.encoders.limits import char_limit, context_length_exceeded, input_limit, text_too_long
 from universal_predictors.encoders.padding import pad_batch
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.http import loads_json, parse_json, validation_error
+from universal_predictors.http import loads_json, validation_error
 
 RerankMode = Literal["cross-encoder", "bi-encoder"]
 
@@ -251,13 +250,5 @@ class RerankPredictor(EncoderPredictor):
             out.append((await self.rerank(body))["results"])
         return out
 
-    def add_routes(self, router: APIRouter) -> None:
-        @self.route("rerank")
-        async def rerank(request: Request) -> Response:
-            body = await parse_json(request, RerankRequest)
-            self.check_model(body.model)
-            self.require_ready()
-            return JSONResponse(await self.rerank(body))
-
-        router.add_api_route("/openai/v1/rerank", rerank, methods=["POST"])
-        router.add_api_route("/v1/rerank", rerank, methods=["POST"])
+    async def rerank_request(self, body: RerankRequest, request: Request) -> dict[str, Any]:
+        return await self.rerank(body)

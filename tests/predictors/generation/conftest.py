@@ -13,7 +13,8 @@ import pytest
 from tests.predictors.generation.tiny_llama import build_llama, without_chat_template, write_gguf
 from tests.predictors.generation.tiny_vlm import build_vlm
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import pytest
 
 from tests.predictors.generation.conftest import EngineCase, case_predictor, engine_params, require_engine
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 MODEL = "tiny-llama"
 #: The random model (almost) never ends on its own: every sequence runs to max_tokens.

@@ -65,7 +65,8 @@ torch._C._cuda_getDeviceCount = initialises_cuda
 torch.cuda._lazy_init = initialises_cuda
 torch.cuda.init = initialises_cuda
 
-from universal_predictors.config import PredictorConfig, Task
+from universal_predictors.config import PredictorConfig
+from universal_predictors.catalog import Task
 from universal_predictors.devices import nvml_gpu_count
 from universal_predictors.generation.engines import resolve_backend
 

@@ -21,7 +21,7 @@ from tests.predictors.generation.conftest import EngineCase, case_predictor, eng
 from tests.predictors.generation.tiny_llama import write_gguf
 from tests.predictors.generation.tiny_vlm import data_url, render_image
 from tests.predictors.harness import PredictorProcess
-from universal_predictors.config import Backend
+from universal_predictors.catalog import Backend
 
 ENGINES = [
     EngineCase(Backend.TRANSFORMERS, "transformers"),

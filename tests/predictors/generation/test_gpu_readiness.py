@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.predictors.harness import run_predictor_cli
-from universal_predictors.config import GPUS_ENV, Backend
+from universal_predictors.catalog import Backend
+from universal_predictors.config import GPUS_ENV
 from universal_predictors.devices import allocated_gpus, dtype_for, gpu_unusable_reason, model_dtype
 
 

@@ -22,7 +22,8 @@ pytest.importorskip("llama_cpp", reason="the llamacpp engine needs llama-cpp-pyt
 
 from tests.predictors.generation.tiny_llama import CHAT_TEMPLATE
 from tests.predictors.harness import PredictorProcess, run_predictor_cli, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.generation.engine import (
     Engine,
     GenerationRequest,

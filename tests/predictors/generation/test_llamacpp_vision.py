@@ -25,7 +25,8 @@ pytest.importorskip("llama_cpp", reason="the llamacpp engine needs llama-cpp-pyt
 
 from tests.predictors.generation.tiny_smolvlm import PATCH, SCALE, TILE
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 MODEL = "tiny-smolvlm"
 PROJECTOR = "mmproj-*.gguf"

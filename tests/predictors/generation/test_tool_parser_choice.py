@@ -10,7 +10,8 @@ import pytest
 
 from tests.predictors.generation.tiny_llama import CHAT_TEMPLATE
 from universal_predictors.base import StartupError
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.generation.tools import TOOL_PARSERS, choose_tool_parser
 
 #: The tool parts of the chat templates these families ship (abridged; the markers are theirs).

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 MODEL = "tiny-llama"
 

@@ -18,7 +18,8 @@ import torch
 from fastapi import APIRouter, FastAPI
 from prometheus_client import REGISTRY
 
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation.engine import GenerationRequest, SamplingParams
 from universal_predictors.generation.engines.transformers import (

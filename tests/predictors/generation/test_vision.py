@@ -24,7 +24,7 @@ from tests.predictors.generation.conftest import EngineCase, start_engine
 from tests.predictors.generation.tiny_vlm import Reference, VlmShape, data_url, png_bytes, render_image
 from tests.predictors.harness import PredictorProcess
 from tests.predictors.image_server import ImageServer, image_server
-from universal_predictors.config import Backend
+from universal_predictors.catalog import Backend
 
 MODEL = "tiny-vlm"
 MAX_IMAGES = 3
@@ -300,7 +300,8 @@ def test_the_image_limits_are_the_openai_layers_engine_args_on_every_backend(
 ) -> None:
     """The engines, which reject keys they do not know, never see them; a bad value stops start-up naming it."""
     from universal_predictors.base import StartupError
-    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.catalog import Task
+    from universal_predictors.config import PredictorConfig
     from universal_predictors.tasks.generate import GeneratePredictor
 
     def config(backend: Backend, **engine_args: str) -> PredictorConfig:
@@ -326,7 +327,8 @@ def test_image_rows_share_one_prefill_and_join_a_running_batch_with_their_solo_t
     """The transformers engine itself: three image prompts and a text prompt arrive together (one prefill,
     one vision-tower pass), then an image prompt joins the running batch (a cache merge); every sequence
     gets the tokens it gets alone."""
-    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.catalog import Task
+    from universal_predictors.config import PredictorConfig
     from universal_predictors.generation.engine import GenerationRequest, SamplingParams
     from universal_predictors.generation.engines.transformers import TransformersArgs, TransformersEngine
 

@@ -21,7 +21,7 @@ from tests.predictors.generation.conftest import EngineCase, start_engine
 from tests.predictors.generation.tiny_idefics3 import Idefics3Shape, build_idefics3
 from tests.predictors.generation.tiny_vlm import Reference, data_url, render_image
 from tests.predictors.harness import PredictorProcess
-from universal_predictors.config import Backend
+from universal_predictors.catalog import Backend
 
 MODEL = "tiny-idefics3"
 SHAPE = Idefics3Shape(longest_edge=64)  # 32x32 tiles, up to 2x2 of them plus the global image
@@ -104,7 +104,8 @@ def test_image_rows_of_different_tile_counts_and_a_text_row_share_one_prefill_wi
 ) -> None:
     """The engine itself: a 2x2-tile image, a 2x1-tile image, a two-image prompt and a text prompt arrive
     together (one prefill, their tiles through the vision tower in one pass); each gets its solo tokens."""
-    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.catalog import Task
+    from universal_predictors.config import PredictorConfig
     from universal_predictors.generation.engine import GenerationRequest, SamplingParams
     from universal_predictors.generation.engines.transformers import TransformersArgs, TransformersEngine
 
@@ -144,7 +145,8 @@ def test_a_family_this_engine_cannot_prefill_is_refused_at_load_naming_the_serve
     """Qwen2-VL (3-D rotary positions): the config alone decides, before any weights are read."""
     from transformers import AutoConfig
 
-    from universal_predictors.config import PredictorConfig, Task
+    from universal_predictors.catalog import Task
+    from universal_predictors.config import PredictorConfig
     from universal_predictors.generation.engines.transformers import TransformersArgs, TransformersEngine
 
     AutoConfig.for_model("qwen2_vl").save_pretrained(tmp_path)

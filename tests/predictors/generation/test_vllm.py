@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, predictor_command, running_predictor
-from universal_predictors.config import Backend, PredictorConfig, Task
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
 
 # The vLLM tier's (.ci/vllm.sh, .venv-vllm); deselected in the unit tier. Where vllm is missing, every test fails
 # (tests/tiers.py turns the skip into a failure inside a tier).

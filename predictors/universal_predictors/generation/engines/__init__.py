@@ -7,7 +7,8 @@ import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
-from universal_predictors.config import Backend, PredictorConfig, is_gguf
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig, is_gguf
 
 if TYPE_CHECKING:
     from universal_predictors.generation.engine import Engine

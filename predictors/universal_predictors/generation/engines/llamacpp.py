@@ -51,7 +51,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from universal_predictors import metrics
 from universal_predictors.base import StartupError
-from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
 from universal_predictors.generation import constraints
 from universal_predictors.generation.engine import (
     Engine,

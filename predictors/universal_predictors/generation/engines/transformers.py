@@ -42,7 +42,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from universal_predictors import metrics
-from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import detect_device, model_dtype, release_memory
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints

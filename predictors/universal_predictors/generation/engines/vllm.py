@@ -40,7 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model,
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from universal_predictors import metrics
-from universal_predictors.config import Backend, PredictorConfig
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import release_memory
 from universal_predictors.errors import RequestTooLarge
 from universal_predictors.generation.engine import (
