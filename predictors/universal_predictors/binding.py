@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,8 +31,19 @@ from pydantic import BaseModel
 from universal_predictors.catalog import Route
 from universal_predictors.http import endpoint, unless_disconnected
 
-if TYPE_CHECKING:
-    from universal_predictors.base import UniversalPredictor
+
+class UniversalPredictor(Protocol):
+    """What the binder uses of a predictor (:class:`universal_predictors.base.UniversalPredictor`)."""
+
+    name: str
+    stop_on_disconnect: bool
+
+    async def read_request(self, route: Route, request: Request) -> tuple[str | None, Any]: ...
+
+    def check_model(self, requested: str | None) -> None: ...
+
+    def require_ready(self) -> None: ...
+
 
 Handler = Callable[[Any, Request], Awaitable["Response | dict[str, Any]"]]
 

@@ -280,7 +280,7 @@ def test_concurrent_pages_share_batches_and_each_gets_its_own_answer(
 def test_a_pdf_page_is_read_as_the_reference_reads_that_rendered_page(
     donut_predictor: PredictorProcess, reference: DonutReference
 ) -> None:
-    from universal_predictors.ocr.images import render_pdf_pages
+    from universal_predictors.ocr.pages import render_pdf_pages
     from universal_predictors.tasks.document import DocumentEngineArgs
 
     document = samples.pdf([["Invoice 4821", "ACME Corp"], ["Receipt 77", "Total 48.00"]])

@@ -11,9 +11,9 @@ import pytest
 
 from tests.predictors.generation.tiny_vlm import png_bytes, render_image
 from tests.predictors.image_server import ImageServer, image_server
-from universal_predictors import images
+from universal_predictors import image_inputs
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
-from universal_predictors.images import UrlPolicy, address_refusal, fetch_url
+from universal_predictors.image_inputs import UrlPolicy, address_refusal, fetch_url
 
 FIELD = "messages[0].content[0].image_url"
 
@@ -125,17 +125,17 @@ def test_other_schemes_and_credentials_are_refused() -> None:
 
 def test_downscale_keeps_the_aspect_ratio_within_the_pixels() -> None:
     image = render_image(size=(400, 100))
-    small = images.downscale(image, 4096)
+    small = image_inputs.downscale(image, 4096)
     assert small.width * small.height <= 4096
     assert abs(small.width / small.height - 4.0) < 0.1
-    assert images.downscale(image, None) is image
+    assert image_inputs.downscale(image, None) is image
 
 
 def test_a_large_jpeg_is_decoded_at_a_reduced_scale_when_only_few_pixels_are_wanted() -> None:
     photo = png_bytes(render_image(size=(2000, 1600)), "JPEG")
-    full = images.decode_rgb(photo, FIELD, 10_000_000)
+    full = image_inputs.decode_rgb(photo, FIELD, 10_000_000)
     assert full.size == (2000, 1600)
-    drafted = images.decode_rgb(photo, FIELD, 10_000_000, draft_pixels=4096)
+    drafted = image_inputs.decode_rgb(photo, FIELD, 10_000_000, draft_pixels=4096)
     assert drafted.width * drafted.height >= 4096  # never below what is wanted
     assert drafted.width < 2000  # libjpeg decoded it at 1/2, 1/4 or 1/8
     assert abs(drafted.width / drafted.height - 1.25) < 0.05

@@ -14,7 +14,7 @@ import pytest
 from tests.predictors.generation.tiny_vlm import png_bytes, render_image
 from tests.predictors.image_server import ImageServer, image_server
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.images import UrlPolicy, fetch_url
+from universal_predictors.image_inputs import UrlPolicy, fetch_url
 
 FIELD = "messages[0].content[0].image_url"
 #: The host both servers listen on, allowed; private addresses allowed as an in-cluster store would be.

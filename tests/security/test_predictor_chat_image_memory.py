@@ -20,7 +20,7 @@ from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.security.memory import peak_rise_mb, settled_rss_mb
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PredictorConfig
-from universal_predictors.generation.images import DECODE_BYTES_PER_PIXEL
+from universal_predictors.generation.chat_images import DECODE_BYTES_PER_PIXEL
 
 __all__ = ["tiny_vlm_dir"]
 

@@ -20,7 +20,7 @@ from tests.security.memory import peak_rise_mb, settled_rss_mb
 from tests.security.predictor_fixtures import openai_error
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PredictorConfig
-from universal_predictors.ocr.images import OCR_BYTES_PER_PIXEL
+from universal_predictors.ocr.pages import OCR_BYTES_PER_PIXEL
 
 SIDE = 6000  # 36 megapixels, within the default max_pixels (40,000,000)
 PAGE_MB = SIDE * SIDE * OCR_BYTES_PER_PIXEL // 2**20  # what one page reserves: 549 MiB

@@ -28,7 +28,7 @@ from tests.security.memory import peak_rise_mb, settled_rss_mb
 from tests.security.predictor_fixtures import openai_error
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PredictorConfig
-from universal_predictors.ocr.images import OCR_BYTES_PER_PIXEL
+from universal_predictors.ocr.pages import OCR_BYTES_PER_PIXEL
 
 PDF_TIMEOUT_S = 20
 #: The time-budget tests' render memory: above what the hostile PDF takes at 200 dpi (about 1.6 GB, measured).

@@ -20,7 +20,7 @@ three engines only differ where they really do:
   in :meth:`Engine.multimodal_prompt` into a :class:`MultimodalPrompt` (the prompt ids as it counts them,
   images expanded, and its own processed inputs), which reaches :meth:`Engine.generate` on
   :attr:`GenerationRequest.multimodal`. The OpenAI layer loads and checks the images first
-  (``generation.images``: data URLs, allowed http(s) URLs, the limits).
+  (``generation.chat_images``: data URLs, allowed http(s) URLs, the limits).
 
 Engines are registered in :mod:`.engines` and chosen by ``--backend`` (``auto`` resolves there).
 """

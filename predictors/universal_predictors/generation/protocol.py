@@ -33,7 +33,7 @@ class ImageURL(BaseModel):
     model_config = _IGNORE
 
     #: A ``data:image/...;base64,...`` URL, or an ``http(s)`` URL from a host the engine arg
-    #: ``image_url_hosts`` allows (:mod:`universal_predictors.images`).
+    #: ``image_url_hosts`` allows (:mod:`universal_predictors.image_inputs`).
     url: Annotated[str, Field(min_length=1)]
     #: OpenAI's resolution hint; accepted, and the model's processor decides the resolution.
     detail: Literal["auto", "low", "high"] = "auto"

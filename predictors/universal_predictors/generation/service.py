@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from universal_predictors.errors import InvalidRequest
+from universal_predictors.generation.chat_images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.engine import (
     Engine,
     GenerationRequest,
@@ -27,7 +28,6 @@ from universal_predictors.generation.engine import (
     SamplingParams,
     no_vision,
 )
-from universal_predictors.generation.images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.planning import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Plan,

@@ -17,11 +17,10 @@ and the model on the engine thread, where pages of concurrent requests share for
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
@@ -36,14 +35,21 @@ from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import (
     FormPart,
     is_multipart_form,
-    loads_json,
     parse_form,
     parse_json,
-    validation_error,
 )
-from universal_predictors.images import open_image
+from universal_predictors.image_inputs import open_image
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
-from universal_predictors.ocr.images import (
+from universal_predictors.ocr.inputs import (
+    DOCUMENT_FIELDS,
+    PageInput,
+    SplitLanguages,
+    language_codes,
+    split_form,
+    validated,
+)
+from universal_predictors.ocr.layout import Line
+from universal_predictors.ocr.pages import (
     OCR_BYTES_PER_PIXEL,
     Limits,
     Page,
@@ -52,15 +58,9 @@ from universal_predictors.ocr.images import (
     decode_document,
     decode_image_bytes,
     image_page,
-    is_pdf,
 )
-from universal_predictors.ocr.layout import Line
 
 ROUTES = {head: f"/v1/document/{head.value}" for head in Head}
-
-
-def _codes(value: str) -> list[str]:
-    return [code.strip() for code in value.replace("+", ",").split(",") if code.strip()]
 
 
 class DocumentEngineArgs(BaseModel):
@@ -120,7 +120,7 @@ class DocumentEngineArgs(BaseModel):
                       self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
 
 
-class DocumentRequest(BaseModel):
+class DocumentRequest(SplitLanguages):
     """The page every document route reads; unknown extension fields are ignored."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -139,11 +139,6 @@ class DocumentRequest(BaseModel):
     )
     languages: list[str] | None = Field(default=None, description="OCR languages ('eng', 'en', ...).")
     return_words: bool = Field(default=False, description="Also return every word of the page with its boxes.")
-
-    @field_validator("languages", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return _codes(value) if isinstance(value, str) else value
 
 
 class DocumentQARequest(DocumentRequest):
@@ -168,47 +163,18 @@ class DocumentClassifyRequest(DocumentRequest):
     top_k: int | None = Field(default=None, ge=1, description="How many labels all_scores lists (default all).")
 
 
-@dataclass(frozen=True)
-class PageInput:
-    """Where the page is: ``(field, value)`` of an image or a PDF (base64 text or uploaded bytes)."""
-
-    field: str
-    value: str | bytes
-    document: bool
-
-
 IMAGE_FIELDS = frozenset({"file", "image"})
-DOCUMENT_FIELDS = frozenset({"document", "pdf"})
 _JSON_FIELDS = frozenset({"words", "boxes", "schema"})
 
 
 def form_request(parts: list[FormPart], model: type[DocumentRequest]) -> tuple[DocumentRequest, PageInput | None]:
     """A ``multipart/form-data`` request as the JSON one (same validation and errors), and its uploaded page."""
-    options: dict[str, Any] = {}
-    files: list[FormPart] = []
-    for part in parts:
-        if part.name in IMAGE_FIELDS or part.name in DOCUMENT_FIELDS:
-            files.append(part)
-            continue
-        if part.is_file:
-            known = ", ".join(sorted(IMAGE_FIELDS | DOCUMENT_FIELDS))
-            raise InvalidRequest(f"{part.name}: a document upload sends its page as one of {known}", param=part.name)
-        if part.name in options:
-            raise InvalidRequest(f"{part.name}: the form field is given more than once", param=part.name)
-        text = part.text()
-        options[part.name] = loads_json(text, part.name, part.name) if part.name in _JSON_FIELDS else text
-    try:
-        body = model.model_validate(options)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    options, files = split_form(parts, IMAGE_FIELDS | DOCUMENT_FIELDS, "a document upload sends its page",
+                                json_fields=_JSON_FIELDS)  # fmt: skip
+    body = validated(model, options)
     if len(files) > 1:
         raise InvalidRequest(f"{files[1].name}: send one page (one image or one PDF) per request", param=files[1].name)
-    if not files:
-        return body, None
-    part = files[0]
-    value: str | bytes = part.data if part.is_file else part.text()  # a text part is base64, as in JSON
-    document = part.name in DOCUMENT_FIELDS or (part.is_file and is_pdf(part.data))
-    return body, PageInput(part.name, value, document)
+    return body, PageInput.from_part(files[0]) if files else None
 
 
 def json_input(body: DocumentRequest) -> PageInput | None:
@@ -254,7 +220,9 @@ class DocumentPredictor(UniversalPredictor):
         self.ocr: OcrEngine | None = self._ocr_engine(args) if model.needs_words else None
         self.default_languages: list[str] = self.ocr.languages() if self.ocr is not None else []
         if self.ocr is not None and args.ocr_languages:
-            self.default_languages = list(resolve_languages(_codes(args.ocr_languages), self.ocr.languages(), []))
+            self.default_languages = list(
+                resolve_languages(language_codes(args.ocr_languages), self.ocr.languages(), [])
+            )
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
         self.renderers = PdfRenderers(args.pdf_workers, args.max_render_memory_mb)
@@ -278,7 +246,7 @@ class DocumentPredictor(UniversalPredictor):
         return True
 
     def _ocr_engine(self, args: DocumentEngineArgs) -> OcrEngine:
-        languages = _codes(args.ocr_languages) if args.ocr_languages else None
+        languages = language_codes(args.ocr_languages) if args.ocr_languages else None
         if args.ocr_engine == "tesseract":
             from universal_predictors.ocr.tesseract import TesseractEngine
 

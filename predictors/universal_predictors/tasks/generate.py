@@ -19,8 +19,8 @@ from universal_predictors.catalog import Backend, Route, Task
 from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
+from universal_predictors.generation.chat_images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
-from universal_predictors.generation.images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
 from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
@@ -30,10 +30,18 @@ from universal_predictors.http import (
     is_multipart_form,
     parse_form,
     parse_json,
-    validation_error,
 )
 from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
-from universal_predictors.ocr.images import (
+from universal_predictors.ocr.inputs import (
+    DOCUMENT_FIELDS,
+    PageInput,
+    SplitLanguages,
+    language_codes,
+    split_form,
+    validated,
+)
+from universal_predictors.ocr.layout import Line, assemble
+from universal_predictors.ocr.pages import (
     OCR_BYTES_PER_PIXEL,
     Limits,
     Page,
@@ -45,11 +53,6 @@ from universal_predictors.ocr.images import (
     image_pages,
     is_pdf,
 )
-from universal_predictors.ocr.layout import Line, assemble
-
-
-def _codes(value: str) -> list[str]:
-    return [code.strip() for code in value.replace("+", ",").split(",") if code.strip()]
 
 
 class OcrEngineArgs(BaseModel):
@@ -99,7 +102,7 @@ class OcrEngineArgs(BaseModel):
                       self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
 
 
-class OcrRequest(BaseModel):
+class OcrRequest(SplitLanguages):
     """``POST /v1/ocr``; unknown extension fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
@@ -111,11 +114,6 @@ class OcrRequest(BaseModel):
     )
     languages: list[str] | None = Field(default=None, description="Language codes ('eng', 'en', 'deu', ...).")
     return_boxes: bool = False
-
-    @field_validator("languages", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return _codes(value) if isinstance(value, str) else value
 
     def inputs(self) -> OcrInputs:
         images: list[tuple[str, str | bytes]] | None = None
@@ -136,33 +134,17 @@ class OcrInputs:
     return_boxes: bool = False
 
 
-#: Form file fields that hold images (or the document, when the file is a PDF) and the document.
+#: Form file fields that hold images (or the document, when the file is a PDF); DOCUMENT_FIELDS the document.
 IMAGE_FIELDS = frozenset({"file", "files", "image", "images"})
-DOCUMENT_FIELDS = frozenset({"document", "pdf"})
 #: Form fields validated as the JSON request's; a field given twice keeps a list only for these.
 _LIST_FIELDS = frozenset({"languages"})
 
 
 def form_request(parts: list[FormPart]) -> tuple[str | None, OcrInputs]:
     """The model and inputs of a ``multipart/form-data`` OCR request; a 400 names any field that is wrong."""
-    options: dict[str, Any] = {}
-    files: list[FormPart] = []
-    for part in parts:
-        if part.name in IMAGE_FIELDS or part.name in DOCUMENT_FIELDS:
-            files.append(part)
-        elif part.is_file:
-            known = ", ".join(sorted(IMAGE_FIELDS | DOCUMENT_FIELDS))
-            raise InvalidRequest(f"{part.name}: an OCR upload sends its files as one of {known}", param=part.name)
-        elif part.name in _LIST_FIELDS:
-            options.setdefault(part.name, []).extend(_codes(part.text()))
-        elif part.name in options:
-            raise InvalidRequest(f"{part.name}: the form field is given more than once", param=part.name)
-        else:
-            options[part.name] = part.text()
-    try:  # the same validation, and errors, as the JSON request's fields
-        body = OcrRequest.model_validate(options)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    options, files = split_form(parts, IMAGE_FIELDS | DOCUMENT_FIELDS, "an OCR upload sends its files",
+                                list_fields=_LIST_FIELDS)  # fmt: skip
+    body = validated(OcrRequest, options)
     counts: dict[str, int] = {}
     for part in files:
         counts[part.name] = counts.get(part.name, 0) + 1
@@ -172,12 +154,8 @@ def form_request(parts: list[FormPart]) -> tuple[str | None, OcrInputs]:
     for part in files:
         # Errors name the field as sent: ``file``, or ``images[2]`` when the field is repeated.
         index = seen[part.name] = seen.get(part.name, -1) + 1
-        label = f"{part.name}[{index}]" if counts[part.name] > 1 else part.name
-        value: str | bytes = part.data if part.is_file else part.text()  # a text part is base64, as in JSON
-        if part.name in DOCUMENT_FIELDS or (part.is_file and is_pdf(part.data)):
-            documents.append((label, value))
-        else:
-            images.append((label, value))
+        page = PageInput.from_part(part, f"{part.name}[{index}]" if counts[part.name] > 1 else part.name)
+        (documents if page.document else images).append((page.field, page.value))
     if len(documents) > 1:
         raise InvalidRequest(f"{documents[1][0]}: send one PDF per request", param=documents[1][0])
     if documents and images:
@@ -219,7 +197,7 @@ class OcrPredictor(UniversalPredictor):
         from PIL import Image
 
         args: OcrEngineArgs = self.engine_args
-        languages = _codes(args.languages) if args.languages else None
+        languages = language_codes(args.languages) if args.languages else None
         engine: OcrEngine
         if self.config.backend is Backend.TESSERACT:
             from universal_predictors.ocr.tesseract import TesseractEngine

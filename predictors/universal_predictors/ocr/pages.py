@@ -8,7 +8,7 @@ process (:class:`PdfRenderers`) with a time budget (``pdf_timeout_s``): a small 
 forms a billion times is killed there, instead of pinning a core and PDFium's lock. Every client mistake
 is an :class:`InvalidRequest` (400) and every limit an :class:`RequestTooLarge` (413) naming the field,
 the limit's engine argument and its value. What other image inputs share (base64, opening an image from its header,
-RGB on white) lives in :mod:`universal_predictors.images`.
+RGB on white) lives in :mod:`universal_predictors.image_inputs`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from PIL import Image, ImageOps
 
 from universal_predictors.errors import APIError, InvalidRequest, RequestTooLarge
 from universal_predictors.host import container_memory_limit
-from universal_predictors.images import check_bytes as _shared_check_bytes
-from universal_predictors.images import decode_base64 as decode_base64  # the OCR task imports it from here
-from universal_predictors.images import open_header as _open_header
-from universal_predictors.images import to_rgb as _to_rgb
+from universal_predictors.image_inputs import check_bytes as _shared_check_bytes
+from universal_predictors.image_inputs import decode_base64 as decode_base64  # the OCR task imports it from here
+from universal_predictors.image_inputs import open_header as _open_header
+from universal_predictors.image_inputs import to_rgb as _to_rgb
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ class ImageArgs(BaseModel):
     decode_wait_s: float = Field(default=30.0, gt=0, le=3600)
 
     def url_policy(self) -> Any:
-        from universal_predictors.images import UrlPolicy, parse_hosts
+        from universal_predictors.image_inputs import UrlPolicy, parse_hosts
 
         return UrlPolicy(
             hosts=parse_hosts(self.image_url_hosts),
@@ -105,38 +105,38 @@ def decode_budget(args: ImageArgs) -> DecodeBudget:
 
 
 def _pixels(data: bytes, field: str, limit: int) -> int:
-    from universal_predictors import images
+    from universal_predictors import image_inputs
 
-    image = images.open_image(data, field, limit, "max_image_pixels")
+    image = image_inputs.open_image(data, field, limit, "max_image_pixels")
     return int(image.width * image.height)
 
 
 async def _bytes_of(field: str, part: ImagePart, args: ImageArgs, policy: Any) -> bytes:
-    from universal_predictors import images
+    from universal_predictors import image_inputs
 
     url = part.image_url.url.strip()
     if url[:5].lower() == "data:":
-        if not images.DATA_URL.match(url):
+        if not image_inputs.DATA_URL.match(url):
             raise InvalidRequest(
                 f"{field}: a data: URL must carry base64 image data (data:image/png;base64,...)",
                 param=field,
                 code="invalid_image_url",
             )
-        data = await asyncio.to_thread(images.decode_base64, url, field, args.max_image_bytes)
+        data = await asyncio.to_thread(image_inputs.decode_base64, url, field, args.max_image_bytes)
     elif url[:7].lower() == "http://" or url[:8].lower() == "https://":
-        data = await images.fetch_url(url, field, policy)
+        data = await image_inputs.fetch_url(url, field, policy)
     else:
         raise InvalidRequest(
             f"{field}: must be a data: URL with base64 image data (data:image/png;base64,...) or an http(s) URL",
             param=field,
             code="invalid_image_url",
         )
-    images.check_bytes(data, field, args.max_image_bytes)
+    image_inputs.check_bytes(data, field, args.max_image_bytes)
     return data
 
 
 def _decode(data: bytes, field: str, limit: int, max_pixels: int | None) -> Any:
-    from universal_predictors import images
+    from universal_predictors import image_inputs
 
-    image = images.decode_rgb(data, field, limit, "max_image_pixels", draft_pixels=max_pixels)
-    return images.downscale(image, max_pixels)
+    image = image_inputs.decode_rgb(data, field, limit, "max_image_pixels", draft_pixels=max_pixels)
+    return image_inputs.downscale(image, max_pixels)
