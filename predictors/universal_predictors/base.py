@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from universal_predictors import metrics, wake_phases
 from universal_predictors.catalog import CATALOG, Backend, Catalog, Route, Task
 from universal_predictors.config import PredictorConfig
-from universal_predictors.engine_args import NoEngineArgs
+from universal_predictors.engine_args import NoEngineArgs, flat_key, known_keys
 from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
 from universal_predictors.http import DEFAULT_MAX_BODY_BYTES, endpoint, error_response, parse_json
 
@@ -51,8 +51,8 @@ def parse_engine_args(model: type[BaseModel], raw: dict[str, str], where: str) -
         return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        known = ", ".join(sorted(model.model_fields)) or "none"
+        key = flat_key(model, tuple(first["loc"]))
+        known = ", ".join(known_keys(model)) or "none"
         if first["type"] == "extra_forbidden":
             raise StartupError(f"engine arg {key!r} is not known to {where} (known: {known})") from None
         raise StartupError(f"engine arg {key!r}: {first['msg']} (for {where})") from None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
 
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.ocr.layout import Line
@@ -65,3 +66,21 @@ def resolve_languages(
         if name not in resolved:
             resolved.append(name)
     return tuple(resolved)
+
+
+class OcrOptions(BaseModel):
+    """How the OCR engines read: the ocr task's engine arguments of these names, and the document task's
+    with an ``ocr_`` prefix (``tesseract_cmd`` as it is), nested there as ``ocr``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
+    languages: str | None = None
+    # rapidocr
+    threads: int = Field(default=-1, ge=-1, le=256, description="ONNX Runtime intra-op threads (-1: all cores).")
+    max_side: int = Field(default=2000, ge=256, le=8192, description="Longest side detection works at.")
+    text_score: float = Field(default=0.5, ge=0, le=1, description="Drop lines recognised below this score.")
+    # tesseract
+    psm: int = Field(default=3, ge=0, le=13, description="Tesseract page segmentation mode.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Longest one Tesseract page may take.")
+    tesseract_cmd: str = "tesseract"

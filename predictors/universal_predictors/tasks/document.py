@@ -20,7 +20,7 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
@@ -39,7 +39,7 @@ from universal_predictors.http import (
     parse_json,
 )
 from universal_predictors.image_inputs import open_image
-from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
+from universal_predictors.ocr.engine import Job, OcrEngine, OcrOptions, resolve_languages
 from universal_predictors.ocr.inputs import (
     DOCUMENT_FIELDS,
     PageInput,
@@ -63,10 +63,47 @@ from universal_predictors.ocr.pages import (
 ROUTES = {head: f"/v1/document/{head.value}" for head in Head}
 
 
+class DocumentOcr(OcrOptions):
+    """The document task's OCR: which engine, its models, and how it reads (:class:`OcrOptions`)."""
+
+    engine: Literal["rapidocr", "tesseract"] = "rapidocr"
+    source: str = Field(default="builtin", description="The OCR engine's models (see task ocr's --source).")
+
+
+def _ocr_key(name: str) -> str:
+    """The flat engine-arg key of a :class:`DocumentOcr` field."""
+    return name if name == "tesseract_cmd" else f"ocr_{name}"
+
+
+_OCR_KEYS = {_ocr_key(name): name for name in DocumentOcr.model_fields}
+
+
 class DocumentEngineArgs(BaseModel):
     """Engine arguments of the document predictor (``--engine-arg key=value``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_ocr(cls, raw: Any) -> Any:
+        """``ocr_threads=2`` (and every :data:`_OCR_KEYS` key) into ``ocr``; a bare ``ocr`` key stays unknown."""
+        if not isinstance(raw, dict):
+            return raw
+        flat = {key: value for key, value in raw.items() if key not in _OCR_KEYS and key != "ocr"}
+        nested = {_OCR_KEYS[key]: value for key, value in raw.items() if key in _OCR_KEYS}
+        if "ocr" in raw:
+            flat["ocr "] = raw["ocr"]  # not a key: refused as unknown, named as sent below
+        return {**flat, "ocr": nested} if nested else flat
+
+    @classmethod
+    def flat_key(cls, loc: tuple[int | str, ...]) -> str:
+        if len(loc) >= 2 and loc[0] == "ocr":
+            return _ocr_key(str(loc[1]))
+        return ".".join(str(p).strip() for p in loc)
+
+    @classmethod
+    def flat_keys(cls) -> list[str]:
+        return [key for key in cls.model_fields if key != "ocr"] + list(_OCR_KEYS)
 
     head: Literal["auto", "qa", "extract", "classify"] = Field(
         default="auto", description="The model's head (route); auto: from config.json architectures."
@@ -77,16 +114,9 @@ class DocumentEngineArgs(BaseModel):
     )
     device: str = "auto"
     dtype: str = "auto"
-    # The OCR that gives word models their words: the OCR task's engines.
-    ocr_engine: Literal["rapidocr", "tesseract"] = "rapidocr"
-    ocr_source: str = Field(default="builtin", description="The OCR engine's models (see task ocr's --source).")
-    ocr_languages: str | None = None
-    ocr_threads: int = Field(default=-1, ge=-1, le=256)
-    ocr_max_side: int = Field(default=2000, ge=256, le=8192)
-    ocr_text_score: float = Field(default=0.5, ge=0, le=1)
-    ocr_psm: int = Field(default=3, ge=0, le=13)
-    ocr_timeout_s: float = Field(default=120.0, gt=0)
-    tesseract_cmd: str = "tesseract"
+    # The OCR that gives word models their words: the OCR task's engines, their options given flat
+    # (``ocr_engine``, ``ocr_threads``, ..., ``tesseract_cmd``) and nested here (:meth:`_nest_ocr`).
+    ocr: DocumentOcr = Field(default_factory=lambda: DocumentOcr())
     # Limits, each a 413 (or 400) naming itself.
     max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of the image or PDF.")
@@ -200,14 +230,14 @@ class DocumentPredictor(UniversalPredictor):
         requested = None if args.head == "auto" else Head(args.head)
         self.document_model: DocumentModel = resolve(config.source, requested, args.family_options())
         if self.document_model.needs_words:
-            if args.ocr_engine == "tesseract":
+            if args.ocr.engine == "tesseract":
                 from universal_predictors.ocr.tesseract import check_source
 
-                check_source(args.ocr_source, args.tesseract_cmd)
+                check_source(args.ocr.source, args.ocr.tesseract_cmd)
             else:
                 from universal_predictors.ocr.rapid import model_files
 
-                model_files(args.ocr_source)
+                model_files(args.ocr.source)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -219,9 +249,9 @@ class DocumentPredictor(UniversalPredictor):
         model.load(args.device, args.dtype)
         self.ocr: OcrEngine | None = self._ocr_engine(args) if model.needs_words else None
         self.default_languages: list[str] = self.ocr.languages() if self.ocr is not None else []
-        if self.ocr is not None and args.ocr_languages:
+        if self.ocr is not None and args.ocr.languages:
             self.default_languages = list(
-                resolve_languages(language_codes(args.ocr_languages), self.ocr.languages(), [])
+                resolve_languages(language_codes(args.ocr.languages), self.ocr.languages(), [])
             )
         Image.MAX_IMAGE_PIXELS = args.max_pixels
         self.limits = args.limits()
@@ -246,21 +276,22 @@ class DocumentPredictor(UniversalPredictor):
         return True
 
     def _ocr_engine(self, args: DocumentEngineArgs) -> OcrEngine:
-        languages = language_codes(args.ocr_languages) if args.ocr_languages else None
-        if args.ocr_engine == "tesseract":
+        languages = language_codes(args.ocr.languages) if args.ocr.languages else None
+        if args.ocr.engine == "tesseract":
             from universal_predictors.ocr.tesseract import TesseractEngine
 
-            return TesseractEngine(args.ocr_source, languages=languages, workers=0, psm=args.ocr_psm,
-                                   timeout_s=args.ocr_timeout_s, max_skew=15.0, command=args.tesseract_cmd)  # fmt: skip
+            ocr = args.ocr
+            return TesseractEngine(ocr.source, languages=languages, workers=0, psm=ocr.psm, timeout_s=ocr.timeout_s,
+                                   max_skew=15.0, command=ocr.tesseract_cmd)  # fmt: skip
         from universal_predictors.ocr.rapid import RapidOcrEngine
 
         return RapidOcrEngine(
-            args.ocr_source,
+            args.ocr.source,
             languages=languages,
-            threads=args.ocr_threads,
-            max_side=args.ocr_max_side,
+            threads=args.ocr.threads,
+            max_side=args.ocr.max_side,
             use_angle_cls=True,
-            text_score=args.ocr_text_score,
+            text_score=args.ocr.text_score,
             word_boxes=True,
         )
 

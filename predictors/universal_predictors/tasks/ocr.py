@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
@@ -31,7 +31,7 @@ from universal_predictors.http import (
     parse_form,
     parse_json,
 )
-from universal_predictors.ocr.engine import Job, OcrEngine, resolve_languages
+from universal_predictors.ocr.engine import Job, OcrEngine, OcrOptions, resolve_languages
 from universal_predictors.ocr.inputs import (
     DOCUMENT_FIELDS,
     PageInput,
@@ -55,7 +55,7 @@ from universal_predictors.ocr.pages import (
 )
 
 
-class OcrEngineArgs(BaseModel):
+class OcrEngineArgs(OcrOptions):
     """Engine arguments of the OCR predictor (``--engine-arg key=value``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -83,19 +83,11 @@ class OcrEngineArgs(BaseModel):
         description="Memory decoded pages may take across concurrent requests, in MiB (413/503 beyond).",
     )  # fmt: skip
     decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
-    # Languages: tesseract's default when a request names none; for rapidocr, what custom models read.
-    languages: str | None = None
-    # rapidocr
-    threads: int = Field(default=-1, ge=-1, le=256, description="ONNX Runtime intra-op threads (-1: all cores).")
-    max_side: int = Field(default=2000, ge=256, le=8192, description="Longest side detection works at.")
+    # The engines' reading options (languages, threads, max_side, text_score, psm, timeout_s, tesseract_cmd) are
+    # OcrOptions', shared with the document task; these are the ocr task's own.
     use_angle_cls: bool = True
-    text_score: float = Field(default=0.5, ge=0, le=1, description="Drop lines recognised below this score.")
-    # tesseract
     workers: int = Field(default=0, ge=0, le=64, description="Tesseract processes at once (0: one per core).")
-    psm: int = Field(default=3, ge=0, le=13, description="Tesseract page segmentation mode.")
-    timeout_s: float = Field(default=120.0, gt=0, description="Longest one Tesseract page may take.")
     max_skew: float = Field(default=15.0, ge=0, le=45, description="Deskew search range in degrees (0: off).")
-    tesseract_cmd: str = "tesseract"
 
     def limits(self) -> Limits:
         return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_total_pixels,
