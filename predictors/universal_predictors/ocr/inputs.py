@@ -4,7 +4,8 @@ Both take a page (or pages) as base64 in JSON or as a ``multipart/form-data`` up
 read and validated as the JSON request's fields, with the same errors. What they share lives here: the
 language codes (``languages: "eng+deu"`` or a list), the form split into options and files (an unknown file
 field, or a field given twice, is a 400 naming it), and :class:`PageInput`, one page's source with the field
-it came in. Decoding it within the limits is :mod:`universal_predictors.ocr.pages`'.
+it came in, and :class:`PageLimitArgs`, the engine arguments that bound what the pages may cost. Decoding
+them within those limits is :mod:`universal_predictors.ocr.pages`'.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import FormPart, loads_json, validation_error
-from universal_predictors.ocr.pages import is_pdf
+from universal_predictors.ocr.pages import Limits, is_pdf
 
 #: Form fields that hold a PDF (file or base64 text), in both tasks.
 DOCUMENT_FIELDS = frozenset({"document", "pdf"})
@@ -90,3 +91,33 @@ def validated(model: type[M], options: dict[str, Any]) -> M:
         return model.model_validate(options)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+class PageLimitArgs(BaseModel):
+    """The engine arguments that bound what a request's pages may cost, each a 413 naming itself (the decode
+    budget a 503 while it waits); both page tasks take them, with their own defaults where they differ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024, description="Bytes of the request body.")
+    max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of one image or the PDF.")
+    max_pixels: int = Field(default=40_000_000, ge=10_000, description="Pixels of one image, frame or PDF page.")
+    max_pages: int = Field(default=32, ge=1, description="Pages of one PDF or frames of one TIFF.")
+    pdf_dpi: int = Field(default=200, ge=50, le=600, description="Resolution PDF pages are rendered at.")
+    pdf_timeout_s: float = Field(default=60.0, gt=0, description="Longest a PDF may take to render (a process).")
+    pdf_workers: int = Field(default=2, ge=1, le=64, description="PDF render processes at once.")
+    max_render_memory_mb: int = Field(
+        default=1024, ge=64, le=1024 * 1024, description="Memory one PDF render process may add, in MiB."
+    )
+    decode_budget_mb: int = Field(
+        default=1024, ge=16, le=1024 * 1024,
+        description="Memory pages being decoded and read may take across concurrent requests, in MiB.",
+    )  # fmt: skip
+    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
+
+    def limits(self, max_total_pixels: int | None = None) -> Limits:
+        """The limits one request's pages are read within; ``max_total_pixels`` all its pages together
+        (default: one page's ``max_pixels``)."""
+        total = self.max_pixels if max_total_pixels is None else max_total_pixels
+        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, total,
+                      self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip

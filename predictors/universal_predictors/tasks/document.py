@@ -20,7 +20,7 @@ import asyncio
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
@@ -43,6 +43,7 @@ from universal_predictors.ocr.engine import Job, OcrEngine, OcrOptions, resolve_
 from universal_predictors.ocr.inputs import (
     DOCUMENT_FIELDS,
     PageInput,
+    PageLimitArgs,
     SplitLanguages,
     language_codes,
     split_form,
@@ -51,7 +52,6 @@ from universal_predictors.ocr.inputs import (
 from universal_predictors.ocr.layout import Line
 from universal_predictors.ocr.pages import (
     OCR_BYTES_PER_PIXEL,
-    Limits,
     Page,
     PdfRenderers,
     PixelBudget,
@@ -78,7 +78,7 @@ def _ocr_key(name: str) -> str:
 _OCR_KEYS = {_ocr_key(name): name for name in DocumentOcr.model_fields}
 
 
-class DocumentEngineArgs(BaseModel):
+class DocumentEngineArgs(PageLimitArgs):
     """Engine arguments of the document predictor (``--engine-arg key=value``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -117,21 +117,10 @@ class DocumentEngineArgs(BaseModel):
     # The OCR that gives word models their words: the OCR task's engines, their options given flat
     # (``ocr_engine``, ``ocr_threads``, ..., ``tesseract_cmd``) and nested here (:meth:`_nest_ocr`).
     ocr: DocumentOcr = Field(default_factory=lambda: DocumentOcr())
-    # Limits, each a 413 (or 400) naming itself.
-    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
-    max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of the image or PDF.")
-    max_pixels: int = Field(default=40_000_000, ge=10_000, description="Pixels of the page.")
+    # Limits (PageLimitArgs'), with the document task's defaults where they differ, and its own: words.
     max_pages: int = Field(default=500, ge=1, description="Pages of a PDF (or frames of a TIFF) at most.")
-    max_words: int = Field(default=4096, ge=1, description="Words of a page (OCR'd or sent).")
     pdf_dpi: int = Field(default=150, ge=50, le=600, description="Resolution PDF pages are rendered at.")
-    pdf_timeout_s: float = Field(default=60.0, gt=0)
-    pdf_workers: int = Field(default=2, ge=1, le=64)
-    max_render_memory_mb: int = Field(default=1024, ge=64, le=1024 * 1024)
-    decode_budget_mb: int = Field(
-        default=1024, ge=16, le=1024 * 1024,
-        description="Memory pages being decoded and read may take across concurrent requests, in MiB (413/503 beyond).",
-    )  # fmt: skip
-    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
+    max_words: int = Field(default=4096, ge=1, description="Words of a page (OCR'd or sent).")
     # OCR-free encoder-decoders (Donut): the task prompt of each route and how the decoder generates.
     max_length: int | None = Field(
         default=None, ge=2, description="Decoder tokens at most, the prompt included (default: its positions)."
@@ -144,10 +133,6 @@ class DocumentEngineArgs(BaseModel):
     def family_options(self) -> dict[str, Any]:
         """What a family reads itself (:attr:`DocumentModel.options`)."""
         return self.model_dump(include={"max_length", "num_beams", "qa_prompt", "extract_prompt", "classify_prompt"})
-
-    def limits(self) -> Limits:
-        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_pixels,
-                      self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
 
 
 class DocumentRequest(SplitLanguages):

@@ -35,6 +35,7 @@ from universal_predictors.ocr.engine import Job, OcrEngine, OcrOptions, resolve_
 from universal_predictors.ocr.inputs import (
     DOCUMENT_FIELDS,
     PageInput,
+    PageLimitArgs,
     SplitLanguages,
     language_codes,
     split_form,
@@ -55,7 +56,7 @@ from universal_predictors.ocr.pages import (
 )
 
 
-class OcrEngineArgs(OcrOptions):
+class OcrEngineArgs(OcrOptions, PageLimitArgs):
     """Engine arguments of the OCR predictor (``--engine-arg key=value``)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -63,35 +64,19 @@ class OcrEngineArgs(OcrOptions):
     # Batching: pages from concurrent requests share a trip to the engine thread.
     max_batch_size: int = Field(default=8, ge=1, le=256)
     max_wait_ms: float = Field(default=2.0, ge=0, le=1000)
-    # Limits, each a 413 naming itself.
-    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
-    max_image_bytes: int = Field(default=20 * 2**20, ge=1024, description="Decoded bytes of one image or the PDF.")
-    max_pixels: int = Field(default=40_000_000, ge=10_000, description="Pixels of one image, frame or PDF page.")
-    max_pages: int = Field(default=32, ge=1, description="Pages of one PDF or frames of one TIFF.")
+    # Limits (PageLimitArgs'), and the ocr task's own: images per request, pixels of them all.
     max_images: int = Field(default=16, ge=1, description="Entries of images[] in one request.")
-    pdf_dpi: int = Field(default=200, ge=50, le=600, description="Resolution PDF pages are rendered at.")
     max_total_pixels: int = Field(
         default=100_000_000, ge=10_000, description="Pixels of all images, frames and pages of one request."
     )
-    pdf_timeout_s: float = Field(default=60.0, gt=0, description="Longest a PDF may take to render (a process).")
-    pdf_workers: int = Field(default=2, ge=1, le=64, description="PDF render processes at once.")
-    max_render_memory_mb: int = Field(
-        default=1024, ge=64, le=1024 * 1024, description="Memory one PDF render process may add, in MiB."
-    )
-    decode_budget_mb: int = Field(
-        default=1024, ge=16, le=1024 * 1024,
-        description="Memory decoded pages may take across concurrent requests, in MiB (413/503 beyond).",
-    )  # fmt: skip
-    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
     # The engines' reading options (languages, threads, max_side, text_score, psm, timeout_s, tesseract_cmd) are
     # OcrOptions', shared with the document task; these are the ocr task's own.
     use_angle_cls: bool = True
     workers: int = Field(default=0, ge=0, le=64, description="Tesseract processes at once (0: one per core).")
     max_skew: float = Field(default=15.0, ge=0, le=45, description="Deskew search range in degrees (0: off).")
 
-    def limits(self) -> Limits:
-        return Limits(self.max_image_bytes, self.max_pixels, self.max_pages, self.pdf_dpi, self.max_total_pixels,
-                      self.pdf_timeout_s, self.max_render_memory_mb)  # fmt: skip
+    def limits(self, max_total_pixels: int | None = None) -> Limits:
+        return super().limits(self.max_total_pixels if max_total_pixels is None else max_total_pixels)
 
 
 class OcrRequest(SplitLanguages):
