@@ -139,6 +139,7 @@ _PHASES = {
     Phase.IDLE: ModelState.IDLE,
     Phase.PENDING: ModelState.LOADING,
     Phase.LOADING: ModelState.LOADING,
+    Phase.WAKING: ModelState.LOADING,  # leaving zero: held (Standard) or passed to Knative's activator, as Loading
     Phase.FAILED: ModelState.FAILED,
 }
 

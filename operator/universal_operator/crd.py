@@ -28,6 +28,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Backend", "type": "string", "jsonPath": ".status.backend", "description": "The resolved engine."},
     {"name": "Served", "type": "string", "jsonPath": ".status.servedName", "description": "The OpenAI model name."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Where the model is."},
+    {"name": "Step", "type": "string", "jsonPath": ".status.step", "description": "A starting predictor's step."},
     {
         "name": "Ready",
         "type": "string",

@@ -39,6 +39,7 @@ from universal_operator.reconcile.status import (
     status_for_invalid_spec,
     status_from_inference_service,
 )
+from universal_operator.reconcile.waking import POD_LABEL, compact
 from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ class OperatorState:
     reconciling: dict[Key, asyncio.Lock] = field(default_factory=dict)
     written_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
     latest_child: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: Each model's predictor pods by name, as much of them as the step reads (reconcile.waking.compact).
+    pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+    def pods_of(self, key: Key) -> list[dict[str, Any]]:
+        return list(self.pods.get(key, {}).values())
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -120,7 +126,7 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     async with state.lock(key):
         model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
-        status = status_from_inference_service(freshest, model, config=state.config)
+        status = status_from_inference_service(freshest, model, config=state.config, pods=state.pods_of(key))
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -195,7 +201,9 @@ async def _reconcile_model(
         logger.info("applied InferenceService %s/%s (%s)", key[0], key[1], reason)
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
-        status = status_from_inference_service(state.latest_child.get(key), model, config=state.config)
+        status = status_from_inference_service(
+            state.latest_child.get(key), model, config=state.config, pods=state.pods_of(key)
+        )
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
 
@@ -374,6 +382,11 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     async def on_child_event(**kw: Any) -> None:
         await mirror_child_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["models"])
 
+    # Predictor pods (KServe's label names their InferenceService): the step a starting one is at.
+    @kopf.on.event("", "v1", "pods", registry=registry, labels={POD_LABEL: kopf.PRESENT}, id="follow-predictor-pods")
+    async def on_pod_event(**kw: Any) -> None:
+        await follow_pod_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["models"])
+
     @kopf.on.event(*um, registry=registry, id="follow-predictor-report")
     async def on_model_event(**kw: Any) -> None:
         if kw["event"]["type"] in ("ADDED", "MODIFIED"):
@@ -403,6 +416,28 @@ async def mirror_child_event(
     state.latest_child[key] = _plain(child)
     try:
         await sync_status(state, parent, _plain(child))
+    except SpecError:
+        return  # an invalid parent already says so in its status
+
+
+async def follow_pod_event(
+    state: OperatorState, event_type: str, pod: Mapping[str, Any], models: Mapping[Key, Any] | None
+) -> None:
+    """A predictor pod changed: keep what its step needs and restate its model (Waking, and the step)."""
+    meta = pod.get("metadata") or {}
+    key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(POD_LABEL)))
+    known = state.pods.setdefault(key, {})
+    if event_type == "DELETED":
+        known.pop(str(meta.get("name")), None)
+    else:
+        known[str(meta.get("name"))] = compact(_plain(pod))
+    if not known:
+        state.pods.pop(key, None)
+    parent = _index_value(models, key)
+    if parent is None or key not in state.latest_child or parent.get("metadata", {}).get("deletionTimestamp"):
+        return  # no model, or not its child's pods (not applied yet, or a foreign InferenceService's)
+    try:
+        await sync_status(state, parent, None)
     except SpecError:
         return  # an invalid parent already says so in its status
 

@@ -643,6 +643,7 @@ class Phase(StrEnum):
     LOADING = "Loading"
     READY = "Ready"
     IDLE = "Idle"
+    WAKING = "Waking"
     FAILED = "Failed"
 
 
@@ -687,7 +688,17 @@ class UniversalModelStatus(_Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    phase: Phase | None = Field(default=None, description="Pending, Loading, Ready, Idle (scaled to zero) or Failed.")
+    phase: Phase | None = Field(
+        default=None,
+        description="Pending, Loading, Ready, Idle (scaled to zero), Waking (leaving zero: see step) or Failed.",
+    )
+    step: str | None = Field(
+        default=None,
+        description=(
+            "While a predictor pod starts (Waking, Loading): Scheduling, Pulling image, Downloading or Loading, "
+            "read from the pod's state."
+        ),
+    )
     observed_generation: int | None = Field(default=None, description="The spec generation the status describes.")
     served_name: str | None = Field(default=None, description="The OpenAI 'model' name this model answers to.")
     backend: str | None = Field(default=None, description="The engine, resolved from auto where the spec tells.")

@@ -135,6 +135,7 @@ def test_names_group_scope_subresource_and_printer_columns() -> None:
         "Backend": ("string", ".status.backend"),
         "Served": ("string", ".status.servedName"),
         "Phase": ("string", ".status.phase"),
+        "Step": ("string", ".status.step"),
         "Ready": ("string", '.status.conditions[?(@.type=="Ready")].status'),
         "URL": ("string", ".status.url"),
         "Age": ("date", ".metadata.creationTimestamp"),

@@ -368,7 +368,7 @@ def test_status_for_any_child_has_a_known_phase_and_exactly_its_conditions(case:
     assert [c["type"] for c in status["conditions"]] == ["Ready", "SpecValid", "InferenceServiceReady", *idle_stop]
     assert all(c["observedGeneration"] == model.metadata.generation for c in status["conditions"])
     ready = status["conditions"][0]["status"]
-    assert (ready == "True") == (status["phase"] in ("Ready", "Idle"))
+    assert (ready == "True") == (status["phase"] in ("Ready", "Idle", "Waking"))  # a wake answers, if later
     assert status["replicas"] is None or status["replicas"] >= 0
     # What the operator writes fits the CRD's status schema.
     UniversalModelStatus.model_validate({k: v for k, v in status.items() if v is not None})

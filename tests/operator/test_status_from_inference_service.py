@@ -370,11 +370,12 @@ def test_stopped_is_idle_whatever_else_the_wiped_status_lacks() -> None:
     )
 
 
-def test_stop_asked_but_not_yet_reported_is_idle_and_a_stale_stopped_after_a_wake_is_loading() -> None:
+def test_stop_asked_but_not_yet_reported_is_idle_and_a_stale_stopped_after_a_wake_is_waking() -> None:
     stopping = child(READY_2_COPIES, annotations={"serving.kserve.io/stop": "true"})
     assert status_from_inference_service(stopping, model(QWEN), now=T0)["phase"] == "Idle"
     waking = child(STOPPED)  # the annotation is gone; KServe has not reconciled yet
-    assert status_from_inference_service(waking, model(QWEN), now=T0)["phase"] == "Loading"
+    status = status_from_inference_service(waking, model(QWEN), now=T0, pods=[])
+    assert (status["phase"], status["step"]) == ("Waking", "Scheduling")
 
 
 def test_status_names_served_name_resolved_backend_and_child() -> None:

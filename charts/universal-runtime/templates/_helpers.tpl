@@ -107,6 +107,8 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - inferenceservices: the children, watched (kopf index and event handler), read before taking a
   name over, server-side applied (patch; create when the apply creates the child);
 - events: kopf posts Warning Events (InvalidSpec) on the models;
+- pods: the predictor pods (KServe's serving.kserve.io/inferenceservice label), watched for the step a
+  starting predictor is at (status.step: Scheduling, Pulling image, Downloading, Loading);
 - universalmodels/finalizers: the children's ownerReference sets blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) admits only
   from who may update the owner's finalizers subresource (kubernetes/kubernetes
@@ -131,6 +133,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - apiGroups: [""]
   resources: [serviceaccounts]
   verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
 {{- end }}
 
 {{/*

@@ -4,6 +4,7 @@ operator cannot serve, and while the API server refuses the operator a request.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +14,7 @@ from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import reported_backend
 from universal_operator.reconcile.render import request_timeout_seconds
+from universal_operator.reconcile.waking import WakeStep, predictor_step
 from universal_operator.spec import CONDITION_IDLE_STOP, Condition, Phase, ScalingMode, SpecError, UniversalModel
 from universal_operator.warm import warm_at
 
@@ -105,8 +107,10 @@ def status_from_inference_service(
     now: datetime | None = None,
     *,
     config: OperatorConfig | None = None,
+    pods: Iterable[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The UniversalModel's status given its InferenceService as KServe last reported it.
+    """The UniversalModel's status given its InferenceService as KServe last reported it, and its predictor pods
+    (``pods``: None when not known) for the step a starting predictor is at (:mod:`.waking`).
 
     What KServe reports, and so what this reads (KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/
     inference_service_status.go unless named):
@@ -123,6 +127,9 @@ def status_from_inference_service(
       equal that is Idle, not a rollout. ``copies.totalCopies`` keeps its last count up to 0.15 (written with
       Loaded only) and is the ready-pod count from 0.16 (PropagateModelStatus): it is not relied on.
     * Failure comes from the current state (:func:`_child_failure`); Ready=True wins over a stale failure.
+    * Leaving zero is Waking: at zero in Knative mode (Ready stays True, no pod ready) with a predictor pod
+      starting; resuming after a stop; or starting while the model was Idle or Waking. ``step`` says where the
+      starting pod is, in Waking and in Loading.
     """
     now = now or datetime.now(UTC)
     config = config or OperatorConfig()
@@ -160,6 +167,7 @@ def status_from_inference_service(
         return {
             **base,
             "phase": Phase.PENDING.value,
+            "step": None,
             "url": None,
             "address": None,
             "replicas": None,
@@ -188,6 +196,8 @@ def status_from_inference_service(
     stop_asked_and_honoured = stop_asked == "true" and kserve.can_stop(release, mode)
     stopped = _is_true(_find(conditions, "Stopped"))
 
+    step = predictor_step(pods) if pods is not None else None
+    was_idle = model.status.phase in (Phase.IDLE, Phase.WAKING)
     replicas: int | None = copies
     if stop_asked_and_honoured or (stopped and stop_asked == "true"):
         phase, replicas = Phase.IDLE, 0
@@ -197,14 +207,18 @@ def status_from_inference_service(
         phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
         message = "Waiting for KServe to pick up the InferenceService."
     elif stopped:
-        phase = Phase.LOADING
-        message = "Waking: KServe is starting the predictor again."
+        phase = Phase.WAKING
+        step = step or WakeStep.SCHEDULING
+        message = f"Waking: KServe is starting the predictor again; {step.says}."
         isvc_cond = ("Unknown", "Resuming", message)
     elif _is_true(ready):
         at_zero = states.get("targetModelState") == "Pending" and model_status.get("transitionStatus") == "InProgress"
         if rolling_out:
             phase = Phase.LOADING
             message = f"Rolling out revision {created}; {serving} serves meanwhile."
+        elif knative and at_zero and states.get("activeModelState") == "Loaded" and step is not None:
+            phase, replicas = Phase.WAKING, 0
+            message = f"Waking from zero: {step.says}."
         elif knative and at_zero and states.get("activeModelState") == "Loaded":
             phase, replicas = Phase.IDLE, 0
             message = "Scaled to zero; the next request wakes it."
@@ -215,10 +229,12 @@ def status_from_inference_service(
         phase, message = Phase.FAILED, failure
         isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
     else:
-        phase = Phase.LOADING
+        phase = Phase.WAKING if was_idle and not rolling_out else Phase.LOADING
         message = str((ready or {}).get("message") or "The predictor is starting.")
         if rolling_out and not (ready or {}).get("message"):
             message = f"Rolling out revision {created}."
+        if phase is Phase.WAKING:
+            message = f"Waking: {step.says}." if step is not None else f"Waking: {message}"
         isvc_cond = (
             str((ready or {}).get("status") or "Unknown"),
             str((ready or {}).get("reason") or "Starting"),
@@ -227,6 +243,9 @@ def status_from_inference_service(
 
     if phase in (Phase.READY, Phase.IDLE):
         ready_cond = ("Ready", "True", "ScaledToZero" if phase is Phase.IDLE else "Serving", message)
+    elif phase is Phase.WAKING:
+        # A wake is what scale to zero promises, not a failure: the model answers (the request waits for it).
+        ready_cond = ("Ready", "True", "Waking", message)
     elif phase is Phase.FAILED:
         ready_cond = ("Ready", "False", "InferenceServiceFailed", message)
     else:
@@ -235,6 +254,7 @@ def status_from_inference_service(
     return {
         **base,
         "phase": phase.value,
+        "step": step.label if step is not None and phase in (Phase.WAKING, Phase.LOADING) else None,
         "url": url,
         "address": address,
         "replicas": replicas,
@@ -262,6 +282,7 @@ def status_for_invalid_spec(body: dict[str, Any], error: SpecError, now: datetim
     served = raw_spec.get("servedName") if isinstance(raw_spec, dict) else None
     return {
         "phase": Phase.FAILED.value,
+        "step": None,
         "observedGeneration": generation,
         "servedName": served if isinstance(served, str) else meta.get("name"),
         "message": message,
@@ -293,6 +314,7 @@ def status_for_forbidden(model: UniversalModel, refused: str, now: datetime | No
         "backend": reported_backend(model).value,
         "inferenceService": model.metadata.name,
         "phase": Phase.PENDING.value,
+        "step": None,
         "message": message,
         "conditions": _conditions(
             model.status.conditions, generation, now,
