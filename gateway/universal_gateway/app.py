@@ -55,6 +55,8 @@ class Gateway:
         self.cors_origins = cors_origins or []
         self.catalog = catalog
         self.metrics = GatewayMetrics()
+        backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
+        backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
         self._models: dict[str, tuple[ModelGate, ModelSeries]] = {}
         self._upstreams = UpstreamPool()
         token = backends.upstream_token
@@ -269,7 +271,7 @@ class Gateway:
                         request.on_gone = _canceller(waiter)
                     if self.limits.wake_keepalive_s > 0 and _asks_to_stream(body):
                         stream = await request.stream(200, SSE_HEADERS)
-                        keepalive = asyncio.create_task(self._keep_alive(stream, self.limits.wake_keepalive_s))
+                        keepalive = asyncio.create_task(self._keep_alive(stream, name, self.limits.wake_keepalive_s))
                 try:
                     async with self.backends.lease(name) as upstream:
                         if held:
@@ -315,12 +317,15 @@ class Gateway:
             series.count(status)
             series.latency.observe(time.monotonic() - started)
 
-    @staticmethod
-    async def _keep_alive(stream: StreamedResponse, every_s: float) -> None:
-        """SSE comments (which clients ignore) on a held stream: one at once, then one every ``every_s``."""
+    async def _keep_alive(self, stream: StreamedResponse, name: str, every_s: float) -> None:
+        """SSE comments (which clients ignore) on a held stream: one at once, then one every ``every_s``, each
+        naming the wake's step when the backend knows it (``: waking model (downloading)``)."""
         with contextlib.suppress(ConnectionResetError):  # the client left: its request stops waiting too
             while True:
-                await stream.write(b": waking model\n\n")
+                view = self.backends.find(name)
+                step = view.extra.get("step") if view is not None else None
+                comment = f": waking model ({str(step).lower()})" if step else ": waking model"
+                await stream.write(comment.encode() + b"\n\n")
                 await asyncio.sleep(every_s)
 
     def _hold(self, name: str, view: ModelView) -> None:

@@ -12,6 +12,7 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -140,12 +141,47 @@ class ModelView:
         }
 
 
+class WakeSteps:
+    """How long each step of a model's wake took (Starting, Loading locally; Scheduling, Pulling image, Downloading,
+    Loading on a cluster, as the operator reads them from the predictor pod), told to ``observe`` when the next
+    step begins or the model is up, and each wake told to ``woke``: the gateway's metrics."""
+
+    def __init__(self) -> None:
+        self.observe: Callable[[str, str, float], None] | None = None
+        self.woke: Callable[[str], None] | None = None
+        self._current: dict[str, tuple[str, float]] = {}
+
+    def wake(self, model: str) -> None:
+        if self.woke is not None:
+            self.woke(model)
+
+    def moved(self, model: str, step: str | None, now: float) -> None:
+        """``model`` is at ``step`` now (None: no longer starting)."""
+        previous = self._current.get(model)
+        if previous is not None and previous[0] == step:
+            return
+        if previous is not None and self.observe is not None:
+            self.observe(model, previous[0], max(0.0, now - previous[1]))
+        if step is None:
+            self._current.pop(model, None)
+        else:
+            self._current[model] = (step, now)
+
+
 class Backends(ABC):
     """The models a gateway routes to."""
 
     #: Sent to every predictor in ``UPSTREAM_TOKEN_HEADER`` (None: nothing is sent); a predictor
     #: started with the same token refuses requests without it.
     upstream_token: str | None = None
+
+    @property
+    def wake_steps(self) -> WakeSteps:
+        """Each wake and the time of its steps, for the gateway's metrics (the gateway sets the observers)."""
+        steps: WakeSteps | None = self.__dict__.get("_wake_steps")
+        if steps is None:
+            steps = self.__dict__["_wake_steps"] = WakeSteps()
+        return steps
 
     @abstractmethod
     async def start(self) -> None:

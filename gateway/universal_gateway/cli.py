@@ -185,7 +185,8 @@ def _age(timestamp: float | None) -> str:
 
 
 def format_ps(models: list[dict[str, object]]) -> str:
-    """The ``ps`` table: name, task, backend, state, requests held for its wake, last used, requests, p50 latency.
+    """The ``ps`` table: name, task, backend, state (with a starting model's step), requests held for its wake,
+    last used, requests, p50 latency.
 
     Not the predictors' ports or pids: the API does not publish where a predictor listens."""
     header = ["NAME", "TASK", "BACKEND", "STATE", "HELD", "LAST USED", "REQUESTS", "P50"]
@@ -198,7 +199,7 @@ def format_ps(models: list[dict[str, object]]) -> str:
                 str(m["id"]),
                 str(m.get("task", "")),
                 str(m.get("backend", "")),
-                str(m.get("state", "")),
+                str(m.get("state", "")) + (f" ({m['step']})" if m.get("step") else ""),
                 str(m.get("held", 0)),
                 _age(float(last_used) if isinstance(last_used, int | float) else None),
                 str(m.get("requests", 0)),

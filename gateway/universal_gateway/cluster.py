@@ -389,7 +389,11 @@ class KubernetesBackends(Backends):
         if model is None:
             model = self._all[key] = ClusterModel(parsed, stats=UsageStats(clock=self._clock))
         else:
+            was = model.status.phase
             model.update(parsed)
+            if was is Phase.IDLE and model.status.phase is Phase.WAKING:
+                self.wake_steps.wake(model.served_name)
+        self.wake_steps.moved(model.served_name, model.status.step, self._clock.monotonic())
         if model.state is ModelState.READY:
             if not model.ready.is_set():
                 # Just up: whichever replica woke it holds a request that has not reached it yet, so
@@ -446,6 +450,7 @@ class KubernetesBackends(Backends):
                     "namespace": m.namespace,
                     "mode": m.policy.mode.value,
                     "url": m.status.url,
+                    **({"step": m.status.step} if m.status.step else {}),
                     **({"max_held_requests": m.policy.max_held} if m.policy.max_held else {}),
                 },
             )

@@ -133,6 +133,9 @@ class LocalModel:
     running_backend: Backend | None = None
     #: Whether the running process is a standby that took this model (its libraries were imported already).
     from_standby: bool = False
+    #: While it starts: Starting (the process, its imports: nothing listens yet), then Loading (its server
+    #: answers, not ready: the model is loading). None otherwise.
+    step: str | None = None
     policy: ServingPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -310,6 +313,7 @@ class LocalSupervisor(Backends):
             preexec_fn=die_with_parent(),
         )
         model.starts += 1
+        self.wake_steps.wake(model.name)
         logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port,
                     f", in the {family} standby process" if model.from_standby else "")  # fmt: skip
         model.watchers = {
@@ -319,23 +323,32 @@ class LocalSupervisor(Backends):
         deadline = started + model.policy.startup_timeout
         assert self._session is not None
         process = model.process
+        self._step(model, "Starting")
         while True:
             if process.returncode is not None:
+                self._step(model, None)
                 self._record_exit(model, process, process.returncode)
                 return
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with self._session.get(f"{model.url}/v2/health/ready") as response:
                     if response.status == 200:
                         break
+                    self._step(model, "Loading")  # its server answers: the model is loading
             if time.monotonic() > deadline:
+                self._step(model, None)
                 await self._stop(model, reason="startup timeout")
                 self._fail(model, f"not ready within startupTimeout ({model.policy.startup_timeout_text})")
                 return
             await asyncio.sleep(0.05)
         model.last_load_seconds = time.monotonic() - started
+        self._step(model, None)
         model.running_backend = await self._running_backend(model)
         model.state, model.message = ModelState.READY, "Serving."
         logger.info("%s is ready (%.1fs)", model.name, model.last_load_seconds)
+
+    def _step(self, model: LocalModel, step: str | None) -> None:
+        model.step = step
+        self.wake_steps.moved(model.name, step, time.monotonic())
 
     async def _running_backend(self, model: LocalModel) -> Backend | None:
         """What ``auto`` chose, from the ready predictor's model card (None: the spec decides, or no answer)."""
@@ -445,6 +458,7 @@ class LocalSupervisor(Backends):
                 "starts": model.starts,
                 "idle_timeout": model.policy.idle_timeout_text,
                 "started_in_standby": model.from_standby,
+                **({"step": model.step} if model.step and model.state is ModelState.LOADING else {}),
                 **({"max_held_requests": model.policy.max_held} if model.policy.max_held else {}),
             },
         )

@@ -31,6 +31,12 @@ class GatewayMetrics:
         wake_buckets = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
         self.wake = Histogram("universal_gateway_wake_seconds", "Time a request waited for its model to wake.",
                               ["model"], buckets=wake_buckets, registry=r)  # fmt: skip
+        self.wakes = Counter("universal_gateway_wakes_total", "Wakes of a model from zero (or stopped).", ["model"],
+                             registry=r)  # fmt: skip
+        self.wake_steps = Histogram("universal_gateway_wake_step_seconds",
+                                    "Time a waking model spent in each step (Starting, Loading; on a cluster "
+                                    "Scheduling, Pulling image, Downloading, Loading).",
+                                    ["model", "step"], buckets=wake_buckets, registry=r)  # fmt: skip
         self.held = Gauge("universal_gateway_held_requests", "Requests held while their model wakes.", ["model"],
                           registry=r)  # fmt: skip
         self.held_rejected = Counter("universal_gateway_held_rejected_total",

@@ -132,12 +132,26 @@ async def test_models_follow_status_and_requests_reach_the_address(
     [card] = await eventually(listed)
     assert (card["id"], card["state"]) == (SERVED, "loading")
 
-    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url))
+    # Waking, at the step the operator read from the predictor pod: the card says it (and ps, and the held
+    # streams' keep-alive comments).
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Waking", upstream.url, step="Downloading"))
+
+    async def waking() -> bool:
+        [card] = await listed()
+        return (card["state"], card.get("step")) == ("loading", "Downloading")
+
+    await eventually(waking)
+
+    await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", upstream.url, step=None))
 
     async def ready() -> bool:
-        return (await listed())[0]["state"] == "ready"
+        return (await listed())[0]["state"] == "ready" and "step" not in (await listed())[0]
 
     await eventually(ready)
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
+    # The step's time, told when the model was up.
+    assert f'universal_gateway_wake_step_seconds_count{{model="{SERVED}",step="Downloading"}} 1.0' in metrics
     result = await client.embeddings.create(model=SERVED, input="routed through the cluster gateway")
     assert len(result.data[0].embedding) == 384
 

@@ -99,8 +99,18 @@ async def test_a_held_stream_outlives_the_proxy_read_timeout_and_gets_the_answer
             comments = [line for line in lines if line.startswith(": waking model")]
             data = [line for line in lines if line.startswith("data: ")]
             assert len(comments) >= 2, lines[:5]  # the wake took several read timeouts: nginx kept it open
+            # Each names the wake's step once the supervisor knows it: the process starting, then the model loading.
+            assert set(comments) <= {": waking model", ": waking model (starting)", ": waking model (loading)"}
+            assert any(comment.endswith("(loading)") for comment in comments), comments
             assert data[-1] == "data: [DONE]"
             assert lines.index(comments[-1]) < lines.index(data[0])
+
+            # One wake, its steps timed: the process starting, the model loading.
+            async with httpx.AsyncClient() as plain:
+                metrics = (await plain.get(f"{url}/metrics")).text
+            assert 'universal_gateway_wakes_total{model="tiny-chat"} 1.0' in metrics
+            for step in ("Starting", "Loading"):
+                assert f'universal_gateway_wake_step_seconds_count{{model="tiny-chat",step="{step}"}} 1.0' in metrics
 
             # Awake now, and through the real client: an ordinary stream.
             client = AsyncOpenAI(base_url=f"{proxied}/v1", api_key="x", max_retries=0)
