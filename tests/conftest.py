@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +112,18 @@ async def cluster(
 
 
 @contextlib.asynccontextmanager
-async def embedded_operator(config: OperatorConfig) -> AsyncIterator[OperatorState]:
+async def embedded_operator(
+    config: OperatorConfig, clock: Callable[[], datetime] | None = None
+) -> AsyncIterator[OperatorState]:
     """The real kopf operator, in a thread with its own event loop (as in its own process), watching the
     cluster $KUBECONFIG names.
 
     Its own loop matters: on stop, kopf waits for every task of its loop, which would include the
-    emulator's open watch streams if they shared one.
+    emulator's open watch streams if they shared one. ``clock``: the operator's time (default the system's).
     """
     state = OperatorState(config=config, api=KubeApi())
+    if clock is not None:
+        state.clock = clock
     stop, ready = threading.Event(), threading.Event()
     failure: list[BaseException] = []
 

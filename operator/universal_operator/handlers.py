@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, NoReturn, cast
 
 import kopf
@@ -41,6 +42,7 @@ from universal_operator.reconcile.status import (
 )
 from universal_operator.reconcile.waking import POD_LABEL, compact
 from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
+from universal_operator.warm import warm_at
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class OperatorState:
     reconciling: dict[Key, asyncio.Lock] = field(default_factory=dict)
     written_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
     latest_child: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: The operator's time: what a warm window is judged by (tests pass their own).
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     #: Each model's predictor pods by name, as much of them as the step reads (reconcile.waking.compact).
     pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
@@ -126,7 +130,9 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
     async with state.lock(key):
         model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
-        status = status_from_inference_service(freshest, model, config=state.config, pods=state.pods_of(key))
+        status = status_from_inference_service(
+            freshest, model, state.clock(), config=state.config, pods=state.pods_of(key)
+        )
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -153,7 +159,7 @@ async def _reconcile_model(
     plain = _plain(body)
     try:
         model = parse_model(plain)
-        desired = desired_inference_service(model, state.config)
+        desired = desired_inference_service(model, state.config, now=state.clock())
     except SpecError as error:
         await report_invalid_spec(state, plain, error)
         return None
@@ -202,7 +208,7 @@ async def _reconcile_model(
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
         status = status_from_inference_service(
-            state.latest_child.get(key), model, config=state.config, pods=state.pods_of(key)
+            state.latest_child.get(key), model, state.clock(), config=state.config, pods=state.pods_of(key)
         )
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
@@ -382,6 +388,11 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     async def on_child_event(**kw: Any) -> None:
         await mirror_child_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["models"])
 
+    # A model with warm windows is reconciled at each window's boundary, not up to a repair interval later.
+    @kopf.daemon(*um, registry=registry, id="warm-boundaries", cancellation_timeout=5.0, when=_has_warm_schedule)
+    async def warm_boundaries(**kw: Any) -> None:
+        await follow_warm_boundaries(kw["memo"]["state"], kw["body"], kw["stopped"], kw["children"])
+
     # Predictor pods (KServe's label names their InferenceService): the step a starting one is at.
     @kopf.on.event("", "v1", "pods", registry=registry, labels={POD_LABEL: kopf.PRESENT}, id="follow-predictor-pods")
     async def on_pod_event(**kw: Any) -> None:
@@ -418,6 +429,39 @@ async def mirror_child_event(
         await sync_status(state, parent, _plain(child))
     except SpecError:
         return  # an invalid parent already says so in its status
+
+
+def _has_warm_schedule(body: Mapping[str, Any], **_: Any) -> bool:
+    return bool(((body.get("spec") or {}).get("scaling") or {}).get("warmSchedule"))
+
+
+#: How far past a window's boundary the daemon reconciles (clock skew between a sleep and the clock it reads).
+BOUNDARY_SLACK_S = 0.5
+#: The longest the daemon sleeps before reading the schedule again (a spec change may bring a boundary closer).
+BOUNDARY_RECHECK_S = 300.0
+
+
+async def follow_warm_boundaries(
+    state: OperatorState, body: Mapping[str, Any], stopped: Any, children: Mapping[Key, Any] | None
+) -> None:
+    """Sleep until the model's next warm-window boundary (``status.warmSchedule.nextChange``), then reconcile: the
+    InferenceService's minReplicas and the status change at the boundary. ``body`` is kopf's live view."""
+    while not stopped:
+        try:
+            model = parse_model(_plain(body))
+        except SpecError:
+            return
+        schedule = model.spec.scaling.warm_schedule
+        if not schedule:
+            return
+        _, next_change = warm_at(schedule, state.clock())
+        wait = BOUNDARY_RECHECK_S
+        if next_change is not None:
+            wait = min(wait, max(0.0, (next_change - state.clock()).total_seconds()) + BOUNDARY_SLACK_S)
+        await stopped.wait(wait)
+        if stopped or next_change is None or state.clock() < next_change:
+            continue
+        await reconcile_model(state, body, children, reason="a warm window began or ended")
 
 
 async def follow_pod_event(

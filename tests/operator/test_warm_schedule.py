@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from tests.conftest import embedded_operator, eventually
 from tests.factories import CONFIG
+from universal_operator.config import OperatorConfig
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.status import status_from_inference_service
 from universal_operator.spec import UniversalModel, UniversalModelStatus
 from universal_operator.warm import WarmWindow, parse_days, warm_at
+from universal_simcluster.apiserver import ServedEmulator
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -135,3 +141,37 @@ def test_status_says_whether_a_window_is_on_and_when_that_changes() -> None:
     UniversalModelStatus.model_validate(inside)
     plain = UniversalModel.model_validate({**body, "spec": MINILM["spec"]})
     assert "warmSchedule" not in status_from_inference_service(None, plain, config=CONFIG)
+
+
+# -- the boundary itself, through the real operator -------------------------------------------------------------
+
+
+async def test_the_operator_applies_a_window_at_its_start_not_a_repair_interval_later(
+    cluster: ServedEmulator, operator_config: OperatorConfig, tmp_path: Path
+) -> None:
+    """The operator's clock is two seconds before 08:00 UTC and its repair timer an hour: the child's minReplicas
+    goes to 1 when the window opens because the model's boundary daemon reconciles it then."""
+    opening = datetime(2026, 12, 7, 8, 0, tzinfo=UTC)
+    offset = opening - timedelta(seconds=2) - datetime.now(UTC)
+    slow_repairs = operator_config.model_copy(update={"repair_interval_seconds": 3600.0})
+    body = {**MINILM, "metadata": {"name": "minilm", "namespace": "default"}}
+    window = {"days": "*", "start": "08:00", "end": "09:00", "timeZone": "UTC"}
+    body["spec"] = {**MINILM["spec"], "scaling": {"minReplicas": 0, "warmSchedule": [window]}}
+    manifest = tmp_path / "minilm.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    async with embedded_operator(slow_repairs, clock=lambda: datetime.now(UTC) + offset):
+        applied = await cluster.kubectl("apply", "--validate=false", "-f", str(manifest))
+        assert applied.returncode == 0, applied.stderr
+
+        def min_replicas() -> int | None:
+            child = cluster.emulator.get_object("inferenceservices", "default", "minilm")
+            return None if child is None else int(child["spec"]["predictor"].get("minReplicas", 0))
+
+        await eventually(lambda: min_replicas() == 0, within=10)  # before the window
+        await eventually(lambda: min_replicas() == 1, within=20)  # at 08:00, not at the next repair (in an hour)
+
+        def warm_status() -> dict[str, Any]:
+            model = cluster.emulator.get_object("universalmodels", "default", "minilm") or {}
+            return dict((model.get("status") or {}).get("warmSchedule") or {})
+
+        await eventually(lambda: warm_status() == {"active": True, "nextChange": "2026-12-07T09:00:00Z"}, within=20)
