@@ -83,6 +83,14 @@ class KServeSettings(_Model):
         pattern=KSERVE_VERSION,
         description="The KServe release installed in the cluster, e.g. 0.15.2 (0.14 or later).",
     )
+    local_model_cache: bool = Field(
+        default=False,
+        description=(
+            "Whether KServe's LocalModelCache is enabled (localModel.enabled in inferenceservice-config, its "
+            "controller and node agent installed): models with spec.cache then get a node-local copy. Off, such "
+            "models download on each wake and their Cached condition says why."
+        ),
+    )
 
     @property
     def release(self) -> tuple[int, int, int]:

@@ -30,7 +30,10 @@ from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.predictor import reported_backend
-from universal_operator.reconcile.drift import child_drifted, service_account_drifted
+from universal_operator.reconcile import cache as local_model
+from universal_operator.reconcile.cache import CacheState
+from universal_operator.reconcile.checks import check_servable
+from universal_operator.reconcile.drift import child_drifted, is_subset, service_account_drifted
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
@@ -72,6 +75,12 @@ class OperatorState:
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     #: Each model's predictor pods by name, as much of them as the step reads (reconcile.waking.compact).
     pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    #: LocalModelCaches by name, as last seen (the watch, or this operator's own apply).
+    caches: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: What each model's cache was last judged to be (the status reads it between reconciles).
+    cache_states: dict[Key, CacheState | None] = field(default_factory=dict)
+    #: Deletions of caches no model uses any more, retried while KServe refuses them (a cache still in use).
+    cache_deletions: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def pods_of(self, key: Key) -> list[dict[str, Any]]:
         return list(self.pods.get(key, {}).values())
@@ -84,6 +93,7 @@ class OperatorState:
         self.reconciling.pop(key, None)
         self.written_status.pop(key, None)
         self.latest_child.pop(key, None)
+        self.cache_states.pop(key, None)
 
 
 def _key(body: Mapping[str, Any]) -> Key:
@@ -131,8 +141,9 @@ async def sync_status(state: OperatorState, body: Mapping[str, Any], child: dict
         model = parse_model(_plain(body))
         freshest = _newer(state.latest_child.get(key), child)
         status = status_from_inference_service(
-            freshest, model, state.clock(), config=state.config, pods=state.pods_of(key)
-        )
+            freshest, model, state.clock(), config=state.config, pods=state.pods_of(key),
+            cache=state.cache_states.get(key),
+        )  # fmt: skip
         await write_status(state, key, _plain(body.get("status") or {}), status)
 
 
@@ -143,23 +154,38 @@ async def reconcile_model(
     *,
     reason: str = "reconcile",
     retry: int = 0,
+    models: Mapping[Key, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Make the child match the spec and the status match the child. Returns the applied child if any.
 
     ``retry`` is kopf's count of earlier failed attempts (it sets the back-off while RBAC refuses us).
+    ``models``: kopf's index of every UniversalModel (the users a shared cache is made for).
     """
     async with state.reconciling.setdefault(_key(body), asyncio.Lock()):
-        return await _reconcile_model(state, body, children, reason=reason, retry=retry)
+        return await _reconcile_model(state, body, children, reason=reason, retry=retry, models=models)
 
 
 async def _reconcile_model(
-    state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None, *, reason: str, retry: int
+    state: OperatorState,
+    body: Mapping[str, Any],
+    children: Mapping[Key, Any] | None,
+    *,
+    reason: str,
+    retry: int,
+    models: Mapping[Key, Any] | None,
 ) -> dict[str, Any] | None:
     key = _key(body)
     plain = _plain(body)
     try:
         model = parse_model(plain)
-        desired = desired_inference_service(model, state.config, now=state.clock())
+        check_servable(model, state.config)
+    except SpecError as error:
+        await report_invalid_spec(state, plain, error)
+        return None
+    cache = await ensure_cache(state, plain, model, models, retry)
+    state.cache_states[key] = cache
+    try:
+        desired = desired_inference_service(model, state.config, now=state.clock(), cache=cache)
     except SpecError as error:
         await report_invalid_spec(state, plain, error)
         return None
@@ -208,10 +234,93 @@ async def _reconcile_model(
         state.latest_child[key] = _newer(state.latest_child.get(key), applied) or applied
     async with state.lock(key):
         status = status_from_inference_service(
-            state.latest_child.get(key), model, state.clock(), config=state.config, pods=state.pods_of(key)
-        )
+            state.latest_child.get(key), model, state.clock(), config=state.config, pods=state.pods_of(key),
+            cache=cache,
+        )  # fmt: skip
         await write_status(state, key, _plain(plain.get("status") or {}), status)
     return applied
+
+
+def _models_of(models: Mapping[Key, Any] | None, also: UniversalModel) -> list[UniversalModel]:
+    """Every UniversalModel kopf's index holds that parses, with ``also`` (the one being reconciled) fresh."""
+    found: dict[Key, UniversalModel] = {}
+    for key in models or {}:
+        body = _index_value(models, key)
+        if body is None:
+            continue
+        try:
+            found[key] = parse_model(body)
+        except SpecError:
+            continue
+    found[(also.metadata.namespace, also.metadata.name)] = also
+    return list(found.values())
+
+
+def _matching_cache(state: OperatorState, storage_uri: str) -> dict[str, Any] | None:
+    """The LocalModelCache KServe's webhook would pick for ``storage_uri``: the first whose source is the URI or a
+    folder above it (KServe v0.16.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI)."""
+    uri = storage_uri.rstrip("/")
+    for cache in state.caches.values():
+        source = str((cache.get("spec") or {}).get("sourceModelUri") or "").rstrip("/")
+        if source and (uri == source or uri.startswith(source + "/")):
+            return cache
+    return None
+
+
+async def ensure_cache(
+    state: OperatorState, body: dict[str, Any], model: UniversalModel, models: Mapping[Key, Any] | None, retry: int
+) -> CacheState | None:
+    """The LocalModelCache of the model's source (:mod:`universal_operator.reconcile.cache`): applied when the model
+    asks for one and KServe's is enabled; None when no cache concerns the model.
+
+    A cache another party made for the same source is used as it is (KServe allows one per source). A source some
+    other model caches concerns this model too: KServe's webhook mounts it for every InferenceService it matches.
+    """
+    uri = local_model.cached_uri(model)
+    if not state.config.kserve.local_model_cache:
+        return local_model.not_enabled(model) if uri is not None else None
+    if uri is None:
+        if not model.spec.source.is_remote:
+            return None
+        found = _matching_cache(state, model.spec.source.storage_uri)
+        return local_model.cache_state(found) if found is not None else None
+    name = local_model.cache_name(uri)
+    foreign = next(
+        (c for n, c in state.caches.items() if n != name and (c.get("spec") or {}).get("sourceModelUri") == uri), None
+    )
+    if foreign is not None:
+        return local_model.cache_state(foreign)
+    desired = local_model.desired_cache(uri, local_model.users_of(uri, _models_of(models, model)))
+    current = state.caches.get(name)
+    if current is not None and is_subset(desired["spec"], current.get("spec") or {}) and local_model.managed(current):
+        return local_model.cache_state(current)
+    try:
+        applied = await state.api.apply_local_model_cache(desired)
+    except ApiError as exc:
+        code = api_error_code(exc)
+        if code == 404:
+            why = (
+                "The operator is set to use KServe's LocalModelCache (kserve.localModelCache), but the cluster does "
+                "not serve serving.kserve.io/v1alpha1 localmodelcaches: install KServe's LocalModelCache CRDs and "
+                "controller, or turn kserve.localModelCache off."
+            )
+        elif code == 403:
+            why = (
+                f"The API server refused the operator a LocalModelCache ({exc}): grant it (the chart does with "
+                "operator.config.kserve.localModelCache true)."
+            )
+        elif code in (400, 409, 422) or denied_by_webhook(exc):
+            why = f"KServe refused the LocalModelCache {name}: {exc}"
+        else:
+            raise kopf.TemporaryError(f"applying the LocalModelCache failed ({code})", delay=RETRY_DELAY) from exc
+        logger.warning("UniversalModel %s/%s: no cache: %s", model.metadata.namespace, model.metadata.name, why)
+        return local_model.unavailable(name, why)
+    if current is None:
+        groups = ", ".join(desired["spec"]["nodeGroups"])
+        message = f"Applied LocalModelCache {name} for {uri} on node groups {groups}."
+        kopf.event(cast(kopf.Body, body), type="Normal", reason="CacheApplied", message=message)
+    state.caches[name] = applied
+    return local_model.cache_state(applied)
 
 
 async def ensure_service_account(state: OperatorState, body: dict[str, Any], model: UniversalModel, retry: int) -> bool:
@@ -363,25 +472,45 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     @kopf.on.resume(*um, registry=registry, id="apply-on-resume")
     async def on_resume(**kw: Any) -> None:
         await reconcile_model(
-            kw["memo"]["state"], kw["body"], kw["children"], reason="operator start", retry=kw.get("retry", 0)
+            kw["memo"]["state"],
+            kw["body"],
+            kw["children"],
+            reason="operator start",
+            retry=kw.get("retry", 0),
+            models=kw["models"],
         )
 
     @kopf.on.create(*um, registry=registry, id="apply-on-create")
     async def on_create(**kw: Any) -> None:
         await reconcile_model(
-            kw["memo"]["state"], kw["body"], kw["children"], reason="created", retry=kw.get("retry", 0)
+            kw["memo"]["state"],
+            kw["body"],
+            kw["children"],
+            reason="created",
+            retry=kw.get("retry", 0),
+            models=kw["models"],
         )
 
     @kopf.on.update(*um, registry=registry, id="apply-on-update")
     async def on_update(**kw: Any) -> None:
         await reconcile_model(
-            kw["memo"]["state"], kw["body"], kw["children"], reason="spec changed", retry=kw.get("retry", 0)
+            kw["memo"]["state"],
+            kw["body"],
+            kw["children"],
+            reason="spec changed",
+            retry=kw.get("retry", 0),
+            models=kw["models"],
         )
 
     @kopf.timer(*um, registry=registry, id="repair-child", interval=config.repair_interval_seconds)
     async def repair(**kw: Any) -> None:
         await reconcile_model(
-            kw["memo"]["state"], kw["body"], kw["children"], reason="drift repaired", retry=kw.get("retry", 0)
+            kw["memo"]["state"],
+            kw["body"],
+            kw["children"],
+            reason="drift repaired",
+            retry=kw.get("retry", 0),
+            models=kw["models"],
         )
 
     @kopf.on.event(*isvc, registry=registry, labels=MANAGED, id="mirror-child-status")
@@ -391,7 +520,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     # A model with warm windows is reconciled at each window's boundary, not up to a repair interval later.
     @kopf.daemon(*um, registry=registry, id="warm-boundaries", cancellation_timeout=5.0, when=_has_warm_schedule)
     async def warm_boundaries(**kw: Any) -> None:
-        await follow_warm_boundaries(kw["memo"]["state"], kw["body"], kw["stopped"], kw["children"])
+        await follow_warm_boundaries(kw["memo"]["state"], kw["body"], kw["stopped"], kw["children"], kw["models"])
 
     # Predictor pods (KServe's label names their InferenceService): the step a starting one is at.
     @kopf.on.event("", "v1", "pods", registry=registry, labels={POD_LABEL: kopf.PRESENT}, id="follow-predictor-pods")
@@ -401,14 +530,120 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     @kopf.on.event(*um, registry=registry, id="follow-predictor-report")
     async def on_model_event(**kw: Any) -> None:
         if kw["event"]["type"] in ("ADDED", "MODIFIED"):
-            await follow_predictor_report(kw["memo"]["state"], kw["body"], kw["children"])
+            await follow_predictor_report(kw["memo"]["state"], kw["body"], kw["children"], kw["models"])
 
     @kopf.on.event(*um, registry=registry, id="forget-deleted")
     def forget(**kw: Any) -> None:
         if kw["event"]["type"] == "DELETED":
-            kw["memo"]["state"].forget(_key(kw["body"]))
+            state: OperatorState = kw["memo"]["state"]
+            state.forget(_key(kw["body"]))
+            try:
+                uri = local_model.cached_uri(parse_model(_plain(kw["body"])))
+            except SpecError:
+                return
+            if uri is not None:
+                delete_cache_when_unused(state, local_model.cache_name(uri), kw["models"])
+
+    if config.kserve.local_model_cache:
+        # LocalModelCaches (cluster-scoped): their progress into the status of the models using them; and the
+        # ones this operator made that no model uses any more are deleted (also those left from before a restart).
+        @kopf.on.event(
+            local_model.GROUP, local_model.VERSION, local_model.PLURAL, registry=registry, id="follow-caches"
+        )
+        async def on_cache_event(**kw: Any) -> None:
+            await follow_cache_event(kw["memo"]["state"], kw["event"]["type"], kw["body"], kw["children"], kw["models"])
+
+    @kopf.on.cleanup(registry=registry, id="stop-cache-deletions")
+    async def stop_cache_deletions(memo: kopf.Memo, **_: Any) -> None:
+        state: OperatorState | None = memo.get("state")
+        for task in state.cache_deletions.values() if state else ():
+            task.cancel()
 
     return registry
+
+
+#: How often, and how many times, a cache no model uses is deleted again while KServe refuses (still in use: the
+#: InferenceService that mounted it is being deleted, or KServe's controller has not noticed yet).
+CACHE_DELETE_RETRY_S = 5.0
+CACHE_DELETE_ATTEMPTS = 120
+
+
+def _cache_users(models: Mapping[Key, Any] | None, uri: str, *, mounting: bool) -> list[dict[str, Any]]:
+    """The models (bodies) whose cache is ``uri``'s; with ``mounting``, also those whose source KServe would match
+    to it without asking (a file or folder inside the cached source)."""
+    users = []
+    for key in models or {}:
+        body = _index_value(models, key)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        try:
+            model = parse_model(body)
+        except SpecError:
+            continue
+        source = model.spec.source.storage_uri.rstrip("/")
+        if local_model.cached_uri(model) == uri or (
+            mounting and model.spec.source.is_remote and (source == uri.rstrip("/") or source.startswith(uri + "/"))
+        ):
+            users.append(body)
+    return users
+
+
+async def follow_cache_event(
+    state: OperatorState,
+    event_type: str,
+    cache: Mapping[str, Any],
+    children: Mapping[Key, Any] | None,
+    models: Mapping[Key, Any] | None,
+) -> None:
+    """A LocalModelCache changed: reconcile the models it concerns (their status, and the opt-out annotation that is
+    lifted once every node holds the model); delete it if it is this operator's and no model uses it."""
+    plain = _plain(cache)
+    name = str(plain["metadata"]["name"])
+    if event_type == "DELETED":
+        state.caches.pop(name, None)
+    else:
+        state.caches[name] = plain
+    uri = str((plain.get("spec") or {}).get("sourceModelUri") or "")
+    if not uri:
+        return
+    for body in _cache_users(models, uri, mounting=True):
+        await reconcile_model(state, body, children, reason="its LocalModelCache changed", models=models)
+    if event_type != "DELETED" and local_model.managed(plain):
+        delete_cache_when_unused(state, name, models)
+
+
+def delete_cache_when_unused(state: OperatorState, name: str, models: Mapping[Key, Any] | None) -> None:
+    """Start deleting the operator's cache ``name`` if no model asks for it (:func:`_delete_unused_cache`)."""
+    cache = state.caches.get(name)
+    if cache is None or not local_model.managed(cache):
+        return
+    uri = str((cache.get("spec") or {}).get("sourceModelUri") or "")
+    if _cache_users(models, uri, mounting=False):
+        return
+    running = state.cache_deletions.get(name)
+    if running is None or running.done():
+        state.cache_deletions[name] = asyncio.create_task(_delete_unused_cache(state, name, uri, models))
+
+
+async def _delete_unused_cache(state: OperatorState, name: str, uri: str, models: Mapping[Key, Any] | None) -> None:
+    """Delete the cache, again while KServe's webhook refuses it (an InferenceService still uses it: KServe v0.16.0
+    pkg/webhook/admission/localmodelcache/local_model_cache_validation.go ValidateDelete), until a model asks for it
+    again or it is gone."""
+    for _ in range(CACHE_DELETE_ATTEMPTS):
+        if name not in state.caches or _cache_users(models, uri, mounting=False):
+            return
+        try:
+            await state.api.delete_local_model_cache(name)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                state.caches.pop(name, None)
+                return
+            logger.info("LocalModelCache %s is unused but not deleted yet (%s); retrying", name, exc)
+            await asyncio.sleep(CACHE_DELETE_RETRY_S)
+            continue
+        logger.info("deleted LocalModelCache %s: no UniversalModel uses %s any more", name, uri)
+        return
+    logger.warning("LocalModelCache %s is unused but KServe kept refusing its deletion; delete it by hand", name)
 
 
 async def mirror_child_event(
@@ -422,7 +657,7 @@ async def mirror_child_event(
     if event_type == "DELETED":
         state.latest_child.pop(key, None)
         logger.info("InferenceService %s/%s was deleted out of band; recreating it", *key)
-        await reconcile_model(state, parent, None, reason="deleted out of band")
+        await reconcile_model(state, parent, None, reason="deleted out of band", models=models)
         return
     state.latest_child[key] = _plain(child)
     try:
@@ -442,7 +677,11 @@ BOUNDARY_RECHECK_S = 300.0
 
 
 async def follow_warm_boundaries(
-    state: OperatorState, body: Mapping[str, Any], stopped: Any, children: Mapping[Key, Any] | None
+    state: OperatorState,
+    body: Mapping[str, Any],
+    stopped: Any,
+    children: Mapping[Key, Any] | None,
+    models: Mapping[Key, Any] | None = None,
 ) -> None:
     """Sleep until the model's next warm-window boundary (``status.warmSchedule.nextChange``), then reconcile: the
     InferenceService's minReplicas and the status change at the boundary. ``body`` is kopf's live view."""
@@ -461,7 +700,7 @@ async def follow_warm_boundaries(
         await stopped.wait(wait)
         if stopped or next_change is None or state.clock() < next_change:
             continue
-        await reconcile_model(state, body, children, reason="a warm window began or ended")
+        await reconcile_model(state, body, children, reason="a warm window began or ended", models=models)
 
 
 async def follow_pod_event(
@@ -487,7 +726,10 @@ async def follow_pod_event(
 
 
 async def follow_predictor_report(
-    state: OperatorState, body: Mapping[str, Any], children: Mapping[Key, Any] | None
+    state: OperatorState,
+    body: Mapping[str, Any],
+    children: Mapping[Key, Any] | None,
+    models: Mapping[Key, Any] | None = None,
 ) -> None:
     """The gateway wrote which backend the predictor runs (``status.predictorReport``): reconcile when that changes
     the backend the status reports.
@@ -509,7 +751,7 @@ async def follow_predictor_report(
         return
     if model.status.backend == reported_backend(model).value:
         return
-    await reconcile_model(state, body, children, reason="the predictor reported its backend")
+    await reconcile_model(state, body, children, reason="the predictor reported its backend", models=models)
 
 
 def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:

@@ -22,6 +22,16 @@ PLURAL = "inferenceservices"
 DEPLOYMENT_MODE_ANNOTATION = f"{GROUP}/deploymentMode"
 STOP_ANNOTATION = f"{GROUP}/stop"
 
+#: KServe's LocalModelCache (v0.14.1-v0.20.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go: cluster-scoped,
+#: served at v1alpha1) and what steers it on an InferenceService (v0.16.0 pkg/constants/constants.go: LocalModelLabel,
+#: NodeGroupAnnotationKey, DisableLocalModelKey). See universal_operator.reconcile.cache.
+CACHE_VERSION = "v1alpha1"
+CACHE_KIND = "LocalModelCache"
+CACHE_PLURAL = "localmodelcaches"
+LOCAL_MODEL_LABEL = "internal.serving.kserve.io/localmodel"
+NODE_GROUP_ANNOTATION = f"{GROUP}/nodegroup"
+DISABLE_LOCAL_MODEL_ANNOTATION = f"{GROUP}/disable-localmodel"
+
 #: The release that renamed the deployment modes Serverless -> Knative and RawDeployment -> Standard.
 #: KServe v0.16.0 pkg/constants/constants.go (LegacyServerless, Knative, LegacyRawDeployment, Standard).
 MODE_RENAME: Release = (0, 16, 0)

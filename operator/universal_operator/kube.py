@@ -10,7 +10,7 @@ from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.generic_resource import create_namespaced_resource
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.core_v1 import ServiceAccount
 from lightkube.types import PatchType
 
@@ -21,6 +21,7 @@ FIELD_MANAGER = "universal-runtime-operator"
 
 InferenceService = create_namespaced_resource(kserve.GROUP, kserve.VERSION, kserve.KIND, kserve.PLURAL)
 UniversalModelResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+LocalModelCache = create_global_resource(kserve.GROUP, kserve.CACHE_VERSION, kserve.CACHE_KIND, kserve.CACHE_PLURAL)
 
 
 def api_error_code(exc: ApiError) -> int:
@@ -92,6 +93,20 @@ class KubeApi:
         obj = ServiceAccount.from_dict(desired)
         result: Any = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
         return dict(result.to_dict())
+
+    async def list_local_model_caches(self) -> list[dict[str, Any]]:
+        """Every LocalModelCache in the cluster (they are cluster-scoped)."""
+        items: Any = self.client.list(LocalModelCache)
+        return [dict(item.to_dict()) async for item in items]
+
+    async def apply_local_model_cache(self, desired: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply a LocalModelCache; returns it as the API server stored it."""
+        obj = LocalModelCache.from_dict(desired)
+        result: Any = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        return dict(result.to_dict())
+
+    async def delete_local_model_cache(self, name: str) -> None:
+        await self.client.delete(LocalModelCache, name)
 
     async def patch_model_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the UniversalModel's status subresource (None values remove keys)."""

@@ -54,6 +54,9 @@ DURATION = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
 QUANTITY = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
 SOURCE_URI = r"^((hf|s3|gs|pvc|oci|https?|file|package)://.+|/.*|\.{1,2}(/.*)?|[A-Za-z0-9_][^:]*)$"
 REMOTE_SCHEMES = ("hf", "s3", "gs", "pvc", "oci", "https", "http")
+#: Sources a node-local cache can hold: what KServe's storage initializer downloads (its node agent runs it). A
+#: pvc:// source is a volume already; an oci:// one is an image the node's image cache keeps.
+SCHEMES_CACHED = ("hf", "s3", "gs", "https", "http")
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
 
@@ -201,6 +204,26 @@ class State(_Model):
         max_length=512,
         pattern=r"^[^/].*$",
         description="A relative directory inside the claim (default: its root).",
+    )
+
+
+class Cache(_Model):
+    """A copy of the model on its nodes' disks that outlives scale to zero: KServe's LocalModelCache."""
+
+    node_groups: list[
+        Annotated[str, Field(pattern=DNS_1123_SUBDOMAIN, max_length=253, description="A LocalModelNodeGroup's name.")]
+    ] = Field(
+        min_length=1,
+        max_length=16,
+        description=(
+            "KServe LocalModelNodeGroups (made by the platform team) whose nodes keep a copy. The predictor runs "
+            "on the first one's nodes (its serving.kserve.io/nodegroup annotation); models sharing a source share "
+            "one cache holding all the groups they name."
+        ),
+    )
+    model_size: str = Field(
+        pattern=QUANTITY,
+        description="The model's size on disk, e.g. 16Gi; KServe checks it against the node group's storage limit.",
     )
 
 
@@ -495,6 +518,13 @@ PROJECTOR_MESSAGE = (
     "source.projectorFile picks a multimodal projector GGUF and applies only to task generate with "
     "backend auto or llamacpp"
 )
+#: ``cache``: KServe's node agent downloads with the storage initializer, so only what it downloads is cached.
+CACHE_RULE = "!has(self.cache) || self.source.uri.matches('^(" + "|".join(SCHEMES_CACHED) + ")://')"
+CACHE_MESSAGE = (
+    "cache keeps a downloaded copy on the nodes, so it applies only to sources KServe downloads: "
+    + ", ".join(f"{s}://" for s in SCHEMES_CACHED)
+    + " (a pvc:// source is a volume already; an oci:// image stays in the node's image cache)"
+)
 
 
 class UniversalModelSpec(_Model):
@@ -506,6 +536,7 @@ class UniversalModelSpec(_Model):
                 _cel(task_backend_rule(), task_backend_message(), ".backend"),
                 _cel(file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
                 _cel(PROJECTOR_RULE, PROJECTOR_MESSAGE, ".source.projectorFile"),
+                _cel(CACHE_RULE, CACHE_MESSAGE, ".cache"),
             ]
         }
     )
@@ -563,6 +594,14 @@ class UniversalModelSpec(_Model):
         max_length=1024,
         description="A predictor image to run instead of the profile's or the operator's default.",
     )
+    cache: Cache | None = Field(
+        default=None,
+        description=(
+            "Keep the model on its nodes' disks (KServe LocalModelCache), so a wake from zero mounts it instead of "
+            "downloading it. For sources KServe downloads (hf, s3, gs, https); needs KServe's localModel enabled "
+            "(the status's Cached condition says when it is not)."
+        ),
+    )
 
     @field_validator("engine_args", mode="before")
     @classmethod
@@ -597,6 +636,14 @@ class UniversalModelSpec(_Model):
             raise ValueError(PROJECTOR_MESSAGE)
         return source
 
+    @field_validator("cache")
+    @classmethod
+    def _cache_needs_a_download(cls, cache: Cache | None, info: ValidationInfo) -> Cache | None:
+        source = info.data.get("source")
+        if cache is not None and source is not None and source.scheme not in SCHEMES_CACHED:
+            raise ValueError(CACHE_MESSAGE)
+        return cache
+
     @field_validator("env")
     @classmethod
     def _unique_env_names(cls, env: list[EnvVar]) -> list[EnvVar]:
@@ -621,6 +668,11 @@ class ObjectMeta(BaseModel):
     creation_timestamp: str = Field(default="", alias="creationTimestamp")
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+    deletion_timestamp: Any = Field(default=None, alias="deletionTimestamp")
+
+    @property
+    def deleting(self) -> bool:
+        return bool(self.deletion_timestamp)
 
     @field_validator("creation_timestamp", mode="before")
     @classmethod
@@ -683,6 +735,18 @@ class WarmScheduleStatus(_Model):
     )
 
 
+class CacheStatus(_Model):
+    """The model's LocalModelCache, as KServe reports it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str | None = Field(default=None, description="The LocalModelCache (shared by the models with this source).")
+    nodes_downloaded: int = Field(default=0, description="Nodes holding the model.")
+    nodes_total: int = Field(default=0, description="Nodes of the cache's node groups.")
+    nodes_failed: int = Field(default=0, description="Nodes whose download failed.")
+    mounted: bool = Field(default=False, description="Whether the InferenceService mounts the cache now.")
+
+
 class UniversalModelStatus(_Model):
     """What the operator observed (and, in predictorReport, the gateway)."""
 
@@ -725,10 +789,14 @@ class UniversalModelStatus(_Model):
     warm_schedule: WarmScheduleStatus | None = Field(
         default=None, description="With scaling.warmSchedule: whether a window is on now, and when that changes."
     )
+    cache: CacheStatus | None = Field(
+        default=None, description="With spec.cache: the LocalModelCache and how many nodes hold the model."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description=(
-            "Ready, SpecValid, InferenceServiceReady and (Standard mode) IdleStop, with reasons and transition times."
+            "Ready, SpecValid, InferenceServiceReady, (Standard mode) IdleStop and (with spec.cache) Cached, with "
+            "reasons and transition times."
         ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )

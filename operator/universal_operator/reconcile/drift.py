@@ -10,6 +10,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from universal_operator.kserve import DISABLE_LOCAL_MODEL_ANNOTATION
+
 _QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
 _SUFFIX = {
     "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("0.001"), "k": Decimal(10**3),
@@ -90,8 +92,19 @@ def is_subset(want: Any, have: Any, *, quantities: bool = False, field: str | No
     return _same_scalar(want, have, quantities)
 
 
+#: Annotations the operator sets and later removes: their presence where the render has none is drift too (the
+#: LocalModelCache opt-out, lifted once the cache holds the model: see :mod:`.cache`).
+REMOVABLE_ANNOTATIONS = (DISABLE_LOCAL_MODEL_ANNOTATION,)
+
+
 def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
-    """Whether the live InferenceService lost something the operator set (or is gone)."""
+    """Whether the live InferenceService lost something the operator set (or is gone), or keeps an annotation the
+    operator no longer sets (:data:`REMOVABLE_ANNOTATIONS`)."""
+    if actual is not None:
+        wanted = (desired.get("metadata") or {}).get("annotations") or {}
+        present = (actual.get("metadata") or {}).get("annotations") or {}
+        if any(key in present and key not in wanted for key in REMOVABLE_ANNOTATIONS):
+            return True
     if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):
         return True
     want_meta = desired["metadata"]

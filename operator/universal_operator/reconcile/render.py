@@ -17,6 +17,7 @@ from universal_operator.predictor import (
     engine_arg_defaults,
     predictor_config,
 )
+from universal_operator.reconcile.cache import DISABLE_ANNOTATION, NODE_GROUP_ANNOTATION, CacheState
 from universal_operator.reconcile.checks import FEATURE_SECURITY_CONTEXT, check_servable
 from universal_operator.reconcile.labels import (
     ANNOTATION_SERVED_NAME,
@@ -253,8 +254,21 @@ def _min_replicas(min_replicas: int, schedule: list[WarmWindow], now: datetime |
     return 1 if active else min_replicas
 
 
+def cache_annotations(model: UniversalModel, cache: CacheState | None) -> dict[str, str]:
+    """What steers KServe's LocalModelCache for this model (:mod:`.cache`): the node group it runs on, and the opt-out
+    while the cache its source matches does not hold the model on every node yet (KServe would mount it anyway)."""
+    if cache is None or cache.name is None:
+        return {}
+    out: dict[str, str] = {}
+    if model.spec.cache is not None:
+        out[NODE_GROUP_ANNOTATION] = model.spec.cache.node_groups[0]
+    if not cache.ready:
+        out[DISABLE_ANNOTATION] = "true"
+    return out
+
+
 def desired_inference_service(
-    model: UniversalModel, config: OperatorConfig, *, now: datetime | None = None
+    model: UniversalModel, config: OperatorConfig, *, now: datetime | None = None, cache: CacheState | None = None
 ) -> dict[str, Any]:
     """The InferenceService that serves ``model``: everything the operator owns in it, nothing else.
 
@@ -264,6 +278,8 @@ def desired_inference_service(
 
     Applied by server-side apply, so fields KServe or the gateway set (defaults, the stop annotation)
     are theirs and stay untouched. Raises SpecError for a spec only the operator can reject.
+
+    ``cache``: the LocalModelCache the model's source matches, if any (:func:`cache_annotations`).
     """
     profile = check_servable(model, config)
     spec = model.spec
@@ -352,6 +368,7 @@ def desired_inference_service(
             "annotations": {
                 kserve.DEPLOYMENT_MODE_ANNOTATION: kserve.deployment_mode(config.kserve.release, scaling.mode),
                 ANNOTATION_SERVED_NAME: model.served_name,
+                **cache_annotations(model, cache),
             },
             "ownerReferences": [owner_reference(model)],
         },

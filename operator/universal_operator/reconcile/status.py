@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from universal_operator import kserve
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import reported_backend
+from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.reconcile.waking import WakeStep, predictor_step
 from universal_operator.spec import CONDITION_IDLE_STOP, Condition, Phase, ScalingMode, SpecError, UniversalModel
@@ -108,9 +109,11 @@ def status_from_inference_service(
     *,
     config: OperatorConfig | None = None,
     pods: Iterable[Mapping[str, Any]] | None = None,
+    cache: CacheState | None = None,
 ) -> dict[str, Any]:
     """The UniversalModel's status given its InferenceService as KServe last reported it, and its predictor pods
-    (``pods``: None when not known) for the step a starting predictor is at (:mod:`.waking`).
+    (``pods``: None when not known) for the step a starting predictor is at (:mod:`.waking`). ``cache``: the
+    LocalModelCache its source matches, reported as ``status.cache`` and the Cached condition (:mod:`.cache`).
 
     What KServe reports, and so what this reads (KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/
     inference_service_status.go unless named):
@@ -149,6 +152,7 @@ def status_from_inference_service(
         base["warmSchedule"] = {"active": active, "nextChange": _now_text(next_change) if next_change else None}
     spec_valid = ("SpecValid", "True", "Valid", "The spec is valid.")
     extra: list[tuple[str, str, str, str]] = []
+    base["cache"] = cache.status(isvc) if cache is not None else None
     if not knative:
         refusal = kserve.stop_unsupported(release, mode)
         extra.append(
@@ -160,6 +164,8 @@ def status_from_inference_service(
                 f"({kserve.STOP_ANNOTATION}) and the next request wakes it.",
             )
         )  # fmt: skip
+    if cache is not None:
+        extra.append(cache.condition(isvc))
     previous = model.status.conditions
 
     if isvc is None:
