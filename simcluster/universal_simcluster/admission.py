@@ -26,6 +26,7 @@ admission) is left to the stand-ins through :func:`reconcile_problems`.
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -80,6 +81,9 @@ class Cluster:
     #: KServe's ``ingress.domainTemplate`` and ``ingressDomain`` (config/configmap/inferenceservice.yaml).
     domain_template: str = "{name}-{namespace}.{domain}"
     ingress_domain: str = "example.com"
+    #: KServe's ``localModel.enabled`` in inferenceservice-config (false in config/configmap/inferenceservice.yaml):
+    #: whether the defaulting webhook looks for a LocalModelCache matching each InferenceService.
+    local_model_enabled: bool = False
 
     def enabled(self, flag: str) -> bool:
         return flag in self.knative_features
@@ -610,7 +614,139 @@ def pod_problems(isvc: JSON) -> list[str]:
 # The whole chain, and what KServe's reconcile fails on
 
 
-def admit(isvc: JSON, old: JSON | None, cluster: Cluster) -> JSON:
+# --------------------------------------------------------------------------------------------------
+# KServe's LocalModelCache: the defaulting webhook's label, the cache's own validating webhook
+
+#: KServe v0.16.0 pkg/constants/constants.go: LocalModelLabel, LocalModelSourceUriAnnotationKey,
+#: LocalModelPVCNameAnnotationKey, NodeGroupAnnotationKey (from v0.15.0), DisableLocalModelKey. Spelled here, not
+#: imported from the operator: the stand-in checks the operator against upstream's names.
+LOCAL_MODEL_LABEL = "internal.serving.kserve.io/localmodel"
+LOCAL_MODEL_SOURCE_ANNOTATION = "internal.serving.kserve.io/localmodel-sourceuri"
+LOCAL_MODEL_PVC_ANNOTATION = "internal.serving.kserve.io/localmodel-pvc-name"
+NODE_GROUP_ANNOTATION = "serving.kserve.io/nodegroup"
+DISABLE_LOCAL_MODEL_ANNOTATION = "serving.kserve.io/disable-localmodel"
+LOCAL_MODEL_CACHE_VALIDATOR = "localmodelcache.kserve-webhook-server.validator"
+#: The release from which the node-group annotation picks the claim (v0.15.0 adds NodeGroupAnnotationKey).
+NODE_GROUP_SINCE = (0, 15, 0)
+#: The release from which a node's copy lives under models/<storage key> (v0.18.0 GetStorageKey), not models/<cache>.
+STORAGE_KEY_SINCE = (0, 18, 0)
+
+
+def match_storage_uri(source: str, storage_uri: str) -> bool:
+    """KServe v0.16.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI: the URI is the cache's
+    source or a path below it."""
+    cached, wanted = source.rstrip("/"), storage_uri.rstrip("/")
+    return wanted == cached or wanted.startswith(cached + "/")
+
+
+def storage_key(source: str) -> str:
+    """KServe v0.18.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go GetStorageKey: sha256, 16 hex digits."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def cached_folder(cache: JSON, release: tuple[int, int, int]) -> str:
+    """The folder under the node group's volume holding a cache's model: ``models/<name>`` (v0.14.1-v0.17.1
+    localmodelnode/controller.go launchJob's subPath), ``models/<storage key>`` from v0.18.0."""
+    if release >= STORAGE_KEY_SINCE:
+        return f"models/{storage_key(str(cache['spec']['sourceModelUri']))}"
+    return f"models/{cache['metadata']['name']}"
+
+
+def custom_storage_uri(isvc: JSON) -> str | None:
+    """A custom predictor's storage URI: its kserve-container's STORAGE_URI env value (KServe v0.16.0
+    pkg/apis/serving/v1beta1/predictor_custom.go GetStorageUri)."""
+    for container in _predictor(isvc).get("containers") or []:
+        if container.get("name") == CONTAINER_NAME:
+            return next((e.get("value") for e in container.get("env") or [] if e.get("name") == "STORAGE_URI"), None)
+    return None
+
+
+def _drop_local_model(meta: JSON) -> None:
+    (meta.get("labels") or {}).pop(LOCAL_MODEL_LABEL, None)
+    for key in (LOCAL_MODEL_SOURCE_ANNOTATION, LOCAL_MODEL_PVC_ANNOTATION):
+        (meta.get("annotations") or {}).pop(key, None)
+
+
+def set_local_model_label(isvc: JSON, caches: list[JSON], cluster: Cluster) -> None:
+    """The defaulting webhook's LocalModelCache step, in place (KServe v0.16.0 pkg/apis/serving/v1beta1/
+    inference_service_defaults.go: Default lists the caches only with localModel.enabled and no
+    disable-localmodel annotation; setLocalModelLabel).
+
+    With no list (disabled, or opted out) v0.14.1-v0.17.1 leave the labels as they are; v0.18.0 on removes them. The
+    first cache (in list order) whose source matches the storage URI wins; with a node-group annotation (v0.15.0+)
+    only a cache listing that group matches, and the claim is ``<cache>-<group>``; else ``<cache>-<first group>``.
+    """
+    meta = isvc.setdefault("metadata", {})
+    annotations = meta.get("annotations") or {}
+    listed = cluster.local_model_enabled and DISABLE_LOCAL_MODEL_ANNOTATION not in annotations
+    if not listed:
+        if cluster.kserve >= STORAGE_KEY_SINCE:
+            _drop_local_model(meta)
+        return
+    uri = custom_storage_uri(isvc)
+    if uri is None:
+        return
+    group = annotations.get(NODE_GROUP_ANNOTATION) if cluster.kserve >= NODE_GROUP_SINCE else None
+    for cache in caches:
+        spec = cache.get("spec") or {}
+        groups = list(spec.get("nodeGroups") or [])
+        if not groups or not match_storage_uri(str(spec.get("sourceModelUri") or ""), uri):
+            continue
+        if group is not None and group not in groups:
+            continue
+        name = cache["metadata"]["name"]
+        meta.setdefault("labels", {})[LOCAL_MODEL_LABEL] = name
+        meta.setdefault("annotations", {})[LOCAL_MODEL_SOURCE_ANNOTATION] = spec["sourceModelUri"]
+        meta["annotations"][LOCAL_MODEL_PVC_ANNOTATION] = f"{name}-{group if group is not None else groups[0]}"
+        return
+    _drop_local_model(meta)
+
+
+def local_model_cache_refusal(cache: JSON, old: JSON | None, others: list[JSON]) -> str | None:
+    """Why a LocalModelCache create or update is refused, or None.
+
+    The CRD's CEL rule on sourceModelUri (``self == oldSelf``, "StorageUri is immutable": KServe v0.16.0
+    config/crd/full/serving.kserve.io_localmodelcaches.yaml) and the validating webhook's unique-URI check
+    (pkg/webhook/admission/localmodelcache/local_model_cache_validation.go validateUniqueStorageURI).
+    """
+    spec = cache.get("spec") or {}
+    uri = spec.get("sourceModelUri")
+    if old is not None and (old.get("spec") or {}).get("sourceModelUri") != uri:
+        return (
+            "LocalModelCache.serving.kserve.io is invalid: spec.sourceModelUri: Invalid value: StorageUri is immutable"
+        )
+    name = cache["metadata"]["name"]
+    for other in others:
+        if other["metadata"]["name"] != name and (other.get("spec") or {}).get("sourceModelUri") == uri:
+            return (
+                f'admission webhook "{LOCAL_MODEL_CACHE_VALIDATOR}" denied the request: LocalModelCache '
+                f"{other['metadata']['name']} has the same StorageURI {uri}"
+            )
+    return None
+
+
+def local_model_cache_delete_refusal(cache: JSON, isvcs: dict[tuple[str, str], JSON]) -> str | None:
+    """Why deleting a LocalModelCache is refused: an InferenceService its status lists still carries its label, or
+    cannot be read (the webhook returns the Get error). KServe v0.16.0 local_model_cache_validation.go ValidateDelete.
+    """
+    name = cache["metadata"]["name"]
+    for ref in (cache.get("status") or {}).get("inferenceServices") or []:
+        key = (str(ref.get("namespace")), str(ref.get("name")))
+        isvc = isvcs.get(key)
+        if isvc is None:
+            return (
+                f'admission webhook "{LOCAL_MODEL_CACHE_VALIDATOR}" denied the request: '
+                f'inferenceservices.serving.kserve.io "{key[1]}" not found'
+            )
+        if ((isvc.get("metadata") or {}).get("labels") or {}).get(LOCAL_MODEL_LABEL) == name:
+            return (
+                f'admission webhook "{LOCAL_MODEL_CACHE_VALIDATOR}" denied the request: LocalModelCache {name} is '
+                f"being used by InferenceService {key[1]}"
+            )
+    return None
+
+
+def admit(isvc: JSON, old: JSON | None, cluster: Cluster, caches: list[JSON] | None = None) -> JSON:
     """The object as stored after admission, or :class:`Denied` with the API server's answer.
 
     A validating webhook's refusal reaches the client as Kubernetes' apiserver
@@ -620,8 +756,11 @@ def admit(isvc: JSON, old: JSON | None, cluster: Cluster) -> JSON:
     controller-runtime pkg/webhook/admission/response.go ValidationResponse); Knative's webhook
     (knative.dev/pkg webhook/resourcesemantics/validation) answers a Status without a code, which the API
     server turns into 400 BadRequest, with ``validation failed: `` before the field errors.
+
+    ``caches``: the cluster's LocalModelCaches (the defaulting webhook lists them: :func:`set_local_model_label`).
     """
     defaulted = kserve_default(isvc, cluster)
+    set_local_model_label(defaulted, caches or [], cluster)
     refusal = kserve_validate(defaulted, old, cluster)
     if refusal is not None:
         raise Denied(403, "Forbidden", f'admission webhook "{KSERVE_VALIDATOR}" denied the request: {refusal}')

@@ -69,7 +69,12 @@ from universal_simcluster.apiserver.clock import rfc3339
 from universal_simcluster.apiserver.emulator import HARNESS_HEADER, KubeEmulator
 from universal_simcluster.apiserver.errors import ApiError, status_body
 from universal_simcluster.apiserver.patch import apply_merge, merge_patch, schema_list_types
-from universal_simcluster.apiserver.registration import register_builtins, register_crd, register_inference_services
+from universal_simcluster.apiserver.registration import (
+    register_builtins,
+    register_crd,
+    register_inference_services,
+    register_local_model_caches,
+)
 from universal_simcluster.apiserver.resources import ALL_VERBS, JSON, ListType, PrinterColumn, ResourceSpec
 from universal_simcluster.apiserver.selectors import parse_field_selector, parse_label_selector
 from universal_simcluster.apiserver.server import ServedEmulator, serve_emulator, write_kubeconfig
@@ -102,6 +107,7 @@ __all__ = [
     "register_builtins",
     "register_crd",
     "register_inference_services",
+    "register_local_model_caches",
     "rfc3339",
     "schema_list_types",
     "serve_emulator",

@@ -502,17 +502,45 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta["generation"] = 1
         return present(self._commit(spec, obj, "ADDED"), spec)
 
+    def _kserve_objects(self, plural: str) -> list[JSON]:
+        """Stored KServe objects of ``plural`` (none when KServe's CRD is not served), in the API's list order."""
+        version = "v1alpha1" if plural.startswith("localmodel") else "v1beta1"
+        canon = kmock.resource("serving.kserve.io", version, plural)
+        if canon not in self._specs:
+            return []
+        return self._select(canon, None, {})
+
     def _admit(self, spec: ResourceSpec, obj: JSON, old: JSON | None) -> JSON:
-        """Admission of an InferenceService write (see :func:`universal_simcluster.admission.admit`)."""
-        if self.admission is None or (spec.group, spec.plural) != ("serving.kserve.io", "inferenceservices"):
+        """Admission of an InferenceService or LocalModelCache write (see :func:`universal_simcluster.admission.admit`,
+        :func:`universal_simcluster.admission.local_model_cache_refusal`)."""
+        if self.admission is None or spec.group != "serving.kserve.io":
             return obj
         if (obj.get("metadata") or {}).get("deletionTimestamp"):
             return obj  # finalizer bookkeeping on the way out
+        if spec.plural == "localmodelcaches":
+            refusal = _admission.local_model_cache_refusal(obj, old, self._kserve_objects("localmodelcaches"))
+            if refusal is not None:
+                raise ApiError(422 if "immutable" in refusal else 403, refusal, "Invalid" if "immutable" in refusal
+                               else "Forbidden")  # fmt: skip
+            return obj
+        if spec.plural != "inferenceservices":
+            return obj
+        caches = self._kserve_objects("localmodelcaches") if self.admission.local_model_enabled else None
         try:
-            return _admission.admit(obj, old, self.admission)
+            return _admission.admit(obj, old, self.admission, caches)
         except _admission.Denied as denied:
             # A webhook's Status carries no details (apiserver webhook/errors/statuserror.go ToStatusErr).
             raise ApiError(denied.code, denied.message, denied.reason) from None
+
+    def _admit_delete(self, spec: ResourceSpec, old: JSON) -> None:
+        """KServe's LocalModelCache webhook also validates deletes (its ``verbs=create;update;delete``)."""
+        if self.admission is None or (spec.group, spec.plural) != ("serving.kserve.io", "localmodelcaches"):
+            return
+        isvcs = {(o["metadata"].get("namespace"), o["metadata"]["name"]): o
+                 for o in self._kserve_objects("inferenceservices")}  # fmt: skip
+        refusal = _admission.local_model_cache_delete_refusal(old, isvcs)
+        if refusal is not None:
+            raise ApiError(403, refusal, "Forbidden")
 
     def _update(self, spec: ResourceSpec, request: kmock.Request, kind: str) -> JSON:
         assert request.name is not None
@@ -627,6 +655,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise self._conflict(spec, name, "Precondition failed: UID in precondition does not match")
         if pre.get("resourceVersion") and pre["resourceVersion"] != old["metadata"]["resourceVersion"]:
             raise self._conflict(spec, name, "Precondition failed: ResourceVersion does not match")
+        self._admit_delete(spec, old)
         return present(self._begin_delete(spec, old, cascade=options.get("propagationPolicy") != "Orphan"), spec)
 
     def _begin_delete(self, spec: ResourceSpec, old: JSON, *, cascade: bool = True) -> JSON:

@@ -127,3 +127,35 @@ def register_inference_services(emulator: KubeEmulator) -> None:
             },
         },
     )
+
+
+#: KServe's LocalModel kinds, all cluster-scoped at v1alpha1: (kind, plural, status subresource). KServe v0.14.1-v0.20.0
+#: config/crd/full/serving.kserve.io_localmodelcaches.yaml, _localmodelnodegroups.yaml, _localmodelnodes.yaml
+#: (``scope: Cluster``; the cache and the node have ``subresources: status``, the node group none).
+LOCAL_MODEL_KINDS = (
+    ("LocalModelCache", "localmodelcaches", True),
+    ("LocalModelNodeGroup", "localmodelnodegroups", False),
+    ("LocalModelNode", "localmodelnodes", True),
+)
+
+
+def register_local_model_caches(emulator: KubeEmulator) -> None:
+    """Serve KServe's LocalModelCache, LocalModelNodeGroup and LocalModelNode (``serving.kserve.io/v1alpha1``)."""
+    for kind, plural, status in LOCAL_MODEL_KINDS:
+        version: dict[str, Any] = {"name": "v1alpha1", "served": True, "storage": True}
+        if status:
+            version["subresources"] = {"status": {}}
+        register_crd(
+            emulator,
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.serving.kserve.io"},
+                "spec": {
+                    "group": "serving.kserve.io",
+                    "scope": "Cluster",
+                    "names": {"plural": plural, "singular": plural[:-1], "kind": kind, "listKind": f"{kind}List"},
+                    "versions": [version],
+                },
+            },
+        )

@@ -16,7 +16,12 @@ import yaml
 
 from universal_simcluster import admission as _admission
 from universal_simcluster.apiserver.emulator import KubeEmulator
-from universal_simcluster.apiserver.registration import register_builtins, register_crd, register_inference_services
+from universal_simcluster.apiserver.registration import (
+    register_builtins,
+    register_crd,
+    register_inference_services,
+    register_local_model_caches,
+)
 
 
 @dataclass
@@ -80,12 +85,14 @@ async def serve_emulator(
     *,
     crds: Sequence[Mapping[str, Any]] = (),
     inference_services: bool = True,
+    local_model_caches: bool = True,
     emulator: KubeEmulator | None = None,
     admission: _admission.Cluster | None = _admission.DEFAULT_CLUSTER,
 ) -> AsyncIterator[ServedEmulator]:
     """Start an emulator (builtins, optional CRDs, KServe) on a random loopback port; write a kubeconfig.
 
-    InferenceService writes pass ``admission`` (default: KServe 0.16 with a default Knative install);
+    ``local_model_caches``: serve KServe's LocalModelCache kinds (as KServe's CRDs install them; False: a cluster
+    without them). InferenceService writes pass ``admission`` (default: KServe 0.16 with a default Knative install);
     None serves them unchecked. An emulator passed in keeps an admission it already has.
     """
     emulator = emulator if emulator is not None else KubeEmulator()
@@ -95,6 +102,8 @@ async def serve_emulator(
         register_builtins(emulator)
         if inference_services:
             register_inference_services(emulator)
+        if local_model_caches:
+            register_local_model_caches(emulator)
         for crd in crds:
             register_crd(emulator, crd)
     async with emulator, kmock.Server(emulator) as server:

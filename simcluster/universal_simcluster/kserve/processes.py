@@ -71,6 +71,7 @@ from universal_operator.spec import parse_duration
 from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
 from universal_simcluster import admission
 from universal_simcluster.kserve import storage_initializer
+from universal_simcluster.kserve.localmodel import LocalModelStandin
 from universal_simcluster.kserve.standin import (
     DEFAULT_VERSION,
     Child,
@@ -540,9 +541,31 @@ class PredictorWorkload:
             local.mkdir(parents=True, exist_ok=True)
             mounts[mount["mountPath"]] = local
         storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
-        if storage_uri:
+        cached = self._cached_folder()
+        if cached is not None:
+            mounts[MODEL_MOUNT_PATH] = cached
+        elif storage_uri:
+            self.kserve.initializer_runs.append(self.key)
             mounts[MODEL_MOUNT_PATH] = self._storage_initializer(storage_uri, credentials)
         return mounts
+
+    def _cached_folder(self) -> Path | None:
+        """With KServe's LocalModelCache label on the InferenceService, the pod webhook mounts the cache's claim at
+        /mnt/models and runs no storage initializer (KServe v0.16.0 pkg/webhook/admission/pod/
+        storage_initializer_injector.go InjectStorageInitializer: the source becomes ``pvc://<claim>/models/...``,
+        mounted directly). The folder exists whether or not the node holds the model yet, as a claim would."""
+        labels = self.isvc["metadata"].get("labels") or {}
+        if admission.LOCAL_MODEL_LABEL not in labels:
+            return None
+        folder = self.kserve.local_models.mounted_folder(self.isvc) if self.kserve.local_models else None
+        if folder is None:
+            raise LaunchFailed(
+                f"FailedScheduling: persistentvolumeclaim "
+                f"{(self.isvc['metadata'].get('annotations') or {}).get(admission.LOCAL_MODEL_PVC_ANNOTATION)!r} "
+                "not found (no LocalModelCache controller made it)"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def _storage_initializer(self, storage_uri: str, credentials: Mapping[str, str]) -> Path:
         """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy.
@@ -639,9 +662,13 @@ class PredictorWorkload:
         storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
         model_dir = links = modelcar = None
         try:
-            if storage_uri and storage_uri.startswith(OCI_PREFIX):
+            cached = self._cached_folder()
+            if cached is not None:
+                model_dir = cached
+            elif storage_uri and storage_uri.startswith(OCI_PREFIX):
                 modelcar = await self._modelcar(storage_uri, name, pod)
             elif storage_uri:
+                self.kserve.initializer_runs.append(self.key)
                 model_dir, links = await self._fetch(storage_uri, await self._storage_credentials(), pod)
             try:
                 args = run_args(
@@ -963,6 +990,7 @@ class ProcessKServe:
         version: KServeVersion = DEFAULT_VERSION,
         mode: Mode = "process",
         clock: Callable[[], float] = time.monotonic,
+        local_models: LocalModelStandin | None = None,
     ) -> None:
         if mode not in ("process", "container"):
             raise ValueError(f"mode must be 'process' or 'container', not {mode!r}")
@@ -984,6 +1012,10 @@ class ProcessKServe:
         #: check none outlived it; in container mode also every container's name.
         self.started_pids: list[int] = []
         self.started_containers: list[str] = []
+        #: KServe's LocalModelCache stand-in, whose node folders labelled InferenceServices mount (None: no cache).
+        self.local_models = local_models
+        #: Every storage-initializer run, by InferenceService: a pod that mounts a cache runs none.
+        self.initializer_runs: list[Key] = []
 
     def workload(self, namespace: str, name: str) -> PredictorWorkload | None:
         return self.workloads.get((namespace, name))
