@@ -1,8 +1,7 @@
-"""The emulator's KServe LocalModelCache admission, release by release, against what KServe's source does.
-
+"""The emulator's KServe LocalModelCache admission, release by release, against what KServe's source does:
 :func:`universal_simcluster.admission.set_local_model_label` (KServe
-pkg/apis/serving/v1beta1/inference_service_defaults.go setLocalModelLabel at v0.14.1, v0.16.0 and v0.18.0) and the cache's validating webhook
-(pkg/webhook/admission/localmodelcache/local_model_cache_validation.go).
+pkg/apis/serving/v1beta1/inference_service_defaults.go setLocalModelLabel at v0.14.1, v0.16.0 and v0.18.0) and the
+cache's validating webhook (pkg/webhook/admission/localmodelcache/local_model_cache_validation.go).
 """
 
 from __future__ import annotations
