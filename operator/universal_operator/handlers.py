@@ -533,7 +533,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
             await follow_predictor_report(kw["memo"]["state"], kw["body"], kw["children"], kw["models"])
 
     @kopf.on.event(*um, registry=registry, id="forget-deleted")
-    def forget(**kw: Any) -> None:
+    async def forget(**kw: Any) -> None:
         if kw["event"]["type"] == "DELETED":
             state: OperatorState = kw["memo"]["state"]
             state.forget(_key(kw["body"]))

@@ -23,6 +23,7 @@ from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_operator.config import OperatorConfig
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import InferenceService
+from universal_operator.reconcile.cache import cache_name
 from universal_simcluster.apiserver import HARNESS_HEADER, Access, ServedEmulator, serve_emulator
 from universal_simcluster.apiserver.rbac import Grant, RbacEmulator, allows, grants_for, rule_grants
 from universal_simcluster.kserve.standin import ready_status
@@ -159,7 +160,11 @@ async def test_the_gateway_under_the_charts_rbac_sees_models_in_the_namespaces_i
 # the operator: enough and not more, under enforcement
 
 
-@pytest.fixture(params=[CLUSTER_WIDE, NAMESPACED], ids=["cluster-wide", "namespaced"])
+#: KServe's LocalModelCache enabled: the operator also owns LocalModelCaches (cluster-scoped, in either mode).
+WITH_CACHE: dict[str, Any] = {**NAMESPACED, "operator": {"config": {"kserve": {"localModelCache": True}}}}
+
+
+@pytest.fixture(params=[CLUSTER_WIDE, NAMESPACED, WITH_CACHE], ids=["cluster-wide", "namespaced", "with-cache"])
 def release(request: pytest.FixtureRequest, chart: helm.Chart) -> Rendered:
     return render(chart, request.param)
 
@@ -257,6 +262,23 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
     await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))
     await eventually(lambda: condition(emulator.get_object(UM, "default", "needs-h100"), "SpecValid") == "False")
     await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in emulator.list_objects("events", "default")))
+
+    if operator.config.kserve.local_model_cache:
+        # Cached models: their LocalModelCache created, patched for a second model's node group, deleted with both.
+        for name, group in (("cached", "workers"), ("cached-too", "gpus")):
+            cached = load_manifest("cluster/minilm-embed.yaml")
+            cached["metadata"]["name"] = name
+            cached["spec"]["cache"] = {"nodeGroups": [group], "modelSize": "100Mi"}
+            await harness_create(cluster, UM, "default", cached)
+        cache = cache_name(cached["spec"]["source"]["uri"])
+
+        def cache_groups() -> list[str] | None:
+            return ((emulator.get_object("localmodelcaches", None, cache) or {}).get("spec") or {}).get("nodeGroups")
+
+        await eventually(lambda: cache_groups() == ["workers", "gpus"])
+        await harness_delete(cluster, UM, "default", "cached")
+        await harness_delete(cluster, UM, "default", "cached-too")
+        await eventually(lambda: emulator.get_object("localmodelcaches", None, cache) is None, within=30)
 
     # Deleted: kopf releases its finalizer, and the model goes.
     assert emulator.get_object(UM, "default", "minilm")["metadata"]["finalizers"]  # type: ignore[index]

@@ -28,7 +28,9 @@ from tests.images.test_images import IMAGES, image_tier_skip_reason
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
+from universal_simcluster import admission
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.kserve.localmodel import LocalModelStandin, local_model_standin
 from universal_simcluster.kserve.processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
 from universal_simcluster.kserve.storage_initializer import PROVISION_VOLUME
 from universal_simcluster.podman import podman, podman_sync
@@ -48,6 +50,10 @@ LOAD_WITHIN = 240.0
 #: A storage URI whose "hub" copy is an empty folder: KServe's storage code finds no model in it.
 EMPTY_SOURCE = "hf://example/empty-repository"
 TEXTS = ["A cat is sleeping on the sofa.", "A kitten naps on the couch.", "Quarterly revenue rose by 8%."]
+#: A source only the cached model names (KServe would match a cache to every InferenceService with its source).
+CACHED_SOURCE = "hf://cache-test/all-MiniLM-L6-v2"
+#: KServe's LocalModelNodeGroups and their nodes (the LocalModelCache stand-in's nodes).
+NODES = {"workers": ["node-a"]}
 
 
 @dataclass
@@ -56,6 +62,7 @@ class ContainerCluster:
     kserve: ProcessKServe
     openai: AsyncOpenAI
     workdir: Path
+    local_models: LocalModelStandin
 
     def model(self, name: str) -> dict[str, Any]:
         return self.served.emulator.get_object("universalmodels", NS, name) or {}
@@ -93,25 +100,30 @@ def _inspect(container: str) -> dict[str, Any]:
 async def cluster(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any]) -> AsyncIterator[ContainerCluster]:
     workdir = tmp_path_factory.mktemp("container-cluster")
     # The operator names the image under test, as the chart's operator.config.images.cpu would.
+    # KServe's LocalModelCache is on (localModel.enabled, the operator's kserve.localModelCache).
     config = parse_config({**TEST_OPERATOR_CONFIG, "images": {**TEST_OPERATOR_CONFIG["images"],
-                                                              "cpu": IMAGES["predictor-cpu"]}})  # fmt: skip
+                                                              "cpu": IMAGES["predictor-cpu"]},
+                           "kserve": {"localModelCache": True}})  # fmt: skip
     with pytest.MonkeyPatch.context() as env:
-        async with serve_emulator(workdir, crds=[crd]) as served:
+        async with serve_emulator(workdir, crds=[crd], admission=admission.Cluster(local_model_enabled=True)) as served:
             env.setenv("KUBECONFIG", str(served.kubeconfig))
             client = AsyncClient()
             empty = workdir / "empty-repository"
             empty.mkdir()
-            sources = {**DEFAULT_SOURCES, EMPTY_SOURCE: str(empty)}
+            sources = {**DEFAULT_SOURCES, EMPTY_SOURCE: str(empty),
+                       CACHED_SOURCE: DEFAULT_SOURCES["hf://sentence-transformers/all-MiniLM-L6-v2"]}  # fmt: skip
             try:
                 async with (
+                    local_model_standin(client, workdir / "kserve", nodes=NODES, sources=sources) as local_models,
                     embedded_operator(config),
                     kserve_processes(
-                        client, workdir / "kserve", mode="container", sources=sources, grace_period=10
+                        client, workdir / "kserve", mode="container", sources=sources, grace_period=10,
+                        local_models=local_models,
                     ) as kserve,
                     Gateway(KubernetesBackends([NS], reap_interval=0.2)).serving() as url,
-                ):
+                ):  # fmt: skip
                     openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=LOAD_WITHIN)
-                    yield ContainerCluster(served, kserve, openai, workdir)
+                    yield ContainerCluster(served, kserve, openai, workdir, local_models)
                     await openai.close()
                 # Leaving the stand-in removed every container it started (predictors and modelcars).
                 assert [name for name in kserve.started_containers if _exists(name)] == []
@@ -239,3 +251,40 @@ async def test_a_source_kserve_storage_cannot_fetch_fails_the_pod_before_its_con
     assert workload is not None
     assert workload.replica is None
     assert not any("-empty-" in name for name in cluster.kserve.started_containers)
+
+
+async def test_a_cached_model_mounts_the_nodes_copy_and_wakes_without_a_storage_initializer(
+    cluster: ContainerCluster,
+) -> None:
+    group = {"apiVersion": "serving.kserve.io/v1alpha1", "kind": "LocalModelNodeGroup",
+             "metadata": {"name": "workers"},
+             "spec": {"storageLimit": "10Gi", "persistentVolumeSpec": {}, "persistentVolumeClaimSpec": {}}}  # fmt: skip
+    await cluster.apply(group)
+    manifest = _minilm("minilm-cached", CACHED_SOURCE, KNATIVE_IDLE)
+    manifest["spec"]["cache"] = {"nodeGroups": ["workers"], "modelSize": "100Mi"}
+    await cluster.apply(manifest)
+
+    def mounted() -> bool:
+        return bool(((cluster.model("minilm-cached").get("status") or {}).get("cache") or {}).get("mounted"))
+
+    await eventually(mounted, within=60)
+    await eventually(lambda: cluster.phase("minilm-cached") == "Ready", within=LOAD_WITHIN)
+    _assert_real_embeddings(await cluster.embed("minilm-cached", TEXTS))
+
+    # Scaled to zero, then woken by the next call: the pod mounts the node's copy (real files, read-only) at
+    # /mnt/models, and no storage initializer ran for it.
+    first = cluster.running_container("minilm-cached")
+    await eventually(lambda: not _exists(first), within=120)
+    await eventually(lambda: cluster.phase("minilm-cached") == "Idle")
+    runs = cluster.kserve.initializer_runs.count((NS, "minilm-cached"))
+    _assert_real_embeddings(await cluster.embed("minilm-cached", TEXTS))
+    woken = cluster.running_container("minilm-cached")
+    assert woken != first
+    assert cluster.kserve.initializer_runs.count((NS, "minilm-cached")) == runs
+    [models] = [m for m in _inspect(woken)["Mounts"] if m["Destination"] == "/mnt/models"]
+    node_copy = cluster.workdir / "kserve" / "nodes" / "node-a" / "models"
+    assert Path(models["Source"]).parent == node_copy
+    assert models["RW"] is False
+    assert (Path(models["Source"]) / "model.safetensors").is_file()
+    assert not (Path(models["Source"]) / "model.safetensors").is_symlink()
+    assert cluster.local_models.downloads == [("node-a", Path(models["Source"]).name)]

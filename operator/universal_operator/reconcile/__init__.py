@@ -7,6 +7,7 @@ module per step, each importing only modules listed below it (the "Reconcile lay
 - :mod:`.render`: the InferenceService that serves a model (``desired_inference_service``).
 - :mod:`.checks`: what only the operator can judge about a spec (``check_servable``).
 - :mod:`.service_account`: the per-model ServiceAccount that hands storage credentials to KServe.
+- :mod:`.cache`: the KServe LocalModelCache of a model's source, and what its status says (``spec.cache``).
 - :mod:`.labels`: the labels, served-name annotation and owner reference that mark a child as a model's.
 - :mod:`.drift`: whether a live child still carries everything the operator set.
 
