@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from universal_predictors import metrics, wake_phases
 from universal_predictors.catalog import CATALOG, Backend, Catalog, Route, Task
-from universal_predictors.config import PredictorConfig
+from universal_predictors.config import PredictorConfig, resolve_source
 from universal_predictors.engine_args import NoEngineArgs, flat_key, known_keys
 from universal_predictors.errors import InvalidRequest, ModelNotFound, Unavailable
 from universal_predictors.http import DEFAULT_MAX_BODY_BYTES, endpoint, error_response, parse_json
@@ -136,6 +136,10 @@ class UniversalPredictor(kserve.Model):
         logger.info("loading %s (task %s, backend %s) from %s", self.name, self.task.value, self.backend.value,
                     self.config.source)  # fmt: skip
         try:
+            read = await asyncio.to_thread(wake_phases.CLOCK.read_weights, resolve_source(self.config.source))
+            if read:
+                logger.info("read %.0f MB of weights not in the page cache in %.2fs", read / 2**20,
+                            wake_phases.CLOCK.seconds["weights"])  # fmt: skip
             await asyncio.to_thread(self.load)
         except Exception as exc:
             logger.exception("loading %s failed", self.name)

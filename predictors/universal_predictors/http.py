@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from universal_predictors import metrics
+from universal_predictors import metrics, wake_phases
 from universal_predictors.errors import APIError, InternalError, InvalidRequest, RequestTooLarge
 
 logger = logging.getLogger(__name__)
@@ -300,7 +300,11 @@ def endpoint(
                 metrics.IN_FLIGHT.labels(name).dec()
                 metrics.LAST_REQUEST.labels(name).set_to_current_time()
                 metrics.REQUESTS.labels(name, route, outcome).inc()
-                metrics.LATENCY.labels(name, route).observe(time.perf_counter() - started)
+                spent = time.perf_counter() - started
+                metrics.LATENCY.labels(name, route).observe(spent)
+                if outcome == "ok" and wake_phases.CLOCK.first_answer(spent):
+                    metrics.LOAD_SECONDS.labels(model=name, phase="first_inference").set(spent)
+                    logger.info("%s answered its first request (%s) in %.2fs", name, route, spent)
 
         return wrapper
 

@@ -29,7 +29,8 @@ BATCH_SIZE = Histogram("universal_predictor_batch_size", "Items per forward pass
 ITEMS = Counter("universal_predictor_items_total", "Items processed (sentences, pairs, images, rows).", ["model"])
 LOAD_SECONDS = Gauge(
     "universal_predictor_load_seconds",
-    "Where the start-up went, by phase: process (interpreter and entry point), imports, weights_and_engine "
+    "Where the start-up went, by phase: process (interpreter and entry point), imports, weights, engine, "
+    "first_inference "
     "(universal_predictors.wake_phases).", ["model", "phase"],
 )  # fmt: skip
 

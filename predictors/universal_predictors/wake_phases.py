@@ -1,4 +1,4 @@
-"""Where a predictor's start-up time goes: process start, imports, weights and engine.
+"""Where a predictor's start-up time goes: process start, imports, weights, engine, and its first answer.
 
 A wake is the time from a request arriving at a model at zero to its first answer. The predictor reports its own
 part of it, split into phases, in its ready log line and as the ``universal_predictor_load_seconds{phase}`` gauge,
@@ -8,12 +8,14 @@ so ``bench/cold_start.py`` and an operator reading a pod's log see the same spli
   entry point's own imports;
 * ``imports``: every top-level ``import`` that ran after that, until the model is ready (KServe, the predictor's
   server, the engine's libraries; nested imports are counted once, in the import that caused them);
-* ``weights_and_engine``: the rest, until the model is ready: reading the weight files and building the engine
-  around them (one call in most libraries; the weights alone have a floor ``bench/cold_start.py`` measures), the
-  HTTP server's start beside it.
-
-The first inference comes after ready; ``bench/cold_start.py`` measures it from the outside (first answer minus
-ready).
+* ``weights``: reading the weight files that are not in the page cache yet (:meth:`WakePhases.read_weights`),
+  sequentially, before the engine starts: a file the kernel already holds costs nothing here (the engine maps or
+  reads it at memory speed), one on disk (a node-local cache after an eviction, a freshly mounted volume) is read
+  at the disk's sequential speed instead of by the engine's page faults;
+* ``engine``: the rest, until the model is ready: building the engine around the weights (tensors from the files,
+  tokenizer, graph), the HTTP server's start beside it;
+* ``first_inference``: the first answered request, start to response (a stream: to its first chunk), which
+  includes each engine's lazy first-call work (kernel selection, allocator warm-up).
 
 The import clock wraps ``builtins.__import__`` (what ``import`` statements call) until the model is ready, then
 puts it back: one counter and one clock read per import statement meanwhile, nothing after.
@@ -22,12 +24,96 @@ puts it back: one counter and one clock read per import statement meanwhile, not
 from __future__ import annotations
 
 import builtins
+import ctypes
+import ctypes.util
+import mmap
 import os
 import threading
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-PHASES = ("process", "imports", "weights_and_engine")
+PHASES = ("process", "imports", "weights", "engine")
+#: File kinds that hold weights (safetensors, PyTorch, GGUF, ONNX, NumPy, Keras/TF, Flax, pickled estimators).
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".npy", ".npz", ".h5",
+                             ".msgpack", ".pkl", ".joblib"})  # fmt: skip
+_READ_CHUNK = 8 << 20
+
+
+def weight_files(source: str) -> list[Path]:
+    """The weight files under ``source`` (a folder, or one file); none for a name that is not a local path."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    if not all(hasattr(libc, f) for f in ("mmap", "munmap", "mincore")):
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return libc
+
+
+_LIBC = _libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_fraction(path: Path) -> float | None:
+    """How much of ``path`` the page cache holds now (Linux mincore(2) on a read-only map, which reads nothing);
+    None where that cannot be asked."""
+    if _LIBC is None:
+        return None
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return 1.0
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, _MAP_FAILED):
+            return None
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vector = (ctypes.c_ubyte * pages)()
+            if _LIBC.mincore(address, size, vector) != 0:
+                return None
+            flags = bytes(vector)  # one byte a page; bit 0: resident (the others are reserved, zero)
+            return (pages - flags.count(0)) / pages
+        finally:
+            _LIBC.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def read_cold(files: Iterable[Path]) -> int:
+    """Read, sequentially, every file the page cache does not hold whole; returns the bytes read."""
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    total = 0
+    for path in files:
+        fraction = resident_fraction(path)
+        if fraction is not None and fraction >= 0.99:
+            continue
+        try:
+            with path.open("rb", buffering=0) as file:
+                while count := file.readinto(view):
+                    total += count
+        except OSError:
+            continue  # the engine reports an unreadable file in its own words
+    return total
 
 
 def process_age_s() -> float | None:
@@ -75,15 +161,31 @@ class WakePhases:
             with self._lock:
                 self.seconds["imports"] += spent
 
+    def read_weights(self, source: str) -> int:
+        """The ``weights`` phase: read the source's weight files the page cache lacks (:func:`read_cold`), timed.
+        Returns the bytes read (0 when the kernel held them all)."""
+        started = time.monotonic()
+        read = read_cold(weight_files(source))
+        self.seconds["weights"] += time.monotonic() - started
+        return read
+
     def ready(self) -> dict[str, float]:
-        """Stop the import clock; the phases, ``weights_and_engine`` being what the others leave of the time
-        since :meth:`start`."""
+        """Stop the import clock; the phases, ``engine`` being what the others leave of the time since
+        :meth:`start`."""
         if self._original_import is not None:
             builtins.__import__ = self._original_import
             self._original_import = None
         since_start = time.monotonic() - self._started
-        self.seconds["weights_and_engine"] = max(0.0, since_start - self.seconds["imports"])
+        self.seconds["engine"] = max(0.0, since_start - self.seconds["imports"] - self.seconds["weights"])
         return dict(self.seconds)
+
+    def first_answer(self, seconds: float) -> bool:
+        """Record the first answered request's duration (``first_inference``); True the first time only."""
+        with self._lock:
+            if "first_inference" in self.seconds:
+                return False
+            self.seconds["first_inference"] = seconds
+            return True
 
     def describe(self) -> str:
         return ", ".join(f"{phase} {self.seconds[phase]:.2f}s" for phase in PHASES)

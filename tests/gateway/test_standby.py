@@ -57,7 +57,7 @@ async def test_a_wake_runs_in_the_standby_and_the_next_standby_follows(tmp_path:
         local = supervisor.model("warm-embed")
         assert local is not None
         ready = await eventually(lambda: [line for line in local.log_tail if "warm-embed is ready" in line])
-        assert re.search(r"process 0\.00s, imports [0-9.]+s, weights_and_engine [0-9.]+s\)", ready[0]), ready[0]
+        assert re.search(r"process 0\.00s, imports [0-9.]+s, weights [0-9.]+s, engine [0-9.]+s\)", ready[0]), ready[0]
         assert supervisor.standbys["torch"].handed_over == 1
 
         # Once the model is up, the next standby starts (a new process; the first one is the model now).
@@ -105,7 +105,7 @@ async def test_a_model_with_variables_of_its_own_starts_fresh(tmp_path: Path) ->
         local = supervisor.model("own-env")
         assert local is not None
         (ready,) = await eventually(lambda: [line for line in local.log_tail if "own-env is ready" in line])
-        phases = re.search(r"process ([0-9.]+)s, imports ([0-9.]+)s, weights_and_engine ([0-9.]+)s\)", ready)
+        phases = re.search(r"process ([0-9.]+)s, imports ([0-9.]+)s, weights ([0-9.]+)s, engine ([0-9.]+)s\)", ready)
         assert phases is not None, ready
         assert float(phases.group(1)) > 0
         assert float(phases.group(2)) > 0.5
