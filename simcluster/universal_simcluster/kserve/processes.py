@@ -110,6 +110,8 @@ STORE_CREDENTIALS: Mapping[str, Mapping[str, str]] = {
     "gcloud-application-credentials.json": {"GOOGLE_APPLICATION_CREDENTIALS": "gcloud-application-credentials.json"},
     "HF_TOKEN": {"HF_TOKEN": "HF_TOKEN"},
 }
+#: Sources the "hub" hands to KServe's storage code as URLs to download (container mode).
+HTTP_PREFIXES = ("http://", "https://")
 #: Knative's stable window, the idle time before scaling to zero when nothing else is rendered.
 KNATIVE_DEFAULT_IDLE_S = 60.0
 #: Knative's revision timeout when none is rendered (knative-v1.16.0 pkg/apis/config/defaults.go,
@@ -546,7 +548,7 @@ class PredictorWorkload:
             mounts[MODEL_MOUNT_PATH] = cached
         elif storage_uri:
             self.kserve.initializer_runs.append(self.key)
-            mounts[MODEL_MOUNT_PATH] = self._storage_initializer(storage_uri, credentials)
+            mounts[MODEL_MOUNT_PATH] = Path(self._storage_initializer(storage_uri, credentials))
         return mounts
 
     def _cached_folder(self) -> Path | None:
@@ -567,12 +569,14 @@ class PredictorWorkload:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
-    def _storage_initializer(self, storage_uri: str, credentials: Mapping[str, str]) -> Path:
+    def _storage_initializer(self, storage_uri: str, credentials: Mapping[str, str]) -> Path | str:
         """KServe's storage initializer downloads STORAGE_URI to /mnt/models; here: a known local copy.
 
         This is the "hub" of both modes: process mode reads the copy in place; container mode hands its path to
-        KServe's storage code (:meth:`_fetch`). A gated source (``ProcessKServe.gated``) is refused as the hub
-        refuses it: without the HF_TOKEN it accepts among the ``credentials`` (see :meth:`_storage_credentials`).
+        KServe's storage code (:meth:`_fetch`). A source that is an ``http(s)://`` URL (container mode) is handed to
+        KServe's storage code as it is: a real download (of an archive it unpacks, or a file). A gated source
+        (``ProcessKServe.gated``) is refused as the hub refuses it: without the HF_TOKEN it accepts among the
+        ``credentials`` (see :meth:`_storage_credentials`).
         """
         wanted_token = self.kserve.gated.get(storage_uri.rstrip("/"))
         if wanted_token is not None and credentials.get("HF_TOKEN") != wanted_token:
@@ -590,6 +594,10 @@ class PredictorWorkload:
                 f"the KServe stand-in can provide: {known})",
                 exit_code=1,
             )
+        if source.startswith(HTTP_PREFIXES):
+            if self.kserve.mode != "container":
+                raise LaunchFailed(f"storage-initializer: {storage_uri} -> {source}: a download needs container mode")
+            return source
         path = Path(resolve_source(source))
         if not path.exists():
             raise LaunchFailed(f"storage-initializer: {storage_uri} -> {path} does not exist", exit_code=1)
