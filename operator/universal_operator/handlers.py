@@ -184,11 +184,6 @@ async def _reconcile_model(
         return None
     cache = await ensure_cache(state, plain, model, models, retry)
     state.cache_states[key] = cache
-    try:
-        desired = desired_inference_service(model, state.config, now=state.clock(), cache=cache)
-    except SpecError as error:
-        await report_invalid_spec(state, plain, error)
-        return None
 
     actual = _index_value(children, key)
     if actual is None and key not in state.latest_child:
@@ -213,10 +208,16 @@ async def _reconcile_model(
         actual = existing
     if actual is not None:
         state.latest_child[key] = _newer(state.latest_child.get(key), actual) or actual
+    live = state.latest_child.get(key) if actual is None else actual
+    try:
+        desired = desired_inference_service(model, state.config, now=state.clock(), cache=cache, live=live)
+    except SpecError as error:
+        await report_invalid_spec(state, plain, error)
+        return None
     if not await ensure_service_account(state, plain, model, retry):
         return None
     applied: dict[str, Any] | None = None
-    if child_drifted(desired, state.latest_child.get(key) if actual is None else actual):
+    if child_drifted(desired, live):
         try:
             applied = await state.api.apply_inference_service(desired)
         except ApiError as exc:

@@ -52,19 +52,31 @@ def version_text(release: Release) -> str:
     return ".".join(str(part) for part in release)
 
 
-def deployment_mode(release: Release, mode: ScalingMode) -> str:
-    """The ``serving.kserve.io/deploymentMode`` value ``release`` understands for ``mode``.
+#: The release whose validation webhook normalises the recorded mode (constants.ParseDeploymentMode, v0.19.0).
+MODE_PARSED: Release = (0, 19, 0)
+#: Every name of each mode, legacy first (KServe v0.16.0 pkg/constants/constants.go).
+MODE_NAMES = {ScalingMode.KNATIVE: ("Serverless", "Knative"), ScalingMode.STANDARD: ("RawDeployment", "Standard")}
+
+
+def deployment_mode(release: Release, mode: ScalingMode, recorded: str | None = None) -> str:
+    """The ``serving.kserve.io/deploymentMode`` value ``release`` accepts for ``mode`` on an InferenceService whose
+    ``status.deploymentMode`` is ``recorded`` (None: not created yet, or nothing recorded).
 
     Before 0.16 GetDeploymentMode knows only Serverless, RawDeployment and ModelMesh and turns anything else
     into the configured default (KServe v0.14.1/v0.15.2 pkg/controller/v1beta1/inferenceservice/utils/utils.go).
-    From 0.16 it still maps the legacy names to Knative/Standard, but records the new name in
-    status.deploymentMode, and the validation webhook compares the annotation with that record verbatim on
-    every update (KServe v0.16.0-v0.20.0 pkg/apis/serving/v1beta1/inference_service_validation.go,
-    validateDeploymentMode): a legacy name would make every later update fail. So each release gets its own.
+    From 0.16 it maps the legacy names to Knative/Standard for a new object and records the new name; but the
+    recorded name comes first and is kept as it is, so an object made before 0.16 keeps ``Serverless`` or
+    ``RawDeployment`` in its status after an upgrade (utils.go GetDeploymentMode, v0.16.0-v0.18.1). The validation
+    webhook refuses any update whose annotation differs from the recorded name, compared verbatim until v0.18.1
+    and after ParseDeploymentMode normalised the record from v0.19.0 (pkg/apis/serving/v1beta1/
+    inference_service_validation.go validateDeploymentMode at each tag). So: the recorded name while the release
+    compares verbatim, the release's own name otherwise.
     """
+    if recorded in MODE_NAMES[mode] and release < MODE_PARSED and release >= (0, 15, 1):
+        return str(recorded)
     if release >= MODE_RENAME:
-        return "Knative" if mode is ScalingMode.KNATIVE else "Standard"
-    return "Serverless" if mode is ScalingMode.KNATIVE else "RawDeployment"
+        return MODE_NAMES[mode][1]
+    return MODE_NAMES[mode][0]
 
 
 def can_stop(release: Release, mode: ScalingMode) -> bool:

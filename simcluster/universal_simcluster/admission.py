@@ -224,13 +224,17 @@ def kserve_validate(isvc: JSON, old: JSON | None, cluster: Cluster) -> str | Non
     """KServe's validating webhook: the first refusal's message, or None.
 
     KServe pkg/apis/serving/v1beta1/inference_service_validation.go (validateInferenceService,
-    validateDeploymentMode from v0.15.1) and component.go (ComponentExtensionSpec.Validate), v0.16.0.
+    validateDeploymentMode from v0.15.1: the recorded mode and the annotation compared verbatim until v0.18.1,
+    the recorded one normalised by ParseDeploymentMode from v0.19.0) and component.go
+    (ComponentExtensionSpec.Validate), v0.16.0.
     """
     meta = isvc.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     name = str(meta.get("name", ""))
     if old is not None and cluster.kserve >= (0, 15, 1):
         recorded = (old.get("status") or {}).get("deploymentMode")
+        if recorded and cluster.kserve >= (0, 19, 0):  # v0.19.0 compares constants.ParseDeploymentMode(recorded)
+            recorded = {"Serverless": "Knative", "RawDeployment": "Standard"}.get(recorded, recorded)
         wanted = annotations.get(ANNOTATION_DEPLOYMENT_MODE)
         if recorded and wanted is not None and wanted != recorded:
             return f"update rejected: deploymentMode cannot be changed from '{recorded}' to '{wanted}'"

@@ -95,3 +95,21 @@ def test_the_predictor_timeout_covers_the_cold_start_within_the_clusters_maximum
     isvc = desired_inference_service(manifest(mode, startup), cfg)
     assert isvc["spec"]["predictor"]["timeout"] == expected
     assert request_timeout_seconds(manifest(mode, startup), cfg) == expected
+
+
+@pytest.mark.parametrize(
+    ("version", "recorded", "rendered"),
+    [
+        ("0.16.0", "Serverless", "Serverless"),  # kept as recorded, compared verbatim (validateDeploymentMode)
+        ("0.18.1", "RawDeployment", "RawDeployment"),
+        ("0.19.0", "Serverless", "Knative"),  # ParseDeploymentMode normalises the record
+        ("0.16.0", "Knative", "Knative"),
+        ("0.16.0", None, "Knative"),
+        ("0.16.0", "Standard", "Knative"),  # another mode's record: never copied (KServe refuses the change anyway)
+    ],
+)
+def test_the_annotation_follows_the_live_objects_recorded_mode_where_kserve_compares_it_verbatim(
+    version: str, recorded: str | None, rendered: str
+) -> None:
+    assert kserve.deployment_mode(config(version).kserve.release, ScalingMode.KNATIVE if rendered != "RawDeployment"
+                                  else ScalingMode.STANDARD, recorded) == rendered  # fmt: skip

@@ -254,21 +254,31 @@ def _min_replicas(min_replicas: int, schedule: list[WarmWindow], now: datetime |
     return 1 if active else min_replicas
 
 
-def cache_annotations(model: UniversalModel, cache: CacheState | None) -> dict[str, str]:
+def cache_annotations(model: UniversalModel, cache: CacheState | None, live: dict[str, Any] | None) -> dict[str, str]:
     """What steers KServe's LocalModelCache for this model (:mod:`.cache`): the node group it runs on, and the opt-out
-    while the cache its source matches does not hold the model on every node yet (KServe would mount it anyway)."""
+    while the cache its source matches does not hold the model on every node yet (KServe would mount it anyway).
+
+    Once the ``live`` InferenceService mounts the cache the opt-out is not rendered again (a node joining the group
+    downloads soon): before v0.18.0 KServe would keep the label anyway (setLocalModelLabel returns early without a
+    cache list), so only the annotation would change, and a rollout with it.
+    """
     if cache is None or cache.name is None:
         return {}
     out: dict[str, str] = {}
     if model.spec.cache is not None:
         out[NODE_GROUP_ANNOTATION] = model.spec.cache.node_groups[0]
-    if not cache.ready:
+    if not cache.ready and not cache.status(live)["mounted"]:
         out[DISABLE_ANNOTATION] = "true"
     return out
 
 
 def desired_inference_service(
-    model: UniversalModel, config: OperatorConfig, *, now: datetime | None = None, cache: CacheState | None = None
+    model: UniversalModel,
+    config: OperatorConfig,
+    *,
+    now: datetime | None = None,
+    cache: CacheState | None = None,
+    live: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The InferenceService that serves ``model``: everything the operator owns in it, nothing else.
 
@@ -280,6 +290,8 @@ def desired_inference_service(
     are theirs and stay untouched. Raises SpecError for a spec only the operator can reject.
 
     ``cache``: the LocalModelCache the model's source matches, if any (:func:`cache_annotations`).
+    ``live``: the InferenceService as stored, if any: its ``status.deploymentMode`` is what KServe holds the
+    annotation to (:func:`universal_operator.kserve.deployment_mode`), its labels say whether a cache is mounted.
     """
     profile = check_servable(model, config)
     spec = model.spec
@@ -366,9 +378,11 @@ def desired_inference_service(
             "namespace": model.metadata.namespace,
             "labels": {**labels_for(model), **visibility_labels(model, config)},
             "annotations": {
-                kserve.DEPLOYMENT_MODE_ANNOTATION: kserve.deployment_mode(config.kserve.release, scaling.mode),
+                kserve.DEPLOYMENT_MODE_ANNOTATION: kserve.deployment_mode(
+                    config.kserve.release, scaling.mode, ((live or {}).get("status") or {}).get("deploymentMode")
+                ),
                 ANNOTATION_SERVED_NAME: model.served_name,
-                **cache_annotations(model, cache),
+                **cache_annotations(model, cache, live),
             },
             "ownerReferences": [owner_reference(model)],
         },

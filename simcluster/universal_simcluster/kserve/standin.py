@@ -76,6 +76,18 @@ class KServeVersion:
             return "Knative" if knative else "Standard"
         return "Serverless" if knative else "RawDeployment"
 
+    def recorded_mode(self, isvc: dict[str, Any], knative: bool) -> str:
+        """What the controller writes to status.deploymentMode: GetDeploymentMode's answer, which is the recorded
+        value first. v0.15.x-v0.18.1 return that string as it is, so an InferenceService made before 0.16 keeps
+        ``Serverless``/``RawDeployment`` after an upgrade; v0.19.0 normalises it (constants.ParseDeploymentMode)
+        (pkg/controller/v1beta1/inferenceservice/utils/utils.go GetDeploymentMode at each tag)."""
+        recorded = str((isvc.get("status") or {}).get("deploymentMode") or "")
+        if not recorded or self.release < (0, 15, 0):
+            return self.mode_name(knative)
+        if self.release >= (0, 19, 0):
+            return {"Serverless": "Knative", "RawDeployment": "Standard"}.get(recorded, recorded)
+        return recorded
+
     def resolve_mode(self, isvc: dict[str, Any]) -> bool:
         """Whether KServe runs ``isvc`` on Knative, as GetDeploymentMode decides it.
 
@@ -142,10 +154,10 @@ def _revision(name: str, number: int) -> str:
     return f"{name}-predictor-{number:05d}"
 
 
-def _base(version: KServeVersion, knative: bool, child: Child) -> dict[str, Any]:
+def _base(version: KServeVersion, knative: bool, child: Child, isvc: dict[str, Any]) -> dict[str, Any]:
     status: dict[str, Any] = {"observedGeneration": child.generation}
     if version.release >= (0, 15, 0):  # status.deploymentMode is new in 0.15 (v1beta1/inference_service_status.go)
-        status["deploymentMode"] = version.mode_name(knative)
+        status["deploymentMode"] = version.recorded_mode(isvc, knative)
     return status
 
 
@@ -164,7 +176,7 @@ def ready_status(
     knative = version.resolve_mode(isvc)
     child = child or Child()
     address = address or f"http://{name}-predictor.{namespace}.svc.cluster.local"
-    status = _base(version, knative, child)
+    status = _base(version, knative, child, isvc)
     if knative:
         pairs = [(kind, "True", "", "") for kind in KNATIVE_CONDITIONS]
         revision = _revision(name, child.revision)
@@ -225,7 +237,7 @@ def loading_status(
     name, _ = _meta(isvc)
     knative = version.resolve_mode(isvc)
     child = child or Child()
-    status = _base(version, knative, child)
+    status = _base(version, knative, child, isvc)
     if knative:
         routed = "True" if loaded_before else "Unknown"  # the route still reaches the last ready revision
         pairs = [("IngressReady", routed, "", ""),
@@ -302,7 +314,7 @@ def stopped_status(isvc: dict[str, Any], *, version: KServeVersion = DEFAULT_VER
     ]
     conditions.append({"type": "Stopped", "status": "True", "lastTransitionTime": TIME})
     return {
-        "deploymentMode": version.mode_name(knative),
+        "deploymentMode": version.recorded_mode(isvc, knative),
         "conditions": conditions,
         "modelStatus": {"transitionStatus": ""},
     }
