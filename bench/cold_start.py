@@ -167,6 +167,8 @@ def build_large(folder: Path) -> Path:
     config = BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                         intermediate_size=4096, max_position_embeddings=512)  # fmt: skip
     BertModel(config).save_pretrained(folder, safe_serialization=True)
+    for path in folder.rglob("*"):  # save_pretrained writes the weights 0600; the pod's user (1000) reads them
+        path.chmod(0o755 if path.is_dir() else 0o644)
     return folder
 
 
@@ -339,6 +341,7 @@ def evict(files: list[Path]) -> None:
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a fresh copy) are not dropped until written back
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -418,7 +421,12 @@ def container_run(isvc: dict[str, Any], model: Any, image: str, *, source: str |
                        publish={port: 8080}, volumes_dir=Path(scratch) / "volumes")  # fmt: skip
         podman_sync(*pod)
         try:
-            elapsed = first_answer(f"http://127.0.0.1:{port}", model.served_name, started)
+            try:
+                elapsed = first_answer(f"http://127.0.0.1:{port}", model.served_name, started)
+            except SystemExit as failed:
+                logs = podman_sync("logs", name, check=False)
+                tail = "\n".join((logs.stdout + logs.stderr).splitlines()[-15:])
+                raise SystemExit(f"{failed}; the pod's log ends:\n{tail}") from None
             time.sleep(0.2)
             logs = podman_sync("logs", name, check=False)
         finally:

@@ -24,9 +24,6 @@ puts it back: one counter and one clock read per import statement meanwhile, not
 from __future__ import annotations
 
 import builtins
-import ctypes
-import ctypes.util
-import mmap
 import os
 import threading
 import time
@@ -51,28 +48,20 @@ def weight_files(source: str) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    if not all(hasattr(libc, f) for f in ("mmap", "munmap", "mincore")):
-        return None
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    return libc
-
-
-_LIBC = _libc()
-_MAP_FAILED = ctypes.c_void_p(-1).value
+#: Pages probed per file to judge whether the page cache holds it.
+_PROBES = 64
 
 
 def resident_fraction(path: Path) -> float | None:
-    """How much of ``path`` the page cache holds now (Linux mincore(2) on a read-only map, which reads nothing);
-    None where that cannot be asked."""
-    if _LIBC is None:
+    """About how much of ``path`` the page cache holds now: 1-byte reads at :data:`_PROBES` spread offsets with
+    ``RWF_NOWAIT`` (preadv2(2): EAGAIN instead of waiting for the disk); None where that cannot be asked.
+
+    Not mincore(2): since Linux 5.0 it reports every page of a file the caller may not write as resident (a side
+    channel closed: mm/mincore.c can_do_mincore), which is every weight file a pod's user reads from a
+    read-only volume.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
         return None
     try:
         size = path.stat().st_size
@@ -82,18 +71,17 @@ def resident_fraction(path: Path) -> float | None:
     except OSError:
         return None
     try:
-        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, _MAP_FAILED):
-            return None
-        try:
-            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vector = (ctypes.c_ubyte * pages)()
-            if _LIBC.mincore(address, size, vector) != 0:
-                return None
-            flags = bytes(vector)  # one byte a page; bit 0: resident (the others are reserved, zero)
-            return (pages - flags.count(0)) / pages
-        finally:
-            _LIBC.munmap(address, size)
+        probe = bytearray(1)
+        hits = 0
+        offsets = sorted({size * i // _PROBES for i in range(_PROBES)})
+        for offset in offsets:
+            try:
+                hits += os.preadv(fd, [probe], offset, flag) == 1
+            except BlockingIOError:
+                continue  # not in the page cache
+            except OSError:
+                return None  # the filesystem does not take RWF_NOWAIT
+        return hits / len(offsets)
     finally:
         os.close(fd)
 
@@ -105,7 +93,7 @@ def read_cold(files: Iterable[Path]) -> int:
     total = 0
     for path in files:
         fraction = resident_fraction(path)
-        if fraction is not None and fraction >= 0.99:
+        if fraction is not None and fraction >= 0.95:
             continue
         try:
             with path.open("rb", buffering=0) as file:
