@@ -136,6 +136,14 @@ class OperatorConfig(_Model):
     namespaces: list[str] = Field(default_factory=list, description="Watched namespaces; empty: cluster-wide.")
     service_account_name: str | None = Field(default=None, description="The predictor pods' service account.")
     repair_interval_seconds: float = Field(default=60.0, gt=0, description="How often drift is checked.")
+    gateway_stops_standard_models: bool = Field(
+        default=True,
+        description=(
+            "Whether the gateway may stop idle Standard-mode models (it patches their InferenceService's "
+            "serving.kserve.io/stop annotation: the chart grants that with gateway.standardMode, and sets this "
+            "from it). false: such models keep running, and their IdleStop condition says why."
+        ),
+    )
     expose_models: bool = Field(
         default=False,
         description=(

@@ -276,13 +276,29 @@ def test_operator_watches_the_whole_cluster_by_default_and_the_listed_namespaces
 def test_operator_config_map_loads_with_the_operators_own_loader(chart: helm.Chart, tmp_path: Path) -> None:
     config = load_operator_config(render(chart, EVERYTHING), tmp_path)
     expected = dict(EVERYTHING["operator"]["config"])
+    expected["gatewayStopsStandardModels"] = bool(EVERYTHING.get("gateway", {}).get("standardMode"))
     assert config == OperatorConfig.model_validate(expected)
     assert config.profiles["gpu-l4"].runtime_class_name == "nvidia"
     assert config.default_profile == "gpu-l4"
 
 
 def test_default_operator_config_is_the_operators_defaults(chart: helm.Chart, tmp_path: Path) -> None:
-    assert load_operator_config(render(chart), tmp_path) == OperatorConfig()
+    # But for what the chart knows and the operator cannot: the gateway lacks the RBAC to stop models by default.
+    assert load_operator_config(render(chart), tmp_path) == OperatorConfig(gateway_stops_standard_models=False)
+
+
+@pytest.mark.parametrize(
+    ("values", "stops"),
+    [
+        ({}, False),
+        ({"gateway": {"standardMode": True}}, True),
+        ({"gateway": {"standardMode": True, "enabled": False}}, False),
+    ],
+)
+def test_the_operator_is_told_whether_the_gateway_may_stop_standard_mode_models(
+    chart: helm.Chart, tmp_path: Path, values: dict[str, Any], stops: bool
+) -> None:
+    assert load_operator_config(render(chart, values), tmp_path).gateway_stops_standard_models is stops
 
 
 def test_operator_config_values_cover_every_operator_config_field_but_namespaces(chart: helm.Chart) -> None:
@@ -290,8 +306,9 @@ def test_operator_config_values_cover_every_operator_config_field_but_namespaces
     assert schema is not None
     chart_keys = set(schema["properties"]["operator"]["properties"]["config"]["properties"])
     operator_keys = {field.alias or name for name, field in OperatorConfig.model_fields.items()}
-    # Namespaces come from watchNamespaces, so RBAC and the watch cannot disagree.
-    assert chart_keys == operator_keys - {"namespaces"}
+    # Namespaces come from watchNamespaces, so RBAC and the watch cannot disagree; whether the gateway may stop
+    # models from gateway.standardMode, which grants it that RBAC.
+    assert chart_keys == operator_keys - {"namespaces", "gatewayStopsStandardModels"}
 
 
 def test_operator_settings_for_the_clusters_kserve_knative_and_pod_ids_reach_parse_config(chart: helm.Chart) -> None:

@@ -453,3 +453,16 @@ def test_a_stop_annotation_a_release_ignores_does_not_make_the_model_idle() -> N
     config = OperatorConfig.model_validate({"kserve": {"version": "0.15.2"}})
     child = isvc(document(STANDARD_READY, "0.15.2", False), stop=True)
     assert status_from_inference_service(child, the_model(False), config=config)["phase"] == "Ready"
+
+
+def test_idle_stop_says_the_model_keeps_running_when_the_gateway_may_not_stop_it() -> None:
+    # The chart's default: gateway.standardMode false, so the gateway has no RBAC to patch InferenceServices.
+    config = OperatorConfig.model_validate({"kserve": {"version": "0.16.0"}, "gatewayStopsStandardModels": False})
+    child = isvc(document(STANDARD_READY, "0.16.0", False))
+    conditions = {
+        c["type"]: c for c in status_from_inference_service(child, the_model(False), config=config)["conditions"]
+    }
+    assert pick(conditions["IdleStop"], {"status": 0, "reason": 0}) == {
+        "status": "False", "reason": "GatewayNotPermitted",
+    }  # fmt: skip
+    assert "gateway.standardMode" in conditions["IdleStop"]["message"]

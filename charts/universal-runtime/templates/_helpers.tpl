@@ -97,6 +97,8 @@ null (the platform assigns it), never left for the operator's own default to fil
 {{- $_ := set $podSecurity $id (hasKey $given $id | ternary (index $given $id) nil) }}
 {{- end }}
 {{- $_ := set $config "podSecurity" $podSecurity }}
+{{- /* The gateway stops idle Standard-mode models only with the RBAC gateway.standardMode grants. */}}
+{{- $_ := set $config "gatewayStopsStandardModels" (and .Values.gateway.enabled .Values.gateway.standardMode | default false) }}
 {{- toYaml $config }}
 {{- end }}
 

@@ -159,6 +159,13 @@ def status_from_inference_service(
             (CONDITION_IDLE_STOP, "False", "UnsupportedByKServe", refusal)
             if refusal is not None
             else (
+                CONDITION_IDLE_STOP, "False", "GatewayNotPermitted",
+                f"The gateway may not patch InferenceServices here (the chart's gateway.standardMode is false), so "
+                f"it cannot stop this model after idleTimeout ({kserve.STOP_ANNOTATION}): the model keeps running. "
+                "Set gateway.standardMode to true to let the gateway stop and wake it.",
+            )
+            if not config.gateway_stops_standard_models
+            else (
                 CONDITION_IDLE_STOP, "True", "GatewayStops",
                 f"With minReplicas 0 the gateway stops the model after idleTimeout without requests "
                 f"({kserve.STOP_ANNOTATION}) and the next request wakes it.",
