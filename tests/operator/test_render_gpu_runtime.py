@@ -102,15 +102,18 @@ def test_a_profiles_engine_args_become_per_backend_defaults_and_a_scale_to_zero_
     ],
 )
 def test_vllm_defaults_to_eager_only_where_a_wake_would_recompile(spec: str, profile: str, eager: str | None) -> None:
-    features = ("kubernetes.podspec-persistent-volume-claim", "kubernetes.podspec-persistent-volume-write")
+    features = ("kubernetes.podspec-persistent-volume-claim", "kubernetes.podspec-persistent-volume-write",
+                "kubernetes.podspec-securitycontext")  # fmt: skip
     args = predictor_args(render(with_spec(spec), config_with(profile, features)))
     assert args.engine_arg_defaults.get(Backend.VLLM, {}).get("enforce_eager") == eager
 
 
 def test_a_compile_cache_claim_holds_vllms_and_tritons_caches() -> None:
-    flags = ("kubernetes.podspec-persistent-volume-claim", "kubernetes.podspec-persistent-volume-write")
+    flags = ("kubernetes.podspec-persistent-volume-claim", "kubernetes.podspec-persistent-volume-write",
+             "kubernetes.podspec-securitycontext")  # fmt: skip
     isvc = render(GPU_CHAT, config_with("compileCacheClaim: vllm-compile", flags))
     predictor = at(isvc, "spec.predictor")
+    assert predictor["securityContext"]["fsGroup"] == 1000  # the predictor's user may write the claim
     assert {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "vllm-compile"}} in predictor["volumes"]
     container = predictor["containers"][0]
     assert {"name": "compile-cache", "mountPath": "/var/cache/universal-runtime/compile"} in container["volumeMounts"]
@@ -126,6 +129,15 @@ def test_a_compile_cache_claim_on_a_knative_without_volume_flags_is_refused_nami
     assert refused.value.field == "spec.resources.profile"
     assert "kubernetes.podspec-persistent-volume-claim" in refused.value.message
     assert "kubernetes.podspec-persistent-volume-write" in refused.value.message
+    assert "kubernetes.podspec-securitycontext" in refused.value.message
+
+
+def test_a_compile_cache_claim_on_a_knative_without_the_security_context_flag_is_refused() -> None:
+    # Without kubernetes.podspec-securitycontext the pod gets no fsGroup: the claim would not be writable.
+    flags = ("kubernetes.podspec-persistent-volume-claim", "kubernetes.podspec-persistent-volume-write")
+    with pytest.raises(SpecError) as refused:
+        check_servable(model(GPU_CHAT), config_with("compileCacheClaim: vllm-compile", flags))
+    assert "compileCacheClaim) needs kubernetes.podspec-securitycontext" in refused.value.message
 
 
 def test_a_model_that_cannot_run_vllm_gets_no_compile_cache_and_only_its_own_backends_defaults() -> None:

@@ -101,6 +101,10 @@ def knative_features_needed(
     if compile_cache_claim(model, profile) is not None:
         where = f"spec.resources.profile {spec.resources.profile or config.default_profile!r} (compileCacheClaim)"
         needed.setdefault(where, []).extend([FEATURE_PVC, FEATURE_PVC_WRITE])
+        if config.pod_security.fs_group is not None:
+            # As spec.state: vLLM and Triton write their caches there as the predictor's user, which only the
+            # pod's fsGroup lets them (a claim's root is the volume's owner's, usually root).
+            needed[where].append(FEATURE_SECURITY_CONTEXT)
     if spec.state is not None:
         needed["spec.state"] = [FEATURE_PVC, FEATURE_PVC_WRITE]
         if config.pod_security.fs_group is not None:
