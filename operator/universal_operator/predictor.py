@@ -26,6 +26,7 @@ from universal_predictors.config import (
 CONTAINER_NAME = "kserve-container"
 #: vLLM's engine argument that shards one model over several GPUs.
 TENSOR_PARALLEL_ARG = "tensor_parallel_size"
+PIPELINE_PARALLEL_ARG = "pipeline_parallel_size"
 #: vLLM's engine argument that skips torch.compile and CUDA graphs (nothing to recompile on a wake).
 EAGER_ARG = "enforce_eager"
 
@@ -50,10 +51,15 @@ def predictor_config(
         state_dir = STATE_MOUNT_PATH
     backend = resolved_backend(model)
     engine_args = {k: render_engine_arg(v) for k, v in spec.engine_args.items()}
-    if backend is Backend.VLLM and spec.resources.gpus > 1:
-        # vLLM runs a model on one GPU unless told otherwise: spread it over every GPU the replica gets,
-        # unless the user chose a split (tensor_parallel_size x pipeline_parallel_size) themselves.
-        engine_args.setdefault(TENSOR_PARALLEL_ARG, str(spec.resources.gpus))
+    defaults = {b: dict(args) for b, args in (engine_arg_defaults or {}).items()}
+    if spec.resources.gpus > 1 and not engine_args.keys() & {TENSOR_PARALLEL_ARG, PIPELINE_PARALLEL_ARG}:
+        # vLLM runs a model on one GPU unless told otherwise: spread it over every GPU the replica gets, unless the
+        # user chose a split (tensor_parallel_size x pipeline_parallel_size) themselves. With backend auto it is a
+        # vLLM default, which the predictor applies if it picks vLLM (vllm 0.32 engine/arg_utils.py: both 1).
+        if backend is Backend.VLLM:
+            engine_args[TENSOR_PARALLEL_ARG] = str(spec.resources.gpus)
+        elif backend is Backend.AUTO and Backend.VLLM in TASK_BACKENDS[spec.task]:
+            defaults.setdefault(Backend.VLLM, {}).setdefault(TENSOR_PARALLEL_ARG, str(spec.resources.gpus))
     return PredictorConfig(
         model_name=model.served_name,
         task=spec.task,
@@ -62,7 +68,7 @@ def predictor_config(
         source_file=spec.source.file,
         source_projector_file=spec.source.projector_file,
         engine_args=engine_args,
-        engine_arg_defaults=engine_arg_defaults or {},
+        engine_arg_defaults=defaults,
         http_port=http_port,
         state_dir=state_dir,
     )

@@ -153,3 +153,26 @@ def test_a_model_that_cannot_run_vllm_gets_no_compile_cache_and_only_its_own_bac
     isvc = render(embed, config)
     assert "compile-cache" not in [v["name"] for v in at(isvc, "spec.predictor.volumes")]
     assert predictor_args(isvc).engine_arg_defaults == {Backend.TRANSFORMERS: {"batch_size": "64"}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "args", "vllm_default"),
+    [
+        # auto: a vLLM default, applied only if the predictor picks vLLM (transformers never sees it).
+        ("resources: {profile: gpu-l4, gpus: 4}", {}, "4"),
+        ("{backend: vllm, resources: {profile: gpu-l4, gpus: 4}}", {"tensor_parallel_size": "4"}, None),
+        # The user's split wins, tensor or pipeline: 2 x 2 on 4 GPUs, not 4 x 2.
+        ("{backend: vllm, resources: {profile: gpu-l4, gpus: 4}, engineArgs: {pipeline_parallel_size: 2, "
+         "tensor_parallel_size: 2}}", {"pipeline_parallel_size": "2", "tensor_parallel_size": "2"}, None),
+        ("{resources: {profile: gpu-l4, gpus: 4}, engineArgs: {pipeline_parallel_size: 4}}",
+         {"pipeline_parallel_size": "4"}, None),
+        ("resources: {profile: gpu-l4, gpus: 1}", {}, None),
+    ],
+)  # fmt: skip
+def test_several_gpus_are_spread_by_tensor_parallelism_whichever_way_vllm_is_chosen(
+    spec: str, args: dict[str, str], vllm_default: str | None
+) -> None:
+    rendered = predictor_args(render(with_spec(spec)))
+    assert rendered.engine_args == args
+    assert rendered.engine_arg_defaults.get(Backend.VLLM, {}).get("tensor_parallel_size") == vllm_default
+    assert "tensor_parallel_size" not in rendered.engine_arg_defaults.get(Backend.TRANSFORMERS, {})
