@@ -272,17 +272,27 @@ class Gateway:
                     if self.limits.wake_keepalive_s > 0 and _asks_to_stream(body):
                         stream = await request.stream(200, SSE_HEADERS)
                         keepalive = asyncio.create_task(self._keep_alive(stream, name, self.limits.wake_keepalive_s))
+
+                async def answered() -> None:
+                    """The upstream's head came: the wake is over for this request. Until then it is held, also
+                    after the lease: a Knative model at zero is leased at once and its activator holds the request
+                    until the new pod answers, so the bound and the keep-alive comments last until the head."""
+                    nonlocal held, keepalive
+                    if keepalive is not None:
+                        await _stop(keepalive)
+                        keepalive = None
+                    if held:
+                        request.on_gone = None
+                        held, waited = False, time.monotonic() - started
+                        self._unhold(name)
+                        self.wake_waits.woke(name, waited)
+                        series.woke(waited)
+
                 try:
                     async with self.backends.lease(name) as upstream:
-                        if held:
-                            request.on_gone = None
-                            held, waited = False, time.monotonic() - started
-                            self._unhold(name)
-                            self.wake_waits.woke(name, waited)
-                            series.woke(waited)
-                        if keepalive is not None:
-                            await _stop(keepalive)
-                        response = await self._relay(request, view, series, upstream, path, body, started, stream)
+                        response = await self._relay(
+                            request, view, series, upstream, path, body, started, stream, answered=answered
+                        )
                 except APIError as error:
                     if stream is None:
                         raise
@@ -351,9 +361,12 @@ class Gateway:
         body: bytes,
         started: float,
         into: StreamedResponse | None = None,
+        *,
+        answered: Callable[[], Awaitable[None]] | None = None,
     ) -> Response | StreamedResponse:
         """The upstream's answer, relayed; ``into``: a stream already started (a held streaming request), which an
-        event stream continues and any other answer ends as an error event."""
+        event stream continues and any other answer ends as an error event; ``answered``: called once the upstream's
+        head came, before anything of it is relayed."""
         name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
@@ -383,6 +396,8 @@ class Gateway:
                 raise APIError(
                     f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
                 ) from None
+            if answered is not None:
+                await answered()
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             head_only = request.method == "HEAD"  # the upstream's answer ended with its head
             event_stream = upstream.content_type.startswith("text/event-stream")

@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 from tests.clock import SteppedClock
 from tests.conftest import eventually
 from tests.predictors.harness import PredictorProcess, running_predictor
-from universal_gateway.app import Gateway
+from universal_gateway.app import Gateway, GatewayLimits
 from universal_gateway.backends import ModelState
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_operator.kserve import STOP_ANNOTATION
@@ -581,3 +581,70 @@ async def test_in_a_warm_window_a_standard_mode_model_is_kept_and_a_stopped_one_
     await eventually(lambda: state(backends) is ModelState.READY)
     await asyncio.sleep(3)  # fifteen reaps at 0.2 s
     assert STOP_ANNOTATION not in annotations(cluster)
+
+
+@contextlib.asynccontextmanager
+async def holding_activator() -> AsyncIterator[tuple[str, asyncio.Event, list[str]]]:
+    """Knative's activator while a revision scales from zero: it takes each request and answers only once the pod
+    is up (``up`` set), as a real embeddings answer (a stream for a streaming request). Yields its URL, the event,
+    and the requests it holds."""
+    up, holding = asyncio.Event(), []
+
+    async def handle(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        body = await request.json()
+        holding.append(request.path)
+        await up.wait()
+        if body.get("stream"):
+            response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"object": "chat.completion.chunk", "choices": []}\n\ndata: [DONE]\n\n')
+            return response
+        return aiohttp.web.json_response({"object": "list", "data": [{"object": "embedding", "index": 0,
+                                                                      "embedding": [0.0]}]})  # fmt: skip
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/{tail:.*}", handle)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", up, holding
+    finally:
+        up.set()
+        await runner.cleanup()
+
+
+async def test_a_knative_model_at_zero_counts_requests_its_activator_holds_and_keeps_held_streams_alive(
+    cluster: ServedEmulator,
+) -> None:
+    # Leased at once (the activator takes requests at zero), a request is still held until the pod answers: the
+    # bound counts it, and a held stream gets keep-alive comments the whole time.
+    manifest = model_manifest()
+    manifest["spec"]["task"] = "generate"
+    manifest["spec"]["scaling"]["maxHeldRequests"] = 2
+    backends = KubernetesBackends(["default"], reap_interval=0.2)
+    limits = GatewayLimits(wake_keepalive_s=0.2)
+    async with holding_activator() as (activator, up, holding), Gateway(backends, limits=limits).serving() as url:
+        await create(cluster, UM, manifest)
+        await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", activator))
+        await backends.wait_synced()
+        await eventually(lambda: state(backends) is ModelState.IDLE)
+        async with httpx.AsyncClient(timeout=30) as http:
+            chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=chat) as streamed:
+                lines = streamed.aiter_lines()
+                other = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json={**chat, "stream": False}))
+                await eventually(lambda: len(holding) == 2)
+                # Both at the activator: a third is one too many.
+                refused = await http.post(f"{url}/v1/chat/completions", json={**chat, "stream": False})
+                assert refused.status_code == 429, refused.text
+                assert refused.headers.get("retry-after")
+                assert "is waking and already holds 2 requests" in refused.json()["error"]["message"]
+                comments = [await anext(lines) for _ in range(5)]
+                assert sum(line.startswith(": waking model") for line in comments) >= 2
+                up.set()
+                rest = [line async for line in lines]
+            assert "data: [DONE]" in rest
+            assert (await other).status_code == 200
