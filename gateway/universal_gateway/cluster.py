@@ -44,6 +44,7 @@ from universal_operator import kserve
 from universal_operator.kube import InferenceService, UniversalModelResource
 from universal_operator.spec import (
     CONDITION_IDLE_STOP,
+    READY_STOPPED_BY_HAND,
     Phase,
     ScalingMode,
     SpecError,
@@ -513,6 +514,10 @@ class KubernetesBackends(Backends):
 
     @staticmethod
     def _raise_if_failed(model: ClusterModel) -> None:
+        ready = next((c for c in model.status.conditions if c.type == "Ready"), None)
+        if ready is not None and ready.reason == READY_STOPPED_BY_HAND:  # no request lifts it: do not wait
+            raise Unavailable(ready.message or f"The model {model.served_name!r} is stopped.", code="model_stopped",
+                              retry_after=60)  # fmt: skip
         if model.state is ModelState.FAILED:
             raise Unavailable(f"The model {model.served_name!r} has failed: {model.status.message or ''}",
                               code="model_failed", retry_after=30)  # fmt: skip

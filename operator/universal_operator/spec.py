@@ -686,6 +686,8 @@ class ObjectMeta(BaseModel):
 ConditionType = Literal["Ready", "SpecValid", "InferenceServiceReady"]
 #: The condition saying whether the gateway can stop an idle Standard-mode model (the gateway reads it).
 CONDITION_IDLE_STOP = "IdleStop"
+#: Ready's reason for a Knative-mode model stopped by hand (serving.kserve.io/stop): the gateway answers 503 at once.
+READY_STOPPED_BY_HAND = "StoppedByHand"
 
 
 class Phase(StrEnum):

@@ -648,3 +648,23 @@ async def test_a_knative_model_at_zero_counts_requests_its_activator_holds_and_k
                 rest = [line async for line in lines]
             assert "data: [DONE]" in rest
             assert (await other).status_code == 200
+
+
+async def test_a_knative_model_stopped_by_hand_answers_503_at_once_naming_the_annotation(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends]
+) -> None:
+    base_url, backends = gateway
+    message = 'Stopped by hand: serving.kserve.io/stop is "true" on the InferenceService ...'
+    stopped = {"type": "Ready", "status": "False", "reason": "StoppedByHand", "message": message}
+    await create(cluster, UM, model_manifest())
+    await cluster.emulator.put_status(
+        UM, "default", "embedder", status("Idle", "http://127.0.0.1:9", conditions=[stopped])
+    )
+    await backends.wait_synced()
+    await eventually(lambda: state(backends) is ModelState.IDLE)
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(f"{base_url}/embeddings", json={"model": SERVED, "input": "x"})
+    assert time.monotonic() - started < 5  # not the startupTimeout
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == message

@@ -466,3 +466,15 @@ def test_idle_stop_says_the_model_keeps_running_when_the_gateway_may_not_stop_it
         "status": "False", "reason": "GatewayNotPermitted",
     }  # fmt: skip
     assert "gateway.standardMode" in conditions["IdleStop"]["message"]
+
+
+@pytest.mark.parametrize("version", ["0.15.2", "0.16.0", "0.20.0"])
+def test_a_knative_model_stopped_by_hand_says_no_request_wakes_it(version: str) -> None:
+    # The gateway sets serving.kserve.io/stop only on Standard-mode models: in Knative mode a person did.
+    config = OperatorConfig.model_validate({"kserve": {"version": version}})
+    status = status_from_inference_service(isvc(stopped_document(version, True), stop=True), the_model(True),
+                                           config=config)  # fmt: skip
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (status["phase"], ready["status"], ready["reason"]) == ("Idle", "False", "StoppedByHand")
+    assert "requests get 503 until it is removed" in status["message"]
+    assert "wakes it" not in status["message"]

@@ -16,7 +16,15 @@ from universal_operator.predictor import reported_backend
 from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.reconcile.waking import WakeStep, predictor_step
-from universal_operator.spec import CONDITION_IDLE_STOP, Condition, Phase, ScalingMode, SpecError, UniversalModel
+from universal_operator.spec import (
+    CONDITION_IDLE_STOP,
+    READY_STOPPED_BY_HAND,
+    Condition,
+    Phase,
+    ScalingMode,
+    SpecError,
+    UniversalModel,
+)
 from universal_operator.warm import warm_at
 
 #: Ready=False reasons from KServe/Knative that a retry will not fix.
@@ -212,9 +220,19 @@ def status_from_inference_service(
     step = predictor_step(pods) if pods is not None else None
     was_idle = model.status.phase in (Phase.IDLE, Phase.WAKING)
     replicas: int | None = copies
+    stopped_by_hand = False
     if stop_asked_and_honoured or (stopped and stop_asked == "true"):
         phase, replicas = Phase.IDLE, 0
         message = "Stopped while idle; the next request wakes it."
+        if knative:
+            # The gateway stops only Standard-mode models (Knative scales to zero itself), so this stop was set
+            # by hand, and no request lifts it: say so, and the gateway answers 503 at once.
+            stopped_by_hand = True
+            message = (
+                f'Stopped by hand: {kserve.STOP_ANNOTATION} is "true" on the InferenceService, which nothing here '
+                "removes in Knative mode; requests get 503 until it is removed (kubectl annotate isvc "
+                f"{model.metadata.name} {kserve.STOP_ANNOTATION}-)."
+            )
         isvc_cond = ("True", "Stopped", message)
     elif not conditions:
         phase, isvc_cond = Phase.PENDING, ("Unknown", "AwaitingKServe", "KServe has not reported on it yet.")
@@ -254,7 +272,9 @@ def status_from_inference_service(
             message,
         )
 
-    if phase in (Phase.READY, Phase.IDLE):
+    if stopped_by_hand:
+        ready_cond = ("Ready", "False", READY_STOPPED_BY_HAND, message)
+    elif phase in (Phase.READY, Phase.IDLE):
         ready_cond = ("Ready", "True", "ScaledToZero" if phase is Phase.IDLE else "Serving", message)
     elif phase is Phase.WAKING:
         # A wake is what scale to zero promises, not a failure: the model answers (the request waits for it).
