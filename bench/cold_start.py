@@ -407,7 +407,7 @@ class _TarHandler(http.server.SimpleHTTPRequestHandler):
 def tar_server(folder: Path, scratch: Path) -> Iterator[str]:
     """The model folder as ``model.tar`` over HTTP on loopback: what ``http://`` storage URIs download."""
     served = scratch / "served"
-    served.mkdir()
+    served.mkdir(parents=True)
     with tarfile.open(served / "model.tar", "w") as archive:
         for entry in sorted(folder.iterdir()):
             archive.add(entry, arcname=entry.name)

@@ -17,7 +17,7 @@ from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY
 from universal_predictors.config import DEFAULT_HTTP_PORT
 
 POLICY = "ur-universal-runtime-predictors"
-QUEUE_PROXY_PORTS = [8012, 8013, 8022, 9090]
+QUEUE_PROXY_PORTS = [8012, 8013, 8112, 8022, 9090]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,16 @@ def test_an_upstream_token_secret_is_mounted_read_only_and_passed_to_the_gateway
     assert volume["secret"]["secretName"] == "predictor-token"
     assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
     assert render(chart).args(GATEWAY).upstream_token_file is None
+
+
+def test_exposed_models_are_reachable_from_the_ingress_on_the_predictor_port(chart: helm.Chart) -> None:
+    # KServe's raw-deployment Ingress reaches the predictor Service's target port, 8080, from the ingress's pods.
+    exposed = render(chart, {"watchNamespaces": ["ml"], "operator": {"config": {"exposeModels": True}}})
+    rules = exposed.one("NetworkPolicy", POLICY, "ml")["spec"]["ingress"]
+    assert len(rules) == 3
+    assert ports(rules[2]) == [DEFAULT_HTTP_PORT]
+    assert [s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for s in rules[2]["from"]] == [
+        "kourier-system", "istio-system",
+    ]  # fmt: skip
+    hidden = render(chart, {"watchNamespaces": ["ml"]})
+    assert len(hidden.one("NetworkPolicy", POLICY, "ml")["spec"]["ingress"]) == 2
