@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import llama_cpp
 import openai
 import pytest
 from prometheus_client import REGISTRY
@@ -37,6 +38,7 @@ from universal_predictors.generation.engines.llamacpp import (
     LlamaCppEngine,
     ModelShape,
     find_gguf,
+    flash_attn_type,
     plan_context,
     plan_slots,
 )
@@ -312,18 +314,30 @@ def test_a_quantized_kv_cache_holds_more_context_and_serves_with_flash_attention
     q8 = dataclasses.replace(SEVEN_B, k_bytes=34 / 32, v_bytes=34 / 32)
     assert q8.kv_bytes_per_token == 32 * 8 * 128 * 2 * 34 // 32
     assert plan_slots(q8, 4 * GIB, 8 * GIB, None, None, cpus=2) == (12336, 4)
-    engine = LlamaCppEngine(config_for(tiny_llama_gguf, Backend.LLAMACPP),
-                            LlamaCppArgs(type_k="q8_0", type_v="q8_0", n_parallel=1))  # fmt: skip
-    engine.load()
-    try:
-        assert engine.describe()["flash_attn"] is True  # a quantized V cache needs it: turned on
-        assert engine.describe()["kv_cache_types"] == "q8_0/q8_0"
-        prompt = engine.tokenize("The river in Paris", add_special_tokens=True)
-        ids, _, finish, _ = run(engine, prompt, max_tokens=8, temperature=0.0)
-        assert len(ids) == 8
-        assert finish == "length"
-    finally:
-        engine.unload()
+    state_bytes = {}
+    for cache in ("f16", "q8_0"):
+        engine = LlamaCppEngine(config_for(tiny_llama_gguf, Backend.LLAMACPP),
+                                LlamaCppArgs(type_k=cache, type_v=cache, n_parallel=1))  # fmt: skip
+        engine.load()
+        try:
+            assert engine.describe()["flash_attn"] is (cache == "q8_0")  # a quantized V cache needs it
+            assert engine.describe()["kv_cache_types"] == f"{cache}/{cache}"
+            prompt = engine.tokenize("The river in Paris", add_special_tokens=True)
+            ids, _, finish, _ = run(engine, prompt, max_tokens=8, temperature=0.0)
+            assert len(ids) == 8
+            assert finish == "length"
+            # What llama.cpp itself holds: the cached cells serialise at their element type's size.
+            state_bytes[cache] = llama_cpp.llama_state_get_size(engine._ctx.ctx)
+        finally:
+            engine.unload()
+    assert state_bytes["q8_0"] < state_bytes["f16"] * 0.8
+
+
+def test_flash_attention_left_unset_is_llama_cpps_own_choice_not_off() -> None:
+    assert flash_attn_type(None) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+    assert flash_attn_type(True) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert flash_attn_type(False) == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    assert LlamaCppArgs().flash_attention(gpu=True) is None  # on a GPU: llama.cpp decides per device
 
 
 def test_the_gpus_free_memory_caps_an_offloaded_models_context_and_is_named_when_short() -> None:

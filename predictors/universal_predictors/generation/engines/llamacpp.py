@@ -188,6 +188,13 @@ class LlamaCppArgs(BaseModel):
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------
 
 
+def flash_attn_type(choice: bool | None) -> int:
+    """llama.cpp's flash-attention setting for a resolved choice: on, off, or (None) its own per device."""
+    if choice is None:
+        return int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
+    return int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if choice else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
 def find_gguf(source: str | Path, pattern: str | None, exclude: Path | None = None) -> Path:
     """The one GGUF file ``source`` + ``pattern`` name; ValueError naming the pattern and the files found.
 
@@ -543,18 +550,20 @@ class LlamaCppEngine(Engine):
         params.n_threads = self.n_threads
         params.n_threads_batch = max(self.n_threads, self.n_threads_batch)
         params.no_perf = True
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if self.largs.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        # The resolved choice (LlamaCppArgs.flash_attention): None is llama.cpp's own per device, AUTO (llama.cpp
+        # include/llama.h, llama_flash_attn_type; llama-context.cpp resolves it when the context is made).
+        params.flash_attn_type = flash_attn_type(self.flash_attn)
+        # The cache element types the context plan counted (llama.h llama_context_params.type_k/type_v, f16 by
+        # default): without them llama.cpp allocates f16 and the planned context does not fit.
+        params.type_k = CACHE_TYPES[self.largs.type_k][0]
+        params.type_v = CACHE_TYPES[self.largs.type_v][0]
         self._ctx = llama_internals.LlamaContext(model=self._model, params=params, verbose=False)
         self._memory = llama_cpp.llama_get_memory(self._ctx.ctx)
         if self.projector_path is not None:
             try:
                 threads = max(self.n_threads, self.n_threads_batch)
                 self._projector = Projector(self.projector_path, self._model.model, threads,
-                                            use_gpu=self.gpu_offload, flash_attn=bool(self.flash_attn))  # fmt: skip
+                                            use_gpu=self.gpu_offload, flash_attn=self.flash_attn)  # fmt: skip
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
         self._n_vocab = int(self._model.n_vocab())

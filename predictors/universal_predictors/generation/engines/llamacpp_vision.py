@@ -98,7 +98,7 @@ class MtmdPrompt:
 class Projector:
     """A loaded projector bound to one llama.cpp model and context."""
 
-    def __init__(self, path: Path, model: Any, n_threads: int, use_gpu: bool, flash_attn: bool) -> None:
+    def __init__(self, path: Path, model: Any, n_threads: int, use_gpu: bool, flash_attn: bool | None) -> None:
         mtmd.mtmd_log_set(_mtmd_log, ctypes.c_void_p(0))
         mtmd.mtmd_helper_log_set(_mtmd_log, ctypes.c_void_p(0))
         params = mtmd.mtmd_context_params_default()
@@ -106,8 +106,12 @@ class Projector:
         params.print_timings = False
         params.n_threads = n_threads
         params.warmup = False
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = (  # None: llama.cpp's own choice per device, as the text context's
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+            if flash_attn is None
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         self.path = path
         self.ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
