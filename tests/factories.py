@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from universal_operator.config import OperatorConfig, parse_config
 from universal_operator.reconcile.render import desired_inference_service
-from universal_operator.spec import MAX_NAME_LENGTH, REMOTE_SCHEMES, UniversalModel, parse_duration, parse_model
+from universal_operator.spec import (
+    CPU_TASKS,
+    MAX_NAME_LENGTH,
+    REMOTE_SCHEMES,
+    UniversalModel,
+    parse_duration,
+    parse_model,
+)
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import FILE_PATTERN_BACKENDS, FILE_PATTERN_TASKS, TASK_BACKENDS
 
@@ -193,7 +200,7 @@ def servable_models(draw: st.DrawFn) -> tuple[dict[str, Any], OperatorConfig]:
     profile = draw(st.sampled_from([None, *sorted(config.profiles)]))
     if profile is not None:
         resources["profile"] = profile
-    resources["gpus"] = draw(st.integers(0, 8))
+    resources["gpus"] = 0 if task.value in CPU_TASKS else draw(st.integers(0, 8))  # CPU tasks refuse GPUs
     if draw(st.booleans()):
         resources["cpu"] = draw(cpu_quantities)
     if draw(st.booleans()):

@@ -527,6 +527,16 @@ CACHE_MESSAGE = (
 )
 
 
+#: Tasks whose engines compute on the CPU only (RapidOCR's ONNX Runtime CPU build, Tesseract, PyOD): a GPU given to
+#: them would sit idle, so the spec may not ask for one.
+CPU_TASKS = ("ocr", "anomaly")
+CPU_TASKS_RULE = "!(self.task in " + str(list(CPU_TASKS)) + ") || !has(self.resources.gpus) || self.resources.gpus == 0"
+CPU_TASKS_MESSAGE = (
+    "tasks " + " and ".join(CPU_TASKS) + " run on the CPU (their engines have no GPU path here): leave resources.gpus "
+    "at 0"
+)
+
+
 class UniversalModelSpec(_Model):
     """What to serve and how."""
 
@@ -537,6 +547,7 @@ class UniversalModelSpec(_Model):
                 _cel(file_pattern_rule(), FILE_PATTERN_MESSAGE, ".source.file"),
                 _cel(PROJECTOR_RULE, PROJECTOR_MESSAGE, ".source.projectorFile"),
                 _cel(CACHE_RULE, CACHE_MESSAGE, ".cache"),
+                _cel(CPU_TASKS_RULE, CPU_TASKS_MESSAGE, ".resources.gpus"),
             ]
         }
     )
@@ -635,6 +646,14 @@ class UniversalModelSpec(_Model):
         ):
             raise ValueError(PROJECTOR_MESSAGE)
         return source
+
+    @field_validator("resources")
+    @classmethod
+    def _gpus_used(cls, resources: Resources, info: ValidationInfo) -> Resources:
+        task = info.data.get("task")
+        if task is not None and task.value in CPU_TASKS and resources.gpus > 0:
+            raise ValueError(CPU_TASKS_MESSAGE)
+        return resources
 
     @field_validator("cache")
     @classmethod

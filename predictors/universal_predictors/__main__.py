@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from universal_predictors import standby, wake_phases
-from universal_predictors.catalog import Backend
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PARENT_PID_ENV, STANDBY_FLAG, PredictorConfig, resolve_backend, resolve_source
 
 PROG = "universal_predictors"
@@ -150,6 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"install universal-runtime[{EXTRAS[config.task]}]",
             file=sys.stderr,
         )
+        return 2
+    from universal_predictors.devices import allocated_gpus, gpus_left_unused
+
+    # Generate checks with the engine it resolves (tasks/generate.py); every other task here, before loading.
+    unused = None if config.task is Task.GENERATE else gpus_left_unused(config.task, config.backend, allocated_gpus())
+    if unused is not None:
+        print(f"{PROG}: error: {unused}", file=sys.stderr)
         return 2
     try:
         predictor = cls(config)

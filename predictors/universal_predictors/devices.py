@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from universal_predictors.catalog import Backend
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import GPUS_ENV
 
 
@@ -126,6 +126,28 @@ def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
             "runtimeClassName, and CUDA_VISIBLE_DEVICES)"
         )
     return None
+
+
+#: Backends that compute on the CPU only (RapidOCR's ONNX Runtime CPU build, Tesseract, PyOD's detectors).
+CPU_ONLY = frozenset({Backend.RAPIDOCR, Backend.TESSERACT, Backend.PYOD})
+
+
+def gpus_left_unused(task: Task, backend: Backend, gpus: int) -> str | None:
+    """Why a predictor of ``task`` on ``backend`` given ``gpus`` GPUs would leave them idle (None: it uses them).
+
+    The encoder tasks (embed, rerank, classify, NER, document) run on transformers, so ``auto`` is checked as
+    transformers (an embed GGUF resolves to llamacpp before the predictor starts); OCR and anomaly detection run
+    on the CPU whatever they are given. Before, such a pod started and silently ran on its CPU."""
+    if gpus <= 0:
+        return None
+    if backend in CPU_ONLY:
+        return (
+            f"the pod was given {gpus} GPU{'s' if gpus > 1 else ''} ({GPUS_ENV}={gpus}) but task {task.value} "
+            f"runs on the CPU ({backend.value} has no GPU path here): remove spec.resources.gpus"
+        )
+    if backend is Backend.AUTO:
+        backend = Backend.TRANSFORMERS
+    return gpu_unusable_reason(backend, gpus)
 
 
 #: NVML's library, as the NVIDIA container toolkit mounts it into a GPU pod (beside the driver).

@@ -403,7 +403,7 @@ KNATIVE_FLAG_CASES = {
 def test_knative_mode_needing_a_disabled_flag_is_a_spec_error_naming_it_and_enabling_it_admits(
     extra: str, field: str, flags: list[str]
 ) -> None:
-    manifest = load("metadata: {name: m}\nspec: {task: anomaly, source: {uri: /opt/a}}")
+    manifest = load("metadata: {name: m}\nspec: {task: embed, source: {uri: /opt/a}}")
     manifest["spec"].update(load(extra))
     default = parse_config(TEST_OPERATOR_CONFIG)
     with pytest.raises(SpecError) as caught:

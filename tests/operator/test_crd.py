@@ -289,6 +289,14 @@ INVALID = {
         {"spec": {"backend": "transformers", "source": {"projectorFile": "*mmproj*.gguf"}}},
         ".spec: source.projectorFile picks a multimodal projector GGUF",
     ),
+    "a GPU for OCR (its engines run on the CPU: the GPU would sit idle)": (
+        {"spec": {"task": "ocr", "backend": "auto", "source": {"uri": "/opt/ocr"}, "resources": {"gpus": 1}}},
+        ".spec: tasks ocr and anomaly run on the CPU",
+    ),
+    "a cache for an oci:// source": (
+        {"spec": {"source": {"uri": "oci://registry/model:1"}, "cache": {"nodeGroups": ["g"], "modelSize": "1Gi"}}},
+        ".spec: cache keeps a downloaded copy on the nodes",
+    ),
     "a Knative idleTimeout above Knative's 1h retention bound": (
         {"spec": {"scaling": {"idleTimeout": "61m"}}},
         ".spec.scaling: scaling.idleTimeout must be at most 1h in Knative mode",

@@ -354,6 +354,8 @@ conditions:
 
 
 def test_stopped_is_idle_whatever_else_the_wiped_status_lacks() -> None:
+    # A Knative-mode model: only a person stops one (the gateway stops Standard-mode models), and no request
+    # lifts it, so Ready says so.
     stopped = child(STOPPED, annotations={"serving.kserve.io/stop": "true"})
     status = status_from_inference_service(stopped, model(QWEN), now=T0)
     assert_status_matches(
@@ -363,7 +365,7 @@ def test_stopped_is_idle_whatever_else_the_wiped_status_lacks() -> None:
             phase: Idle
             replicas: 0
             conditions:
-              Ready: {status: "True", reason: ScaledToZero}
+              Ready: {status: "False", reason: StoppedByHand}
               InferenceServiceReady: {status: "True", reason: Stopped}
             """
         ),

