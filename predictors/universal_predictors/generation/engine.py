@@ -91,6 +91,9 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    #: Sample among the ``top_k`` most likely tokens only; 0: all (no request field sets it: the model's own
+    #: generation defaults may, see :func:`sampling_defaults`).
+    top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -192,6 +195,28 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None
 
 
+#: Sampling defaults a model may publish, and their bounds: ``generation_config.json``'s ``temperature``, ``top_p``,
+#: ``top_k`` (what ``vllm serve`` applies with its default ``generation_config="auto"``: vllm 0.32
+#: vllm/config/model.py get_diff_sampling_param) or a GGUF's ``general.sampling.temp``/``top_p``/``top_k`` (what
+#: llama-server applies: llama.cpp in llama-cpp-python 0.3.36, common/common.cpp, LLAMA_MODEL_META_KEY_SAMPLING_*).
+#: Penalties, ``min_p`` and the rest have no request field here and are not applied.
+SAMPLING_DEFAULT_BOUNDS: dict[str, tuple[float, float]] = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0),
+                                                           "top_k": (0.0, 1e9)}  # fmt: skip
+
+
+def sampling_defaults(published: Mapping[str, Any]) -> dict[str, float]:
+    """The usable sampling defaults among ``published`` (names as in ``generation_config.json``): numbers in range
+    only; anything else (a string, a bound exceeded) is ignored, as the request's own value would be refused."""
+    out: dict[str, float] = {}
+    for key, (low, high) in SAMPLING_DEFAULT_BOUNDS.items():
+        value = published.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if low <= float(value) <= high:
+            out[key] = float(value)
+    return out
+
+
 class Engine(ABC):
     """A loaded model that generates. Subclasses set ``backend``, ``EngineArgs``, ``capabilities``."""
 
@@ -207,6 +232,9 @@ class Engine(ABC):
         #: enforces it), set by the task before :meth:`load` for an engine that sizes itself by it (vLLM's
         #: ``limit_mm_per_prompt``); None when not told.
         self.max_images: int | None = None
+        #: The model's own sampling defaults (:func:`sampling_defaults`), applied where a request is silent; set by
+        #: :meth:`load`.
+        self.sampling_defaults: dict[str, float] = {}
 
     @classmethod
     def supports(cls, config: PredictorConfig) -> bool:

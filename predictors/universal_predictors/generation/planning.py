@@ -129,10 +129,13 @@ class RequestPlanner:
             raise context_error(context, prompt_len, max_tokens)
         remaining = context - prompt_len
         seed = body.seed + choice if body.seed is not None else None
+        # Where the request is silent, the model's own defaults (Engine.sampling_defaults), then OpenAI's.
+        defaults = self.engine.sampling_defaults
         return SamplingParams(
             max_tokens=min(max_tokens, remaining) if max_tokens is not None else remaining,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+            top_k=int(defaults.get("top_k", 0)),
             seed=seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,

@@ -108,6 +108,8 @@ class GeneratePredictor(UniversalPredictor):
             "context_length": self.engine_impl.context_length,
             "max_model_len": self.engine_impl.context_length,
             "vision": self.engine_impl.vision is not None,
+            # The model's own defaults, used where a request leaves temperature or top_p out (top_k always).
+            "sampling_defaults": dict(self.engine_impl.sampling_defaults),
             **self.engine_impl.describe(),
         }
 

@@ -163,7 +163,7 @@ def _permute(weights: Any, n_head: int) -> Any:
     )
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
+def write_gguf(hf_dir: Path, out: Path, *, sampling: dict[str, float] | None = None) -> Path:
     """The model in ``hf_dir`` (from :func:`build_llama`) as an F32 GGUF file at ``out``."""
     import gguf
     from safetensors.numpy import load_file
@@ -185,6 +185,11 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name("tiny-llama")
+    for key, value in (sampling or {}).items():  # general.sampling.* (llama.cpp src/llama-arch.cpp)
+        if key == "top_k":
+            writer.add_int32(f"general.sampling.{key}", int(value))
+        else:
+            writer.add_float32(f"general.sampling.{key}", float(value))
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])

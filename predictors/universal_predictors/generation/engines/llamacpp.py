@@ -62,6 +62,7 @@ from universal_predictors.generation.engine import (
     MultimodalPrompt,
     SamplingParams,
     VisionSupport,
+    sampling_defaults,
 )
 from universal_predictors.generation.engines.admission import Admission, QueuedSequence, stream_from_engine_thread
 from universal_predictors.generation.engines.llamacpp_vision import (
@@ -186,6 +187,21 @@ class LlamaCppArgs(BaseModel):
 
 
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------
+
+
+#: GGUF metadata keys of a model's sampling defaults -> generation_config.json's names (llama.cpp src/llama-arch.cpp,
+#: LLM_KV_GENERAL_SAMPLING_*).
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k"}  # fmt: skip
+
+
+def gguf_sampling_defaults(metadata: Mapping[str, str]) -> dict[str, float]:
+    """The sampling defaults a GGUF's metadata carries (llama.cpp hands metadata over as strings)."""
+    out: dict[str, float] = {}
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        with contextlib.suppress(KeyError, ValueError):
+            out[name] = float(metadata[key])
+    return out
 
 
 def flash_attn_type(choice: bool | None) -> int:
@@ -473,6 +489,8 @@ class LlamaCppEngine(Engine):
         try:
             self.flash_attn = args.flash_attention(self.gpu_offload)
             self.metadata = self._read_metadata(self.path)
+            # The GGUF's own sampling defaults, as llama-server reads them (engine.SAMPLING_DEFAULT_BOUNDS).
+            self.sampling_defaults = sampling_defaults(gguf_sampling_defaults(self.metadata))
             shape = ModelShape.from_metadata(self.metadata)
             self.shape = replace(shape, k_bytes=CACHE_TYPES[args.type_k][1], v_bytes=CACHE_TYPES[args.type_v][1])
             self.n_ctx, self.n_parallel, self.memory_limit = self._plan(args)
@@ -973,6 +991,8 @@ class LlamaCppEngine(Engine):
         if params.temperature <= 1e-5:
             sampler.add_greedy()
         else:
+            if params.top_k > 0:
+                sampler.add_top_k(params.top_k)
             if params.top_p < 1.0:
                 sampler.add_top_p(params.top_p, 1)
             sampler.add_temp(params.temperature)

@@ -56,6 +56,7 @@ from universal_predictors.generation.engine import (
     NoChatTemplate,
     VisionSupport,
     render_chat_template,
+    sampling_defaults,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -335,6 +336,8 @@ class TransformersEngine(Engine):
             gen = GenerationConfig.from_pretrained(source, local_files_only=True)
             ids = gen.eos_token_id
             eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+            # Only what the file sets (to_diff_dict, as vLLM reads it), not GenerationConfig's own defaults.
+            self.sampling_defaults = sampling_defaults(gen.to_diff_dict())
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self._eos = frozenset(eos)
@@ -799,7 +802,7 @@ class TransformersEngine(Engine):
                 seq.finished = True
                 seq.send(constraints.matcher_failure(seq.matcher))
                 continue
-            token = self._pick(scores, params.temperature, params.top_p, seq.generator)
+            token = self._pick(scores, params.temperature, params.top_p, seq.generator, params.top_k)
             seq.generated.append(token)
             if seq.counts is not None:
                 seq.counts[token] += 1
@@ -825,10 +828,13 @@ class TransformersEngine(Engine):
             metrics.TOKENS_GENERATED.labels(self.config.model_name).inc()
             seq.send((token, lp, top, finish))
 
-    def _pick(self, scores: Any, temperature: float, top_p: float, generator: Any) -> int:
+    def _pick(self, scores: Any, temperature: float, top_p: float, generator: Any, top_k: int = 0) -> int:
         torch = self._torch
-        if temperature <= 1e-5:
+        if temperature <= 1e-5 or top_k == 1:
             return int(scores.argmax())
+        if 0 < top_k < scores.shape[-1]:  # the k most likely only (then top_p within them, as vLLM orders them)
+            kth = torch.topk(scores, top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores / temperature, dim=-1)
         if top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)

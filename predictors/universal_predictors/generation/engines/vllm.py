@@ -55,6 +55,7 @@ from universal_predictors.generation.engine import (
     TopLogprob,
     VisionSupport,
     render_chat_template,
+    sampling_defaults,
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
@@ -307,7 +308,10 @@ class VllmEngine(Engine):
         self.admission.slots = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
         self._vocab = int(model_config.get_vocab_size())
         eos: set[int] = set()
-        ids = model_config.try_get_generation_config().get("eos_token_id")
+        generation_config = model_config.try_get_generation_config()
+        ids = generation_config.get("eos_token_id")
+        # What vllm serve applies by default (generation_config="auto"); our sampling params replace its own.
+        self.sampling_defaults = sampling_defaults(generation_config)
         eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -463,6 +467,7 @@ class VllmEngine(Engine):
             max_tokens=p.max_tokens,
             temperature=p.temperature,
             top_p=p.top_p,
+            **({"top_k": p.top_k} if p.top_k > 0 else {}),
             seed=p.seed,
             stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
