@@ -478,3 +478,42 @@ def test_a_knative_model_stopped_by_hand_says_no_request_wakes_it(version: str) 
     assert (status["phase"], ready["status"], ready["reason"]) == ("Idle", "False", "StoppedByHand")
     assert "requests get 503 until it is removed" in status["message"]
     assert "wakes it" not in status["message"]
+
+
+#: A Standard-mode rollout past the Deployment's progress deadline (600 s, KServe's): PropagateRawStatus reports
+#: Progressing=False/ProgressDeadlineExceeded as PredictorReady False, while the Deployment keeps rolling.
+STANDARD_PAST_DEADLINE = """
+observedGeneration: 2
+url: http://qwen-chat-models.example.com
+deploymentMode: Standard
+conditions:
+- {type: IngressReady, status: "True"}
+- {type: PredictorReady, status: "False", reason: ProgressDeadlineExceeded,
+   message: ReplicaSet "qwen-chat-predictor-2" has timed out progressing.}
+- {type: Ready, status: "False", reason: ProgressDeadlineExceeded,
+   message: ReplicaSet "qwen-chat-predictor-2" has timed out progressing.}
+modelStatus:
+  transitionStatus: InProgress
+  states: {activeModelState: Loaded, targetModelState: Loading}
+  copies: {failedCopies: 0, totalCopies: $copies}
+"""
+
+
+@pytest.mark.parametrize(("copies", "phase", "ready"), [(1, "Ready", "True"), (0, "Loading", "False")])
+def test_a_standard_rollout_past_the_progress_deadline_is_slow_not_failed(copies: int, phase: str, ready: str) -> None:
+    config = OperatorConfig.model_validate({"kserve": {"version": "0.16.0"}})
+    child = isvc(load(STANDARD_PAST_DEADLINE.replace("$copies", str(copies))))
+    status = status_from_inference_service(child, the_model(False), config=config)
+    assert status["phase"] == phase  # the previous replica serves (copies), or the first one still loads
+    assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == ready
+    assert "600 s progress deadline" in status["message"]
+
+
+def test_a_standard_rollout_past_the_deadline_whose_model_failed_to_load_is_failed() -> None:
+    config = OperatorConfig.model_validate({"kserve": {"version": "0.16.0"}})
+    document_ = load(STANDARD_PAST_DEADLINE.replace("$copies", "1"))
+    failed = {"reason": "ModelLoadFailed", "message": "out of memory"}
+    states = {"activeModelState": "Loaded", "targetModelState": "FailedToLoad"}
+    document_["modelStatus"].update(transitionStatus="BlockedByFailedLoad", lastFailureInfo=failed, states=states)
+    status = status_from_inference_service(isvc(document_), the_model(False), config=config)
+    assert status["phase"] == "Failed"

@@ -832,3 +832,19 @@ def test_state_claim_is_mounted_and_passed_as_state_dir() -> None:
         "subPath": "team-a",
     } in container["volumeMounts"]
     assert PredictorConfig.from_args(container["args"]).state_dir == "/var/lib/universal-runtime/state"
+
+
+def test_a_single_standard_replica_with_a_state_claim_is_recreated_not_rolled() -> None:
+    # The new pod would wait for the ReadWriteOnce claim the old one holds: Recreate stops the old one first.
+    body = """
+    metadata: {name: detectors, namespace: ml, uid: u1}
+    spec:
+      task: anomaly
+      source: {uri: /opt/a}
+      state: {claimName: detectors}
+      scaling: {mode: Standard, maxReplicas: $max}
+    """
+    one = desired_inference_service(model(body.replace("$max", "1")), parse_config({}))
+    assert one["spec"]["predictor"]["deploymentStrategy"] == {"type": "Recreate"}
+    several = desired_inference_service(model(body.replace("$max", "3")), parse_config({}))  # ReadWriteMany
+    assert "deploymentStrategy" not in several["spec"]["predictor"]

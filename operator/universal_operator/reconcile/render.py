@@ -359,6 +359,13 @@ def desired_inference_service(
             **knative_idle_annotations(scaling.idle_duration),
             ANNOTATION_PROGRESS_DEADLINE: scaling.startup_timeout,
         }
+    if not knative and spec.state is not None and scaling.max_replicas == 1:
+        # One replica with a state claim: most likely ReadWriteOnce (several replicas need ReadWriteMany, as
+        # spec.state says), which a rolling update would deadlock on, the new pod waiting for the claim the old one
+        # holds on another node. Recreate stops the old pod first (ComponentExtensionSpec.DeploymentStrategy, raw
+        # deployment only: KServe v0.14.1-v0.20.0 pkg/apis/serving/v1beta1/component.go, applied by
+        # reconcilers/deployment/deployment_reconciler.go).
+        predictor["deploymentStrategy"] = {"type": "Recreate"}
     account = predictor_service_account(model, config)
     if account:
         predictor["serviceAccountName"] = account

@@ -106,6 +106,19 @@ def _child_failure(status: dict[str, Any], ready: dict[str, Any] | None) -> str 
     return ready_failure
 
 
+def _past_progress_deadline(status: dict[str, Any], ready: dict[str, Any] | None) -> bool:
+    """Ready False for ProgressDeadlineExceeded alone: the model has not failed to load (no FailedToLoad target, no
+    BlockedByFailedLoad); see the Standard-mode branch of :func:`status_from_inference_service`."""
+    if ready is None or ready.get("status") != "False" or ready.get("reason") != "ProgressDeadlineExceeded":
+        return False
+    model_status = status.get("modelStatus") or {}
+    target = (model_status.get("states") or {}).get("targetModelState")
+    return target != "FailedToLoad" and model_status.get("transitionStatus") not in (
+        "BlockedByFailedLoad",
+        "InvalidSpec",
+    )
+
+
 def _is_true(condition: dict[str, Any] | None) -> bool:
     return condition is not None and condition.get("status") == "True"
 
@@ -256,6 +269,19 @@ def status_from_inference_service(
         else:
             phase, message = Phase.READY, "Serving."
         isvc_cond = ("True", str((ready or {}).get("reason") or "Ready"), str((ready or {}).get("message") or "Ready."))
+    elif not knative and _past_progress_deadline(status, ready):
+        # A Deployment's rollout past progressDeadlineSeconds: KServe fixes it at 600 (v0.14.1-v0.20.0
+        # reconcilers/deployment/deployment_reconciler.go setDefaultDeploymentSpec; no InferenceService field sets
+        # it) and PropagateRawStatus turns Progressing=False/ProgressDeadlineExceeded into PredictorReady False. The
+        # Deployment still rolls on (only a condition), and the previous pods serve meanwhile: a slow load, not a
+        # failure, unless the model itself failed (FailedToLoad, judged above through _child_failure's states).
+        deadline = "the new replica has been starting for longer than the 600 s progress deadline KServe gives it"
+        if copies:  # ready pods (0.16+: PropagateModelStatus counts the ready ones)
+            phase, message = Phase.READY, f"Rolling out: {deadline}; the previous replica serves meanwhile."
+            isvc_cond = ("False", "ProgressDeadlineExceeded", message)
+        else:
+            phase, message = Phase.LOADING, f"Starting: {deadline}; still loading (not a failure unless it exits)."
+            isvc_cond = ("False", "ProgressDeadlineExceeded", message)
     elif (failure := _child_failure(status, ready)) is not None:
         phase, message = Phase.FAILED, failure
         isvc_cond = ("False", str((ready or {}).get("reason") or "Failed"), failure)
