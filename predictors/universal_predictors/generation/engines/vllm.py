@@ -310,8 +310,9 @@ class VllmEngine(Engine):
         eos: set[int] = set()
         generation_config = model_config.try_get_generation_config()
         ids = generation_config.get("eos_token_id")
-        # What vllm serve applies by default (generation_config="auto"); our sampling params replace its own.
-        self.sampling_defaults = sampling_defaults(generation_config)
+        # What vllm serve applies by default (generation_config="auto", with override_generation_config on top:
+        # vllm 0.32 vllm/config/model.py get_diff_sampling_param); the engine itself never applies them.
+        self.sampling_defaults = sampling_defaults(model_config.get_diff_sampling_param())
         eos.update(ids if isinstance(ids, list) else [ids] if ids is not None else [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
