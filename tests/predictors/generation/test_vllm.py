@@ -421,3 +421,28 @@ def test_a_dead_engine_core_fails_readiness_and_ends_the_predictor(fitted_predic
     log = fitted_predictor.log_path.read_text(errors="replace")
     [line] = [line for line in log.splitlines() if line.startswith("universal_predictors: error:")]
     assert "engine core is dead" in line
+
+
+def test_the_models_generation_config_defaults_apply_where_a_request_is_silent(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # generation_config.json's top_k 1 (what vllm serve would apply): greedy whatever the seed, until a request
+    # sets a temperature of its own, which still samples within the model's top_k (tests/.../test_sampling_defaults).
+    import shutil
+
+    source = tmp_path / "hf"
+    shutil.copytree(tiny_llama_dir, source)
+    path = source / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**generation, "top_k": 1, "temperature": 0.7}))
+    config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.VLLM, source=str(source),
+                             engine_args=ENGINE_ARGS)  # fmt: skip
+    with running_predictor(config, tmp_path / "logs", env={"VLLM_HOST_IP": "127.0.0.1"}, ready_within=400) as vllm:
+        card = httpx.get(f"{vllm.openai_url}/models", timeout=30).json()["data"][0]
+        assert card["sampling_defaults"] == {"temperature": 0.7, "top_k": 1.0}
+        client = openai.OpenAI(base_url=vllm.openai_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Tell me about the river"}]
+        greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        for seed in (1, 2):
+            silent = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=seed)
+            assert silent.choices[0].message.content == greedy.choices[0].message.content
