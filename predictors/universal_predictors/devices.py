@@ -24,13 +24,18 @@ def detect_device(requested: str | None = None) -> str:
     return "cpu"
 
 
+def is_cuda(device: str) -> bool:
+    """``cuda`` or one of its devices (``cuda:1``), as torch names them."""
+    return device == "cuda" or device.startswith("cuda:")
+
+
 def dtype_for(device: str, requested: str | None = None) -> Any:
     """fp32 on the CPU; bf16 on GPUs that support it, else fp16; an explicit request wins."""
     import torch
 
     if requested and requested != "auto":
         return getattr(torch, requested)
-    if device == "cuda":
+    if is_cuda(device):
         return torch.bfloat16 if native_bf16() else torch.float16
     if device == "mps":
         return torch.float16
@@ -42,7 +47,7 @@ def release_memory(device: str) -> None:
     import gc
 
     gc.collect()
-    if device == "cuda":
+    if is_cuda(device):
         import torch
 
         torch.cuda.empty_cache()
@@ -71,7 +76,7 @@ def model_dtype(device: str, requested: str | None, checkpoint: Any, *, bf16: bo
     """
     import torch
 
-    if (requested and requested != "auto") or device != "cuda":
+    if (requested and requested != "auto") or not is_cuda(device):
         return dtype_for(device, requested)
     if isinstance(checkpoint, str):
         checkpoint = getattr(torch, checkpoint, None)

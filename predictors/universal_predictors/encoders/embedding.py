@@ -29,7 +29,7 @@ from pydantic import Field
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.catalog import Backend
 from universal_predictors.config import is_gguf
-from universal_predictors.devices import detect_device, dtype_for, release_memory
+from universal_predictors.devices import detect_device, dtype_for, is_cuda, release_memory
 from universal_predictors.encoders.args import EncoderEngineArgs
 from universal_predictors.encoders.limits import (
     TRUNCATE_REMEDY,
@@ -202,7 +202,7 @@ class LlamaCppEncoder:
             n_batch=args.n_ctx,  # a non-causal model needs each sequence in one micro-batch
             n_ubatch=args.n_ctx,
             n_threads=args.n_threads,
-            n_gpu_layers=args.n_gpu_layers if self.device == "cuda" else 0,
+            n_gpu_layers=args.n_gpu_layers if is_cuda(self.device) else 0,
             verbose=False,
         )
         self.normalized = True if args.normalize is None else args.normalize

@@ -115,3 +115,9 @@ def test_every_task_given_a_gpu_it_cannot_use_stops_at_start_up_with_one_line(
 def test_the_gpu_check_leaves_generate_to_its_engine_and_cpu_pods_alone() -> None:
     assert gpus_left_unused(Task.EMBED, Backend.AUTO, 0) is None
     assert gpus_left_unused(Task.OCR, Backend.TESSERACT, 0) is None
+
+
+def test_a_named_cuda_device_gets_half_precision_like_cuda() -> None:
+    # device=cuda:1 loaded in fp32 before: only "cuda" was recognised.
+    assert model_dtype("cuda:1", "auto", torch.bfloat16, bf16=True) is torch.bfloat16
+    assert model_dtype("cuda:1", "auto", torch.float32, bf16=False) is torch.float16
