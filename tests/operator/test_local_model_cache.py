@@ -247,7 +247,7 @@ async def test_without_kserves_local_model_cache_the_model_serves_and_its_condit
         await cluster.apply(cached_minilm("plain", ["workers"]))
         await eventually(lambda: cluster.condition("plain").get("reason") == "NotEnabled")
         assert "kserve.localModelCache" in cluster.condition("plain")["message"]
-        assert cluster.status("plain")["phase"] == "Ready"
+        await eventually(lambda: cluster.status("plain").get("phase") == "Ready")
         assert cluster.served.emulator.list_objects("localmodelcaches") == []
 
 
