@@ -260,10 +260,8 @@ def _models_of(models: Mapping[Key, Any] | None, also: UniversalModel) -> list[U
 def _matching_cache(state: OperatorState, storage_uri: str) -> dict[str, Any] | None:
     """The LocalModelCache KServe's webhook would pick for ``storage_uri``: the first whose source is the URI or a
     folder above it (KServe v0.16.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI)."""
-    uri = storage_uri.rstrip("/")
     for cache in state.caches.values():
-        source = str((cache.get("spec") or {}).get("sourceModelUri") or "").rstrip("/")
-        if source and (uri == source or uri.startswith(source + "/")):
+        if local_model.covers(str((cache.get("spec") or {}).get("sourceModelUri") or ""), storage_uri):
             return cache
     return None
 
@@ -581,9 +579,8 @@ def _cache_users(models: Mapping[Key, Any] | None, uri: str, *, mounting: bool) 
             model = parse_model(body)
         except SpecError:
             continue
-        source = model.spec.source.storage_uri.rstrip("/")
         if local_model.cached_uri(model) == uri or (
-            mounting and model.spec.source.is_remote and (source == uri.rstrip("/") or source.startswith(uri + "/"))
+            mounting and model.spec.source.is_remote and local_model.covers(uri, model.spec.source.storage_uri)
         ):
             users.append(body)
     return users

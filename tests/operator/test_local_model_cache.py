@@ -270,3 +270,21 @@ async def test_a_cache_kserve_does_not_mount_is_reported_not_mounted(
         await eventually(lambda: cluster.condition("unmounted").get("reason") == "NotMounted", within=30)
         assert "localModel.enabled" in cluster.condition("unmounted")["message"]
         assert cluster.status("unmounted")["cache"]["mounted"] is False
+
+
+def test_a_shared_cache_takes_every_group_and_the_largest_size_and_covers_paths_below_its_source() -> None:
+    from tests.factories import model
+    from universal_operator.reconcile.cache import covers, desired_cache
+
+    def cached(name: str, groups: str, size: str) -> Any:
+        return model(f"""
+        metadata: {{name: {name}, namespace: ml}}
+        spec: {{task: embed, source: {{uri: "{SOURCE}"}}, cache: {{nodeGroups: {groups}, modelSize: {size}}}}}
+        """)
+
+    spec = desired_cache(SOURCE, [cached("b", "[gpus]", "900Mi"), cached("a", "[workers, gpus]", "1Gi")])["spec"]
+    assert spec == {"sourceModelUri": SOURCE, "modelSize": "1Gi", "nodeGroups": ["workers", "gpus"]}
+    assert covers(SOURCE, SOURCE + "/")
+    assert covers(SOURCE + "/", SOURCE + "/onnx")
+    assert not covers(SOURCE, SOURCE + "-v2")
+    assert not covers("", SOURCE)

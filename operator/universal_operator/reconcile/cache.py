@@ -35,9 +35,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from universal_operator import kserve
+from universal_operator.reconcile.drift import quantity_value
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY
 from universal_operator.spec import SCHEMES_CACHED, UniversalModel
 
@@ -67,13 +69,15 @@ def cached_uri(model: UniversalModel) -> str | None:
     return model.spec.source.storage_uri
 
 
-def _size_bytes(text: str) -> float:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-             "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}  # fmt: skip
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * units[suffix]
-    return float(text)
+def _bytes(size: str) -> Decimal:
+    return quantity_value(size) or Decimal(0)
+
+
+def covers(source: str, storage_uri: str) -> bool:
+    """Whether a cache of ``source`` serves ``storage_uri``: the same URI or a path below it, as KServe's webhook
+    matches them (v0.16.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI)."""
+    cached, wanted = source.rstrip("/"), storage_uri.rstrip("/")
+    return bool(cached) and (wanted == cached or wanted.startswith(cached + "/"))
 
 
 def desired_cache(uri: str, users: Iterable[UniversalModel]) -> dict[str, Any]:
@@ -94,7 +98,11 @@ def desired_cache(uri: str, users: Iterable[UniversalModel]) -> dict[str, Any]:
             "labels": {LABEL_MANAGED_BY: MANAGED_BY},
             "annotations": {ANNOTATION_SOURCE: uri},
         },
-        "spec": {"sourceModelUri": uri, "modelSize": max(sizes, key=_size_bytes), "nodeGroups": groups},
+        "spec": {
+            "sourceModelUri": uri,
+            "modelSize": max(sizes, key=lambda q: quantity_value(q) or 0),
+            "nodeGroups": groups,
+        },
     }
 
 

@@ -21,7 +21,7 @@ _SUFFIX = {
 }  # fmt: skip
 
 
-def _quantity(value: Any) -> Decimal | None:
+def quantity_value(value: Any) -> Decimal | None:
     """A Kubernetes quantity's value, or None if ``value`` is not one."""
     match = _QUANTITY.fullmatch(str(value))
     if not match:
@@ -40,7 +40,7 @@ def _same_scalar(want: Any, have: Any, quantities: bool) -> bool:
         return True
     # The API server canonicalises quantities ("1024Mi" comes back as "1Gi"); compare those by value.
     if quantities and isinstance(want, str | int) and isinstance(have, str | int):
-        a, b = _quantity(want), _quantity(have)
+        a, b = quantity_value(want), quantity_value(have)
         return a is not None and a == b
     return False
 
