@@ -276,7 +276,8 @@ class Gateway:
                 async def answered() -> None:
                     """The upstream's head came: the wake is over for this request. Until then it is held, also
                     after the lease: a Knative model at zero is leased at once and its activator holds the request
-                    until the new pod answers, so the bound and the keep-alive comments last until the head."""
+                    until a pod of the revision can take it (knative-v1.16.0 pkg/activator/net/throttler.go,
+                    Throttler.Try), so the bound and the keep-alive comments last until the head."""
                     nonlocal held, keepalive
                     if keepalive is not None:
                         await _stop(keepalive)
