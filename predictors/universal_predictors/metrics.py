@@ -50,6 +50,11 @@ OUT_OF_MEMORY = Counter(
     "Engine steps that ran out of GPU memory (their sequences got 503 with Retry-After).",
     ["model"],
 )
+PREEMPTIONS = Counter(
+    "universal_predictor_preemptions_total",
+    "Running sequences sent back to wait because the batch's KV cache outgrew its budget (recomputed later).",
+    ["model"],
+)
 CANCELLED = Counter(
     "universal_predictor_cancelled_total", "Generations stopped because the client went away.", ["model"]
 )

@@ -188,6 +188,57 @@ def test_without_a_budget_every_sequence_runs_in_one_batch(
     assert outputs == solo
 
 
+def preemptions() -> float:
+    return REGISTRY.get_sample_value("universal_predictor_preemptions_total", {"model": MODEL}) or 0.0
+
+
+def run_to_the_end_of_the_context(
+    engine: TransformersEngine, prompts: list[list[int]], context: int
+) -> list[list[int]]:
+    """Greedy generations as a request without ``max_tokens`` gets them: the planner gives each what the
+    context leaves after its prompt; EOS ignored, so each really runs that far."""
+
+    async def one(prompt: list[int]) -> list[int]:
+        ids: list[int] = []
+        params = SamplingParams(max_tokens=context - len(prompt), temperature=0, ignore_eos=True)
+        async for chunk in engine.generate(GenerationRequest(f"r{id(prompt)}", prompt, params)):
+            ids += chunk.token_ids
+        return ids
+
+    async def go() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(go())
+
+
+def test_requests_without_max_tokens_share_the_batch_and_the_latest_is_preempted_when_the_cache_outgrows_it(
+    tiny_llama_dir: Path, prompts: list[list[int]]
+) -> None:
+    """Issue 24 item 14: a request that names no ``max_tokens`` may use the whole context; admitting on that
+    worst case ran such requests one at a time whenever the budget was near the context. They are admitted
+    on their prompts, grow on demand, and the latest is recomputed later when the cache would not fit."""
+    context = 128
+    short = sorted(prompts, key=len)[:2]
+    solo_engine = loaded(tiny_llama_dir, max_batch_size=1, max_model_len=context)
+    try:
+        alone = [run_to_the_end_of_the_context(solo_engine, [p], context)[0] for p in short]
+    finally:
+        solo_engine.unload()
+    engine = loaded(tiny_llama_dir, max_batch_tokens=context, max_batch_size=8, batch_wait_ms=50)
+    rows: list[int] = []
+    engine.step_hook = lambda stage, n, columns: rows.append(n) if stage == "decode" else None
+    before = preemptions()
+    try:
+        assert engine.context_length == context
+        outputs = run_to_the_end_of_the_context(engine, short, context)
+    finally:
+        engine.unload()
+    assert max(rows) == 2  # both ran together while their cache fitted (worst-case admission: never)
+    assert preemptions() - before >= 1  # two rows of 65 columns do not fit 128: the latest waited
+    assert outputs == alone  # the preempted one resumed where it stopped: the same tokens, none repeated
+    assert [len(o) for o in outputs] == [context - len(p) for p in short]
+
+
 # -- chunked prefill ---------------------------------------------------------------------------------
 
 

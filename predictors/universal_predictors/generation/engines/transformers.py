@@ -7,10 +7,14 @@ attention mask hides the padding, so a sequence sees exactly the tokens it would
 abandoned sequences leave the batch at the next step (their rows dropped from the cache). Tokens go back
 to each request's asyncio queue with ``call_soon_threadsafe``: the event loop never waits on the model.
 
-Memory: a waiting sequence joins the batch only while the batch's worst-case KV cache (rows x the
-longest prompt + max_tokens among them, the padded layout) fits a token budget: ``max_batch_tokens``,
-or on CUDA what the free GPU memory after loading holds (:func:`token_budget`). The context is capped at
-that budget, so a sequence alone always fits. A CUDA out-of-memory error fails only the sequences of the
+Memory: the batch's KV cache (rows x its padded length) stays within a token budget: ``max_batch_tokens``,
+or on CUDA what the free GPU memory after loading holds (:func:`token_budget`). A waiting sequence joins on
+what it uses now, its prompt, with :data:`GROWTH_HEADROOM` tokens a row to grow, not on its worst case (a
+request without ``max_tokens`` may run to the end of the context, and reserving that would run such
+requests one at a time). The cache then grows on demand; when the next step would not fit, the latest
+admitted sequence is preempted: its rows leave the cache, and it waits at the head of the queue to be
+prefilled again from its prompt and the tokens it has generated (vLLM's recompute preemption). The context
+is capped at the budget, so a sequence alone always fits. A CUDA out-of-memory error fails only the sequences of the
 step it hit (a prefill: the arrivals; a merge or decode: the batch) with 503 and ``Retry-After``, then
 gives the allocator's cache back. Several GPUs: the model is sharded over them (``device_map``).
 
@@ -79,8 +83,8 @@ class TransformersArgs(BaseModel):
     batch_wait_ms: float = Field(default=2.0, ge=0, le=1000)
     max_model_len: int | None = Field(default=None, ge=16)
     attn_implementation: str = "sdpa"
-    #: The batch's KV-cache budget in tokens (rows x the longest prompt + max_tokens); default: unbounded on
-    #: the CPU, computed from the free GPU memory after loading on CUDA (see :func:`token_budget`).
+    #: The batch's KV-cache budget in tokens (rows x the padded length); default: unbounded on the CPU,
+    #: computed from the free GPU memory after loading on CUDA (see :func:`token_budget`).
     max_batch_tokens: int | None = Field(default=None, ge=16)
     #: The share of each GPU's memory this process may fill (vLLM's name and default).
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
@@ -91,6 +95,12 @@ class TransformersArgs(BaseModel):
 
 #: The smallest KV-cache budget worth serving with: below it the model is refused at load.
 MIN_TOKEN_BUDGET = 16
+
+#: Tokens a row may still grow by (or to its end, when sooner) that the batch must hold for a waiting
+#: sequence to join it: without it a sequence admitted with the cache just full would be preempted again at
+#: its next step. vLLM keeps a watermark of free blocks for the same reason (``watermark`` of
+#: ``KVCacheManager``).
+GROWTH_HEADROOM = 16
 
 
 @dataclass(frozen=True)
@@ -259,9 +269,16 @@ class _Seq(QueuedSequence):
     finished: bool = False
 
     @property
-    def cost(self) -> int:
-        """The most cache tokens this sequence can hold: its prompt and every token it may generate."""
-        return len(self.request.prompt_ids) + self.request.params.max_tokens
+    def context_ids(self) -> list[int]:
+        """What a prefill of this sequence computes: its prompt, then what it has generated (a preempted
+        sequence resumes from all of it, its last sampled token included)."""
+        return [*self.request.prompt_ids, *self.generated]
+
+    @property
+    def growth(self) -> int:
+        """The cache tokens this sequence may still add before its next admission check matters: up to
+        :data:`GROWTH_HEADROOM`, fewer when its ``max_tokens`` ends sooner."""
+        return max(1, min(GROWTH_HEADROOM, self.request.params.max_tokens - len(self.generated)))
 
 
 class TransformersEngine(Engine):
@@ -555,7 +572,7 @@ class TransformersEngine(Engine):
                     if self.targs.batch_wait_ms > 0:
                         time.sleep(self.targs.batch_wait_ms / 1000)  # let concurrent requests join the prefill
                 self._take_incoming(waiting)
-                arrivals = self._admit(active, waiting)
+                arrivals = self._admit(active, waiting, 0 if mask is None else int(mask.shape[1]))
                 metrics.QUEUE_DEPTH.labels(self.config.model_name).set(len(waiting) + self._incoming.qsize())
                 stage = "prefill"
                 hit: list[_Seq] = []  # the sequences an out-of-memory error failed in this step
@@ -571,6 +588,7 @@ class TransformersEngine(Engine):
                         active += arrivals
                     stage = "decode"
                     active, cache, mask = self._drop_done(active, cache, mask)
+                    active, cache, mask = self._preempt_to_fit(active, cache, mask, waiting)
                     if active:
                         cache, mask = self._decode(active, cache, mask)
                         active, cache, mask = self._drop_done(active, cache, mask)
@@ -618,27 +636,51 @@ class TransformersEngine(Engine):
                 return
             waiting.append(item)
 
-    def _admit(self, active: list[_Seq], waiting: deque[_Seq]) -> list[_Seq]:
-        """The waiting sequences that join the batch now, first come first served: while the batch has
-        fewer than ``max_batch_size`` rows and its worst-case cache (rows x the largest prompt + max_tokens,
-        as the rows are padded to one length) stays within the token budget. The first that does not fit
-        waits for rows to finish, and so does everything behind it (a long request is not starved)."""
+    def _admit(self, active: list[_Seq], waiting: deque[_Seq], width: int) -> list[_Seq]:
+        """The waiting sequences that join the batch now, first come first served, on what they use now:
+        while the batch has fewer than ``max_batch_size`` rows and its padded cache with them (rows x the
+        longest of ``width``, the running cache's length, and their prompts) can still grow by
+        :data:`GROWTH_HEADROOM` a row within the token budget. The first that does not fit waits for rows to
+        finish, and so does everything behind it (a long request is not starved). A sequence alone is
+        always admitted: the context is capped at the budget."""
         arrivals: list[_Seq] = []
         rows = len(active)
-        widest = max((s.cost for s in active), default=0)
+        growth = max((s.growth for s in active), default=0)
         while waiting and rows < self.targs.max_batch_size:
             seq = waiting[0]
             if seq.abandoned:
                 waiting.popleft()
                 continue
-            if self.token_budget is not None and rows and (rows + 1) * max(widest, seq.cost) > self.token_budget:
-                break
+            if self.token_budget is not None and rows:
+                wider = max(width, len(seq.context_ids))
+                if (rows + 1) * (wider + max(growth, seq.growth)) > self.token_budget:
+                    break
             waiting.popleft()
             if self._start_matcher(seq):
                 arrivals.append(seq)
                 rows += 1
-                widest = max(widest, seq.cost)
+                width = max(width, len(seq.context_ids))
+                growth = max(growth, seq.growth)
         return arrivals
+
+    def _preempt_to_fit(
+        self, active: list[_Seq], cache: Any, mask: Any, waiting: deque[_Seq]
+    ) -> tuple[list[_Seq], Any, Any]:
+        """Before a decode step: while the batch's cache one column longer would exceed the token budget,
+        send its latest admitted sequence back to the head of ``waiting`` (its rows leave the cache; it is
+        prefilled again from :attr:`_Seq.context_ids` when it fits), as vLLM's scheduler preempts the last of
+        its running requests under the first-come policy (vllm/v1/core/sched/scheduler.py ``schedule`` and
+        ``_preempt_request``, v0.32.0: blocks freed, ``num_computed_tokens`` reset, back to waiting). The
+        oldest sequence is never preempted: alone it always fits."""
+        if self.token_budget is None:
+            return active, cache, mask
+        while len(active) > 1 and len(active) * (int(mask.shape[1]) + 1) > self.token_budget:
+            victim = active[-1]
+            active, cache, mask = self._keep_rows(active, cache, mask, list(range(len(active) - 1)))
+            waiting.appendleft(victim)
+            metrics.PREEMPTIONS.labels(self.config.model_name).inc()
+            logger.debug("preempted a sequence of %d tokens: the cache outgrew its budget", len(victim.context_ids))
+        return active, cache, mask
 
     def _out_of_memory(self, hit: list[_Seq], stage: str) -> None:
         """Fail the sequences a CUDA out-of-memory error hit with a 503, then give the cached blocks back."""
@@ -668,12 +710,12 @@ class TransformersEngine(Engine):
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[Any, Any]:
         torch = self._torch
-        width = max(len(s.request.prompt_ids) for s in seqs)
+        width = max(len(s.context_ids) for s in seqs)
         pad = next(iter(self._eos), 0)
         ids = torch.full((len(seqs), width), pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, seq in enumerate(seqs):
-            prompt = list(seq.request.prompt_ids)
+            prompt = seq.context_ids
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(self._input_device), mask.to(self._input_device)
@@ -878,11 +920,14 @@ class TransformersEngine(Engine):
 
     def _drop_done(self, seqs: list[_Seq], cache: Any, mask: Any) -> tuple[list[_Seq], Any, Any]:
         """Remove finished and abandoned rows; trim columns that are padding in every remaining row."""
-        torch = self._torch
         for seq in seqs:
             if seq.abandoned and not seq.finished:
                 seq.finished = True
-        keep = [i for i, s in enumerate(seqs) if not s.finished]
+        return self._keep_rows(seqs, cache, mask, [i for i, s in enumerate(seqs) if not s.finished])
+
+    def _keep_rows(self, seqs: list[_Seq], cache: Any, mask: Any, keep: list[int]) -> tuple[list[_Seq], Any, Any]:
+        """The batch of rows ``keep`` of ``seqs`` only; columns that are padding in every one of them trimmed."""
+        torch = self._torch
         if len(keep) == len(seqs):
             return seqs, cache, mask
         if not keep:
