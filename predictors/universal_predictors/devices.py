@@ -98,17 +98,28 @@ def allocated_gpus(environ: Mapping[str, str] = os.environ) -> int:
 
 def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
     """One line naming what is missing when the pod was given ``gpus`` GPUs and ``backend`` cannot use
-    them (a CPU-only torch, llama-cpp-python built without GPU offload, no device visible); else None.
+    them: a CPU-only build (torch, llama-cpp-python), no NVIDIA driver in the container (the runtime class),
+    a driver too old for the CUDA the build needs, or no device visible; else None.
 
-    vLLM is checked without touching CUDA (its engine forks, which a CUDA runtime initialised here would
-    break): only whether torch is a CPU build."""
+    Read without initialising CUDA (NVML and the files of the builds, :func:`driver_problem`): vLLM's engine
+    forks, which a CUDA runtime initialised here would break."""
     if gpus <= 0:
         return None
     given = f"the pod was given {gpus} GPU{'s' if gpus > 1 else ''} ({GPUS_ENV}={gpus})"
     if backend is Backend.LLAMACPP:
+        built_for = llama_cpp_cuda_version()
+        if built_for is not None:
+            problem = driver_problem(built_for)
+            if problem is not None:
+                return f"{given} but {problem}"
         import llama_cpp
 
         if not llama_cpp.llama_supports_gpu_offload():
+            if built_for is not None:  # built with CUDA, a driver and a device there: CUDA itself failed
+                return (
+                    f"{given} but llama.cpp's CUDA backend (CUDA {built_for}) found no usable device: see "
+                    "ggml_cuda_init's message above (a GPU of an architecture the build lacks, or a CUDA error)"
+                )
             return (
                 f"{given} but llama-cpp-python {llama_cpp.__version__} was built without GPU offload (no CUDA or "
                 'ROCm backend): install a GPU build (CMAKE_ARGS="-DGGML_CUDA=on" pip install llama-cpp-python), '
@@ -124,12 +135,85 @@ def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
             f"{given} but torch {torch.__version__} is a CPU-only build: install a CUDA build of torch "
             "(the predictor-cuda image has one)"
         )
+    if torch.version.cuda is not None:
+        problem = driver_problem(torch.version.cuda)
+        if problem is not None:
+            return f"{given} but {problem}"
     if backend is Backend.TRANSFORMERS and not torch.cuda.is_available():
         return (
             f"{given} but torch {torch.__version__} (CUDA {torch.version.cuda or torch.version.hip}) sees no GPU: "
             "the container got no GPU device (check the node's NVIDIA container runtime, the profile's "
             "runtimeClassName, and CUDA_VISIBLE_DEVICES)"
         )
+    return None
+
+
+#: The lowest NVIDIA driver (Linux) for each CUDA major release, with CUDA's minor-version compatibility: any
+#: 12.x build runs on 525+, any 13.x on 580+ (NVIDIA's CUDA Toolkit release notes, "CUDA Driver" table).
+MINIMUM_DRIVER = {12: "525", 13: "580"}
+
+
+def driver_problem(built_for: str, library: str | None = None) -> str | None:
+    """Why this container's GPUs cannot run code built for CUDA ``built_for`` (``"13.0"``), read through NVML
+    only (never ``cuInit``, see :func:`nvml_gpu_count`); None when a driver that supports it sees a device.
+
+    - No NVML library: the container runtime did not mount the driver, which is what happens when the pod
+      runs without the NVIDIA runtime class (GPU Operator, containerd's default runtime left at runc).
+    - A driver whose CUDA (``nvmlSystemGetCudaDriverVersion_v2``) is older than the build's major release.
+    - No device this process may use (the device plugin allocated none, or ``CUDA_VISIBLE_DEVICES``).
+    ``library`` is NVML's file (:data:`NVML_LIBRARY` by default)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL(library or NVML_LIBRARY)
+    except OSError:
+        return (
+            "the container has no NVIDIA driver (libnvidia-ml.so.1 and libcuda.so.1 are not mounted): it did not "
+            "run under the NVIDIA container runtime. Set the profile's runtimeClassName to the cluster's NVIDIA "
+            "RuntimeClass (the GPU Operator creates one named nvidia), or make nvidia the nodes' default runtime"
+        )
+    status = nvml.nvmlInit_v2()
+    if status != 0:
+        return f"the NVIDIA driver did not initialise (NVML error {status}): check the driver on the node (nvidia-smi)"
+    try:
+        version = ctypes.c_int(0)
+        if nvml.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(version)) == 0 and version.value > 0:
+            major, minor = divmod(version.value // 10, 100)
+            needed = tuple(int(part) for part in built_for.split(".")[:2])
+            if (major, minor) < (needed[0], 0):
+                least = MINIMUM_DRIVER.get(needed[0])
+                upgrade = f"NVIDIA driver {least} or newer" if least else f"a driver that supports CUDA {built_for}"
+                return (
+                    f"the node's NVIDIA driver supports CUDA up to {major}.{minor} and this build needs CUDA "
+                    f"{built_for}: upgrade the node to {upgrade}"
+                )
+    finally:
+        nvml.nvmlShutdown()
+    if nvml_gpu_count(library) == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return (
+            f"the NVIDIA driver sees no GPU this container may use{where}: the device plugin allocated none "
+            "(check the pod's nvidia.com/gpu limit and the node's allocatable GPUs)"
+        )
+    return None
+
+
+def llama_cpp_cuda_version() -> str | None:
+    """The CUDA release llama-cpp-python's CUDA backend was linked against (``"13.0"`` from the
+    ``libcudart.so.13`` its ``libggml-cuda.so`` needs), read from the package's files without importing it;
+    None for a build without CUDA (or no llama-cpp-python)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for directory in spec.submodule_search_locations:
+        for library in sorted(Path(directory).glob("lib/libggml-cuda*.so*")):
+            found = re.search(rb"libcudart\.so\.(\d+)", library.read_bytes())
+            return f"{found.group(1).decode()}.0" if found else "12.0"
     return None
 
 
@@ -159,7 +243,7 @@ def gpus_left_unused(task: Task, backend: Backend, gpus: int) -> str | None:
 NVML_LIBRARY = "libnvidia-ml.so.1"
 
 
-def nvml_gpu_count() -> int:
+def nvml_gpu_count(library: str | None = None) -> int:
     """GPUs this process may use, counted through NVML: CUDA itself is never initialised.
 
     ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount``, which runs ``cuInit`` (torch 2.13
@@ -177,7 +261,7 @@ def nvml_gpu_count() -> int:
     import os
 
     try:
-        nvml = ctypes.CDLL(NVML_LIBRARY)
+        nvml = ctypes.CDLL(library or NVML_LIBRARY)
     except OSError:
         return 0
     if nvml.nvmlInit_v2() != 0:

@@ -12,7 +12,15 @@ import torch
 from tests.predictors.harness import run_predictor_cli
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import GPUS_ENV
-from universal_predictors.devices import allocated_gpus, dtype_for, gpu_unusable_reason, gpus_left_unused, model_dtype
+from universal_predictors.devices import (
+    allocated_gpus,
+    driver_problem,
+    dtype_for,
+    gpu_unusable_reason,
+    gpus_left_unused,
+    llama_cpp_cuda_version,
+    model_dtype,
+)
 
 
 @pytest.mark.parametrize(
@@ -121,3 +129,85 @@ def test_a_named_cuda_device_gets_half_precision_like_cuda() -> None:
     # device=cuda:1 loaded in fp32 before: only "cuda" was recognised.
     assert model_dtype("cuda:1", "auto", torch.bfloat16, bf16=True) is torch.bfloat16
     assert model_dtype("cuda:1", "auto", torch.float32, bf16=False) is torch.float16
+
+
+# -- the driver, read through NVML (issue 24 item 16) -------------------------------------------------
+
+#: A stand-in for the driver's NVML library, the four calls driver_problem makes, each answering what the
+#: test's environment says (the real library is only mounted into GPU containers by the NVIDIA runtime).
+FAKE_NVML = r"""
+#include <stdlib.h>
+static int answer(const char *name, int otherwise) { const char *v = getenv(name); return v ? atoi(v) : otherwise; }
+int nvmlInit_v2(void) { return answer("FAKE_NVML_INIT", 0); }
+int nvmlShutdown(void) { return 0; }
+int nvmlSystemGetCudaDriverVersion_v2(int *version) { *version = answer("FAKE_NVML_CUDA", 13000); return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *count) { *count = answer("FAKE_NVML_COUNT", 1); return 0; }
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds the NVML stand-in (make venv needs one for llama-cpp-python too)"
+    directory = tmp_path_factory.mktemp("nvml")
+    (directory / "nvml.c").write_text(FAKE_NVML)
+    library = directory / "libnvidia-ml.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(directory / "nvml.c")], check=True)
+    return str(library)
+
+
+def test_without_the_nvidia_runtime_the_refusal_names_the_runtime_class(tmp_path: Path) -> None:
+    # What a CUDA image says on a node (or pod) without the NVIDIA runtime: no driver library mounted. Before,
+    # vLLM's check passed (a CUDA torch) and the engine died later with a traceback.
+    for library in (None, str(tmp_path / "libnvidia-ml.so.1")):  # this machine has no driver: both are absent
+        problem = driver_problem("13.0", library)
+        assert problem is not None
+        assert "no NVIDIA driver" in problem
+        assert "runtimeClassName" in problem
+        assert "\n" not in problem
+
+
+def test_a_driver_older_than_the_build_names_the_driver_it_needs(
+    fake_nvml: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_NVML_CUDA", "12080")  # a 570 driver: CUDA 12.8
+    problem = driver_problem("13.0", fake_nvml)
+    assert problem is not None
+    assert "supports CUDA up to 12.8" in problem
+    assert "needs CUDA 13.0" in problem
+    assert "NVIDIA driver 580 or newer" in problem
+    # A 12.x build runs on it (minor-version compatibility); so does a 13.0 build on a 13.2 driver.
+    assert driver_problem("12.9", fake_nvml) is None
+    monkeypatch.setenv("FAKE_NVML_CUDA", "13020")
+    assert driver_problem("13.0", fake_nvml) is None
+
+
+def test_a_driver_with_no_device_for_this_container_says_so(fake_nvml: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_NVML_COUNT", "0")
+    problem = driver_problem("13.0", fake_nvml)
+    assert problem is not None
+    assert "sees no GPU this container may use" in problem
+    monkeypatch.setenv("FAKE_NVML_COUNT", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    problem = driver_problem("13.0", fake_nvml)
+    assert problem is not None
+    assert "CUDA_VISIBLE_DEVICES=''" in problem
+
+
+def test_a_driver_that_fails_to_start_gives_nvml_s_error(fake_nvml: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_NVML_INIT", "9")  # NVML_ERROR_DRIVER_NOT_LOADED
+    problem = driver_problem("13.0", fake_nvml)
+    assert problem is not None
+    assert "did not initialise (NVML error 9)" in problem
+
+
+def test_llama_cpp_s_cuda_release_is_read_from_its_files_and_a_cpu_build_has_none() -> None:
+    pytest.importorskip("llama_cpp")
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama-cpp-python was built with GPU offload")
+    assert llama_cpp_cuda_version() is None
