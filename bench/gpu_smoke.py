@@ -11,7 +11,9 @@ Steps, each timed and reported on its own (one failing step does not hide the ot
 if any failed): the environment (CUDA, capability, native bf16, llama.cpp GPU offload); random test models
 built with the test suite's builders (``tests/predictors/generation/tiny_llama.py``); generation with
 ``backend: auto`` and default engine args on the Hugging Face directory (transformers) and its GGUF
-(llama.cpp): time to ready, GPU memory, the model card, tokens/s at concurrency 1 and 8; an embedding
+(llama.cpp): time to ready, GPU memory, the model card, tokens/s at concurrency 1 and 8; the same on vLLM
+(the release the CUDA image pins: another, or none, fails the step), and on a machine with several GPUs vLLM
+with tensor parallelism over two after a /dev/shm check (one GPU: said, not run); an embedding
 model's device and throughput; and the out-of-memory path (a real allocator OOM under a capped memory
 fraction on the GPU; ``torch.OutOfMemoryError`` injected through the engine's ``step_hook`` on the CPU).
 Budget: under 12 minutes on one GPU, the llama.cpp CUDA build (``--install``) included.
@@ -137,10 +139,24 @@ def gpu_memory_used_mib() -> int | None:
     return int(out.stdout.strip() or 0) if out.returncode == 0 else None
 
 
-def generation(source: Path, log_dir: Path, facts: dict[str, Any], *, gpu: bool, requests: int, tokens: int) -> None:
-    """``backend: auto`` with default args on ``source``: time to ready, memory, card, tokens/s at c=1 and c=8."""
-    config = PredictorConfig(model_name="smoke", task=Task.GENERATE, backend=Backend.AUTO, source=str(source))
-    env = {GPUS_ENV: "1"} if gpu else {}  # as the operator renders for a GPU pod: the start-up check runs
+def generation(
+    source: Path,
+    log_dir: Path,
+    facts: dict[str, Any],
+    *,
+    gpu: bool,
+    requests: int,
+    tokens: int,
+    backend: Backend = Backend.AUTO,
+    engine_args: dict[str, str] | None = None,
+    gpus: int = 1,
+) -> None:
+    """``backend`` (``auto``) with default args (or ``engine_args``) on ``source``: time to ready, memory, card,
+    tokens/s at c=1 and c=8."""
+    config = PredictorConfig(
+        model_name="smoke", task=Task.GENERATE, backend=backend, source=str(source), engine_args=engine_args or {}
+    )
+    env = {GPUS_ENV: str(gpus)} if gpu else {}  # as the operator renders for a GPU pod: the start-up check runs
     before = gpu_memory_used_mib()
     started = time.monotonic()
     with running_predictor(config, log_dir, env=env, ready_within=600) as predictor:
@@ -159,6 +175,55 @@ def generation(source: Path, log_dir: Path, facts: dict[str, Any], *, gpu: bool,
             result = asyncio.run(measure(predictor.openai_url, "smoke", prompt, concurrency, count, tokens))
             facts[f"tokens/s c={concurrency}"] = round(result.tokens_per_s, 1)
             facts[f"ttft p50 ms c={concurrency}"] = round(result.ttft_p50_ms, 1)
+
+
+def pinned_vllm() -> str:
+    """The vLLM release the CUDA image installs (requirements/image-predictor-cuda.txt)."""
+    lock = Path(__file__).resolve().parents[1] / "requirements" / "image-predictor-cuda.txt"
+    for line in lock.read_text().splitlines():
+        if line.startswith("vllm=="):
+            return line.split("==", 1)[1].split()[0]
+    raise RuntimeError(f"{lock} pins no vllm")
+
+
+def vllm_generation(source: Path, log_dir: Path, facts: dict[str, Any], *, gpu: bool, requests: int, tokens: int,
+                    tensor_parallel: int = 1) -> None:  # fmt: skip
+    """The generation step on vLLM (the release the CUDA image pins; another is measured, then reported as a
+    failure), on ``tensor_parallel`` GPUs."""
+    pinned = pinned_vllm()
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RuntimeError(f"vllm is not installed here ({exc}): the CUDA image runs vllm {pinned}") from None
+    facts["vllm"] = vllm.__version__
+    args = {"tensor_parallel_size": str(tensor_parallel)} if tensor_parallel > 1 else {}
+    generation(source, log_dir, facts, gpu=gpu, requests=requests, tokens=tokens, backend=Backend.VLLM,
+               engine_args=args, gpus=tensor_parallel)  # fmt: skip
+    if facts["card"].get("backend") != "vllm":
+        raise RuntimeError(f"the predictor served with {facts['card'].get('backend')}, not vllm")
+    if vllm.__version__ != pinned:
+        raise RuntimeError(f"measured vllm {vllm.__version__}, but the CUDA image pins {pinned}: install that release")
+
+
+#: NCCL's shared-memory transport between the GPUs of one pod: below this /dev/shm (a container's default is
+#: 64 MiB) tensor parallelism fails or falls back; the operator mounts a memory emptyDir there in every GPU pod.
+SHM_NEEDED = 1 << 30
+
+
+def tensor_parallel(source: Path, log_dir: Path, facts: dict[str, Any], *, requests: int, tokens: int) -> None:
+    """vLLM over two GPUs, after checking /dev/shm; not run (said, not failed) on a machine with one GPU."""
+    import torch
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    facts["devices"] = devices
+    if devices < 2:
+        facts["not run"] = f"{devices} GPU{'s' if devices != 1 else ''} here: tensor parallelism needs 2"
+        return
+    shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
+    facts["/dev/shm MiB"] = shm >> 20
+    if shm < SHM_NEEDED:
+        raise RuntimeError(f"/dev/shm is {shm >> 20} MiB: NCCL needs at least {SHM_NEEDED >> 20} MiB between GPUs")
+    vllm_generation(source, log_dir, facts, gpu=True, requests=requests, tokens=tokens, tensor_parallel=2)
 
 
 def build_bert(out: Path, *, gpu: bool) -> Path:
@@ -278,6 +343,18 @@ def run(dry_run: bool, work: Path) -> Report:
         generation(hf_dir, work / "logs-hf", facts, gpu=gpu, requests=requests, tokens=tokens)
     with report.step("generate: llama.cpp (auto, GGUF)") as facts:
         generation(gguf, work / "logs-gguf", facts, gpu=gpu, requests=requests, tokens=tokens)
+    with report.step("generate: vLLM (HF directory)") as facts:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            if gpu:
+                raise
+            facts["not run"] = "vllm is not installed here (on the CPU the vLLM tier's .venv-vllm tests it)"
+        else:
+            vllm_generation(hf_dir, work / "logs-vllm", facts, gpu=gpu, requests=requests, tokens=tokens)
+    if gpu:
+        with report.step("generate: vLLM tensor parallel (2 GPUs, /dev/shm)") as facts:
+            tensor_parallel(hf_dir, work / "logs-vllm-tp", facts, requests=requests, tokens=tokens)
     with report.step("embed (auto)") as facts:
         embedding(bert, work / "logs-embed", facts, texts=2048 if gpu else 64)
     with report.step("out of memory (transformers)") as facts:

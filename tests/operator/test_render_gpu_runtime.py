@@ -120,6 +120,7 @@ def test_a_compile_cache_claim_holds_vllms_and_tritons_caches() -> None:
     env = {item["name"]: item.get("value") for item in container["env"]}
     assert env["VLLM_CACHE_ROOT"] == "/var/cache/universal-runtime/compile/vllm"
     assert env["TRITON_CACHE_DIR"] == "/var/cache/universal-runtime/compile/triton"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/universal-runtime/compile/flashinfer"
     assert admit(isvc, None, Cluster(knative_features=PROFILE_FLAGS | frozenset(flags)))
 
 

@@ -42,9 +42,14 @@ CACHE_DIR = "/cache"
 #: Where a profile's compile-cache claim is mounted, and the caches pointed into it: vLLM keeps its
 #: torch.compile artifacts under VLLM_CACHE_ROOT (vllm 0.32 envs.py, default ~/.cache/vllm: the emptyDir,
 #: gone at scale to zero; compilation/backends.py writes torch_compile_cache there), Triton its kernels
-#: under TRITON_CACHE_DIR (default ~/.triton/cache).
+#: under TRITON_CACHE_DIR (default ~/.triton/cache), FlashInfer its JIT-compiled kernels under
+#: FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (flashinfer-python 0.7.0.post1 jit/env.py, default $HOME).
 COMPILE_CACHE_DIR = "/var/cache/universal-runtime/compile"
-COMPILE_CACHE_ENV = {"VLLM_CACHE_ROOT": f"{COMPILE_CACHE_DIR}/vllm", "TRITON_CACHE_DIR": f"{COMPILE_CACHE_DIR}/triton"}
+COMPILE_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": f"{COMPILE_CACHE_DIR}/vllm",
+    "TRITON_CACHE_DIR": f"{COMPILE_CACHE_DIR}/triton",
+    "FLASHINFER_WORKSPACE_BASE": f"{COMPILE_CACHE_DIR}/flashinfer",
+}
 #: The predictor's probes. Liveness asks KServe's /v2/health/live, which answers as soon as the HTTP server
 #: runs and stays up while a model loads (loading is off the event loop), so a slow load is never killed;
 #: a dead engine ends the process itself (readiness fails first). The startup probe holds liveness off until
