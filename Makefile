@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-dev
 REQUEST_SCHEMAS := predictors/universal_predictors/request_schemas.json
 
-.PHONY: help venv lock lock-upgrade lock-check system-deps serve test test-vllm images test-images lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
+.PHONY: help venv lock lock-upgrade lock-check system-deps serve test test-vllm images test-images image-cuda lint shellcheck format typecheck layering unit crd crd-check demo demo-serve operator bench clean
 
 help:
 	@echo "make serve      create .venv, install, and serve examples/local/ on http://127.0.0.1:8000/v1"
@@ -76,13 +76,19 @@ test: lock-check system-deps venv
 test-vllm:
 	bash .ci/vllm.sh
 
-# The image tier (.ci/images.sh): podman builds of the Dockerfile's CPU targets and a baked model from a
-# local Debian base and a wheelhouse of the same pins; test-images then runs tests/images/ against them.
+# The image tier (.ci/images.sh): podman builds of the Dockerfile's targets and a baked model from a local
+# Debian base and wheelhouses of the same pins; test-images then runs tests/images/ against them.
 images: venv
 	VENV=$(VENV) bash .ci/images.sh build
 
 test-images: venv
 	VENV=$(VENV) bash .ci/images.sh all
+
+# The CUDA image as released: llama.cpp compiled with CUDA for LLAMA_CPP_CUDA_ARCHITECTURES (default: the
+# Dockerfile's list, T4 to Blackwell; about 25 minutes an architecture on 2 cores). CI builds it with llama.cpp's
+# CPU wheel instead.
+image-cuda: venv
+	VENV=$(VENV) bash .ci/images.sh cuda
 
 lint: venv shellcheck
 	$(VENV)/bin/ruff check .

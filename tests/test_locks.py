@@ -23,7 +23,7 @@ sys.modules["ci_lock"] = lock
 _spec.loader.exec_module(lock)
 
 TARGETS = [target.name for target in lock.TARGETS]
-CPU_TARGETS = [t.name for t in lock.TARGETS if t.platform == lock.CPU and t.name != "build-tools"]
+CPU_TARGETS = [t.name for t in lock.TARGETS if t.cpu_torch and t.name != "build-tools"]
 
 
 def pins(name: str) -> dict[str, str]:
@@ -147,20 +147,28 @@ def test_build_tools_are_installed_at_one_version_wherever_a_source_build_runs()
 
 
 def test_every_dockerfile_install_reads_a_lock() -> None:
-    """Every pip install of a dependency in the Dockerfile is hash-checked from requirements/ (the project itself,
-    LLAMA_CPP_VERSION's wheel and the builder's MODEL_PACKAGE aside)."""
+    """Every pip install of a dependency in the Dockerfile is hash-checked from requirements/ or a part of a lock
+    there (images/lock_part.py, written under /tmp); the project itself, LLAMA_CPP_VERSION's wheel, the wheel the
+    CUDA stage built from the lock's hashed sdist and the builder's MODEL_PACKAGE aside."""
     lines = (ROOT / "Dockerfile").read_text().splitlines()
     dockerfile = "\n".join(line for line in lines if not line.lstrip().startswith("#")).replace("\\\n", " ")
     installs = re.findall(r"pip install ([^&\n]*)", dockerfile)
     assert installs
     for install in installs:
         if "--require-hashes" in install:
-            assert re.search(r"-r /src/(requirements/)?[\w.-]+\.txt", install), install
+            files = re.findall(r"-r (\S+)", install)
+            assert files, install
+            for file in files:
+                part = rf"lock_part\.py \S+ --\w+ [^>]*>{re.escape(file)}"
+                assert re.fullmatch(r"/src/(requirements/)?[\w.-]+\.txt", file) or (
+                    file.startswith("/tmp/") and re.search(part, dockerfile)
+                ), f"{file}: neither a lock nor a part of one ({install})"
             continue
         assert (
             ("/src" in install and "--no-deps" in install)
             or "LLAMA_CPP_VERSION" in install
             or ("MODEL_PACKAGE" in install)
+            or ("--no-index --no-deps" in install and "/wheels/llama_cpp_python-" in install)
         ), f"an unlocked install: pip install {install}"
     copied = set(re.findall(r"requirements/([\w.-]+)\.txt", dockerfile))
     assert copied <= set(TARGETS)

@@ -45,12 +45,18 @@ IMAGES = {
     for target, default in {
         "control-plane": "ghcr.io/universal-runtime/universal-runtime:0.1.0",
         "predictor-cpu": "ghcr.io/universal-runtime/predictor-cpu:0.1.0",
+        "predictor-cuda": "ghcr.io/universal-runtime/predictor-cuda:0.1.0",
         "model": "ghcr.io/universal-runtime/model-all-minilm-l6-v2:0.1.0",
     }.items()
 }
 #: Size budgets (uncompressed, as `podman image inspect` reports): a regression here is a pull-time regression.
-#: Measured 2026-12-01: control-plane 332 MB (Debian base with Python 225 MB), predictor-cpu ~2.8 GB (torch ~1 GB).
-SIZE_BUDGET_MB = {"control-plane": 450, "predictor-cpu": 3300, "model": 150}
+#: Measured 2026-12-01: control-plane 332 MB (Debian base with Python 225 MB), predictor-cpu ~2.8 GB (torch ~1 GB);
+#: predictor-cuda (2026-12-04, llama.cpp's CPU wheel as CI builds it): 10.4 GB (the CUDA 13 libraries torch and
+#: vLLM load: cuBLAS, cuDNN, NCCL, cuSPARSE(Lt), cuFFT, CUTLASS DSL; FlashInfer, Triton, vLLM's kernels).
+SIZE_BUDGET_MB = {"control-plane": 450, "predictor-cpu": 3300, "predictor-cuda": 11500, "model": 150}
+#: What a final stage may carry of a compiler: predictor-cuda's C/C++ compiler and Python headers are on purpose
+#: (issue 24 item 8: Triton compiles its CUDA driver stub at the first kernel; nvcc needs a host compiler).
+COMPILERS_ALLOWED = {"predictor-cuda": ["/usr/bin/gcc", "/usr/bin/cc", "/usr/bin/c++", "/usr/bin/g++", "/usr/bin/ld"]}
 NS = "default"
 #: Image start + model load on a shared 2-core machine: generous, never asserted as a time.
 LOAD_WITHIN = 240.0
@@ -97,7 +103,7 @@ def test_image_runs_as_uid_1000_has_no_compiler_and_fits_its_size_budget(target:
     result = podman_sync("run", "--rm", "--entrypoint", "sh", image, "-c", probe)
     uid, gid, *compilers = result.stdout.split()
     assert (uid, gid) == ("1000", "1000")
-    assert compilers == []
+    assert sorted(compilers) == sorted(COMPILERS_ALLOWED.get(target, []))
 
 
 def test_model_image_is_a_kserve_modelcar(tmp_path: Path) -> None:

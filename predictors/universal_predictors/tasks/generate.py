@@ -73,6 +73,11 @@ class GeneratePredictor(UniversalPredictor):
                 tool_parser_named(parser)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
+        # The GPU check first: it reads NVML and the builds' files only, while importing an engine may already
+        # need the device (vLLM's CUDA build does), which would hide the reason behind a traceback.
+        unusable = gpu_unusable_reason(self.backend, allocated_gpus())
+        if unusable is not None:
+            raise StartupError(unusable)
         try:
             cls = engine_class(self.backend)
         except EngineUnavailable as exc:
@@ -83,9 +88,6 @@ class GeneratePredictor(UniversalPredictor):
             f"the {self.backend.value} backend of task {self.task.value}",
         )
         image_args = parse_engine_args(ImageArgs, layer, f"the chat images of task {self.task.value}")
-        unusable = gpu_unusable_reason(self.backend, allocated_gpus())
-        if unusable is not None:
-            raise StartupError(unusable)
         self.engine_impl = cls(config, args)
         self.engine_impl.max_images = image_args.max_images
         self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args)

@@ -47,6 +47,17 @@ def engine_class(backend: Backend) -> type[Engine]:
             f"the {backend.value} backend needs a package that is not installed ({exc.name}); "
             f"install universal-runtime[{ENGINE_EXTRAS[backend]}]"
         ) from None
+    except RuntimeError as exc:
+        # vLLM's CUDA build reads its engine arguments' defaults at import, which needs a device: without one it
+        # raises "Failed to infer device type" (vllm 0.32 config/device.py DeviceConfig.__post_init__).
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = (
+            ": this vLLM build needs a GPU it can see; give the model spec.resources.gpus, or use backend "
+            "transformers or llamacpp on the CPU"
+            if backend is Backend.VLLM
+            else ""
+        )
+        raise EngineUnavailable(f"the {backend.value} backend could not start ({first}){hint}") from None
     cls: type[Engine] = getattr(module, class_name)
     return cls
 
