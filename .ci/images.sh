@@ -169,6 +169,14 @@ build_all() {
   # No `podman image prune` here: the intermediate images it would remove are podman's layer cache.
 }
 
+fetch_llama_sdist() {  # the CUDA lock's hashed llama-cpp-python sdist, which the release build compiles offline
+  "$VENV/bin/python" images/lock_part.py requirements/image-predictor-cuda.txt --only llama-cpp-python \
+    >"$CACHE/image-predictor-cuda.llama.txt"
+  "$VENV/bin/pip" download --quiet --no-deps --no-binary llama-cpp-python --no-build-isolation --require-hashes \
+    -d "$CUDA_WHEELHOUSE" -r "$CACHE/image-predictor-cuda.llama.txt" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+
 build_cuda_release() {  # the CUDA image with llama.cpp compiled with CUDA (not part of CI: see CUDA_WHEELHOUSE)
   local archs=()
   if [ -n "${LLAMA_CPP_CUDA_ARCHITECTURES:-}" ]; then
@@ -179,6 +187,7 @@ build_cuda_release() {  # the CUDA image with llama.cpp compiled with CUDA (not 
   step base make_base
   step wheelhouse make_wheelhouse
   step wheelhouse-cuda make_cuda_wheelhouse
+  step llama-sdist fetch_llama_sdist
   BUILD_WHEELHOUSE="$CUDA_WHEELHOUSE" step predictor-cuda build predictor-cuda "$PREDICTOR_CUDA_IMAGE" "${archs[@]}"
 }
 
