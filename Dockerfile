@@ -189,14 +189,21 @@ RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
       --require-hashes --no-deps -r /src/requirements/build-tools.txt -r /tmp/toolchain.txt \
  && cuda="$(python3 -c 'import nvidia, pathlib; print(pathlib.Path(nvidia.__path__[0]) / "cu13")')" \
  && for lib in cudart cublas cublasLt; do ln -sf "lib$lib.so.13" "$cuda/lib/lib$lib.so"; done \
+ && ln -sfn lib "$cuda/lib64" \
  && CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_CUDA_NO_VMM=ON -DCUDAToolkit_ROOT=$cuda \
       -DCMAKE_CUDA_COMPILER=$cuda/bin/nvcc -DCMAKE_CUDA_ARCHITECTURES=${LLAMA_CPP_CUDA_ARCHITECTURES}" \
     pip wheel --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
       ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
       --require-hashes --no-deps --no-build-isolation --no-binary llama-cpp-python -w /wheels -r /tmp/llama.txt
 # The wheel unpacked as the venv's site-packages will hold it: the final stage copies these files once (podman 4.3
-# cannot bind-mount a stage that came from its cache, so a RUN --mount of /wheels is empty on a rebuild).
-RUN pip install --no-cache-dir --no-index --no-deps --target /llama-site /wheels/llama_cpp_python-*.whl
+# cannot bind-mount a stage that came from its cache, so a RUN --mount of /wheels is empty on a rebuild). A wheel
+# holds no symlinks, so each library is there three times (libggml-cuda.so, .so.0, .so.0.25.3: 40 MB each for one
+# architecture): the two short names become links again.
+RUN pip install --no-cache-dir --no-index --no-deps --target /llama-site /wheels/llama_cpp_python-*.whl \
+ && cd /llama-site/llama_cpp/lib \
+ && for full in lib*.so.*.*.*; do \
+      short="${full%%.so.*}.so" && major="${full#*.so.}" && major="${major%%.*}" \
+      && ln -sf "$full" "$short.$major" && ln -sf "$full" "$short"; done
 
 FROM runtime AS predictor-cuda
 ARG VERSION
@@ -237,7 +244,8 @@ COPY pyproject.toml images/lock_part.py /src/
 COPY requirements/image-predictor-cuda.txt /src/requirements/
 # The lock without llama-cpp-python (the stage above built it: same version, hashed sdist), every other artifact
 # hash-checked; then the CUDA libraries' directory on the loader's path, so that llama.cpp finds cudart and cuBLAS
-# without torch loading them first; then llama-cpp-python's files.
+# without torch loading them first, and as lib64 too, where nvcc 13.0's nvcc.profile links from (the wheels have
+# lib/ only); then llama-cpp-python's files.
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
     touch /src/README.md && python3 -m venv /opt/venv \
  && python3 /src/lock_part.py /src/requirements/image-predictor-cuda.txt --without llama-cpp-python >/tmp/lock.txt \
@@ -245,7 +253,8 @@ RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
       ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
       --require-hashes --no-deps -r /tmp/lock.txt \
  && rm /tmp/lock.txt \
- && echo "${CUDA_HOME}/lib" >/etc/ld.so.conf.d/universal-runtime-cuda.conf && ldconfig
+ && echo "${CUDA_HOME}/lib" >/etc/ld.so.conf.d/universal-runtime-cuda.conf && ldconfig \
+ && ln -sfn lib "${CUDA_HOME}/lib64"
 COPY --from=predictor-cuda-llama /llama-site/ /opt/venv/lib/python3.11/site-packages/
 COPY operator /src/operator
 COPY predictors /src/predictors

@@ -109,8 +109,9 @@ def test_triton_builds_its_driver_stub_and_nvcc_compiles_a_kernel_in_the_image()
     code, out, err = in_image("python", "-c", probe)
     assert code == 0, err
     assert out.split()[-2] == "stub"
-    kernel = "__global__ void twice(float *x) { x[threadIdx.x] *= 2.0f; }"
-    script = f"echo '{kernel}' >/tmp/k.cu && \"$CUDA_HOME/bin/nvcc\" -arch=sm_80 -c /tmp/k.cu -o /tmp/k.o && echo built"
+    # Compiled and linked (nvcc links CUDA's static runtime from its profile's lib64): what a JIT extension does.
+    kernel = "__global__ void twice(float *x) { x[threadIdx.x] *= 2.0f; } int main() { return 0; }"
+    script = f"echo '{kernel}' >/tmp/k.cu && \"$CUDA_HOME/bin/nvcc\" -arch=sm_80 /tmp/k.cu -o /tmp/k && echo built"
     code, out, err = in_image("sh", "-c", script)
     assert code == 0, err
     assert out.strip().endswith("built")
