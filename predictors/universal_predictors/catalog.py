@@ -209,6 +209,22 @@ CATALOG = Catalog(
                     "universal_predictors.generation.protocol:CompletionRequest",
                     handler="completions",
                 ),
+                # vLLM's tokenizer routes and shapes (vllm 0.32 entrypoints/serve/tokenize/api_router.py): a
+                # prompt or a chat to the model's token ids, and ids back to text.
+                _post(
+                    "tokenize",
+                    "/tokenize",
+                    "Token ids of a prompt or a chat",
+                    "universal_predictors.generation.protocol:TokenizeRequest",
+                    handler="tokenize",
+                ),
+                _post(
+                    "detokenize",
+                    "/detokenize",
+                    "Text of token ids",
+                    "universal_predictors.generation.protocol:DetokenizeRequest",
+                    handler="detokenize",
+                ),
             ),
         ),
         # vLLM generates only: the embedding predictor has no vLLM encoder (vLLM's pooling runner is not

@@ -282,6 +282,14 @@ class Engine(ABC):
         """One token's text, for logprobs."""
         return self.detokenize([token_id])
 
+    def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's strings for ``token_ids`` (``/tokenize``'s ``token_strs``): the tokenizer's own
+        pieces where it has them (``convert_ids_to_tokens``, as vLLM answers), else each token's text."""
+        convert = getattr(getattr(self, "tokenizer", None), "convert_ids_to_tokens", None)
+        if convert is not None:
+            return [str(piece) for piece in convert(list(token_ids))]
+        return [self.token_text(token_id) for token_id in token_ids]
+
     @property
     @abstractmethod
     def chat_template(self) -> str | None:
@@ -293,13 +301,20 @@ class Engine(ABC):
         return {}
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text for ``messages`` with the generation prompt appended; NoChatTemplate if none."""
+        """The prompt text for ``messages``, the generation prompt appended unless ``add_generation_prompt`` is
+        false; NoChatTemplate if the model has no template."""
         template = self.chat_template
         if not template:
             raise NoChatTemplate(f"the model {self.config.model_name!r} has no chat template")
-        return render_chat_template(template, messages, tools, self.special_tokens)
+        return render_chat_template(
+            template, messages, tools, self.special_tokens, add_generation_prompt=add_generation_prompt
+        )
 
     # -- images ---------------------------------------------------------------------------------------
 
@@ -398,6 +413,8 @@ def render_chat_template(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     special_tokens: Mapping[str, str],
+    *,
+    add_generation_prompt: bool = True,
 ) -> str:
     """Render a Hugging Face-style chat template in a sandbox (as transformers does)."""
     from jinja2.exceptions import TemplateError
@@ -411,7 +428,10 @@ def render_chat_template(
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template).render(
-            messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, **special_tokens
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **special_tokens,
         )
     except TemplateError as exc:
         raise ValueError(f"the chat template rejected the messages: {exc}") from None

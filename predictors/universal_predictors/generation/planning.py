@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,12 @@ from universal_predictors.generation.engine import (
 from universal_predictors.generation.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    Message,
     NamedToolChoice,
     SamplingFields,
+    TokenizeRequest,
+    Tool,
 )
 
 #: ``max_tokens`` when a completions request names none (OpenAI's legacy default).
@@ -40,6 +44,14 @@ MAX_LOGPROB_ENTRIES = 65_536
 #: tokens are runs of 16-128 spaces or symbols; this leaves twice the longest). A 15 MiB prompt took the
 #: tokenizer 20 s on the event loop to reach the same 400.
 MAX_CHARS_PER_TOKEN = 256
+
+
+@dataclass(frozen=True)
+class _MessagesAndTools:
+    """A request's ``messages`` and ``tools``: what :meth:`RequestPlanner.chat_messages` reads of any request."""
+
+    messages: Sequence[Message]
+    tools: Sequence[Tool] | None
 
 
 @dataclass
@@ -272,6 +284,14 @@ class RequestPlanner:
     def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and tools as a chat template takes them; a message with images has its content as
         Hugging Face parts (``{"type": "image"}`` for each image, see ``Message.parts``)."""
+        return RequestPlanner.template_messages(body.messages, body.tools)
+
+    @staticmethod
+    def template_messages(
+        request_messages: Sequence[Message], request_tools: Sequence[Tool] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """:meth:`chat_messages` of any request's ``messages`` and ``tools``."""
+        body = _MessagesAndTools(request_messages, request_tools)
         messages = []
         for m in body.messages:
             message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.parts()}
@@ -290,6 +310,46 @@ class RequestPlanner:
         with _template_errors():
             text = self.engine.apply_chat_template(messages, tools)
         return self.engine.tokenize(text, add_special_tokens=False)
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """``/tokenize``'s token ids: the prompt's, or the chat's as the chat template renders it (see
+        :class:`TokenizeRequest`). Images are not counted here: a chat with images is a 400."""
+        if body.prompt is not None:
+            self.check_prompt_chars(len(body.prompt), "the prompt")
+            return self.engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        assert body.messages is not None
+        for m, message in enumerate(body.messages):
+            for i, _ in message.images():
+                raise InvalidRequest(
+                    f"messages[{m}].content[{i}]: /tokenize counts text only; send the chat without its images "
+                    "(an image's tokens depend on the model's processor and the image's size)",
+                    param=f"messages[{m}].content[{i}]",
+                )
+        messages, tools = self.template_messages(body.messages, body.tools)
+        with _template_errors():
+            text = self.engine.apply_chat_template(
+                messages,
+                tools,
+                add_generation_prompt=not body.continue_final_message and body.add_generation_prompt is not False,
+            )
+        if body.continue_final_message:
+            final = body.messages[-1].content
+            if not isinstance(final, str) or not final or text.rfind(final) < 0:
+                raise InvalidRequest(
+                    "continue_final_message: the last message needs text content the chat template keeps",
+                    param="continue_final_message",
+                )
+            text = text[: text.rfind(final) + len(final)]  # the last message left open, as vLLM cuts it
+        return self.engine.tokenize(text, add_special_tokens=bool(body.add_special_tokens))
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        vocab = self.engine.vocab_size
+        for index, token in enumerate(body.tokens):
+            if token >= vocab:
+                raise InvalidRequest(
+                    f"tokens[{index}]: {token} is outside the vocabulary (0..{vocab - 1})", param=f"tokens[{index}]"
+                )
+        return self.engine.detokenize(body.tokens)
 
     def multimodal_prompt(self, body: ChatCompletionRequest, images: list[Any]) -> MultimodalPrompt:
         """The engine's prompt for a chat request with images (already loaded, in prompt order). Blocking:

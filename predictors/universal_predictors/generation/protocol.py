@@ -245,3 +245,40 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=16)] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: vLLM's two shapes in one model (vllm 0.32 ``entrypoints/serve/tokenize/protocol.py``,
+    ``TokenizeCompletionRequest`` and ``TokenizeChatRequest``): a ``prompt``, special tokens added by default, or
+    chat ``messages`` (and ``tools``) rendered with the model's chat template, the generation prompt added and no
+    extra special tokens by default; ``continue_final_message`` leaves the last message open instead."""
+
+    model_config = _IGNORE
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt (text) or messages (a chat), not both or neither")
+        if self.prompt is not None and (self.tools or self.continue_final_message or self.add_generation_prompt):
+            raise ValueError("tools, add_generation_prompt and continue_final_message go with messages, not prompt")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text (vLLM's ``DetokenizeRequest``)."""
+
+    model_config = _IGNORE
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from universal_predictors.base import StartupError, UniversalPredictor, parse_engine_args
@@ -21,7 +21,12 @@ from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.chat_images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
-from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
+from universal_predictors.generation.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
 from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named
 
@@ -144,6 +149,12 @@ class GeneratePredictor(UniversalPredictor):
 
     def precheck(self, route: Route) -> Callable[[dict[str, Any]], None] | None:
         planner = self.service.planner
+        if route.handler == "tokenize":  # a chat or a prompt, bounded as chat and completions bound them
+            return self._precheck(
+                lambda data: planner.precheck_chat(data) if "messages" in data else planner.precheck_completion(data)
+            )
+        if route.handler == "detokenize":
+            return self._precheck(lambda data: None)
         return self._precheck(
             planner.precheck_chat if route.handler == "chat_completions" else planner.precheck_completion
         )
@@ -153,3 +164,15 @@ class GeneratePredictor(UniversalPredictor):
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self.service.completions(request, body)
+
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
+        """vLLM's ``/tokenize`` answer: ``count``, ``max_model_len``, ``tokens`` and, when asked, ``token_strs``."""
+        planner, engine = self.service.planner, self.engine_impl
+        tokens = await asyncio.to_thread(planner.tokenize, body)
+        payload: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens}
+        payload["token_strs"] = engine.token_pieces(tokens) if body.return_token_strs else None
+        return JSONResponse(payload)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        """vLLM's ``/detokenize`` answer: the ``prompt`` the ids spell (special tokens skipped)."""
+        return JSONResponse({"prompt": await asyncio.to_thread(self.service.planner.detokenize, body)})

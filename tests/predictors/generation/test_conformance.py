@@ -742,3 +742,94 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(
     # The sequence left the batch: a later request completes and the total never reaches the 480 asked.
     chat(client, "after", max_tokens=2)
     assert metric(predictor, "universal_predictor_generated_tokens_total") - generated < 480
+
+
+# -- /tokenize and /detokenize (vLLM's routes and shapes; issue 25 item 5) -------------------------------
+
+
+def tokenize(predictor: PredictorProcess, **body: object) -> httpx.Response:
+    return httpx.post(f"{predictor.url}/tokenize", json={"model": MODEL, **body}, timeout=60)
+
+
+def test_tokenize_gives_the_tokenizers_ids_and_detokenize_the_text_back(
+    predictor: PredictorProcess, tokenizer: object
+) -> None:
+    text = "The river in Paris, said the guide."
+    response = tokenize(predictor, prompt=text, return_token_strs=True)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    expected = tokenizer(text)["input_ids"]  # type: ignore[operator]  # special tokens added, as vLLM's default
+    assert answer["tokens"] == expected
+    assert answer["count"] == len(expected)
+    assert answer["max_model_len"] == 512
+    assert len(answer["token_strs"]) == len(expected)
+    bare = tokenize(predictor, prompt=text, add_special_tokens=False).json()
+    assert bare["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    assert bare["token_strs"] is None
+    back = httpx.post(f"{predictor.url}/detokenize", json={"model": MODEL, "tokens": answer["tokens"]}, timeout=60)
+    assert back.status_code == 200, back.text
+    assert back.json()["prompt"].strip() == text
+
+
+def test_tokenize_counts_a_chat_as_chat_completions_bills_it(
+    predictor: PredictorProcess, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    counted = tokenize(predictor, messages=messages).json()
+    billed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)  # type: ignore[arg-type]
+    assert billed.usage is not None
+    assert counted["count"] == billed.usage.prompt_tokens
+    # Without the generation prompt, fewer tokens; continuing a final assistant message ends with its text.
+    without = tokenize(predictor, messages=messages, add_generation_prompt=False).json()
+    assert without["count"] < counted["count"]
+    assert counted["tokens"][: without["count"]] == without["tokens"]
+    prefill = [*messages, {"role": "assistant", "content": "Sure:"}]
+    opened = tokenize(predictor, messages=prefill, continue_final_message=True, return_token_strs=True).json()
+    text = httpx.post(f"{predictor.url}/detokenize", json={"model": MODEL, "tokens": opened["tokens"]}).json()
+    assert text["prompt"].endswith("Sure:")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "says"),
+    [
+        ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None, "either prompt"),
+        ("tokenize", {"prompt": "a", "add_generation_prompt": True}, None, "go with messages"),
+        (
+            "tokenize",
+            {
+                "messages": [{"role": "user", "content": "b"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            None,
+            "cannot both be true",
+        ),
+        (
+            "tokenize",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is it?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[1]",
+            "counts text only",
+        ),
+        ("detokenize", {"tokens": [1, 10**9]}, "tokens[1]", "outside the vocabulary"),
+        ("detokenize", {"tokens": [-1]}, None, "tokens"),
+    ],
+)
+def test_tokenizer_routes_refuse_bad_requests_with_a_400_naming_the_problem(
+    predictor: PredictorProcess, route: str, body: dict[str, object], param: str | None, says: str
+) -> None:
+    response = httpx.post(f"{predictor.url}/{route}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"]
+    if param is not None:
+        assert error["param"] == param

@@ -469,10 +469,18 @@ class TransformersEngine(Engine):
         return tokenizer_chat_template(self.tokenizer)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
         # A processor's template takes content as parts, text-only requests included.
-        return super().apply_chat_template(as_parts(messages) if self.processor is not None else messages, tools)
+        return super().apply_chat_template(
+            as_parts(messages) if self.processor is not None else messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     @property
     def vision(self) -> VisionSupport | None:
