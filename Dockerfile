@@ -242,13 +242,30 @@ RUN export DEBIAN_FRONTEND=noninteractive && apt-get update -qq \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log
 COPY pyproject.toml images/lock_part.py /src/
 COPY requirements/image-predictor-cuda.txt /src/requirements/
-# The lock without llama-cpp-python (the stage above built it: same version, hashed sdist), every other artifact
-# hash-checked; then the CUDA libraries' directory on the loader's path, so that llama.cpp finds cudart and cuBLAS
-# without torch loading them first, and as lib64 too, where nvcc 13.0's nvcc.profile links from (the wheels have
-# lib/ only); then llama-cpp-python's files.
+# The lock without llama-cpp-python (the stage above built it: same version, hashed sdist), every artifact
+# hash-checked, in three layers of 2-4 GB rather than one of 10: committing a layer holds it about three times
+# on disk for a moment (the container's copy, the diff, the layer), and one 10 GB layer took CI's disk 30 GB
+# above its final use. Then the CUDA libraries' directory on the loader's path, so that llama.cpp finds cudart
+# and cuBLAS without torch loading them first, and as lib64 too, where nvcc 13.0's nvcc.profile links from (the
+# wheels have lib/ only); then llama-cpp-python's files.
+ARG CUDA_LIBRARIES="nvidia-* cuda-*"
+ARG CUDA_ENGINES="torch triton vllm flashinfer-python tokenspeed-* tilelang xgrammar llvmlite numba"
 RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
-    touch /src/README.md && python3 -m venv /opt/venv \
- && python3 /src/lock_part.py /src/requirements/image-predictor-cuda.txt --without llama-cpp-python >/tmp/lock.txt \
+    set -f && touch /src/README.md && python3 -m venv /opt/venv \
+ && python3 /src/lock_part.py /src/requirements/image-predictor-cuda.txt --only ${CUDA_LIBRARIES} >/tmp/lock.txt \
+ && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
+      --require-hashes --no-deps -r /tmp/lock.txt \
+ && rm /tmp/lock.txt
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    set -f && python3 /src/lock_part.py /src/requirements/image-predictor-cuda.txt --only ${CUDA_ENGINES} >/tmp/lock.txt \
+ && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
+      ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
+      --require-hashes --no-deps -r /tmp/lock.txt \
+ && rm /tmp/lock.txt
+RUN --mount=type=bind,from=wheelhouse,target=/wheelhouse \
+    set -f && python3 /src/lock_part.py /src/requirements/image-predictor-cuda.txt --without llama-cpp-python ${CUDA_LIBRARIES} \
+      ${CUDA_ENGINES} >/tmp/lock.txt \
  && pip install --no-cache-dir ${PYTHON_OFFLINE:+--no-index} --index-url "${PYTHON_INDEX_URL}" \
       ${PYTHON_EXTRA_INDEX_URL:+--extra-index-url "${PYTHON_EXTRA_INDEX_URL}"} --find-links /wheelhouse \
       --require-hashes --no-deps -r /tmp/lock.txt \

@@ -14,9 +14,14 @@ import sys
 from pathlib import Path
 
 
+def pattern(names: list[str]) -> str:
+    """A regular expression matching ``names`` (``*`` in a name: any characters but ``=``, as in ``nvidia-*``)."""
+    return "|".join(re.escape(name).replace(r"\*", "[^=]*") for name in names)
+
+
 def split(text: str, names: list[str]) -> tuple[str, str]:
     """(the packages' blocks, the rest) of ``text``."""
-    wanted = re.compile(rf"^({'|'.join(re.escape(name) for name in names)})==", re.IGNORECASE)
+    wanted = re.compile(rf"^({pattern(names)})==", re.IGNORECASE)
     inside = False
     block: list[str] = []
     rest: list[str] = []
@@ -31,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lock_part", description=__doc__.splitlines()[0])
     parser.add_argument("lock", type=Path)
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--only", metavar="NAME", nargs="+")
-    group.add_argument("--without", metavar="NAME", nargs="+")
+    group.add_argument("--only", metavar="NAME", nargs="+", help="a package name; * matches any characters")
+    group.add_argument("--without", metavar="NAME", nargs="+", help="a package name; * matches any characters")
     ns = parser.parse_args(argv)
     names = ns.only or ns.without
     block, rest = split(ns.lock.read_text(), names)
-    missing = [name for name in names if not re.search(rf"^{re.escape(name)}==", block, re.IGNORECASE | re.M)]
+    missing = [name for name in names if not re.search(rf"^({pattern([name])})==", block, re.IGNORECASE | re.M)]
     if missing:
         print(f"lock_part: {ns.lock} pins no {', '.join(missing)}", file=sys.stderr)
         return 1
