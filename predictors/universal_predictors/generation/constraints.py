@@ -1,4 +1,5 @@
-"""JSON-schema constrained decoding with llguidance, shared by the transformers and llama.cpp engines.
+"""Constrained decoding with llguidance (JSON schemas; regexes, choice lists and Lark/GBNF grammars), shared by the
+transformers and llama.cpp engines.
 
 A schema is compiled to an llguidance grammar once (cached by its grammar-relevant JSON, within a byte
 budget: :class:`GrammarCache`) and checked: a schema that
@@ -39,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from universal_predictors.generation import schema_compiler
-from universal_predictors.generation.engine import JSONSchemaConstraint
+from universal_predictors.generation.engine import Constraint, GrammarConstraint, JSONSchemaConstraint
 
 if TYPE_CHECKING:
     pass  # a TypedDict of the stubs only
@@ -51,7 +52,8 @@ ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 #: map) and following ``$ref``: a ``$ref`` cycle counts all its members once. 128 is serde_json's own
 #: nesting limit inside llguidance, so only ``$ref`` chains meet this bound first.
 MAX_SCHEMA_DEPTH = 128
-#: The most bytes of a schema's JSON once its annotations are stripped (:func:`grammar_relevant`).
+#: The most bytes of a schema's JSON once its annotations are stripped (:func:`grammar_relevant`), and of a regex,
+#: choice list (as JSON) or grammar.
 MAX_SCHEMA_BYTES = 256 * 1024
 #: What the compiled grammars may hold in memory at most (keys and grammars, as Python sizes them).
 GRAMMAR_CACHE_BYTES = 32 * 2**20
@@ -74,14 +76,85 @@ def schema_of(constraint: JSONSchemaConstraint) -> Mapping[str, Any]:
     return constraint.schema if constraint.schema is not None else ANY_OBJECT
 
 
-def grammar_for(constraint: JSONSchemaConstraint) -> str:
-    """The llguidance grammar of ``constraint``; UnsupportedSchema when it cannot be enforced."""
+class UnsupportedGrammar(ValueError):
+    """A regex, choice list or grammar that cannot be enforced; the message names the problem."""
+
+
+def grammar_for(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint``; UnsupportedSchema (UnsupportedGrammar for a regex, choice or
+    grammar) when it cannot be enforced."""
+    if isinstance(constraint, GrammarConstraint):
+        return _compile_grammar(constraint)
     return _compile_checked(schema_of(constraint))
 
 
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise UnsupportedSchema when ``schema`` cannot be enforced (cheap, cached: for request checks)."""
     _compile_checked(schema)
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Raise UnsupportedSchema or UnsupportedGrammar when ``constraint`` cannot be enforced (cached)."""
+    if isinstance(constraint, GrammarConstraint):
+        _compile_grammar(constraint)
+    elif constraint.schema is not None:
+        _compile_checked(constraint.schema)
+
+
+#: How each grammar kind is named in a refusal.
+_GRAMMAR_WHAT = {"regex": "the regular expression", "choice": "the choice list", "grammar": "the grammar"}
+
+
+def _compile_grammar(constraint: GrammarConstraint) -> str:
+    """A regex, choice list or Lark/GBNF grammar compiled in the compiler process as vLLM's guidance backend
+    compiles it (``llguidance.grammar_from``), bounded and cached like a schema. Every warning is an error, as for
+    schemas: a grammar naming special tokens (``<|im_end|>``) cannot be checked without the model's tokenizer, and
+    is refused rather than left to fail mid-generation."""
+    what = _GRAMMAR_WHAT[constraint.kind]
+    source = constraint.source()
+    size = len(source.encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise UnsupportedGrammar(f"{what} is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
+    key = f"{constraint.kind}\0{source}"  # a schema's key is JSON: never starts with a kind's name
+    grammar = grammar_cache.get(key)
+    if grammar is not None:
+        return grammar
+    refused = refusals.get(key)
+    if refused is not None:
+        raise UnsupportedGrammar(refused)
+    try:
+        grammar, messages = schema_compiler.compiler.compile(source, kind=constraint.kind)
+    except schema_compiler.CompilerFailed as exc:
+        reason = f"{what} is too complex to compile: {exc}"
+        refusals.put(key, reason)
+        raise UnsupportedGrammar(reason) from None
+    if grammar is None:
+        raise UnsupportedGrammar(f"{what} cannot be enforced: {grammar_problem(messages, constraint.kind)}")
+    grammar_cache.put(key, grammar)
+    return grammar
+
+
+_POSITION = re.compile(r"^at \d+\(\d+\): ")
+
+
+def grammar_problem(messages: Sequence[str], kind: str) -> str:
+    """llguidance's messages in one line each: the headline and its ``error:`` line, without the excerpt of the
+    wrapper grammar it builds around a regex or choice list (whose positions mean nothing to the caller)."""
+    out = []
+    for message in messages:
+        if "no tokenizer" in message and "special" in message:
+            out.append(
+                "it names special tokens (such as <|im_end|>), which are not supported in grammars; "
+                "match text only, and let the model end the sequence"
+            )
+            continue
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        if not lines:
+            continue
+        head = _POSITION.sub("", lines[0]) if kind != "grammar" else lines[0]
+        detail = next((line for line in lines[1:] if line.startswith("error:")), "")
+        out.append(f"{head} {detail}".strip()[:400])
+    return "; ".join(out) or "unknown error"
 
 
 class GrammarCache:
@@ -171,7 +244,7 @@ def matcher_failure(made: llguidance.LLMatcher) -> ValueError:
     """What a matcher that failed mid-generation (a grammar too complex for llguidance's parser limits)
     becomes: a ValueError, which the OpenAI layer answers with a 400 naming the constraint's field."""
     first = (made.get_error() or "unknown error").strip().splitlines()[0]
-    return ValueError(f"constrained decoding cannot follow this JSON schema: {first}")
+    return ValueError(f"constrained decoding cannot follow this schema or grammar: {first}")
 
 
 # Keywords whose value is a schema, a list of schemas, or a name -> schema mapping.

@@ -9,7 +9,7 @@ three engines only differ where they really do:
   :meth:`Engine.apply_chat_template`), :attr:`Engine.context_length`, :attr:`Engine.vocab_size`,
   :attr:`Engine.eos_token_ids`;
 * generation: :meth:`Engine.generate` takes a :class:`GenerationRequest` (prompt ids, a
-  :class:`SamplingParams`, an optional :class:`JSONSchemaConstraint`) and yields
+  :class:`SamplingParams`, an optional :class:`JSONSchemaConstraint` or :class:`GrammarConstraint`) and yields
   :class:`GenerationChunk` objects. Closing the iterator (``aclose()``, or cancelling the task that
   drives it) must stop that sequence promptly and free its slot: that is how a client disconnect or
   a matched stop string ends generation;
@@ -75,7 +75,7 @@ class EngineCapabilities:
     penalties: bool = False  # presence_penalty / frequency_penalty
     logprobs: bool = False
     max_top_logprobs: int = 0  # the largest top_logprobs (0: only the chosen token's logprob)
-    constraints: bool = True  # JSONSchemaConstraint (response_format, forced tool calls)
+    constraints: bool = True  # JSONSchemaConstraint and GrammarConstraint (response_format, tools, structured_outputs)
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,37 @@ class JSONSchemaConstraint:
 
 
 @dataclass(frozen=True)
+class GrammarConstraint:
+    """Constrained decoding by a grammar other than a JSON schema (vLLM's ``structured_outputs`` kinds):
+
+    * ``regex``: the whole output matches ``text``, a regular expression (Rust's ``regex`` syntax, no
+      look-around or back-references);
+    * ``choice``: the output is exactly one of ``choices``;
+    * ``grammar``: the output is a sentence of ``text``, a Lark grammar (llguidance's dialect, with a
+      ``start`` rule) or a GBNF grammar (llama.cpp's, with a ``root`` rule), converted as vLLM's guidance
+      backend converts it.
+
+    Every engine enforces it with llguidance (vLLM through its ``guidance`` backend), so one grammar means
+    the same on all three; the OpenAI layer checks it once first (``constraints.check_constraint``). As
+    with a schema, the engine ends the sequence with ``finish_reason="stop"`` once the grammar is complete.
+    """
+
+    kind: Literal["regex", "choice", "grammar"]
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    #: The request field it came from (``structured_outputs``, or a legacy ``guided_regex`` ...).
+    param: str = "structured_outputs"
+
+    def source(self) -> str:
+        """llguidance's input for :attr:`kind`: the text, or the choices as a JSON list."""
+        return json.dumps(list(self.choices)) if self.kind == "choice" else self.text
+
+
+#: Any constraint an engine takes on :attr:`GenerationRequest.constraint`.
+Constraint = JSONSchemaConstraint | GrammarConstraint
+
+
+@dataclass(frozen=True)
 class VisionSupport:
     """What the loaded model's vision part takes (:attr:`Engine.vision`)."""
 
@@ -156,7 +187,7 @@ class GenerationRequest:
     request_id: str
     prompt_ids: Sequence[int]
     params: SamplingParams
-    constraint: JSONSchemaConstraint | None = None
+    constraint: Constraint | None = None
     #: The prompt's images, when it has any (then ``prompt_ids`` is ``multimodal.prompt_ids``); only an
     #: engine whose :attr:`Engine.vision` is set is ever given one.
     multimodal: MultimodalPrompt | None = None

@@ -1,6 +1,6 @@
 """Turning an OpenAI request into engine requests: capability checks, prompts (chat templates, token-id
-prompts), the context check, sampling parameters per choice (``n``, per-choice seeds), and the JSON-schema
-constraint ``response_format`` or a forced tool choice needs. Every refusal happens here, before any
+prompts), the context check, sampling parameters per choice (``n``, per-choice seeds), and the constraint
+``response_format``, a forced tool choice or ``structured_outputs`` needs. Every refusal happens here, before any
 generation starts."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Any
 
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.engine import (
+    Constraint,
     Engine,
     GenerationRequest,
+    GrammarConstraint,
     JSONSchemaConstraint,
     MultimodalPrompt,
     NoChatTemplate,
@@ -160,7 +162,7 @@ class RequestPlanner:
         prompts: list[list[int]],
         max_tokens: int | None,
         logprobs: int | None,
-        constraint: JSONSchemaConstraint | None,
+        constraint: Constraint | None,
         multimodal: MultimodalPrompt | None = None,
     ) -> Plan:
         if constraint is not None and not self.engine.capabilities.constraints:
@@ -249,36 +251,68 @@ class RequestPlanner:
                 self.engine.context_length, len(prompt), max_tokens if isinstance(max_tokens, int) else None
             )
 
-    def check_constraint(self, constraint: JSONSchemaConstraint) -> None:
-        """A 400 naming the field when no engine could enforce the schema exactly: one verdict on every
-        engine (vLLM's own backend would silently ignore what it lacks). Linear in the schema and cached,
+    def check_constraint(self, constraint: Constraint) -> None:
+        """A 400 naming the field when no engine could enforce the schema or grammar exactly: one verdict on
+        every engine (vLLM's own backend would silently ignore what it lacks). Linear in the schema and cached,
         but a large schema costs milliseconds: the service calls it on a worker thread first."""
-        if constraint.schema is None:
+        if isinstance(constraint, JSONSchemaConstraint) and constraint.schema is None:
             return
         if not self.engine.capabilities.constraints:
             raise InvalidRequest(
                 f"{constraint.param}: the {self.engine.backend.value} backend cannot constrain output",
                 param=constraint.param,
             )
-        from universal_predictors.generation.constraints import check_schema
+        from universal_predictors.generation.constraints import check_constraint
 
         try:
-            check_schema(constraint.schema)
+            check_constraint(constraint)
         except ValueError as exc:
             raise InvalidRequest(f"{constraint.param}: {exc}", param=constraint.param) from None
 
     @staticmethod
-    def chat_constraint(body: ChatCompletionRequest) -> tuple[JSONSchemaConstraint | None, str | None]:
-        """The constraint of a chat request (a forced tool, else ``response_format``) and the forced
-        function's name when ``tool_choice`` names one."""
+    def structured_constraint(body: SamplingFields) -> Constraint | None:
+        """The constraint of ``structured_outputs`` (or a legacy ``guided_*`` field), if the request has one."""
+        so = body.structured_outputs
+        if so is None:
+            return None
+        param = body.structured_param()
+        kind = so.kind
+        if kind == "json":
+            assert isinstance(so.json_schema, dict)  # a string was parsed by the model
+            return JSONSchemaConstraint(so.json_schema, param=param)
+        if kind == "json_object":
+            return JSONSchemaConstraint(None, param=param)
+        if kind == "choice":
+            assert so.choice is not None
+            return GrammarConstraint("choice", choices=tuple(so.choice), param=param)
+        if kind == "regex":
+            assert so.regex is not None
+            return GrammarConstraint("regex", text=so.regex, param=param)
+        assert so.grammar is not None
+        return GrammarConstraint("grammar", text=so.grammar, param=param)
+
+    @staticmethod
+    def chat_constraint(body: ChatCompletionRequest) -> tuple[Constraint | None, str | None]:
+        """The constraint of a chat request (a forced tool, else ``response_format``, else ``structured_outputs``)
+        and the forced function's name when ``tool_choice`` names one. Two of them at once is a 400: which one
+        would win is not something a caller should have to guess."""
+        constraint: Constraint | None
         constraint, forced = tool_constraint(body)
+        structured = RequestPlanner.structured_constraint(body)
+        formatted = body.response_format is not None and body.response_format.type != "text"
+        if structured is not None and (constraint is not None or formatted):
+            other = "tool_choice" if constraint is not None else "response_format"
+            raise InvalidRequest(
+                f"{structured.param}: cannot be combined with {other}; give one constraint on the output",
+                param=structured.param,
+            )
         if constraint is None and body.response_format is not None:
             if body.response_format.type == "json_object":
                 constraint = JSONSchemaConstraint(None)
             elif body.response_format.type == "json_schema":
                 assert body.response_format.json_schema is not None
                 constraint = JSONSchemaConstraint(body.response_format.json_schema.schema_ or {"type": "object"})
-        return constraint, forced
+        return constraint or structured, forced
 
     @staticmethod
     def chat_messages(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -390,4 +424,4 @@ class RequestPlanner:
         if any(t < 0 or t >= vocab for ids in prompts for t in ids):
             raise InvalidRequest(f"prompt: a token id is outside the vocabulary (0..{vocab - 1})", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return self._plan(body, prompts, max_tokens, body.logprobs, None)
+        return self._plan(body, prompts, max_tokens, body.logprobs, self.structured_constraint(body))

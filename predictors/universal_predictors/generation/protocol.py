@@ -5,6 +5,7 @@ ignored (clients send vendor extensions), never rejected. Responses are plain di
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -192,6 +193,58 @@ class StreamOptions(BaseModel):
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
+#: The kinds of ``structured_outputs`` (vllm 0.32 ``sampling_params.py`` ``StructuredOutputsParams``): exactly one.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+#: vLLM's guided-decoding fields before ``structured_outputs`` replaced them (vLLM 0.32 ignores them, with a
+#: warning: ``entrypoints/serve/engine/protocol.py`` ``_REMOVED_GUIDED_FIELDS``); honoured here, as their kind.
+LEGACY_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` request field: the output must match one of a JSON schema (``json``), any JSON
+    object (``json_object: true``), a regular expression (``regex``), one of ``choice``, or a Lark or GBNF
+    ``grammar``. ``structural_tag`` and ``whitespace_pattern`` are refused by name (not enforced here);
+    ``disable_any_whitespace`` is accepted: JSON under a constraint is always compact here."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, "json_schema" if k == "json" else k) is not None]
+        if len(given) != 1:
+            listed = ", ".join(given) if given else "none"
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)} (given: {listed})")
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag is not supported; use json, regex, choice or grammar")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern is not supported: JSON under a constraint is always compact")
+        if self.json_object is False:
+            raise ValueError("json_object must be true when given; leave structured_outputs out for free text")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("grammar must not be empty")
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ValueError(f"json is not valid JSON: {exc}") from None
+            if not isinstance(self.json_schema, dict):
+                raise ValueError("json must be a JSON schema object")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, "json_schema" if k == "json" else k) is not None)
+
 
 class SamplingFields(BaseModel):
     """The fields chat and completions share."""
@@ -210,6 +263,31 @@ class SamplingFields(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    #: vLLM's old per-request backend choice: accepted and ignored (every engine uses llguidance).
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_structured(self) -> SamplingFields:
+        legacy = [name for name in LEGACY_GUIDED if getattr(self, name) is not None]
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported: JSON under a constraint is always compact")
+        if len(legacy) + (self.structured_outputs is not None) > 1:
+            given = ", ".join(["structured_outputs"] * (self.structured_outputs is not None) + legacy)
+            raise ValueError(f"give one structured output constraint, not several ({given})")
+        if legacy:
+            name = legacy[0]
+            self.structured_outputs = StructuredOutputs.model_validate({LEGACY_GUIDED[name]: getattr(self, name)})
+        return self
+
+    def structured_param(self) -> str:
+        """The field the structured output constraint came from, for error messages."""
+        return next((name for name in LEGACY_GUIDED if getattr(self, name) is not None), "structured_outputs")
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -1,4 +1,4 @@
-"""llguidance's JSON-schema compiler in a process of its own, so that a native crash costs one request, not the model.
+"""llguidance's compiler (JSON schemas, regexes, grammars) in a process of its own: a native crash costs one request.
 
 llguidance compiles a schema in Rust; a schema that drives it past its stack (4,000 chained ``$defs`` did: SIGSEGV)
 or its memory (an allocation failure aborts) used to take the whole predictor down, and three in a row marked the
@@ -54,7 +54,8 @@ def _setting(name: str, default: float) -> float:
 
 
 def _child(conn: Connection, memory_mb: int) -> None:
-    """The compiler process: ``schema_json`` in; ``("grammar", text)``, ``("unsupported", messages)`` out."""
+    """The compiler process: ``(kind, source)`` in (``json`` and a schema's JSON, or ``regex``, ``choice`` (a JSON
+    list) or ``grammar`` and its text); ``("grammar", llguidance's grammar)`` or ``("unsupported", messages)`` out."""
     import resource
 
     import llguidance
@@ -68,11 +69,14 @@ def _child(conn: Connection, memory_mb: int) -> None:
     options: Any = JSON_OPTIONS
     while True:
         try:
-            schema_json = conn.recv()
+            kind, source = conn.recv()
         except EOFError:
             return
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=options)
+            if kind == "json":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=options)
+            else:  # regex, choice, grammar: as vLLM's guidance backend reads them (llguidance.grammar_from)
+                grammar = llguidance.grammar_from(kind, source)
             # Without a tokenizer: the same verdict (grammar and regex checks do not depend on one) and cheaper.
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         except MemoryError:
@@ -92,14 +96,15 @@ class SchemaCompiler:
         self._process: Any = None
         self._conn: Connection | None = None
 
-    def compile(self, schema_json: str) -> tuple[str | None, list[str]]:
-        """``(grammar, [])`` or ``(None, llguidance's messages)``; CompilerFailed when the process did not answer."""
+    def compile(self, schema_json: str, kind: str = "json") -> tuple[str | None, list[str]]:
+        """``(grammar, [])`` or ``(None, llguidance's messages)`` for a schema's JSON (or a ``regex``, ``choice`` or
+        ``grammar`` source, by ``kind``); CompilerFailed when the process did not answer."""
         memory_mb = int(_setting(MEMORY_MB_ENV, MEMORY_MB))
         timeout_s = _setting(TIMEOUT_S_ENV, TIMEOUT_S)
         with self._lock:
             conn = self._ensure(memory_mb)
             try:
-                conn.send(schema_json)
+                conn.send((kind, schema_json))
                 if not conn.poll(timeout_s):
                     self._stop()
                     raise CompilerFailed(f"compiling it took longer than {timeout_s:g} s")

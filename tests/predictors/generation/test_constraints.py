@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from universal_predictors.generation import constraints
-from universal_predictors.generation.engine import JSONSchemaConstraint
+from universal_predictors.generation.engine import GrammarConstraint, JSONSchemaConstraint
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,39 @@ def test_masks_apply_to_the_constrained_rows_of_a_batch_only(hf_tokenizer: Any) 
     assert object_starts
     assert all(hf_tokenizer.decode([t]).startswith("{") for t in object_starts)
     assert torch.isinf(logits[:, n_vocab:][[0, 2]]).all()
+
+
+@pytest.mark.parametrize(
+    ("constraint", "says"),
+    [
+        (GrammarConstraint("regex", text="(?<=a)b"), "the regular expression cannot be enforced: invalid regex"),
+        (GrammarConstraint("grammar", text="start: a\na: b"), "the grammar cannot be enforced: at 2(4): unknown name"),
+        (GrammarConstraint("grammar", text="root ::= [a-"), "the grammar cannot be enforced"),
+        (GrammarConstraint("grammar", text='start: "x" <|eot_id|>'), "names special tokens"),
+        (GrammarConstraint("regex", text="a" * (constraints.MAX_SCHEMA_BYTES + 1)), "bytes; at most 262144"),
+        (GrammarConstraint("choice", choices=("b" * constraints.MAX_SCHEMA_BYTES,)), "the choice list is"),
+    ],
+    ids=["look-behind", "unknown-rule", "bad-gbnf", "special-token", "long-regex", "long-choices"],
+)
+def test_a_grammar_llguidance_cannot_enforce_is_refused_saying_why(constraint: GrammarConstraint, says: str) -> None:
+    with pytest.raises(constraints.UnsupportedGrammar) as caught:
+        constraints.check_constraint(constraint)
+    assert says in str(caught.value)
+    assert "\n" not in str(caught.value)  # one line: llguidance's excerpt of its wrapper grammar is left out
+
+
+def test_grammars_compile_once_and_mask_tokens_to_their_language(hf_tokenizer: Any) -> None:
+    regex = GrammarConstraint("regex", text=r"[0-9]{2}-(yes|no)")
+    grammar = constraints.grammar_for(regex)
+    assert constraints.grammar_for(regex) is grammar  # cached by kind and source
+    lltok = constraints.hf_tokenizer(hf_tokenizer, len(hf_tokenizer), [hf_tokenizer.eos_token_id])
+    matcher = constraints.matcher(lltok, grammar)
+    for token in hf_tokenizer.encode("42-yes", add_special_tokens=False):
+        masks = constraints.fill_masks([matcher], constraints.allocate_masks(1, len(hf_tokenizer)))
+        allowed = constraints.unpack_masks(masks, len(hf_tokenizer))[0]
+        assert allowed[token]
+        assert not any(allowed[t] for t in hf_tokenizer.encode("z", add_special_tokens=False))
+        assert matcher.consume_token(token)
+    masks = constraints.fill_masks([matcher], constraints.allocate_masks(1, len(hf_tokenizer)))
+    allowed = constraints.unpack_masks(masks, len(hf_tokenizer))[0]
+    assert allowed.nonzero()[0].tolist() == [hf_tokenizer.eos_token_id]  # complete: only the end is left

@@ -98,7 +98,7 @@ def test_a_vllm_engine_arg_takes_effect_and_is_reported(vllm_predictor: Predicto
 
 def test_a_schema_with_a_look_behind_pattern_is_a_400_saying_why(vllm_predictor: PredictorProcess) -> None:
     # Valid JSON Schema, but no grammar engine enforces look-around: the shared check refuses it before
-    # vLLM sees it (xgrammar would refuse too, in other words), naming the field and the reason.
+    # vLLM sees it (its guidance backend would refuse too), naming the field and the reason.
     schema = {"type": "string", "pattern": "(?<=a)b"}
     response = httpx.post(f"{vllm_predictor.openai_url}/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
@@ -308,7 +308,7 @@ def test_a_streamed_vllm_chat_with_an_image_gives_the_unary_answer(vision_predic
     assert usage.prompt_tokens - text_only.usage.prompt_tokens == 7
 
 
-#: Bounded (a short string, a boolean, no whitespace under the tier's xgrammar config): the constrained
+#: Bounded (a short string, a boolean, no whitespace under the engine's compact-JSON config): the constrained
 #: output of the random-weight model ends within max_tokens, so finish_reason "stop" is owed.
 TAG_SCHEMA = {"type": "object",
               "properties": {"label": {"type": "string", "maxLength": 8}, "seen": {"type": "boolean"}},

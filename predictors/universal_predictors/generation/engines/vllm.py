@@ -1,7 +1,7 @@
 """The vLLM engine: vLLM's ``AsyncLLM`` in this process, its engine core in vLLM's own worker process.
 
 Continuous batching, paged KV cache, seeded sampling, penalties, logprobs and structured outputs
-(``StructuredOutputsParams(json=...)``, xgrammar by default) are vLLM's own machinery; this module only
+(``StructuredOutputsParams``, by llguidance: its ``guidance`` backend) are vLLM's own machinery; this module only
 translates the engine interface to vLLM's and back. Every vLLM engine argument is an ``--engine-arg``:
 keys are checked against :class:`vllm.engine.arg_utils.AsyncEngineArgs` when the predictor starts (an
 unknown key stops it with one line naming the key) and values are parsed by vLLM's own command-line
@@ -49,6 +49,7 @@ from universal_predictors.generation.engine import (
     EngineCapabilities,
     GenerationChunk,
     GenerationRequest,
+    GrammarConstraint,
     MultimodalPrompt,
     NoChatTemplate,
     TokenLogprob,
@@ -66,8 +67,12 @@ logger = logging.getLogger(__name__)
 #: AsyncEngineArgs fields that are not engine arguments here: the model is the predictor's source.
 _NOT_ARGS = frozenset({"model"})
 #: Where our defaults differ from vLLM's (an ``--engine-arg`` with the same key replaces them):
-#: * compact JSON under constraints (vLLM only allows that with an explicit backend; xgrammar is what `auto`
-#:   picks first), since free whitespace is where a weak model stalls until max_tokens;
+#: * structured outputs by llguidance (vLLM's ``guidance`` backend, vllm 0.32 v1/structured_output/backend_guidance.py
+#:   ``serialize_guidance_grammar``), the library the other engines and the request check use: a regex, choice list
+#:   or Lark/GBNF grammar means the same on every engine, and what the check accepts is what is enforced (``auto``
+#:   picks xgrammar first, whose grammar dialect is EBNF and whose JSON-schema support differs);
+#: * compact JSON under constraints (vLLM only allows that with an explicit backend), since free whitespace is where
+#:   a weak model stalls until max_tokens;
 #: * ``max_model_len=-1``: vLLM fits the context to the KV-cache memory it measured instead of taking the
 #:   model's whole context (131,072 for Llama-3.1-8B, which one L4's cache cannot hold for one sequence,
 #:   so the engine would refuse to start). vllm 0.32 config/model.py (_get_and_verify_max_len: -1 starts
@@ -75,7 +80,7 @@ _NOT_ARGS = frozenset({"model"})
 #:   that fits every worker's cache, or the full one when it fits); the engine core reports the fitted
 #:   value back (v1/engine/core_client.py _apply_ready_response), and /openai/v1/models shows it.
 _DEFAULTS: dict[str, Any] = {
-    "structured_outputs_config": json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    "structured_outputs_config": json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
     "max_model_len": "-1",
 }
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -459,9 +464,19 @@ class VllmEngine(Engine):
 
         p = request.params
         structured = None
-        if request.constraint is not None:
-            schema = request.constraint.schema
-            structured = (StructuredOutputsParams(json=dict(schema)) if schema is not None
+        constraint = request.constraint
+        if isinstance(constraint, GrammarConstraint):
+            kind: dict[str, Any] = {constraint.kind: constraint.text}
+            if constraint.kind == "choice":
+                kind = {"choice": list(constraint.choices)}
+            structured = StructuredOutputsParams(**kind)
+        elif constraint is not None:
+            # The schema as the other engines enforce it: objects closed where they list properties (the guidance
+            # backend otherwise leaves them open, as JSON Schema does).
+            from universal_predictors.generation.constraints import closed_objects
+
+            schema = constraint.schema
+            structured = (StructuredOutputsParams(json=closed_objects(dict(schema))) if schema is not None
                           else StructuredOutputsParams(json_object=True))  # fmt: skip
         return SamplingParams(
             n=1,
