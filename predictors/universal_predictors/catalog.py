@@ -209,6 +209,15 @@ CATALOG = Catalog(
                     "universal_predictors.generation.protocol:CompletionRequest",
                     handler="completions",
                 ),
+                # OpenAI's Responses API (vLLM serves it at the same path: vllm 0.32
+                # entrypoints/openai/responses/api_router.py), stateless in the predictor.
+                _post(
+                    "responses",
+                    "/openai/v1/responses",
+                    "OpenAI responses",
+                    "universal_predictors.generation.responses_api:ResponsesRequest",
+                    handler="responses",
+                ),
                 # vLLM's tokenizer routes and shapes (vllm 0.32 entrypoints/serve/tokenize/api_router.py): a
                 # prompt or a chat to the model's token ids, and ids back to text.
                 _post(

@@ -234,6 +234,36 @@ class RequestPlanner:
                 chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
         self.check_prompt_chars(chars, "the messages' text", param="messages")
 
+    def precheck_responses(self, data: dict[str, Any]) -> None:
+        """:meth:`precheck_chat` for a Responses request: its ``input`` items and their text (and ``instructions``)."""
+        items = data.get("input")
+        if isinstance(items, str):
+            self.check_prompt_chars(len(items), "the input", param="input")
+            return
+        if not isinstance(items, list):
+            return
+        context = self.engine.context_length
+        if len(items) > context:
+            raise InvalidRequest(
+                f"input: {len(items)} items; this model's maximum context length is {context} tokens and every item "
+                "takes at least one. Send fewer items.",
+                param="input",
+                code="context_length_exceeded",
+            )
+        instructions = data.get("instructions")
+        chars = len(instructions) if isinstance(instructions, str) else 0
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            for key in ("content", "output", "arguments"):
+                value = item.get(key)
+                if isinstance(value, str):
+                    chars += len(value)
+                elif isinstance(value, list):
+                    chars += sum(len(p.get("text") or "") for p in value if isinstance(p, dict) and
+                                 isinstance(p.get("text"), str))  # fmt: skip
+        self.check_prompt_chars(chars, "the input's text", param="input")
+
     def precheck_completion(self, data: dict[str, Any]) -> None:
         """Refuse by count and size before validation and the tokenizer: more prompts x ``n`` than the
         engine ever admits (413), token ids or text beyond the context (400)."""

@@ -6,6 +6,7 @@ completions for one served model, put together from engine-independent parts:
 - :mod:`.streaming`: running the choices (stop strings via :mod:`.stops`), admission, SSE, cancellation
   when the client goes;
 - :mod:`.responses`: the unary and streamed response bodies, usage and logprobs;
+- :mod:`.responses_api`: OpenAI's Responses API as a chat, answered in its own shapes and events;
 - :mod:`.tools`: tool-call formats per model family, chosen from the chat template or an engine arg;
 - :mod:`.images`: a chat request's ``image_url`` parts loaded within the limits, for a vision engine.
 """
@@ -19,7 +20,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from universal_predictors.errors import InvalidRequest
+from universal_predictors.errors import APIError, InvalidRequest
+from universal_predictors.generation import responses_api
 from universal_predictors.generation.chat_images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.engine import (
     Engine,
@@ -36,6 +38,7 @@ from universal_predictors.generation.planning import (
 )
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_shape, completion_shape, respond
+from universal_predictors.generation.responses_api import ResponsesRequest
 from universal_predictors.generation.streaming import ChoiceRunner, ignore
 from universal_predictors.generation.tools import ToolParser, choose_tool_parser
 
@@ -77,13 +80,25 @@ class GenerationService:
         return self._tool_parser
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        plan, tools = await self._plan_chat(body)
+        return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
+
+    async def responses(self, request: Request, body: ResponsesRequest) -> Response:
+        """``POST /v1/responses``: the request as a chat (:mod:`.responses_api`), answered in Responses' shapes."""
+        chat, origins = responses_api.chat_request(body)
+        try:
+            plan, tools = await self._plan_chat(chat)
+        except APIError as error:
+            raise responses_api.renamed(error, origins) from None
+        return await responses_api.respond(self.runner, request, body, chat, plan, tools)
+
+    async def _plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, ChatTools]:
         constraint, _ = self.planner.chat_constraint(body)
         if constraint is not None:  # checked (and compiled, cached) off the event loop: planning then hits the cache
             await asyncio.to_thread(self.planner.check_constraint, constraint)
         multimodal = await self._multimodal_prompt(body) if body.images() else None
         plan, forced = await asyncio.to_thread(self.planner.plan_chat, body, multimodal)  # template, tokenizer
-        tools = ChatTools(body, forced, self.tool_parser)
-        return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
+        return plan, ChatTools(body, forced, self.tool_parser)
 
     async def _multimodal_prompt(self, body: ChatCompletionRequest) -> MultimodalPrompt:
         """A 400 for a model without a vision part (before anything is fetched), then the images loaded

@@ -228,8 +228,14 @@ class ChoiceRunner:
         render: Callable[[Delta], list[dict[str, Any]]],
         first: list[dict[str, Any]],
         final: Callable[[list[Choice]], list[dict[str, Any]]],
+        *,
+        frame: Callable[[dict[str, Any]], str] = sse,
+        failed: Callable[[APIError], list[dict[str, Any]]] = lambda error: [error.body()],
+        done: str | None = SSE_DONE,
     ) -> Response:
         """An SSE response: ``first`` events, one per rendered delta, ``final(choices)`` events, [DONE].
+        ``frame`` writes one event (the Responses API names each: ``event:`` lines), ``failed`` gives the
+        events for an error after the 200, ``done`` is the last line (None: nothing, as Responses streams end).
 
         Generation runs from admission on, owned by the response: however the response ends (all sent,
         the client gone before the first token or mid-stream, the body never started), its choices are
@@ -250,27 +256,30 @@ class ChoiceRunner:
         async def events() -> AsyncIterator[str]:
             nonlocal completed
             for event in first:
-                yield sse(event)
+                yield frame(event)
             while True:
                 delta = await queue.get()
                 if delta is None:
                     break
                 for rendered in render(delta):
-                    yield sse(rendered)
+                    yield frame(rendered)
             try:
                 choices = work.result()
             except APIError as error:
-                yield sse(error.body())
+                for event in failed(error):
+                    yield frame(event)
                 completed = True
                 return
             except Exception:
                 logger.exception("streamed generation failed")
-                yield sse(InternalError().body())
+                for event in failed(InternalError()):
+                    yield frame(event)
                 completed = True
                 return
             for event in final(choices):
-                yield sse(event)
-            yield SSE_DONE
+                yield frame(event)
+            if done is not None:
+                yield done
             completed = True
 
         async def close() -> None:

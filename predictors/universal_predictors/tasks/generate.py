@@ -27,6 +27,7 @@ from universal_predictors.generation.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from universal_predictors.generation.responses_api import ResponsesRequest
 from universal_predictors.generation.service import COMPLETIONS_DEFAULT_MAX_TOKENS, GenerationService
 from universal_predictors.generation.tools import TOOL_CALL_PARSER_ARG, tool_parser_named
 
@@ -155,6 +156,8 @@ class GeneratePredictor(UniversalPredictor):
             )
         if route.handler == "detokenize":
             return self._precheck(lambda data: None)
+        if route.handler == "responses":
+            return self._precheck(planner.precheck_responses)
         return self._precheck(
             planner.precheck_chat if route.handler == "chat_completions" else planner.precheck_completion
         )
@@ -164,6 +167,9 @@ class GeneratePredictor(UniversalPredictor):
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self.service.completions(request, body)
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        return await self.service.responses(request, body)
 
     async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         """vLLM's ``/tokenize`` answer: ``count``, ``max_model_len``, ``tokens`` and, when asked, ``token_strs``."""

@@ -1,0 +1,292 @@
+"""OpenAI's Responses API on a real predictor process per engine, driven by the real ``openai`` SDK: unary, the
+stream helper and its event sequence, a function tool round trip, structured output (``text.format`` and
+``responses.parse``), ``max_output_tokens`` ending a response as incomplete, and the 400s for what cannot be
+honoured. The answers are checked against the same model's chat completions, which the suite in
+test_conformance.py pins."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.predictors.generation.conftest import EngineCase, case_predictor, engine_params
+from tests.predictors.generation.test_conformance import ENGINES, MODEL
+from tests.predictors.generation.tiny_vlm import data_url, render_image
+from tests.predictors.harness import PredictorProcess
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=engine_params(ENGINES), ids=lambda case: case.backend.value)
+def engine_case(request: pytest.FixtureRequest) -> EngineCase:
+    case: EngineCase = request.param
+    return case
+
+
+@pytest.fixture(scope="module")
+def predictor(
+    engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PredictorProcess]:
+    with case_predictor(engine_case, request, tmp_path_factory, "responses") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(predictor: PredictorProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_response_says_what_the_same_chat_says_with_the_same_token_counts(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Weather in Oslo?", max_output_tokens=12, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert response.object == "response"
+    assert response.id.startswith("resp_")
+    assert response.model == MODEL
+    assert response.output_text == chat.choices[0].message.content
+    [message] = response.output
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert response.usage is not None
+    assert chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert response.status == "incomplete"
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed"
+        assert response.incomplete_details is None
+    assert response.store is False  # stateless in the predictor: said, not pretended
+
+
+def test_max_output_tokens_ends_the_response_as_incomplete(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=2, temperature=0)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None
+    assert response.usage.output_tokens == 2
+    assert response.output[0].status == "incomplete"
+
+
+#: A bounded object (short string, small integer): the random model's constrained output always completes.
+TRIP_FORMAT = {
+    "type": "json_schema",
+    "name": "trip",
+    "strict": True,
+    "schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "nights": {"type": "integer", "maximum": 9}},
+        "required": ["city", "nights"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_the_stream_helper_gets_the_full_event_sequence_and_the_unary_answer(client: openai.OpenAI) -> None:
+    fields: dict[str, object] = {"model": MODEL, "input": "Hello there", "max_output_tokens": 60, "temperature": 0,
+                                 "text": {"format": TRIP_FORMAT}}  # fmt: skip
+    unary = client.responses.create(**fields)  # type: ignore[call-overload]
+    assert unary.status == "completed"
+    with client.responses.stream(**fields) as stream:  # type: ignore[call-overload]
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == unary.output_text
+    assert final.output_text == unary.output_text
+    assert final.usage == unary.usage
+    assert {e.response.id for e in events if hasattr(e, "response")} == {final.id}
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(client: openai.OpenAI) -> None:
+    fields: dict[str, object] = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 3, "temperature": 0}
+    unary = client.responses.create(**fields)  # type: ignore[call-overload]
+    with client.responses.stream(**fields) as stream:  # type: ignore[call-overload]
+        events = list(stream)
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.status == "incomplete"
+    assert last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    [item] = last.response.output
+    assert item.type == "message"
+    assert item.status == "incomplete"
+    assert item.content[0].text == unary.output_text  # type: ignore[union-attr]
+    assert last.response.usage == unary.usage
+
+
+def test_a_function_tool_round_trip(client: openai.OpenAI) -> None:
+    """The model is made to call the tool, the call's output goes back as an item, and the model answers."""
+    first = client.responses.create(
+        model=MODEL, input="Weather in Oslo for 2 days?", tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+        max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    assert call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])  # type: ignore[arg-type]
+    assert first.status == "completed"
+    second = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Weather in Oslo for 2 days?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'},
+        ],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert [item.type for item in second.output] == ["message"]
+    # The call and its output are in the prompt: it is longer than the question alone plus the call's text.
+    alone = client.responses.create(model=MODEL, input="Weather in Oslo for 2 days?", max_output_tokens=1)
+    assert second.usage is not None
+    assert alone.usage is not None
+    assert second.usage.input_tokens > alone.usage.input_tokens + len(call.arguments) // 8
+
+
+def test_a_streamed_forced_call_arrives_as_argument_deltas_of_one_function_call_item(client: openai.OpenAI) -> None:
+    fields: dict[str, object] = {
+        "model": MODEL, "input": "Weather?", "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60, "temperature": 0,
+    }  # fmt: skip
+    unary = client.responses.create(**fields)  # type: ignore[call-overload]
+    with client.responses.stream(**fields) as stream:  # type: ignore[call-overload]
+        events = list(stream)
+        final = stream.get_final_response()
+    [added] = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call"
+    assert added.item.name == "get_weather"
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    [unary_call] = unary.output
+    assert unary_call.type == "function_call"
+    assert arguments == done.arguments == unary_call.arguments
+    assert [item.type for item in final.output] == ["function_call"]
+
+
+class Trip(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    city: str = pydantic.Field(max_length=10)
+    nights: int = pydantic.Field(ge=1, le=9)
+
+
+def test_structured_output_by_text_format_and_by_responses_parse(client: openai.OpenAI) -> None:
+    schema = Trip.model_json_schema()
+    for seed in (1, 2):
+        response = client.responses.create(
+            model=MODEL, input="Plan a trip", temperature=1.0, max_output_tokens=80,
+            text={"format": {"type": "json_schema", "name": "trip", "schema": schema, "strict": True}},
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        assert response.status == "completed", response.output_text
+        jsonschema.validate(json.loads(response.output_text), schema)
+    parsed = client.responses.parse(model=MODEL, input="Plan a trip", text_format=Trip, max_output_tokens=80)
+    assert isinstance(parsed.output_parsed, Trip)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"previous_response_id": "resp_x"}, "previous_response_id", "send the whole conversation"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+        ({"input": [{"type": "computer_call", "id": "x"}]}, "input", "'computer_call' is not supported"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item references need stored"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "n", "schema": {"not": {"type": "string"}}}}},
+            "text.format",
+            "'not'",
+        ),
+        ({"background": True}, "background", "not supported"),
+    ],
+    ids=[
+        "previous-id",
+        "hosted-tool",
+        "unknown-item",
+        "item-reference",
+        "max-output-0",
+        "required-no-tools",
+        "bad-schema",
+        "background",
+    ],
+)
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(
+    predictor: PredictorProcess, fields: dict[str, object], param: str, says: str
+) -> None:
+    for stream in (False, True):
+        body = {"model": MODEL, "input": "x", "max_output_tokens": 4, "stream": stream} | fields
+        response = httpx.post(f"{predictor.openai_url}/responses", json=body, timeout=60)
+        assert response.status_code == 400, response.text  # the status itself, not an event after a 200
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param, error
+        assert says in error["message"], error["message"]
+
+
+def test_an_image_to_a_model_without_vision_names_the_input_item(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model=MODEL,
+            instructions="Look closely.",
+            input=[
+                {"role": "user", "content": "Hi"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": data_url(render_image()), "detail": "auto"},
+                    ],
+                },
+            ],
+        )
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "images_not_supported"
+    assert body["param"] == "input[1].content[1].image_url"
