@@ -138,6 +138,44 @@ def test_chat_with_an_image_through_the_gateway(client: OpenAI, vision_model: Pa
     assert big.usage.prompt_tokens == prompt_tokens  # downscaled: the same 16 image tokens
 
 
+def test_responses_through_the_gateway_unary_streamed_and_with_an_image(client: OpenAI, vision_model: Path) -> None:
+    """OpenAI's Responses API as clients send it to `serve`: the chat's answer, its events, images as input_image."""
+    whole = client.responses.create(model=CHAT, input="Tell me about the river.", max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "Tell me about the river."}], max_tokens=12, temperature=0
+    )
+    assert whole.output_text == chat.choices[0].message.content
+    with client.responses.stream(
+        model=CHAT, input="Tell me about the river.", max_output_tokens=12, temperature=0
+    ) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    picture = render_image("G7", size=(96, 64), color="teal")
+    seen = client.responses.create(
+        model=VISION,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What does the sign say?"},
+                    {"type": "input_image", "image_url": data_url(picture), "detail": "high"},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    reference = Reference(vision_model)
+    expected, prompt_tokens = reference.generate(
+        [{"type": "text", "text": "What does the sign say?"}, {"type": "image", "image": picture}], 8
+    )
+    assert seen.output_text == reference.text(expected)
+    assert seen.usage is not None
+    assert seen.usage.input_tokens == prompt_tokens
+
+
 def test_a_body_over_the_gateway_limit_is_413_in_openai_shape(client: OpenAI) -> None:
     huge = "data:image/png;base64," + "A" * (33 * 2**20)  # over the default --max-body-mb 32
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": huge}}]}]
