@@ -1,13 +1,14 @@
-"""OpenAI's Responses API on a real predictor process per engine, driven by the real ``openai`` SDK: unary, the
-stream helper and its event sequence, a function tool round trip, structured output (``text.format`` and
-``responses.parse``), ``max_output_tokens`` ending a response as incomplete, and the 400s for what cannot be
-honoured. The answers are checked against the same model's chat completions, which the suite in
+"""OpenAI's Responses API through ``universal-runtime serve`` on each engine, driven by the real ``openai`` SDK and
+an OpenAI Agents SDK agent: unary, the stream helper and its event sequence, a function tool round trip, structured
+output (``text.format`` and ``responses.parse``), ``max_output_tokens`` ending a response as incomplete, and the 400s
+for what cannot be honoured. The answers are checked against the same model's chat completions, which the suite in
 test_conformance.py pins."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Annotated
 
 import httpx
 import jsonschema
@@ -15,10 +16,10 @@ import openai
 import pydantic
 import pytest
 
-from tests.predictors.generation.conftest import EngineCase, case_predictor, engine_params
+from tests.gateway.harness import GatewayProcess, running_gateway
+from tests.predictors.generation.conftest import EngineCase, engine_params, require_engine
 from tests.predictors.generation.test_conformance import ENGINES, MODEL
 from tests.predictors.generation.tiny_vlm import data_url, render_image
-from tests.predictors.harness import PredictorProcess
 
 WEATHER = {
     "type": "function",
@@ -43,16 +44,26 @@ def engine_case(request: pytest.FixtureRequest) -> EngineCase:
 
 
 @pytest.fixture(scope="module")
-def predictor(
+def gateway(
     engine_case: EngineCase, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PredictorProcess]:
-    with case_predictor(engine_case, request, tmp_path_factory, "responses") as running:
+) -> Iterator[GatewayProcess]:
+    """``universal-runtime serve`` with the tiny model on ``engine_case``'s engine: the path users take locally."""
+    require_engine(engine_case)
+    source = request.getfixturevalue("tiny_llama_gguf" if engine_case.gguf else "tiny_llama_dir")
+    args = "".join(f"    {key}: {json.dumps(value)}\n" for key, value in engine_case.engine_args)
+    folder = tmp_path_factory.mktemp(f"responses-{engine_case.backend.value}")
+    (folder / "model.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: tiny}\n"
+        f"spec:\n  task: generate\n  servedName: {MODEL}\n  backend: {engine_case.backend.value}\n"
+        f'  source: {{uri: "{source}"}}\n' + (f"  engineArgs:\n{args}" if args else "")
+    )
+    with running_gateway([folder], folder / "logs", env=dict(engine_case.env)) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def client(predictor: PredictorProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=predictor.openai_url, api_key="unused", max_retries=0, timeout=120)
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def test_a_response_says_what_the_same_chat_says_with_the_same_token_counts(client: openai.OpenAI) -> None:
@@ -258,11 +269,11 @@ def test_structured_output_by_text_format_and_by_responses_parse(client: openai.
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(
-    predictor: PredictorProcess, fields: dict[str, object], param: str, says: str
+    gateway: GatewayProcess, fields: dict[str, object], param: str, says: str
 ) -> None:
     for stream in (False, True):
         body = {"model": MODEL, "input": "x", "max_output_tokens": 4, "stream": stream} | fields
-        response = httpx.post(f"{predictor.openai_url}/responses", json=body, timeout=60)
+        response = httpx.post(f"{gateway.base_url}/responses", json=body, timeout=300)
         assert response.status_code == 400, response.text  # the status itself, not an event after a 200
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
@@ -290,3 +301,50 @@ def test_an_image_to_a_model_without_vision_names_the_input_item(client: openai.
     assert isinstance(body, dict)
     assert body["code"] == "images_not_supported"
     assert body["param"] == "input[1].content[1].image_url"
+
+
+class Forecast(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    sky: str = pydantic.Field(max_length=8)
+    warm: bool
+
+
+def test_an_openai_agents_sdk_agent_calls_its_function_tool_and_returns_its_structured_output(
+    gateway: GatewayProcess,
+) -> None:
+    """An agent as the Agents SDK's quick start builds one (Responses API, its default), made to call its tool first
+    (the random-weight model would not choose to): the tool runs with the model's arguments, the call and its output go
+    back to the model, and the final output is the structured type."""
+    import agents
+
+    calls: list[tuple[str, int]] = []
+
+    @agents.function_tool
+    def get_weather(
+        city: Annotated[str, pydantic.Field(max_length=10)], days: Annotated[int, pydantic.Field(ge=1, le=9)]
+    ) -> str:
+        """The weather in a city for some days."""
+        calls.append((city, days))
+        return "clear and warm"
+
+    agents.set_tracing_disabled(True)  # no trace export to OpenAI's servers
+    model = agents.OpenAIResponsesModel(
+        model=MODEL, openai_client=openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+    )
+    agent = agents.Agent(
+        name="Forecaster",
+        instructions="Use the tool, then answer.",
+        tools=[get_weather],
+        output_type=Forecast,
+        model=model,
+        model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=120, temperature=0.7),
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Oslo for 2 days?", max_turns=4)
+    assert len(calls) == 1  # forced once; the SDK then resets tool_choice, and the structured answer ends the run
+    assert isinstance(calls[0][0], str)
+    assert isinstance(calls[0][1], int)
+    assert isinstance(result.final_output, Forecast)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert kinds[-1] == "message_output_item"
