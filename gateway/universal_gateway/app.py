@@ -29,7 +29,14 @@ from universal_gateway.server import Headers, HttpServer, Request, Response, Str
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import UPSTREAM_TOKEN_HEADER
-from universal_predictors.errors import APIError, InvalidRequest, ModelNotFound, RequestTooLarge, Unavailable
+from universal_predictors.errors import (
+    APIError,
+    InvalidRequest,
+    ModelNotFound,
+    RequestTooLarge,
+    Unavailable,
+    anthropic_error_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,8 @@ class Gateway:
             self._router.add(f"{prefix}/models/{{name:path}}", "GET", self._get_model)
         #: Answered without an API key (probes): they name no model.
         self._open_paths = frozenset({"/healthz", "/readyz"})
+        #: The Messages API's paths: errors in Anthropic's shape, and the key also taken as ``x-api-key``.
+        self._anthropic_paths = frozenset(p for p, t in task_routes(catalog) if t.route.errors == "anthropic")
         self._router.add("/openapi.json", "GET", self._openapi)
         self._router.add("/healthz", "GET", self._healthz)
         self._router.add("/readyz", "GET", self._readyz)
@@ -120,10 +129,24 @@ class Gateway:
         if not self.keys.enabled:
             return None
         try:
-            self.keys.authorize(request.headers.get("authorization"), None)
+            self.keys.authorize(self._credentials(request), None)
         except APIError as error:
-            return error
+            return self._shaped(request, error)
         return None
+
+    def _credentials(self, request: Request) -> str | None:
+        """The Authorization header, or on the Messages API's routes an ``x-api-key`` (Anthropic's key header)."""
+        header = request.headers.get("authorization")
+        if header is None and request.path in self._anthropic_paths:
+            key = request.headers.get("x-api-key")
+            return f"Bearer {key}" if key else None
+        return header
+
+    def _shaped(self, request: Request, error: APIError) -> APIError:
+        """``error`` in the shape the route's clients read: Anthropic's on the Messages API's routes."""
+        if isinstance(error, _Relayed | AnthropicShaped) or request.path not in self._anthropic_paths:
+            return error
+        return AnthropicShaped(error)
 
     def _allowed(self, request: Request) -> frozenset[str] | None:
         """The models this caller may see (None: all); raises 401 without a valid key when keys are on."""
@@ -147,7 +170,7 @@ class Gateway:
                 return Response.error(error, headers=[("Allow", ", ".join(methods))])
             return await handler(request, params)
         except APIError as error:
-            return Response.error(error)
+            return Response.error(self._shaped(request, error))
 
     def _cors(self, request: Request) -> Headers:
         origin = request.headers.get("origin")
@@ -247,7 +270,7 @@ class Gateway:
         self, request: Request, name: str, task: str, path: str, body: bytes
     ) -> Response | StreamedResponse:
         if self.keys.enabled:
-            self.keys.authorize(request.headers.get("authorization"), name)
+            self.keys.authorize(self._credentials(request), name)
         view = self.backends.find(name)
         if view is None:
             raise self._unknown(name)
@@ -301,7 +324,7 @@ class Gateway:
                     if keepalive is not None:
                         await _stop(keepalive)
                     status = error.status_code
-                    await stream.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+                    await stream.write(_error_frame(self._shaped(request, error)))
                     await stream.end()
                     return stream
                 except asyncio.CancelledError:
@@ -408,7 +431,7 @@ class Gateway:
                 except (TimeoutError, UpstreamError):
                     payload = b""
                 whole = True
-                await into.write(b"data: " + _error_event(payload, upstream.status, name) + b"\n\n")
+                await into.write(_error_frame(self._shaped(request, _upstream_error(payload, upstream.status, name))))
                 await into.end()
                 return into
             if head_only or not event_stream:
@@ -433,7 +456,7 @@ class Gateway:
                 whole = True
             except (TimeoutError, UpstreamError):
                 error = APIError(f"The model {name!r} failed mid-stream.", status_code=502, code="upstream_error")
-                await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+                await response.write(_error_frame(self._shaped(request, error)))
             await response.end()
             return response
         finally:
@@ -479,17 +502,49 @@ def _asks_to_stream(body: bytes) -> bool:
     return isinstance(parsed, dict) and parsed.get("stream") is True
 
 
-def _error_event(payload: bytes, status: int, name: str) -> bytes:
-    """The OpenAI error object of an upstream's non-stream answer to a held streaming request, as JSON."""
+class AnthropicShaped(APIError):
+    """An error as Anthropic's API writes it (the Messages API's routes): the same status, message and headers."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message, param=error.param, code=error.code, status_code=error.status_code,
+                         retry_after=error.retry_after)  # fmt: skip
+        self.error_type = error.error_type
+
+    def body(self) -> dict[str, Any]:
+        return anthropic_error_body(self)
+
+
+class _Relayed(APIError):
+    """An upstream's own error body, relayed as it came (already in its route's shape)."""
+
+    def __init__(self, payload: dict[str, Any], status: int) -> None:
+        super().__init__("relayed", status_code=status)
+        self.payload = payload
+
+    def body(self) -> dict[str, Any]:
+        return self.payload
+
+
+def _upstream_error(payload: bytes, status: int, name: str) -> APIError:
+    """The error of an upstream's non-stream answer to a held streaming request: its own body when it is an error
+    object (OpenAI's or Anthropic's, both under ``error``), else a 502 saying what came."""
     try:
         parsed = orjson.loads(payload)
     except orjson.JSONDecodeError:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-        return orjson.dumps(parsed)
-    error = APIError(f"The model {name!r} answered {status} instead of a stream.", status_code=502,
-                     code="upstream_error")  # fmt: skip
-    return orjson.dumps(error.body())
+        return _Relayed(parsed, status)
+    return APIError(f"The model {name!r} answered {status} instead of a stream.", status_code=502,
+                    code="upstream_error")  # fmt: skip
+
+
+def _error_frame(error: APIError) -> bytes:
+    """``error`` as the server-sent event that ends a stream: OpenAI's ``data:`` line, or Anthropic's named
+    ``error`` event."""
+    body = orjson.dumps(error.body())
+    if isinstance(error, AnthropicShaped) or (isinstance(error, _Relayed) and error.payload.get("type") == "error"):
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\n"
 
 
 async def _stop(task: asyncio.Task[None]) -> None:

@@ -72,7 +72,7 @@ def bind_routes(predictor: UniversalPredictor, router: APIRouter, routes: Sequen
                 "(the catalog's route names it)"
             )
         answer = _body_route(predictor, route, handler) if route.method == "POST" else _query_route(predictor, handler)
-        bound = endpoint(route.operation, lambda: predictor.name)(answer)
+        bound = endpoint(route.operation, lambda: predictor.name, route.errors)(answer)
         for path in (route.upstream, *route.aliases):
             router.add_api_route(_rest_of_path(path), bound, methods=[route.method], name=route.operation)
 

@@ -87,6 +87,11 @@ class Route(BaseModel):
     request: str | None = Field(
         default=None, pattern=_IMPORT_PATH, description="The predictor's pydantic body model, module:Class."
     )
+    errors: Literal["openai", "anthropic"] = Field(
+        default="openai",
+        description="The shape of its errors (gateway's and predictor's): OpenAI's, or Anthropic's for the Messages "
+        "API (which also takes its key as x-api-key).",
+    )
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -165,7 +170,14 @@ class Catalog(BaseModel):
 
 
 def _post(
-    path: str, upstream: str, summary: str, request: str, *forms: ModelFrom, handler: str, aliases: tuple[str, ...] = ()
+    path: str,
+    upstream: str,
+    summary: str,
+    request: str,
+    *forms: ModelFrom,
+    handler: str,
+    aliases: tuple[str, ...] = (),
+    errors: Literal["openai", "anthropic"] = "openai",
 ) -> Route:
     return Route(
         method="POST",
@@ -177,6 +189,7 @@ def _post(
         request=request,
         handler=handler,
         aliases=aliases,
+        errors=errors,
     )
 
 
@@ -217,6 +230,23 @@ CATALOG = Catalog(
                     "OpenAI responses",
                     "universal_predictors.generation.responses_api:ResponsesRequest",
                     handler="responses",
+                ),
+                # Anthropic's Messages API, at the path vLLM serves it (vllm 0.32 entrypoints/anthropic/api_router.py).
+                _post(
+                    "messages",
+                    "/v1/messages",
+                    "Anthropic messages",
+                    "universal_predictors.generation.messages_api:MessagesRequest",
+                    handler="messages",
+                    errors="anthropic",
+                ),
+                _post(
+                    "messages/count_tokens",
+                    "/v1/messages/count_tokens",
+                    "Anthropic message token count",
+                    "universal_predictors.generation.messages_api:CountTokensRequest",
+                    handler="count_message_tokens",
+                    errors="anthropic",
                 ),
                 # vLLM's tokenizer routes and shapes (vllm 0.32 entrypoints/serve/tokenize/api_router.py): a
                 # prompt or a chat to the model's token ids, and ids back to text.

@@ -84,3 +84,30 @@ class InternalError(APIError):
 
     def __init__(self, message: str = "The model failed to process the request; see the predictor's log.") -> None:
         super().__init__(message, code="internal_error")
+
+
+#: Anthropic's error ``type`` for each HTTP status (its API reference, "Errors"): the Messages API's routes answer
+#: errors in Anthropic's shape (the catalog's ``Route.errors``), from the predictor and from the gateway alike.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """``error`` in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``: it has no ``param``, so the
+    field leads the message when the message does not name it already."""
+    kind = ANTHROPIC_ERROR_TYPES.get(error.status_code)
+    if kind is None:
+        kind = "api_error" if error.status_code >= 500 else "invalid_request_error"
+    message = error.message
+    if error.param and not message.startswith(error.param):
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from universal_predictors import metrics, wake_phases
-from universal_predictors.errors import APIError, InternalError, InvalidRequest, RequestTooLarge
+from universal_predictors.errors import APIError, InternalError, InvalidRequest, RequestTooLarge, anthropic_error_body
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,10 @@ def parse_multipart(content_type: str, body: bytes) -> list[FormPart]:
     return parts
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
+def error_response(error: APIError, errors: str = "openai") -> JSONResponse:
+    """``error`` as JSON: OpenAI's shape, or Anthropic's (``errors="anthropic"``, the Messages API's routes)."""
+    body = anthropic_error_body(error) if errors == "anthropic" else error.body()
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers())
 
 
 #: nginx's status for "the client closed the connection first": what a handler answers nobody.
@@ -272,9 +274,10 @@ _OUTCOMES = {400: "invalid", 404: "not_found", 413: "too_large", 429: "overloade
 
 
 def endpoint(
-    route: str, model_name: Callable[[], str]
+    route: str, model_name: Callable[[], str], errors: str = "openai"
 ) -> Callable[[Callable[..., Awaitable[Response]]], Callable[..., Awaitable[Response]]]:
-    """Wrap a route: count outcomes and latency, turn APIError into OpenAI JSON, hide internal errors."""
+    """Wrap a route: count outcomes and latency, turn APIError into OpenAI JSON (Anthropic's where ``errors`` says
+    so), hide internal errors."""
 
     def decorate(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
         @functools.wraps(handler)
@@ -291,11 +294,11 @@ def endpoint(
                 return response
             except APIError as error:
                 outcome = "overloaded" if error.code == "overloaded" else _OUTCOMES.get(error.status_code, "error")
-                return error_response(error)
+                return error_response(error, errors)
             except Exception:
                 outcome = "error"
                 logger.exception("%s failed", route)
-                return error_response(InternalError())
+                return error_response(InternalError(), errors)
             finally:
                 metrics.IN_FLIGHT.labels(name).dec()
                 metrics.LAST_REQUEST.labels(name).set_to_current_time()

@@ -110,16 +110,27 @@ def install_routes(app: FastAPI, predictor: UniversalPredictor, catalog: Catalog
     predictor.add_routes(router, catalog)
     app.include_router(router)
 
+    # The Messages API's routes answer errors in Anthropic's shape.
+    anthropic = frozenset(
+        path
+        for _, route in catalog.routes()
+        if route.errors == "anthropic"
+        for path in (route.upstream, *route.aliases)
+    )
+
+    def shaped(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error, "anthropic" if request.url.path in anthropic else "openai")
+
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return error_response(exc)
+        return shaped(request, exc)
 
     async def invalid_body(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         where = field_path(tuple(p for p in first["loc"] if p != "body"))
         message = f"{where}: {first['msg']}" if where else str(first["msg"])
-        return error_response(InvalidRequest(message, param=where or None))
+        return shaped(request, InvalidRequest(message, param=where or None))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from tests.gateway.harness import OneUpstream
 from universal_gateway.app import Gateway
+from universal_gateway.auth import ApiKeys
 from universal_gateway.multipart import multipart_model
 from universal_predictors.catalog import Task
 from universal_predictors.errors import InvalidRequest
@@ -153,3 +154,59 @@ async def test_head_is_answered_for_every_get_route_without_a_body(gateway: str)
             assert await response.read() == b""
         async with session.get(f"{gateway}/healthz") as response:  # the same connection is still in step
             assert (await response.json())["status"] == "ok"
+
+
+@pytest.fixture
+async def keyed_gateway() -> AsyncIterator[str]:
+    """A gateway with one API key in front of a generate model whose upstream echoes the headers it received."""
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response({"headers": {k.lower(): v for k, v in request.headers.items()}})
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", echo)
+    app.router.add_post("/openai/v1/chat/completions", echo)
+    upstream = TestServer(app)
+    await upstream.start_server()
+    try:
+        gateway = Gateway(
+            OneUpstream(str(upstream.make_url("")).rstrip("/"), "chat", Task.GENERATE), keys=ApiKeys({"k1": None})
+        )
+        async with gateway.serving() as url:
+            yield url
+    finally:
+        await upstream.close()
+
+
+async def test_the_messages_route_takes_its_key_as_x_api_key_and_never_passes_it_on(keyed_gateway: str) -> None:
+    body = {"model": "chat", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{keyed_gateway}/v1/messages", json=body, headers={"x-api-key": "k1"}) as response:
+            assert response.status == 200
+            seen = (await response.json())["headers"]
+        assert "x-api-key" not in seen  # the key is the gateway's business, not the predictor's
+        assert "authorization" not in seen
+        async with session.post(f"{keyed_gateway}/v1/messages", json=body, headers={"x-api-key": "nope"}) as response:
+            assert response.status == 401
+            assert await response.json() == {
+                "type": "error",
+                "error": {"type": "authentication_error", "message": "Incorrect API key provided."},
+            }
+        # Elsewhere x-api-key is not a key: OpenAI's routes take Authorization only, and answer in OpenAI's shape.
+        chat = {"model": "chat", "messages": [{"role": "user", "content": "x"}]}
+        async with session.post(
+            f"{keyed_gateway}/v1/chat/completions", json=chat, headers={"x-api-key": "k1"}
+        ) as response:
+            assert response.status == 401
+            assert (await response.json())["error"]["code"] == "missing_api_key"
+
+
+async def test_the_gateways_own_refusals_on_the_messages_route_are_in_anthropics_shape(keyed_gateway: str) -> None:
+    body = {"model": "gpt-x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{keyed_gateway}/v1/messages", json=body, headers={"x-api-key": "k1"}) as response:
+            assert response.status == 404
+            error = await response.json()
+        assert error["type"] == "error"
+        assert error["error"]["type"] == "not_found_error"
+        assert "'gpt-x' does not exist" in error["error"]["message"]

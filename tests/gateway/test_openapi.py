@@ -81,7 +81,8 @@ def test_the_detector_routes_take_the_name_in_the_path_and_the_model_in_the_quer
 
 def test_a_route_is_described_only_when_a_model_of_its_task_is_served() -> None:
     document = openapi_document([VIEWS[0]])
-    assert sorted(document["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/detokenize", "/v1/models",
+    assert sorted(document["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/detokenize",
+                                         "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
                                          "/v1/models/{name}", "/v1/responses", "/v1/tokenize"]  # fmt: skip
 
 

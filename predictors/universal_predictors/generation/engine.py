@@ -91,8 +91,8 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    #: Sample among the ``top_k`` most likely tokens only; 0: all (no request field sets it: the model's own
-    #: generation defaults may, see :func:`sampling_defaults`).
+    #: Sample among the ``top_k`` most likely tokens only; 0: all (a request's ``top_k``, else the model's own
+    #: generation defaults, see :func:`sampling_defaults`).
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()

@@ -149,7 +149,7 @@ class RequestPlanner:
             max_tokens=min(max_tokens, remaining) if max_tokens is not None else remaining,
             temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
             top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
-            top_k=int(defaults.get("top_k", 0)),
+            top_k=int(defaults.get("top_k", 0)) if body.top_k is None else max(body.top_k, 0),
             seed=seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
@@ -264,6 +264,32 @@ class RequestPlanner:
                                  isinstance(p.get("text"), str))  # fmt: skip
         self.check_prompt_chars(chars, "the input's text", param="input")
 
+    def precheck_messages(self, data: dict[str, Any]) -> None:
+        """:meth:`precheck_chat` for an Anthropic Messages request: its turns, their text blocks and ``system``."""
+        turns = data.get("messages")
+        if not isinstance(turns, list):
+            return
+        context = self.engine.context_length
+        if len(turns) > context:
+            raise InvalidRequest(
+                f"messages: {len(turns)} messages; this model's maximum context length is {context} tokens and every "
+                "message takes at least one. Send fewer messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        system = data.get("system")
+        chars = len(system) if isinstance(system, str) else 0
+        for turn in turns:
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for block in content:
+                    if isinstance(block, dict):
+                        text = block.get("text") if block.get("type") == "text" else block.get("content")
+                        chars += len(text) if isinstance(text, str) else 0
+        self.check_prompt_chars(chars, "the messages' text", param="messages")
+
     def precheck_completion(self, data: dict[str, Any]) -> None:
         """Refuse by count and size before validation and the tokenizer: more prompts x ``n`` than the
         engine ever admits (413), token ids or text beyond the context (400)."""
@@ -368,6 +394,11 @@ class RequestPlanner:
             messages.append(message)
         tools = [t.model_dump() for t in body.tools] if body.tools else None
         return messages, tools
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt ids of a chat without images, as :meth:`plan_chat` bills them (tokenizer work: a worker
+        thread's)."""
+        return self._chat_prompt(body)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages, tools = self.chat_messages(body)

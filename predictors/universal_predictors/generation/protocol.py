@@ -255,6 +255,8 @@ class SamplingFields(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    #: Sample among the k most likely tokens (vLLM's extension; 0 or -1: all); unset, the model's default.
+    top_k: Annotated[int, Field(ge=-1)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     stop: Stop = None
     seed: Annotated[int | None, AfterValidator(_seed_range)] = None

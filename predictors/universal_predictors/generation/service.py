@@ -7,6 +7,7 @@ completions for one served model, put together from engine-independent parts:
   when the client goes;
 - :mod:`.responses`: the unary and streamed response bodies, usage and logprobs;
 - :mod:`.responses_api`: OpenAI's Responses API as a chat, answered in its own shapes and events;
+- :mod:`.messages_api`: Anthropic's Messages API, the same way;
 - :mod:`.tools`: tool-call formats per model family, chosen from the chat template or an engine arg;
 - :mod:`.images`: a chat request's ``image_url`` parts loaded within the limits, for a vision engine.
 """
@@ -21,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from universal_predictors.errors import APIError, InvalidRequest
-from universal_predictors.generation import responses_api
+from universal_predictors.generation import messages_api, responses_api
 from universal_predictors.generation.chat_images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.engine import (
     Engine,
@@ -30,6 +31,7 @@ from universal_predictors.generation.engine import (
     SamplingParams,
     no_vision,
 )
+from universal_predictors.generation.messages_api import CountTokensRequest, MessagesRequest
 from universal_predictors.generation.planning import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Plan,
@@ -91,6 +93,25 @@ class GenerationService:
         except APIError as error:
             raise responses_api.renamed(error, origins) from None
         return await responses_api.respond(self.runner, request, body, chat, plan, tools)
+
+    async def messages(self, request: Request, body: MessagesRequest) -> Response:
+        """``POST /v1/messages``: the request as a chat (:mod:`.messages_api`), answered in Anthropic's shapes."""
+        chat, origins = messages_api.chat_request(body)
+        try:
+            plan, tools = await self._plan_chat(chat)
+        except APIError as error:
+            raise messages_api.renamed(error, origins) from None
+        return await messages_api.respond(self.runner, request, body, chat, plan, tools)
+
+    async def count_message_tokens(self, body: CountTokensRequest) -> int:
+        """``POST /v1/messages/count_tokens``: the input tokens the same ``/v1/messages`` request is billed."""
+        chat, origins = messages_api.chat_request(body.as_messages())
+        try:
+            if chat.images():
+                return len((await self._multimodal_prompt(chat)).prompt_ids)
+            return len(await asyncio.to_thread(self.planner.chat_prompt, chat))
+        except APIError as error:
+            raise messages_api.renamed(error, origins) from None
 
     async def _plan_chat(self, body: ChatCompletionRequest) -> tuple[Plan, ChatTools]:
         constraint, _ = self.planner.chat_constraint(body)

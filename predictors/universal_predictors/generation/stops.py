@@ -15,16 +15,19 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = list(stops)
         self.held = ""
+        #: The stop string that ended the output, once one has.
+        self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string was found (emission ends there)."""
         if not self.stops:
             return text, False
         buffer = self.held + text
-        hits = [(i + len(s), i) for s, i in ((s, buffer.find(s)) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i, s) for s, i in ((s, buffer.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buffer[: min(hits)[1]], True
+            _, start, self.matched = min(hits)
+            return buffer[:start], True
         keep = 0
         for stop in self.stops:  # the longest buffer suffix that could still grow into a stop string
             for size in range(min(len(stop) - 1, len(buffer)), 0, -1):

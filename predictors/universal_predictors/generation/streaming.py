@@ -40,6 +40,8 @@ class Choice:
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The stop string that ended it (``finish_reason`` "stop" then), if one did.
+    stop: str | None = None
 
 
 @dataclass
@@ -150,6 +152,7 @@ class ChoiceRunner:
                     choice.logprobs += logprobs
                     if stopped or chunk.finish_reason is not None:
                         choice.finish_reason = "stop" if stopped else chunk.finish_reason
+                        choice.stop = matcher.matched
                     if text or logprobs or choice.finish_reason:
                         await emit(Delta(index, text, logprobs, choice.finish_reason))
                     if stopped:

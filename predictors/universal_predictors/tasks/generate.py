@@ -21,6 +21,7 @@ from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.generation.chat_images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
+from universal_predictors.generation.messages_api import CountTokensRequest, MessagesRequest
 from universal_predictors.generation.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -158,6 +159,8 @@ class GeneratePredictor(UniversalPredictor):
             return self._precheck(lambda data: None)
         if route.handler == "responses":
             return self._precheck(planner.precheck_responses)
+        if route.handler in ("messages", "count_message_tokens"):
+            return self._precheck(planner.precheck_messages)
         return self._precheck(
             planner.precheck_chat if route.handler == "chat_completions" else planner.precheck_completion
         )
@@ -170,6 +173,13 @@ class GeneratePredictor(UniversalPredictor):
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         return await self.service.responses(request, body)
+
+    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        return await self.service.messages(request, body)
+
+    async def count_message_tokens(self, body: CountTokensRequest, request: Request) -> Response:
+        """Anthropic's answer: ``{"input_tokens": N}``."""
+        return JSONResponse({"input_tokens": await self.service.count_message_tokens(body)})
 
     async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         """vLLM's ``/tokenize`` answer: ``count``, ``max_model_len``, ``tokens`` and, when asked, ``token_strs``."""

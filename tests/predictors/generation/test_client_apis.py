@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Literal
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -348,3 +349,186 @@ def test_an_openai_agents_sdk_agent_calls_its_function_tool_and_returns_its_stru
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
     assert kinds[-1] == "message_output_item"
+
+
+# -- Anthropic's Messages API ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claude(gateway: GatewayProcess) -> anthropic.Anthropic:
+    """The Anthropic SDK pointed at `serve`, its key sent as x-api-key (the gateway here has none configured)."""
+    return anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
+
+
+#: Greedy decoding: an extension field now (the Anthropic SDK's create() no longer takes temperature).
+GREEDY = {"temperature": 0}
+
+BOOK = {
+    "name": "book_room",
+    "description": "Book a hotel room",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "nights"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_message_says_what_the_same_chat_says_with_the_same_token_counts(
+    claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    message = claude.messages.create(
+        model=MODEL, max_tokens=12, system="Be brief.", extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert message.model == MODEL
+    [block] = message.content
+    assert block.type == "text"
+    assert block.text == chat.choices[0].message.content
+    assert chat.usage is not None
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    assert message.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    counted = claude.messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "Weather in Oslo?"}]
+    )
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(claude: anthropic.Anthropic) -> None:
+    free = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "Go on"}])  # fmt: skip
+    text = free.content[0].text  # type: ignore[union-attr]
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i : i + 2].strip())
+    cut = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, stop_sequences=[stop],
+                                 messages=[{"role": "user", "content": "Go on"}])  # fmt: skip
+    assert cut.stop_reason == "stop_sequence"
+    assert cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.find(stop)]  # type: ignore[union-attr]
+
+
+def test_the_stream_has_anthropics_event_sequence_and_the_unary_answer(claude: anthropic.Anthropic) -> None:
+    fields: dict[str, object] = {"model": MODEL, "max_tokens": 10, "extra_body": GREEDY,
+                                 "messages": [{"role": "user", "content": "Hello there"}]}  # fmt: skip
+    unary = claude.messages.create(**fields)  # type: ignore[arg-type]
+    with claude.messages.stream(**fields) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_message()
+        text = stream.text_stream  # consumed already: the accumulated message is the check
+    del text
+    kinds = [e.type for e in events if e.type not in ("text",)]
+    assert kinds[0] == "message_start"
+    assert kinds[1] == "content_block_start"
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    assert [block.model_dump(exclude={"parsed_output"}) for block in final.content] == [
+        block.model_dump() for block in unary.content
+    ]
+    assert final.stop_reason == unary.stop_reason
+    assert final.usage.output_tokens == unary.usage.output_tokens
+    assert final.usage.input_tokens == unary.usage.input_tokens
+
+
+def test_a_tool_use_round_trip_streamed_and_unary(claude: anthropic.Anthropic) -> None:
+    fields: dict[str, object] = {
+        "model": MODEL, "max_tokens": 80, "extra_body": GREEDY, "tools": [BOOK],
+        "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "Book Oslo for 2 nights"}],
+    }  # fmt: skip
+    first = claude.messages.create(**fields)  # type: ignore[arg-type]
+    assert first.stop_reason == "tool_use"
+    [use] = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "book_room"
+    jsonschema.validate(use.input, BOOK["input_schema"])  # type: ignore[arg-type]
+    with claude.messages.stream(**fields) as stream:  # type: ignore[arg-type]
+        streamed = stream.get_final_message()
+    [streamed_use] = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed_use.input == use.input  # the input_json_delta pieces assemble to the unary input
+    second = claude.messages.create(
+        model=MODEL, max_tokens=8, extra_body=GREEDY, tools=[BOOK],  # type: ignore[list-item]
+        messages=[
+            {"role": "user", "content": "Book Oslo for 2 nights"},
+            {"role": "assistant", "content": [use.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "booked: #41"}]},
+        ],
+    )  # fmt: skip
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result are in the prompt
+
+
+class Room(pydantic.BaseModel):
+    """Bounded by enums and booleans: the SDK strips length and range keywords from the schema it sends (Anthropic's
+    structured outputs do not take them), so those would not bound the random model's output."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    city: Literal["Oslo", "Rome", "Lima"]
+    breakfast: bool
+
+
+def test_structured_output_by_output_config_and_messages_parse(claude: anthropic.Anthropic) -> None:
+    parsed = claude.messages.parse(
+        model=MODEL, max_tokens=80, output_format=Room, messages=[{"role": "user", "content": "Book a room"}]
+    )
+    assert parsed.stop_reason == "end_turn"
+    assert isinstance(parsed.parsed_output, Room)
+
+
+def test_an_image_block_to_a_model_without_vision_is_an_anthropic_400(claude: anthropic.Anthropic) -> None:
+    picture = data_url(render_image()).split(",", 1)[1]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(
+            model=MODEL, max_tokens=4,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture}},
+            ]}],
+        )  # fmt: skip
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "has no vision encoder" in body["error"]["message"]
+    assert body["error"]["message"].startswith("messages[0].content[1].source: The model")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens"),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "only client tools",
+        ),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "'document'"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "temperature": 1.5}, 400, "temperature"),
+        ({"max_tokens": 4, "model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "'nope'"),
+    ],
+    ids=["no-max-tokens", "server-tool", "document-block", "temperature", "unknown-model"],
+)
+def test_refusals_on_the_messages_route_are_in_anthropics_shape(
+    gateway: GatewayProcess, body: dict[str, object], status: int, says: str
+) -> None:
+    for stream in (False, True):
+        response = httpx.post(f"{gateway.url}/v1/messages", json={"model": MODEL, "stream": stream} | body, timeout=300)
+        assert response.status_code == status, response.text
+        error = response.json()
+        assert error["type"] == "error"
+        assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert says in error["error"]["message"]
