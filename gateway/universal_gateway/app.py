@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,11 +25,19 @@ from universal_gateway.limits import GatewayLimits as GatewayLimits
 from universal_gateway.limits import ModelGate, WakeWaits
 from universal_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, ModelSeries
 from universal_gateway.openapi import openapi_document
+from universal_gateway.responses_store import (
+    FinalResponse,
+    ResponseStore,
+    StoredResponse,
+    conversation,
+    input_items,
+    owner_of,
+)
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
 from universal_predictors.catalog import CATALOG, Catalog
-from universal_predictors.config import UPSTREAM_TOKEN_HEADER
+from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import (
     APIError,
     InvalidRequest,
@@ -54,8 +63,11 @@ class Gateway:
         limits: GatewayLimits | None = None,
         cors_origins: list[str] | None = None,
         catalog: Catalog = CATALOG,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.backends = backends
+        #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
+        self.responses = responses
         self.keys = keys or ApiKeys()
         self.limits = limits or GatewayLimits()
         self.wake_waits = WakeWaits()
@@ -75,6 +87,9 @@ class Gateway:
         for prefix in PREFIXES:
             self._router.add(f"{prefix}/models", "GET", self._list_models)
             self._router.add(f"{prefix}/models/{{name:path}}", "GET", self._get_model)
+            self._router.add(f"{prefix}/responses/{{response_id}}", "GET", self._get_response)
+            self._router.add(f"{prefix}/responses/{{response_id}}", "DELETE", self._delete_response)
+            self._router.add(f"{prefix}/responses/{{response_id}}/input_items", "GET", self._response_input_items)
         #: Answered without an API key (probes): they name no model.
         self._open_paths = frozenset({"/healthz", "/readyz"})
         #: The Messages API's paths: errors in Anthropic's shape, and the key also taken as ``x-api-key``.
@@ -109,6 +124,8 @@ class Gateway:
             await self._server.close()
         await self.backends.close()
         self._upstreams.close()
+        if self.responses is not None:
+            await self.responses.close()
 
     @contextlib.asynccontextmanager
     async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
@@ -241,7 +258,119 @@ class Gateway:
         error.message = f"The model {name!r} does not exist; available models: {available}."
         return error
 
+    # -- stored responses (responses_store) ----------------------------------------------------------------------
+
+    def _owner(self, request: Request) -> str:
+        """Whose records a request may read: its key's (401 without a valid one when keys are on)."""
+        credentials = self._credentials(request)
+        if self.keys.enabled:
+            self.keys.authorize(credentials, None)
+        return owner_of(credentials if self.keys.enabled else None)
+
+    async def _record(self, request: Request, params: Params) -> tuple[ResponseStore, str, StoredResponse]:
+        owner = self._owner(request)
+        response_id = params["response_id"]
+        record = await self.responses.get(owner, response_id) if self.responses is not None else None
+        if self.responses is None or record is None:
+            why = "" if self.responses is not None else " (this gateway keeps no responses: --responses-store off)"
+            raise APIError(f"No response with id {response_id!r} found{why}.", status_code=404,
+                           param="response_id", code="response_not_found")  # fmt: skip
+        return self.responses, owner, record
+
+    async def _get_response(self, request: Request, params: Params) -> Response:
+        _, _, record = await self._record(request, params)
+        return Response.json(record.response)
+
+    async def _delete_response(self, request: Request, params: Params) -> Response:
+        store, owner, record = await self._record(request, params)
+        await store.delete(owner, record.id)
+        return Response.json({"id": record.id, "object": "response", "deleted": True})
+
+    async def _response_input_items(self, request: Request, params: Params) -> Response:
+        """OpenAI's list of a response's input items: ``order`` (``desc``, the default, or ``asc``), ``limit``
+        (1-100, default 20), ``after`` (an item id)."""
+        _, _, record = await self._record(request, params)
+        query = dict(urllib.parse.parse_qsl(request.query_string))
+        order = query.get("order", "desc")
+        limit = query.get("limit", "20")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order: give asc or desc", param="order")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise InvalidRequest("limit: give an integer from 1 to 100", param="limit")
+        items = record.input_items if order == "asc" else list(reversed(record.input_items))
+        after = query.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise InvalidRequest(f"after: no input item {after!r} in this response", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[: int(limit)]
+        return Response.json({
+            "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page),
+        })  # fmt: skip
+
+    async def _post_response(
+        self, request: Request, name: str, task: str, upstream: str
+    ) -> Response | StreamedResponse:
+        """``POST /v1/responses`` with the store: ``previous_response_id`` expanded into the conversation, and the
+        answer recorded (before its last byte reaches the client, so that the next turn can name it at once)."""
+        store = self.responses
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            body = None
+        if store is None or not isinstance(body, dict):  # stateless: the predictor answers (and refuses) as it is
+            return await self._forward(request, name, task, upstream, request.body)
+        if self.keys.enabled:
+            self.keys.authorize(self._credentials(request), name)
+        owner = self._owner(request)
+        previous = body.get("previous_response_id")
+        items = input_items(body.get("input"))
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise InvalidRequest("previous_response_id: give a response id", param="previous_response_id")
+            history = await conversation(store, owner, previous)
+            if isinstance(history, str):
+                raise InvalidRequest(
+                    f"previous_response_id: the response {history!r} was not found (never stored, expired, deleted, "
+                    "or made with another API key); send the conversation as input items instead",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            body["input"] = history + items
+        keep = body.get("store", True) is not False
+        body["store"] = keep
+        final = FinalResponse()
+        recorded = False
+
+        async def observe(data: bytes, unary: bool) -> None:
+            nonlocal recorded
+            if not keep or recorded:
+                return
+            final.unary(data) if unary else final.chunk(data)
+            if final.response is None or not isinstance(final.response.get("id"), str):
+                return
+            recorded = True
+            record = StoredResponse(final.response["id"], owner, time.time(), previous, items, final.response)
+            try:
+                await store.put(record)
+            except Exception:  # the answer still goes out; retrieving it later will 404
+                logger.exception("could not store the response %s (%s)", record.id, store.describe())
+
+        marker = f"{RESPONSES_STORED_HEADER}: stored\r\n".encode()
+        return await self._forward(request, name, task, upstream, orjson.dumps(body), extra_head=marker,
+                                   observe=observe)  # fmt: skip
+
     def _task_handler(self, task_route: TaskRoute) -> _Handler:
+        if task_route.route.method == "POST" and task_route.route.handler == "responses":
+            upstream = task_route.route.upstream
+
+            async def responses(request: Request, params: Params) -> Response | StreamedResponse:
+                name = body_model(request, accepts_form=False)
+                return await self._post_response(request, name, task_route.task, upstream)
+
+            return responses
         if task_route.route.method == "POST":
             accepts_form = task_route.accepts_form
             upstream = task_route.route.upstream
@@ -267,7 +396,15 @@ class Gateway:
         return model
 
     async def _forward(
-        self, request: Request, name: str, task: str, path: str, body: bytes
+        self,
+        request: Request,
+        name: str,
+        task: str,
+        path: str,
+        body: bytes,
+        *,
+        extra_head: bytes = b"",
+        observe: Observer | None = None,
     ) -> Response | StreamedResponse:
         if self.keys.enabled:
             self.keys.authorize(self._credentials(request), name)
@@ -315,8 +452,9 @@ class Gateway:
                 try:
                     async with self.backends.lease(name) as upstream:
                         response = await self._relay(
-                            request, view, series, upstream, path, body, started, stream, answered=answered
-                        )
+                            request, view, series, upstream, path, body, started, stream, answered=answered,
+                            extra_head=extra_head, observe=observe,
+                        )  # fmt: skip
                 except APIError as error:
                     if stream is None:
                         raise
@@ -387,15 +525,18 @@ class Gateway:
         into: StreamedResponse | None = None,
         *,
         answered: Callable[[], Awaitable[None]] | None = None,
+        extra_head: bytes = b"",
+        observe: Observer | None = None,
     ) -> Response | StreamedResponse:
         """The upstream's answer, relayed; ``into``: a stream already started (a held streaming request), which an
         event stream continues and any other answer ends as an error event; ``answered``: called once the upstream's
-        head came, before anything of it is relayed."""
+        head came, before anything of it is relayed; ``extra_head``: header lines for the upstream; ``observe``: sees
+        a 200's body before the client does (a unary body whole, an event stream chunk by chunk)."""
         name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
         origin = self._upstreams.origin(base)
-        head = origin.head(request, path, len(body), self._token_header)
+        head = origin.head(request, path, len(body), self._token_header + extra_head)
         attempt = 0
         while True:
             try:
@@ -444,6 +585,8 @@ class Gateway:
                 whole = True
                 series.ttfb.observe(time.monotonic() - started)
                 length = upstream.content_length if head_only else None
+                if observe is not None and upstream.status == 200 and not head_only:
+                    await observe(payload, True)
                 return Response(payload, status=upstream.status, headers=passed, length=length)
             response = into if into is not None else await request.stream(upstream.status, passed)
             first = True
@@ -452,6 +595,8 @@ class Gateway:
                     if first:
                         series.ttfb.observe(time.monotonic() - started)
                         first = False
+                    if observe is not None and upstream.status == 200:
+                        await observe(chunk, False)
                     await response.write(chunk)  # waits for the client: backpressure
                 whole = True
             except (TimeoutError, UpstreamError):
@@ -461,6 +606,10 @@ class Gateway:
             return response
         finally:
             self._upstreams.release(upstream, whole)
+
+
+#: What sees an upstream's 200 body on its way to the client: (bytes, whether they are the whole unary body).
+Observer = Callable[[bytes, bool], Awaitable[None]]
 
 
 def _unexpected_body(request: Request) -> APIError | None:

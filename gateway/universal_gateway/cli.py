@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,12 +24,15 @@ from universal_operator import cli as operator_cli
 
 if TYPE_CHECKING:
     from universal_gateway.app import Gateway
+    from universal_gateway.responses_store import ResponseStore
 
 PROG = "universal-runtime"
 DEFAULT_PORT = 8000
 #: Every option's default is GatewayLimits' own.
 LIMITS = GatewayLimits()
 DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
+#: The response store's spec when --responses-store is not given (a redis:// URL with its password, from a Secret).
+RESPONSES_STORE_ENV = "UNIVERSAL_RUNTIME_RESPONSES_STORE"
 
 
 def _fail(subcommand: str, message: str) -> int:
@@ -62,11 +66,16 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    supervisor = LocalSupervisor(
-        manifests, state_root=Path(args.state_dir) if args.state_dir else None, standby=args.standby
-    )
+    from universal_gateway.local import default_state_root
+
+    state_root = Path(args.state_dir) if args.state_dir else default_state_root()
+    try:
+        responses = _responses_store(args, state_root)
+    except ValueError as exc:
+        return _fail("serve", str(exc))
+    supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby)
     limits = _limits(args)
-    gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin)
+    gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses)
     names = ", ".join(m.model.served_name for m in manifests)
     print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
 
@@ -92,9 +101,42 @@ def _gateway(args: argparse.Namespace) -> int:
             backends.upstream_token = Path(args.upstream_token_file).read_text().strip() or None
         except OSError as exc:
             return _fail("gateway", str(exc))
+    try:
+        responses = _responses_store(args, None)
+    except ValueError as exc:
+        return _fail("gateway", str(exc))
     limits = _limits(args)
-    gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin)
+    gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses)
     return _run_gateway(gateway, args, "gateway")
+
+
+_DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(text: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s`` or plain seconds, as seconds; ValueError otherwise."""
+    text = text.strip()
+    unit = _DURATION.get(text[-1:], 0)
+    number = text[:-1] if unit else text
+    seconds = float(number) * (unit or 1)
+    if not seconds > 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
+
+
+def _responses_store(args: argparse.Namespace, state_root: Path | None) -> ResponseStore | None:
+    """The /v1/responses store the options name (``--responses-store``, ``--responses-retention``)."""
+    from universal_gateway.responses_store import open_store
+
+    spec = args.responses_store or os.environ.get(RESPONSES_STORE_ENV) or ("sqlite" if state_root else "off")
+    try:
+        retention = duration_s(args.responses_retention)
+    except ValueError as exc:
+        raise ValueError(f"--responses-retention: {exc} (give e.g. 30d, 12h or seconds)") from None
+    store = open_store(spec, state_root, retention)
+    if store is not None:
+        logging.getLogger(__name__).info("stored responses: %s, kept %s", store.describe(), args.responses_retention)
+    return store
 
 
 def _limits(args: argparse.Namespace) -> GatewayLimits:
@@ -170,6 +212,17 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
     parser.add_argument(
         "--head-timeout", type=float, default=LIMITS.head_timeout,
         help="seconds from a request's first byte to the end of its headers (default %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--responses-store",
+        help="where /v1/responses keeps stored responses: sqlite (serve's default: a file in the state directory), "
+             "sqlite:PATH, a redis:// URL (every gateway replica sharing it), or off (the cluster gateway's default; "
+             f"the {RESPONSES_STORE_ENV} environment variable when unset, which keeps a password out of the command "
+             "line)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--responses-retention", default="30d",
+        help="how long a stored response is kept: 30d, 12h, 90m or seconds (default %(default)s, as OpenAI)",
     )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 

@@ -37,6 +37,10 @@ GPUS_ENV = "UNIVERSAL_RUNTIME_GPUS"
 #: answers only requests that carry it in UPSTREAM_TOKEN_HEADER (probes and /metrics excepted).
 UPSTREAM_TOKEN_ENV = "UNIVERSAL_RUNTIME_UPSTREAM_TOKEN"
 UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
+#: Set by the gateway on a /v1/responses request whose conversation it keeps (its response store): the input is the
+#: whole conversation already, and the answer echoes ``store`` and ``previous_response_id``. Never a client's header:
+#: the gateway drops it from what clients send.
+RESPONSES_STORED_HEADER = "X-Universal-Runtime-Responses"
 #: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
 #: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
 #: status when it declines that model.

@@ -13,9 +13,11 @@ chat deltas (:class:`_EventWriter`): ``response.created``, ``response.in_progres
 reference as the ``openai`` SDK's types and stream helper (``openai/lib/streaming/responses/_responses.py``)
 consume them, and vLLM 0.32's server (``entrypoints/openai/responses/``).
 
-Stateless here: the predictor neither stores responses nor reads ``previous_response_id`` (a stored conversation
-belongs to whatever serves every replica and outlives a scaled-to-zero model; see docs/api/responses.md). A
-response says ``"store": false``; a request naming ``previous_response_id`` or an ``item_reference`` gets a 400
+Stateless here: the predictor neither stores responses nor reads ``previous_response_id``. The gateway keeps the
+conversation (``universal_gateway.responses_store``: it serves every replica's clients and outlives a model scaled to
+zero) and marks a request it keeps with ``RESPONSES_STORED_HEADER``: the input is then the whole conversation, and the
+answer echoes ``store`` and ``previous_response_id``. Without the mark (a predictor called directly, a gateway
+without a store) a response says ``"store": false``, and ``previous_response_id`` or an ``item_reference`` is a 400
 saying to send the conversation as input items.
 """
 
@@ -31,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from universal_predictors.config import RESPONSES_STORED_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
 from universal_predictors.generation.planning import Plan
 from universal_predictors.generation.protocol import ChatCompletionRequest
@@ -316,13 +319,15 @@ def _text(content: str | list[Any], where: str) -> str:
     return "".join(p["text"] for p in out)
 
 
-def chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+def chat_request(body: ResponsesRequest, stored: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request that asks the same of the model, and where each of its messages came from
-    (``instructions``, ``input[j]``); InvalidRequest for what has no chat equivalent."""
-    if body.previous_response_id is not None:
+    (``instructions``, ``input[j]``); InvalidRequest for what has no chat equivalent. ``stored``: the gateway keeps
+    the conversation (its response store), and ``input`` is the whole of it already."""
+    if body.previous_response_id is not None and not stored:
         raise InvalidRequest(
-            "previous_response_id: this server does not store responses yet; send the whole conversation as input "
-            "items (earlier output items included), with store=false",
+            "previous_response_id: responses are not stored here (the gateway runs with --responses-store off, or "
+            "the predictor was called directly); send the whole conversation as input items (earlier output items "
+            "included)",
             param="previous_response_id",
             code="stored_responses_unavailable",
         )
@@ -363,8 +368,7 @@ def chat_request(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[st
             origins.append(where)
         elif isinstance(item, ItemReference):
             raise InvalidRequest(
-                f"{where}: item references need stored responses, which this server does not keep yet; send the "
-                "item itself",
+                f"{where}: item references are not supported; send the item itself",
                 param=where,
                 code="stored_responses_unavailable",
             )
@@ -435,8 +439,8 @@ def _usage(plan: Plan, choice: Choice | None) -> dict[str, Any] | None:
 class _Response:
     """The ``response`` object of one request, as it stands (created, in progress, finished)."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.body, self.model = body, model
+    def __init__(self, body: ResponsesRequest, model: str, stored: bool = False) -> None:
+        self.body, self.model, self.stored = body, model, stored
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
 
@@ -463,9 +467,9 @@ class _Response:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id if self.stored else None,
             "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
-            "store": False,
+            "store": self.stored and body.store,
             "temperature": body.temperature,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)},
             "tool_choice": tool_choice.model_dump() if isinstance(tool_choice, FunctionChoice) else tool_choice,
@@ -683,7 +687,7 @@ async def respond(
     tools: ChatTools,
 ) -> Response:  # fmt: skip
     """The ``response`` object, or its event stream, for a planned chat of one choice."""
-    response = _Response(body, runner.model_name)
+    response = _Response(body, runner.model_name, stored=request.headers.get(RESPONSES_STORED_HEADER) is not None)
     logprobs = body.wants_logprobs()
     if not body.stream:
         choices = await runner.run_unary(request, plan)

@@ -21,6 +21,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from universal_predictors.config import RESPONSES_STORED_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
 from universal_predictors.generation import messages_api, responses_api
 from universal_predictors.generation.chat_images import ImageArgs, check_count, decode_budget, load_images
@@ -87,7 +88,8 @@ class GenerationService:
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Response:
         """``POST /v1/responses``: the request as a chat (:mod:`.responses_api`), answered in Responses' shapes."""
-        chat, origins = responses_api.chat_request(body)
+        stored = request.headers.get(RESPONSES_STORED_HEADER) is not None  # the gateway keeps the conversation
+        chat, origins = responses_api.chat_request(body, stored)
         try:
             plan, tools = await self._plan_chat(chat)
         except APIError as error:

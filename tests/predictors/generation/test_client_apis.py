@@ -96,7 +96,7 @@ def test_a_response_says_what_the_same_chat_says_with_the_same_token_counts(clie
     else:
         assert response.status == "completed"
         assert response.incomplete_details is None
-    assert response.store is False  # stateless in the predictor: said, not pretended
+    assert response.store is True  # serve keeps it (tests/gateway/test_stored_responses.py): the default, as OpenAI
 
 
 def test_max_output_tokens_ends_the_response_as_incomplete(client: openai.OpenAI) -> None:
@@ -245,10 +245,10 @@ def test_structured_output_by_text_format_and_by_responses_parse(client: openai.
 @pytest.mark.parametrize(
     ("fields", "param", "says"),
     [
-        ({"previous_response_id": "resp_x"}, "previous_response_id", "send the whole conversation"),
+        ({"previous_response_id": "resp_x"}, "previous_response_id", "'resp_x' was not found"),
         ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
         ({"input": [{"type": "computer_call", "id": "x"}]}, "input", "'computer_call' is not supported"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item references need stored"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item references are not supported"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
