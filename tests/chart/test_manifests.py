@@ -18,6 +18,7 @@ from tests.chart.rendering import (
     GATEWAY,
     NAMESPACE,
     OPERATOR,
+    RELEASE,
     install_dry_run,
     load_operator_config,
     render,
@@ -98,7 +99,11 @@ EVERYTHING: dict[str, Any] = {
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
 }
 
-CASES = {"defaults": {}, "everything": EVERYTHING}
+CASES = {
+    "defaults": {},
+    "everything": EVERYTHING,
+    "redis": {"gateway": {"responses": {"redis": {"deploy": True, "persistence": {"existingClaim": "records"}}}}},
+}
 #: The oldest Kubernetes the chart supports (Chart.yaml kubeVersion; the CRD's CEL fieldPath needs
 #: 1.28) and the newest whose schemas kubernetes-validate carries.
 KUBE_VERSIONS = [yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["kubeVersion"].lstrip(">=").split(".0-")[0],
@@ -576,3 +581,44 @@ def test_install_dry_run_with_good_values_renders_the_same_objects_as_template(c
     manifest = install_dry_run(EVERYTHING)
     installed = [doc for doc in yaml.safe_load_all(manifest) if doc]
     assert sorted(map(json.dumps, installed)) == sorted(map(json.dumps, render(chart, EVERYTHING).objects))
+
+
+def test_no_response_store_by_default_and_the_retention_reaches_the_gateway(chart: helm.Chart) -> None:
+    rendered = render(chart)
+    assert "env" not in rendered.container(GATEWAY)
+    assert all("redis" not in obj["metadata"]["name"] for obj in rendered.objects)
+    args = rendered.args(GATEWAY)
+    assert args.responses_retention == "30d"
+    assert args.responses_store is None  # the cluster gateway's default: off, unless the environment names one
+
+
+def test_a_deployed_redis_is_the_gateways_store_and_only_the_gateway_reaches_it(chart: helm.Chart) -> None:
+    rendered = render(chart, {"gateway": {"responses": {"retention": "12h", "redis": {"deploy": True}}}})
+    name = f"{RELEASE}-universal-runtime-redis"
+    [env] = rendered.container(GATEWAY)["env"]
+    assert env == {"name": "UNIVERSAL_RUNTIME_RESPONSES_STORE", "value": f"redis://{name}.{NAMESPACE}.svc:6379/0"}
+    assert rendered.args(GATEWAY).responses_retention == "12h"
+    service = rendered.one("Service", name)
+    assert service["spec"]["ports"][0]["port"] == 6379
+    redis = rendered.one("Deployment", name)
+    pod = redis["spec"]["template"]["spec"]
+    assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    [container] = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert "volatile-ttl" in container["args"]
+    policy = rendered.one("NetworkPolicy", name)
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    )
+    [rule] = policy["spec"]["ingress"]
+    gateway_labels = rendered.one("Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+
+
+def test_an_existing_redis_comes_from_its_secret_and_wins_over_deploy(chart: helm.Chart) -> None:
+    values = {"gateway": {"responses": {"redis": {"deploy": True, "existingSecret": "shared-redis", "key": "dsn"}}}}
+    rendered = render(chart, values)
+    [env] = rendered.container(GATEWAY)["env"]
+    assert env["valueFrom"] == {"secretKeyRef": {"name": "shared-redis", "key": "dsn"}}
+    assert all("redis" not in obj["metadata"]["name"] for obj in rendered.objects)
