@@ -208,7 +208,7 @@ class Gateway:
     async def _openapi(self, request: Request, params: Params) -> Response:
         allowed = self._allowed(request)
         views = [v for v in self.backends.models() if allowed is None or v.name in allowed]
-        return Response.json(openapi_document(views, self.catalog))
+        return Response.json(openapi_document(views, self.catalog, stored_responses=self.responses is not None))
 
     async def _healthz(self, request: Request, params: Params) -> Response:
         return Response.json({"status": "ok"})

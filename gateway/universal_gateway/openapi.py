@@ -18,6 +18,34 @@ _ERROR = {
     "description": "An OpenAI-shaped error",
     "content": {"application/json": {"schema": {"type": "object", "required": ["error"]}}},
 }
+_ANTHROPIC_ERROR = {
+    "description": "An Anthropic-shaped error",
+    "content": {"application/json": {"schema": {"type": "object", "required": ["type", "error"]}}},
+}
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+#: The gateway's own routes over its response store (responses_store), described when /v1/responses is.
+_STORED_RESPONSES: dict[str, dict[str, Any]] = {
+    "responses/{response_id}": {
+        "get": {"operationId": "get_response", "summary": "A stored response", "tags": ["generate"],
+                "parameters": _RESPONSE_ID, "responses": {"200": {"description": "The response"}, "default": _ERROR}},
+        "delete": {"operationId": "delete_response", "summary": "Delete a stored response", "tags": ["generate"],
+                   "parameters": _RESPONSE_ID,
+                   "responses": {"200": {"description": "{id, object, deleted}"}, "default": _ERROR}},
+    },
+    "responses/{response_id}/input_items": {
+        "get": {
+            "operationId": "list_response_input_items", "summary": "A stored response's input items",
+            "tags": ["generate"],
+            "parameters": [
+                *_RESPONSE_ID,
+                {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+            ],
+            "responses": {"200": {"description": "A list of input items"}, "default": _ERROR},
+        }
+    },
+}  # fmt: skip
 
 
 def _model_field(names: list[str]) -> dict[str, Any]:
@@ -55,7 +83,10 @@ def _operation(route: Route, task: str, names: list[str], schemas: RequestSchema
         "operationId": route.operation,
         "summary": route.summary,
         "tags": [task],
-        "responses": {"200": {"description": "The model's answer"}, "default": _ERROR},
+        "responses": {
+            "200": {"description": "The model's answer"},
+            "default": _ANTHROPIC_ERROR if route.errors == "anthropic" else _ERROR,
+        },
     }
     if route.method == "POST":
         content: dict[str, Any] = {}
@@ -81,8 +112,11 @@ def openapi_document(
     catalog: Catalog = CATALOG,
     schemas: RequestSchemas | None = None,
     prefix: str = "/v1",
+    *,
+    stored_responses: bool = False,
 ) -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes whose task at least one served model has."""
+    """OpenAPI 3.1 for the routes whose task at least one served model has (and, with ``stored_responses``, the
+    gateway's routes over its response store, beside ``/v1/responses``)."""
     schemas = request_schemas() if schemas is None else schemas
     paths: dict[str, Any] = {}
     for entry, route in catalog.routes():
@@ -90,6 +124,8 @@ def openapi_document(
         if names:
             operation = _operation(route, entry.name, names, schemas)
             paths.setdefault(f"{prefix}/{route.path}", {})[route.method.lower()] = operation
+    if stored_responses and f"{prefix}/responses" in paths:
+        paths.update({f"{prefix}/{path}": copy.deepcopy(item) for path, item in _STORED_RESPONSES.items()})
     paths[f"{prefix}/models"] = {
         "get": {"operationId": "list_models", "responses": {"200": {"description": "Every model and its state"}}}
     }

@@ -79,6 +79,17 @@ def test_the_detector_routes_take_the_name_in_the_path_and_the_model_in_the_quer
                                                                             ("model", "query", False)]  # fmt: skip
 
 
+def test_the_stored_responses_routes_are_described_beside_responses_when_the_gateway_keeps_them() -> None:
+    stored = openapi_document([VIEWS[0]], stored_responses=True)["paths"]
+    assert set(stored["/v1/responses/{response_id}"]) == {"get", "delete"}
+    items = stored["/v1/responses/{response_id}/input_items"]["get"]
+    assert [p["name"] for p in items["parameters"]] == ["response_id", "order", "limit", "after"]
+    assert "/v1/responses/{response_id}" not in openapi_document([VIEWS[0]])["paths"]  # the store off: not there
+    # The Messages API's errors are Anthropic's.
+    messages = stored["/v1/messages"]["post"]["responses"]["default"]
+    assert messages["content"]["application/json"]["schema"]["required"] == ["type", "error"]
+
+
 def test_a_route_is_described_only_when_a_model_of_its_task_is_served() -> None:
     document = openapi_document([VIEWS[0]])
     assert sorted(document["paths"]) == ["/v1/chat/completions", "/v1/completions", "/v1/detokenize",
