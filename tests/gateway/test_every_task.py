@@ -176,6 +176,30 @@ def test_responses_through_the_gateway_unary_streamed_and_with_an_image(client: 
     assert seen.usage.input_tokens == prompt_tokens
 
 
+def test_anthropic_messages_with_an_image_block_through_the_gateway(
+    gateway: GatewayProcess, vision_model: Path
+) -> None:
+    """The Anthropic SDK's image block (base64 source) reaches the vision model as chat's image_url part does."""
+    import anthropic
+
+    picture = render_image("G7", size=(96, 64), color="teal")
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=300)
+    message = claude.messages.create(
+        model=VISION, max_tokens=8, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What does the sign say?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_url(picture).split(",", 1)[1]}},
+        ]}],
+    )  # fmt: skip
+    reference = Reference(vision_model)
+    expected, prompt_tokens = reference.generate(
+        [{"type": "text", "text": "What does the sign say?"}, {"type": "image", "image": picture}], 8
+    )
+    assert message.content[0].text == reference.text(expected)  # type: ignore[union-attr]
+    assert message.usage.input_tokens == prompt_tokens
+
+
 def test_a_body_over_the_gateway_limit_is_413_in_openai_shape(client: OpenAI) -> None:
     huge = "data:image/png;base64," + "A" * (33 * 2**20)  # over the default --max-body-mb 32
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": huge}}]}]

@@ -99,6 +99,26 @@ def test_a_response_says_what_the_same_chat_says_with_the_same_token_counts(clie
     assert response.store is True  # serve keeps it (tests/gateway/test_stored_responses.py): the default, as OpenAI
 
 
+def test_a_previous_response_id_chain_answers_as_the_whole_conversation_would(client: openai.OpenAI) -> None:
+    """serve keeps responses (SQLite in its state directory): the second turn names the first, and gets what the
+    whole conversation sent as items gets."""
+    first = client.responses.create(model=MODEL, input="Hi there", max_output_tokens=6, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="And then?", previous_response_id=first.id, max_output_tokens=6, temperature=0
+    )
+    explicit = client.responses.create(
+        model=MODEL, max_output_tokens=6, temperature=0, store=False,
+        input=[{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And then?"}],
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    assert second.output_text == explicit.output_text
+    assert second.usage is not None
+    assert explicit.usage is not None
+    assert second.usage.input_tokens == explicit.usage.input_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
 def test_max_output_tokens_ends_the_response_as_incomplete(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=2, temperature=0)
     assert response.status == "incomplete"
