@@ -37,9 +37,13 @@ JSON = dict[str, Any]
 KSERVE_DEFAULTER = "inferenceservice.kserve-webhook-server.defaulter"
 KSERVE_VALIDATOR = "inferenceservice.kserve-webhook-server.validator"
 KNATIVE_VALIDATOR = "validation.webhook.serving.knative.dev"
+# KServe's names, spelled here as KServe spells them (KServe v0.20.0 pkg/constants/constants.go:
+# InferenceServiceContainerName, DeploymentMode, AutoscalerClass, StopAnnotationKey; unchanged at the 0.21 wheel's
+# source), never imported from the operator: a stand-in that shared the operator's constants would follow a rename.
 CONTAINER_NAME = "kserve-container"
 ANNOTATION_DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 ANNOTATION_AUTOSCALER_CLASS = "serving.kserve.io/autoscalerClass"
+ANNOTATION_STOP = "serving.kserve.io/stop"
 
 
 class Denied(Exception):

@@ -18,7 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from universal_operator.predictor import CONTAINER_NAME
+from universal_simcluster.admission import CONTAINER_NAME
 
 #: KServe v0.16.0 pkg/constants/constants.go: DefaultModelLocalMountPath, CustomSpecStorageUriEnvVarKey, OciURIPrefix,
 #: ModelInitModeEnvVarKey.

@@ -37,9 +37,9 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource
 from lightkube.types import PatchType
 
-from universal_operator.kube import InferenceService
 from universal_predictors.config import resolve_source
 from universal_simcluster import admission
+from universal_simcluster.kserve import InferenceService
 from universal_simcluster.kserve.standin import DEFAULT_VERSION, KServeVersion
 
 logger = logging.getLogger(__name__)

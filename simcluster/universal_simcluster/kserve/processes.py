@@ -65,12 +65,9 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Secret, ServiceAccount
 
-from universal_operator.kube import InferenceService
-from universal_operator.predictor import CONTAINER_NAME
-from universal_operator.spec import parse_duration
 from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
 from universal_simcluster import admission
-from universal_simcluster.kserve import storage_initializer
+from universal_simcluster.kserve import InferenceService, storage_initializer
 from universal_simcluster.kserve.localmodel import LocalModelStandin
 from universal_simcluster.kserve.standin import (
     DEFAULT_VERSION,
@@ -165,7 +162,7 @@ def predictor_container(isvc: Mapping[str, Any]) -> dict[str, Any]:
     containers = ((isvc.get("spec") or {}).get("predictor") or {}).get("containers") or []
     if not containers:
         raise LaunchFailed("InvalidSpec: spec.predictor.containers is empty; this stand-in runs custom containers")
-    named = [c for c in containers if c.get("name") == CONTAINER_NAME]
+    named = [c for c in containers if c.get("name") == admission.CONTAINER_NAME]
     return dict(named[0] if named else containers[0])
 
 
@@ -388,12 +385,12 @@ class PredictorWorkload:
     def idle_window(self) -> float:
         """How long without requests before scaling to zero: the retention period the operator rendered."""
         text = self._component_annotation(admission.RETENTION)
-        return parse_duration(text).total_seconds() if text else KNATIVE_DEFAULT_IDLE_S
+        return admission.go_duration(text) if text else KNATIVE_DEFAULT_IDLE_S  # Knative reads it with ParseDuration
 
     @property
     def startup_deadline(self) -> float:
         text = self._component_annotation(admission.PROGRESS_DEADLINE)
-        return parse_duration(text).total_seconds() if text else DEFAULT_STARTUP_S
+        return admission.go_duration(text) if text else DEFAULT_STARTUP_S
 
     @property
     def address(self) -> str:

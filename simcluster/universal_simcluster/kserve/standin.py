@@ -39,10 +39,8 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
-from universal_operator.config import DEFAULT_KSERVE_VERSION
-from universal_operator.kserve import DEPLOYMENT_MODE_ANNOTATION, STOP_ANNOTATION
-from universal_operator.kube import InferenceService
 from universal_simcluster import admission
+from universal_simcluster.kserve import InferenceService
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +49,11 @@ TIME = "2026-01-01T00:00:00Z"
 #: PredictorConfigurationReady), controller.go (RoutesReady, LatestDeploymentReady), the ingress (IngressReady).
 KNATIVE_CONDITIONS = ("IngressReady", "LatestDeploymentReady", "PredictorConfigurationReady", "PredictorReady",
                       "PredictorRouteReady", "Ready", "RoutesReady")  # fmt: skip
+
+
+#: The KServe release the stand-in imitates unless told another: the operator's default target (tests/operator checks
+#: the two agree, so that the default simulated cluster is the cluster the operator expects).
+DEFAULT_KSERVE_VERSION = "0.16.0"
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class KServeVersion:
         recorded = str((isvc.get("status") or {}).get("deploymentMode") or "")
         if recorded and self.release >= (0, 15, 0):
             return recorded in ("Serverless", "Knative")
-        annotation = str((isvc.get("metadata", {}).get("annotations") or {}).get(DEPLOYMENT_MODE_ANNOTATION, ""))
+        annotation = str(
+            (isvc.get("metadata", {}).get("annotations") or {}).get(admission.ANNOTATION_DEPLOYMENT_MODE, "")
+        )
         known = ("Serverless", "RawDeployment", "Knative", "Standard") if self.renamed_modes else (
             "Serverless", "RawDeployment")  # fmt: skip
         chosen = annotation if annotation in known else self.default_mode
@@ -111,7 +116,7 @@ class KServeVersion:
 
     def stop_requested(self, isvc: dict[str, Any], knative: bool) -> bool:
         """The annotation set and honoured (GetForceStopRuntime: "true" in any case)."""
-        value = str((isvc.get("metadata", {}).get("annotations") or {}).get(STOP_ANNOTATION, ""))
+        value = str((isvc.get("metadata", {}).get("annotations") or {}).get(admission.ANNOTATION_STOP, ""))
         return value.lower() == "true" and self.can_stop(knative)
 
     def has_stopped_condition(self, knative: bool) -> bool:
