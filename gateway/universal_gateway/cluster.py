@@ -345,10 +345,13 @@ class KubernetesBackends(Backends):
                 raise
             except Exception as exc:  # a dropped watch: list and resume, as any controller does
                 health.error = _describe(exc)
-                delay = min(WATCH_RETRY_MAX_S, 2.0 ** (failures - 1)) if failures else 0.0
-                failures += 1
-                # 410 Gone: the resourceVersion left the server's window, which is routine; list again.
-                gone = getattr(getattr(exc, "response", None), "status_code", None) == 410
+                # 410: the resourceVersion left the server's window, which is routine; list again at once. It comes as
+                # the HTTP status, or (from the watch cache: Kubernetes storage/cacher/cacher.go newErrWatcher) as an
+                # ERROR event mid-stream, which lightkube raises with the Status it carried and no response.
+                status = getattr(getattr(exc, "status", None), "code", None)
+                gone = 410 in (getattr(getattr(exc, "response", None), "status_code", None), status)
+                delay = min(WATCH_RETRY_MAX_S, 2.0 ** (failures - 1)) if failures and not gone else 0.0
+                failures = 0 if gone else failures + 1
                 logger.log(logging.INFO if gone else logging.WARNING,
                            "watching UniversalModels in %s failed (%s); retrying", namespace, health.error)  # fmt: skip
                 await asyncio.sleep(delay)

@@ -668,3 +668,30 @@ async def test_a_knative_model_stopped_by_hand_answers_503_at_once_naming_the_an
     assert time.monotonic() - started < 5  # not the startupTimeout
     assert response.status_code == 503
     assert response.json()["error"]["message"] == message
+
+
+async def test_an_expired_watch_is_listed_again_and_routine_not_a_warning(
+    cluster: ServedEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watch the API server ends with 410 Expired (an ERROR event mid-stream, or a resourceVersion compacted away
+    while the gateway was reconnecting) is routine on a real cluster: the gateway lists again at once, logged at
+    INFO, and a model created meanwhile is routed."""
+    emulator = cluster.emulator
+    backends = KubernetesBackends(["default"])
+    async with Gateway(backends).serving():
+        await backends.wait_synced()
+        await eventually(lambda: any(a.verb == "watch" and a.plural == UM for a in emulator.access_log))
+        caplog.set_level(logging.INFO, logger="universal_gateway.cluster")
+        await create(cluster, ISVC, ISVC_MANIFEST)  # history moves past the gateway's list, and is compacted
+        emulator.compact()
+        emulator.expire_watches()
+        await create(cluster, UM, model_manifest())  # made while the watch was being ended
+        await eventually(lambda: backends.find(SERVED) is not None)
+        expired = [r for r in caplog.records if "watching UniversalModels" in r.getMessage()]
+        assert expired, "the expired watch was not noticed"
+        assert all(r.levelno == logging.INFO for r in expired), [r.getMessage() for r in expired]
+        assert (
+            "410" in expired[0].getMessage()
+            or "Expired" in expired[0].getMessage()
+            or "too old" in (expired[0].getMessage())
+        )

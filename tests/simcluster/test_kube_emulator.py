@@ -256,6 +256,86 @@ async def test_watch_streams_live_events(served: ServedEmulator) -> None:
     assert (event["type"], event["object"]["metadata"]["name"]) == ("ADDED", "live")
 
 
+async def test_a_watch_from_a_compacted_resource_version_is_an_expired_error_event(served: ServedEmulator) -> None:
+    """Kubernetes v1.31 storage/cacher/watch_cache.go: 200, one ERROR event (410 Expired), the end; a client lists
+    again. lightkube, as the gateway uses it, raises it as an ApiError with status 410."""
+    emu = served.emulator
+    await call(emu, "POST", UM_PATH, um("a"))
+    _, listed = await call(emu, "GET", UM_PATH)
+    old = listed["metadata"]["resourceVersion"]
+    await call(emu, "PATCH", f"{UM_PATH}/a", {"spec": {"model": "x"}}, "application/merge-patch+json")
+    emu.compact()
+    [event] = await watch(emu, UM_PATH, resourceVersion=old, timeoutSeconds="0.1")
+    assert event["type"] == "ERROR"
+    status = event["object"]
+    assert (status["code"], status["reason"], status["status"]) == (410, "Expired", "Failure")
+    assert status["message"] == f"too old resource version: {old} ({emu.resource_version})"
+    # From the compaction point on, resuming works.
+    assert await watch(emu, UM_PATH, resourceVersion=str(emu.resource_version), timeoutSeconds="0.1") == []
+    UM = create_namespaced_resource(GROUP, VERSION, "UniversalModel", "universalmodels")
+    async with lightkube.AsyncClient(config=lightkube.KubeConfig.from_file(served.kubeconfig)) as client:
+        with pytest.raises(lightkube.ApiError) as caught:
+            async for _ in client.watch(UM, namespace="default", resource_version=old):
+                pass
+    assert caught.value.status.code == 410
+
+
+async def test_expired_watches_end_with_an_error_event_mid_stream(served: ServedEmulator) -> None:
+    emu = served.emulator
+    async with emu.get(UM_PATH, params={"watch": "true", "resourceVersion": str(emu.resource_version)}) as response:
+        await call(emu, "POST", UM_PATH, um("live"))
+        first = json.loads(await asyncio.wait_for(response.content.readline(), timeout=5))
+        emu.expire_watches()
+        second = json.loads(await asyncio.wait_for(response.content.readline(), timeout=5))
+        assert await asyncio.wait_for(response.content.read(), timeout=5) == b""  # the stream ended
+    assert first["type"] == "ADDED"
+    assert second["type"] == "ERROR"
+    assert second["object"]["code"] == 410
+
+
+async def test_an_object_leaving_or_entering_a_watched_selector_is_deleted_or_added(served: ServedEmulator) -> None:
+    """storage/cacher/cache_watcher.go convertToWatchEvent: a watcher filtering by labels sees the transitions."""
+    emu = served.emulator
+    await call(emu, "POST", UM_PATH, dict(um("a"), metadata={"name": "a", "labels": {"tier": "gpu"}}))
+    since = str(emu.resource_version)
+    labels = {"metadata": {"labels": {"tier": "cpu"}}}
+    await call(emu, "PATCH", f"{UM_PATH}/a", labels, "application/merge-patch+json")
+    await call(emu, "PATCH", f"{UM_PATH}/a", {"metadata": {"labels": {"tier": "gpu"}}}, "application/merge-patch+json")
+    await call(emu, "PATCH", f"{UM_PATH}/a", {"spec": {"model": "y"}}, "application/merge-patch+json")
+    events = await watch(emu, UM_PATH, labelSelector="tier=gpu", resourceVersion=since, timeoutSeconds="0.1")
+    assert [e["type"] for e in events] == ["DELETED", "ADDED", "MODIFIED"]
+    gone = events[0]["object"]
+    assert gone["metadata"]["labels"] == {"tier": "gpu"}  # the object as the watcher last matched it
+    assert int(gone["metadata"]["resourceVersion"]) == int(since) + 1  # at the event's resourceVersion
+
+
+async def test_lists_come_in_pages_with_limit_and_continue(served: ServedEmulator, tmp_path: Path) -> None:
+    """storage/etcd3/store.go GetList: ``limit``, ``metadata.continue``, ``remainingItemCount``; kubectl pages with
+    --chunk-size; a token from before a compaction is 410 Expired."""
+    emu = served.emulator
+    for name in "edcba":
+        await call(emu, "POST", UM_PATH, um(name))
+    _, first = await call(emu, "GET", UM_PATH, limit="2")
+    assert [i["metadata"]["name"] for i in first["items"]] == ["a", "b"]
+    assert first["metadata"]["remainingItemCount"] == 3
+    token = first["metadata"]["continue"]
+    _, second = await call(emu, "GET", UM_PATH, limit="2", **{"continue": token})
+    assert [i["metadata"]["name"] for i in second["items"]] == ["c", "d"]
+    assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+    _, last = await call(emu, "GET", UM_PATH, limit="2", **{"continue": second["metadata"]["continue"]})
+    assert [i["metadata"]["name"] for i in last["items"]] == ["e"]
+    assert "continue" not in last["metadata"]
+    done = await served.kubectl("get", "universalmodels", "--chunk-size=2", "-o", "name", "-v=6", check=True)
+    assert done.stdout.split() == [f"universalmodel.{GROUP}/{n}" for n in "abcde"]
+    assert done.stderr.count("limit=2") >= 3  # three pages asked for
+    await call(emu, "POST", UM_PATH, um("f"))  # history moves on, and is compacted
+    emu.compact()
+    status, expired = await call(emu, "GET", UM_PATH, limit="2", **{"continue": token})
+    assert status == 410
+    assert expired["reason"] == "Expired"
+    assert "continue parameter is too old" in expired["message"]
+
+
 # ------------------------------------------------------------------------------------------ conflicts
 
 
@@ -653,6 +733,17 @@ async def test_kopf_operator_end_to_end(served: ServedEmulator) -> None:
         assert emu.get_object("inferenceservices", "default", "m1") is not None
         await eventually(lambda: any(e.get("reason") == "Created" for e in emu.list_objects("events", "default")))
         assert emu.writes[WriteKey("universalmodels", "default", "m1", "status")] >= 1
+
+        # The server expires kopf's watch (410 mid-stream, its resourceVersion compacted away): kopf lists again and
+        # handles what was created meanwhile.
+        await eventually(lambda: any(a.verb == "watch" and a.plural == "universalmodels" for a in emu.access_log))
+        emu.compact()
+        emu.expire_watches()
+        await call(emu, "POST", UM_PATH, um("m2"))
+        await eventually(lambda: ((emu.get_object("universalmodels", "default", "m2") or {}).get("status") or {}).get(
+            "phase") == "Pending")  # fmt: skip
+        status, _ = await call(emu, "DELETE", f"{UM_PATH}/m2")
+        assert status == 200
 
         status, _ = await call(emu, "DELETE", f"{UM_PATH}/m1")
         assert status == 200

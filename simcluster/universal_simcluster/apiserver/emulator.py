@@ -7,6 +7,7 @@ patching and apply, table printing, watch and storage are their own modules besi
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import secrets
@@ -204,6 +205,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def close_watches(self) -> None:
         """End all watch streams now (before the server shuts down, so it need not wait)."""
         self._store.close()
+
+    def compact(self, upto: int | None = None) -> None:
+        """Compact the history up to resourceVersion ``upto`` (default: now): resuming a watch or continuing a list
+        from before it is then 410 Expired, as on a real cluster after etcd's compaction (every 5 minutes by
+        default) or once the watch cache's window has moved on."""
+        self._store.compact(upto)
+
+    def expire_watches(self) -> None:
+        """End every open watch with an ERROR event, 410 Expired (a watcher the API server dropped)."""
+        self._store.expire_watches()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.close_watches()
@@ -440,11 +451,32 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return present(obj, spec)
 
     def _list(self, spec: ResourceSpec, request: kmock.Request) -> JSON:
-        items = self._select(self._canonical[spec.resource], request.namespace, request.params)
+        """A list, in pages of ``limit`` items when asked (Kubernetes v1.31 storage/etcd3/store.go GetList): sorted by
+        namespace and name, ``metadata.continue`` carrying where the next page starts and the first page's
+        resourceVersion, ``remainingItemCount`` when no selector filters the list. A continued page lists the objects
+        as they are now after that point (etcd lists at the first page's revision; this store keeps no snapshots), and
+        a token from before a compaction is 410 Expired, as etcd3's ``compactedContinue`` answers."""
+        params = request.params
+        items = self._select(self._canonical[spec.resource], request.namespace, params)
+        rv = self._store.rv
+        token = params.get("continue")
+        if token:
+            start, rv = _decode_continue(token)
+            if self._store.too_old(rv):
+                raise ApiError(410, CONTINUE_EXPIRED, "Expired")
+            items = [o for o in items if _list_key(o) >= start]
+        metadata: JSON = {"resourceVersion": str(rv)}
+        limit = params.get("limit", "")
+        if limit.isdigit() and 0 < int(limit) < len(items):
+            page, rest = items[: int(limit)], items[int(limit) :]
+            metadata["continue"] = _encode_continue(_list_key(page[-1]) + "\x00", rv)
+            if not params.get("labelSelector") and not params.get("fieldSelector"):
+                metadata["remainingItemCount"] = len(rest)
+            items = page
         return {
             "apiVersion": spec.api_version,
             "kind": spec.list_kind or f"{spec.kind}List",
-            "metadata": {"resourceVersion": str(self._store.rv)},
+            "metadata": metadata,
             "items": [present(obj, spec) for obj in items],
         }
 
@@ -755,3 +787,30 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 subresources={"status"} if status else set(),
             )
             self.register_resource(res_spec, info, canonical=canonical)
+
+
+#: etcd3's answer to a continue token older than the compaction (Kubernetes v1.31 storage/etcd3/store.go,
+#: compactedContinue, without the fresh token it may add).
+CONTINUE_EXPIRED = (
+    "The provided continue parameter is too old to display a consistent list result. You can start a new list "
+    "without the continue parameter."
+)
+
+
+def _list_key(obj: JSON) -> str:
+    """The order lists page in: etcd's keys, namespace then name."""
+    return f"{obj['metadata'].get('namespace') or ''}/{obj['metadata']['name']}"
+
+
+def _encode_continue(start: str, rv: int) -> str:
+    """A continue token as apiserver's storage.EncodeContinue writes one: base64 of ``{"v", "rv", "start"}``."""
+    raw = json.dumps({"v": "meta.k8s.io/v1", "rv": rv, "start": start}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _decode_continue(token: str) -> tuple[str, int]:
+    try:
+        raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        return str(raw["start"]), int(raw["rv"])
+    except (ValueError, KeyError, TypeError):
+        raise ApiError(400, "continue key is not valid: illegal base64 data or JSON", "BadRequest") from None
