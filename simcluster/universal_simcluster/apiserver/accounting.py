@@ -1,4 +1,8 @@
-"""Write accounting, RBAC's view of a request and fault injection: what tests and benchmarks count and break."""
+"""Write accounting, RBAC's view of a request and fault injection: what tests and benchmarks count and break.
+
+Only :func:`rbac_verb` imitates Kubernetes (cited there); the accounting and the injected failures are the harness's
+own instruments, with no counterpart in a real API server.
+"""
 
 from __future__ import annotations
 
@@ -29,11 +33,17 @@ class Access(NamedTuple):
 
 
 def rbac_verb(method: str, name: str | None, params: Mapping[str, str], subresource: str | None) -> str:
-    """The RBAC verb the API server checks for a request (``watch`` for ``?watch=true`` and ``/watch/``)."""
+    """The RBAC verb the API server checks for a request, as Kubernetes v1.31
+    ``staging/src/k8s.io/apiserver/pkg/endpoints/request/requestinfo.go`` (NewRequestInfo) derives it: the method's
+    verb; a GET without a name is ``list``, or ``watch`` when ``watch`` is any value but ``false``/``0``; the
+    deprecated ``/watch/`` path prefix is ``watch``; a DELETE without a name is ``deletecollection``."""
     if method == "GET":
-        if subresource == "watch" or params.get("watch") in ("true", "1"):
+        if subresource == "watch":
             return "watch"
-        return "get" if name else "list"
+        if name:
+            return "get"
+        watch = params.get("watch")
+        return "watch" if watch is not None and watch.lower() not in ("false", "0") else "list"
     verbs = {"POST": "create", "PUT": "update", "PATCH": "patch"}
     if method in verbs:
         return verbs[method]

@@ -1,4 +1,13 @@
-"""Label and field selectors, compiled into predicates as the API server applies them to lists and watches."""
+"""Label and field selectors, compiled into predicates as the API server applies them to lists and watches.
+
+What they imitate (Kubernetes v1.31): label selectors as ``staging/src/k8s.io/apimachinery/pkg/labels/selector.go``
+parses them (``Parse``: comma-separated requirements, ``=``/``==``/``!=``, ``in``/``notin`` with parenthesised value
+sets, bare ``key`` for exists and ``!key`` for does-not-exist); field selectors as ``.../fields/selector.go``
+(``ParseSelector``: ``=``/``==``/``!=`` terms ANDed). A known gap, kinder than a real server: any dotted path is
+matched here, where Kubernetes accepts only the fields a resource registers (``metadata.name`` and
+``metadata.namespace``, a CRD's ``selectableFields``, a built-in's own such as a Pod's ``status.phase``) and answers
+another with 400 ``field label not supported``.
+"""
 
 from __future__ import annotations
 
