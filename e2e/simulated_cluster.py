@@ -38,13 +38,23 @@ from lightkube import AsyncClient
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.crd import custom_resource_definition
+from universal_simcluster import admission
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 from universal_simcluster.kserve.processes import kserve_processes
 from universal_simcluster.kserve.standin import kserve_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DEFAULT_CONFIG = """\
+#: The Knative flags a GPU profile's pod fields need (knative-serving's config-features ConfigMap,
+#: operator/README.md): the simulated cluster is one set up for GPU models, its Knative admission enables them and
+#: the operator's config says so, so the llama example renders as it would there.
+GPU_FEATURES = ("kubernetes.podspec-nodeselector", "kubernetes.podspec-tolerations",
+                "kubernetes.podspec-runtimeclassname")  # fmt: skip
+CLUSTER = admission.Cluster(knative_features=frozenset(GPU_FEATURES))
+
+DEFAULT_CONFIG = (
+    f"knative:\n  features: [{', '.join(GPU_FEATURES)}]\n"
+    + """\
 images:
   cpu: ghcr.io/universal-runtime/predictor-cpu:0.1.0
   cuda: ghcr.io/universal-runtime/predictor-cuda:0.1.0
@@ -54,6 +64,7 @@ profiles:
     tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
     runtimeClassName: nvidia
 """
+)
 
 
 async def wait_ready(served: ServedEmulator, names: set[str], within: float) -> bool:
@@ -67,6 +78,20 @@ async def wait_ready(served: ServedEmulator, names: set[str], within: float) -> 
             return True
         await asyncio.sleep(0.2)
     return False
+
+
+def failures(served: ServedEmulator) -> list[str]:
+    """One line per model that is not Ready, with the reason its Ready condition gives (what `kubectl describe um`
+    would show): the llama example names a credentials Secret no demo creates, and says so."""
+    lines = []
+    for model in served.emulator.list_objects("universalmodels"):
+        status = model.get("status") or {}
+        if status.get("phase") == "Ready":
+            continue
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        why = ready.get("message") or ready.get("reason") or "no reason reported yet"
+        lines.append(f"{model['metadata']['name']}: {status.get('phase') or 'Pending'}: {why}")
+    return lines
 
 
 @contextlib.asynccontextmanager
@@ -84,7 +109,7 @@ async def kserve_and_gateway(client: AsyncClient, workdir: Path, serve: bool) ->
 
 
 async def main_async(paths: list[str], once: bool, workdir: Path, serve: bool = False) -> int:
-    async with serve_emulator(workdir, crds=[custom_resource_definition()]) as served:
+    async with serve_emulator(workdir, crds=[custom_resource_definition()], admission=CLUSTER) as served:
         config_file = workdir / "operator.yaml"
         config_file.write_text(DEFAULT_CONFIG)
         env = {
@@ -117,6 +142,8 @@ async def main_async(paths: list[str], once: bool, workdir: Path, serve: bool = 
                         print(f"not every model became Ready within {within}s; see the operator log", file=sys.stderr)
                     table = await served.kubectl("get", "um")
                     print(table.stdout, end="")
+                    for line in failures(served):
+                        print(line)
                     if gateway_url is not None:
                         print(f"\nGateway (OpenAI-compatible): {gateway_url}/v1   predictor logs: {workdir / 'kserve'}")
                         print(f"  curl {gateway_url}/v1/models")
