@@ -74,10 +74,15 @@ def plain_embed_predictor(
 @pytest.fixture(scope="session")
 def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight BERT with a one-logit sequence-classification head and a word-level vocabulary."""
+    return build_cross_encoder(tmp_path_factory.mktemp("tiny-cross-encoder"))
+
+
+def build_cross_encoder(directory: Path) -> Path:
+    """:func:`tiny_cross_encoder_dir`'s model, written into ``directory``."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
-    directory = tmp_path_factory.mktemp("tiny-cross-encoder")
+    directory.mkdir(parents=True, exist_ok=True)
     words = [
         "the",
         "a",

@@ -166,6 +166,18 @@ def predictor_container(isvc: Mapping[str, Any]) -> dict[str, Any]:
     return dict(named[0] if named else containers[0])
 
 
+def image_files() -> dict[str, Path]:
+    """Paths the predictor image holds beyond the package (the Dockerfile's final stages: RapidOCR's packaged ONNX
+    models linked at ``/opt/models/rapidocr``, which examples/cluster/rapidocr.yaml names as its source), and the
+    local folders standing for them: a process runs on this host's filesystem, not the image's."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec is None or spec.origin is None:
+        return {}
+    return {"/opt/models/rapidocr": Path(spec.origin).parent / "models"}
+
+
 def _relocate(value: str, mounts: Mapping[str, Path]) -> str:
     """``value`` with a pod path (a volume's mountPath) replaced by the local folder standing for it."""
     for mount_path in sorted(mounts, key=len, reverse=True):
@@ -175,9 +187,16 @@ def _relocate(value: str, mounts: Mapping[str, Path]) -> str:
 
 
 def _relocate_arg(arg: str, mounts: Mapping[str, Path]) -> str:
+    """``--flag=PATH``, ``--flag=key=PATH`` (an engine arg) or ``PATH``, its path relocated."""
     if arg.startswith("--") and "=" in arg:
         flag, _, value = arg.partition("=")
+        key, equals, rest = value.partition("=")
+        if equals and not key.startswith("/"):
+            return f"{flag}={key}={_relocate(rest, mounts)}"
         return f"{flag}={_relocate(value, mounts)}"
+    key, equals, rest = arg.partition("=")
+    if equals and not key.startswith("/"):
+        return f"{key}={_relocate(rest, mounts)}"
     return _relocate(arg, mounts)
 
 
@@ -639,7 +658,7 @@ class PredictorWorkload:
         launch = render_launch(
             self.isvc,
             port=port,
-            mounts=self._mounts(generation, await self._storage_credentials()),
+            mounts={**image_files(), **self._mounts(generation, await self._storage_credentials())},
             secrets=await self._secrets(),
             python=self.kserve.python,
         )
