@@ -19,6 +19,9 @@ The concerns live in their own modules:
   (:mod:`.accounting`) for tests and benchmarks;
 * :mod:`.patch`: merge, strategic-merge and JSON patches (a failed ``test``
   answers 422) and server-side apply (a documented subset);
+* :mod:`.schemas`: a custom resource's structural schema on every write (defaults, pruning of unknown fields,
+  OpenAPI validation and ``x-kubernetes-validations`` CEL rules, 422 Invalid naming the field), as
+  apiextensions-apiserver applies it;
 * :mod:`.selectors`: label & field selectors;
 * :mod:`.tables`: server-side ``Table`` rendering for ``kubectl get``;
 * :mod:`.watch`: watch streams; ``sendInitialEvents=true`` ends the initial

@@ -24,6 +24,7 @@ from kmock._internal import parsing as _parsing
 from kmock._internal import rendering as _rendering
 
 from universal_simcluster import admission as _admission
+from universal_simcluster.apiserver import schemas as _schemas
 from universal_simcluster.apiserver.accounting import WRITE_METHODS, Access, FaultRule, WriteKey, WriteRecord, rbac_verb
 from universal_simcluster.apiserver.clock import rfc3339
 from universal_simcluster.apiserver.errors import ApiError, status_body
@@ -527,6 +528,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 obj["status"] = {"phase": "Active"}
         for system_key in (*_SYSTEM_META, "resourceVersion", "managedFields"):
             meta.pop(system_key, None)
+        obj = self._structural(spec, obj, None)
         obj = self._admit(spec, obj, None)
         meta = obj["metadata"]
         meta["uid"] = str(uuid.uuid4())
@@ -541,6 +543,23 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if canon not in self._specs:
             return []
         return self._select(canon, None, {})
+
+    def _structural(self, spec: ResourceSpec, obj: JSON, old: JSON | None) -> JSON:
+        """A custom resource's write defaulted, pruned and validated against its CRD's schema (:mod:`.schemas`);
+        422 Invalid naming every field that fails, as the API server answers."""
+        if spec.schema is None:
+            return obj
+        shaped, errors = _schemas.admit(obj, old, spec.schema)
+        if errors:
+            name = obj["metadata"].get("name", "")
+            res = f"{spec.kind}.{spec.group}" if spec.group else spec.kind
+            causes = [
+                {"reason": "FieldValueInvalid", "message": e.split(": ", 1)[-1], "field": e.split(": ", 1)[0]}
+                for e in errors
+            ]
+            raise ApiError(422, f'{res} "{name}" is invalid: {", ".join(errors)}', "Invalid",
+                           {"name": name, "group": spec.group, "kind": spec.kind, "causes": causes})  # fmt: skip
+        return shaped
 
     def _admit(self, spec: ResourceSpec, obj: JSON, old: JSON | None) -> JSON:
         """Admission of an InferenceService or LocalModelCache write (see :func:`universal_simcluster.admission.admit`,
@@ -626,6 +645,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = old_meta["resourceVersion"]
         meta.pop("managedFields", None)
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        new = self._structural(spec, new, old)
+        meta = new["metadata"]
         if sub is None:
             new = self._admit(spec, new, old)
             meta = new["metadata"]
@@ -776,6 +797,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 printer_columns=columns,
                 list_kind=names.get("listKind", f"{kind}List"),
                 list_types=schema_list_types((version.get("schema") or {}).get("openAPIV3Schema")),
+                schema=(version.get("schema") or {}).get("openAPIV3Schema") or None,
             )
             info = kmock.ResourceInfo(
                 namespaced=res_spec.namespaced,

@@ -45,6 +45,9 @@ class ResourceSpec:
     list_kind: str = ""
     #: Merge semantics of lists by path pattern ("*" for a list's items), besides metadata's.
     list_types: Mapping[Path_, ListType] = field(default_factory=dict)
+    #: A custom resource's structural schema (its CRD version's ``openAPIV3Schema``): writes are defaulted, pruned and
+    #: validated against it (:mod:`.schemas`). None: a built-in kind or a CRD without one, stored as written.
+    schema: Mapping[str, Any] | None = None
 
     @property
     def api_version(self) -> str:
