@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from universal_predictors.errors import APIError, InvalidRequest, anthropic_error_body
+from universal_predictors.generation.chat_translation import first_error, named_event, rename_param, validated_chat
 from universal_predictors.generation.planning import Plan
 from universal_predictors.generation.protocol import ChatCompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_shape
@@ -154,9 +155,7 @@ def client_tools_only(value: list[dict[str, Any]] | None) -> list[dict[str, Any]
         try:
             ToolParam.model_validate(tool)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"[{index}].{where}: {first['msg']}") from None
+            raise ValueError(f"[{index}].{first_error(exc)}") from None
     return value
 
 
@@ -327,12 +326,7 @@ def chat_request(body: MessagesRequest) -> tuple[ChatCompletionRequest, list[str
             chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     elif choice is not None and choice.type in ("any", "tool"):
         raise InvalidRequest("tool_choice: needs tools", param="tool_choice")
-    try:
-        return ChatCompletionRequest.model_validate(chat), origins
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
-        raise renamed(InvalidRequest(f"{where}: {first['msg']}", param=where), origins) from None
+    return validated_chat(chat, lambda error: renamed(error, origins)), origins
 
 
 #: Chat field names in the chat path's errors, as a Messages caller knows them.
@@ -342,25 +336,8 @@ _PARAMS = {"stop": "stop_sequences", "max_tokens": "max_tokens", "messages": "me
 
 def renamed(error: APIError, origins: list[str]) -> APIError:
     """``error`` naming the Messages field: ``messages[i]`` of the chat becomes the turn it came from, ``stop`` is
-    ``stop_sequences``."""
-    if error.param is None:
-        return error
-    head, dot, rest = error.param.partition(".")
-    name, _, index = head.partition("[")
-    if name not in _PARAMS:
-        return error
-    param = _PARAMS[name] + (f"[{index}" if index else "")
-    if name == "messages" and index:
-        position = index.rstrip("]")
-        if position.isdigit() and int(position) < len(origins):
-            param = origins[int(position)]
-    param += dot + rest
-    if param.endswith(".image_url"):  # an image block's source, as the chat's image_url part
-        param = param.removesuffix(".image_url") + ".source"
-    if error.message.startswith(f"{error.param}:"):
-        error.message = param + error.message[len(error.param) :]
-    error.param = param
-    return error
+    ``stop_sequences``, an image part's ``image_url`` the image block's ``source``."""
+    return rename_param(error, _PARAMS, origins, suffixes={".image_url": ".source"})
 
 
 # -- the answer --------------------------------------------------------------------------------------------------
@@ -494,11 +471,6 @@ class _EventWriter:
         return events
 
 
-def frame(event: dict[str, Any]) -> str:
-    """One server-sent event as Anthropic sends them: named by an ``event:`` line."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
 async def respond(
     runner: ChoiceRunner, request: Request, body: MessagesRequest, chat: ChatCompletionRequest, plan: Plan,
     tools: ChatTools,
@@ -530,4 +502,4 @@ async def respond(
     def failed(error: APIError) -> list[dict[str, Any]]:
         return [anthropic_error_body(error)]
 
-    return await runner.stream(plan, render, writer.opening(), final, frame=frame, failed=failed, done=None)
+    return await runner.stream(plan, render, writer.opening(), final, frame=named_event, failed=failed, done=None)

@@ -23,7 +23,6 @@ saying to send the conversation as input items.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from universal_predictors.config import RESPONSES_STORED_HEADER
 from universal_predictors.errors import APIError, InvalidRequest
+from universal_predictors.generation.chat_translation import first_error, named_event, rename_param, validated_chat
 from universal_predictors.generation.planning import Plan
 from universal_predictors.generation.protocol import ChatCompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_logprobs, chat_shape
@@ -257,9 +257,7 @@ class ResponsesRequest(BaseModel):
             try:
                 FunctionTool.model_validate(tool)
             except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(f"[{index}].{where}: {first['msg']}") from None
+                raise ValueError(f"[{index}].{first_error(exc)}") from None
         return value
 
     def function_tools(self) -> list[FunctionTool]:
@@ -278,23 +276,7 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 def renamed(error: APIError, origins: list[str] | None = None) -> APIError:
     """``error`` with a chat field name (its ``param`` and its message's prefix) as the Responses field: ``messages[i]``
     becomes the input item it came from (``origins[i]``: ``instructions`` or ``input[j]``)."""
-    if error.param is None:
-        return error
-    head, dot, rest = error.param.partition(".")
-    name, _, index = head.partition("[")
-    if name not in _PARAMS:
-        return error
-    param = _PARAMS[name] + (f"[{index}" if index else "")
-    if name == "messages" and index and origins is not None:
-        position = index.rstrip("]")
-        if position.isdigit() and int(position) < len(origins):
-            param = origins[int(position)]
-    param += dot + rest
-    message = error.message
-    if message.startswith(f"{error.param}:"):
-        message = param + message[len(error.param) :]
-    error.param, error.message = param, message.replace("response_format", "text.format")
-    return error
+    return rename_param(error, _PARAMS, origins, words={"response_format": "text.format"})
 
 
 def _content(content: str | list[Any]) -> str | list[dict[str, Any]]:
@@ -413,12 +395,7 @@ def chat_request(body: ResponsesRequest, stored: bool = False) -> tuple[ChatComp
             "type": "json_schema",
             "json_schema": {"name": text_format.name, "schema": text_format.schema_, "strict": text_format.strict},
         }
-    try:
-        return ChatCompletionRequest.model_validate(chat), origins
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
-        raise renamed(InvalidRequest(f"{where}: {first['msg']}", param=where), origins) from None
+    return validated_chat(chat, lambda error: renamed(error, origins)), origins
 
 
 # -- the answer --------------------------------------------------------------------------------------------------
@@ -677,11 +654,6 @@ class _EventWriter:
         return [failure, self.event("response.failed", response=snapshot)]
 
 
-def frame(event: dict[str, Any]) -> str:
-    """One server-sent event as OpenAI sends Responses events: named by an ``event:`` line."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
 async def respond(
     runner: ChoiceRunner, request: Request, body: ResponsesRequest, chat: ChatCompletionRequest, plan: Plan,
     tools: ChatTools,
@@ -709,4 +681,4 @@ async def respond(
         return events + writer.closing(plan, choice)
 
     failed: Callable[[APIError], list[dict[str, Any]]] = writer.failed
-    return await runner.stream(plan, render, writer.opening(), final, frame=frame, failed=failed, done=None)
+    return await runner.stream(plan, render, writer.opening(), final, frame=named_event, failed=failed, done=None)
