@@ -130,6 +130,15 @@ async def test_the_anomaly_example_fits_and_detects(cluster: SimulatedCluster) -
     assert [row["is_anomaly"] for row in detected["data"]] == [False, True]
 
 
+async def test_no_write_carried_a_field_its_crd_lacks(cluster: SimulatedCluster) -> None:
+    """KServe's real CRD (and ours) prune what they do not know: the operator's InferenceServices, the stand-in's
+    KServe statuses and the operator's UniversalModel statuses must all be kept whole."""
+    for name in {str(load_manifest(f"cluster/{e}")["metadata"]["name"]) for e in EXAMPLES}:
+        await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
+    assert cluster.served.emulator.pruned == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")  # the module's asyncio mark on a plain function
 def test_examples_list_is_every_example_but_vllm() -> None:
     examples = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "examples" / "cluster").glob("*.yaml"))
     assert sorted([*EXAMPLES, "llama-vllm.yaml"]) == examples

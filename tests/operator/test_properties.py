@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.factories import is_dns_1035_label, is_label_value, servable_models
+from tests.factories import is_dns_1035_label, is_label_value, render, servable_models
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import engine_arg_defaults, predictor_config
 from universal_operator.reconcile.drift import child_drifted, is_subset
@@ -24,6 +24,8 @@ from universal_operator.reconcile.status import FAILURE_REASONS, status_from_inf
 from universal_operator.spec import Phase, ScalingMode, UniversalModelStatus, parse_duration, parse_model
 from universal_predictors.config import PredictorConfig
 from universal_simcluster import admission
+from universal_simcluster.apiserver import schemas
+from universal_simcluster.apiserver.registration import kserve_crd
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -175,6 +177,37 @@ def test_child_round_trips_through_the_kserve_sdk_without_loss(case: Any) -> Non
     assert back == child
     # == treats True == 1 and 1 == 1.0: compare the JSON too, so no value changed type on the way.
     assert json.dumps(back, sort_keys=True) == json.dumps(child, sort_keys=True)
+
+
+def kserve_admitted(child: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``child`` as an API server with KServe's real CRD stores it (vendored v0.20.0 ``config/crd/full``): defaulted,
+    pruned of every field the schema lacks, and the schema's field errors."""
+    return schemas.admit(copy.deepcopy(child), None, kserve_crd("inferenceservices")["spec"]["versions"][0]["schema"]
+                         ["openAPIV3Schema"])  # fmt: skip
+
+
+@PROPERTY
+@given(servable_models())
+def test_kserves_crd_keeps_every_rendered_field_and_its_defaults_are_not_drift(case: Any) -> None:
+    _, _, child = rendered(case)
+    stored, errors = kserve_admitted(child)
+    assert errors == []
+    # Nothing the operator renders is pruned: a field KServe's schema lacks would vanish here, silently, in a cluster.
+    assert schemas.prune(child, kserve_crd("inferenceservices")["spec"]["versions"][0]["schema"]["openAPIV3Schema"],
+                         root=True) == child  # fmt: skip
+    # The server's defaults (a container port's protocol, ...) are not read back as drift, or the operator would
+    # patch the child on every resync.
+    assert not child_drifted(child, stored)
+
+
+def test_a_rendered_field_kserves_crd_lacks_is_pruned_and_caught() -> None:
+    child = render("metadata: {name: qwen-chat}\nspec: {task: generate, source: {uri: hf://Qwen/Qwen2.5-0.5B}}\n")
+    child["spec"]["predictor"]["minReplica"] = 1  # misspelt minReplicas
+    stored, errors = kserve_admitted(child)
+    assert errors == []  # an API server drops it without a word (a warning header at most)
+    assert "minReplica" not in stored["spec"]["predictor"]
+    assert stored != child
+    assert child_drifted(child, stored)  # and the operator would chase it forever
 
 
 # --------------------------------------------------------------------------------------------------

@@ -543,7 +543,7 @@ async def test_garbage_collection_of_owned_objects(served: ServedEmulator) -> No
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
         "metadata": {"name": "m1", "ownerReferences": [ref]},
-        "spec": {},
+        "spec": {"predictor": {}},  # KServe's CRD requires spec.predictor
     }
     await call(emu, "POST", ISVC_PATH, isvc)
     await call(
@@ -643,7 +643,9 @@ async def test_kubectl_apply_get_delete(served: ServedEmulator, tmp_path: Path) 
     )
     owner = emu.get_object("universalmodels", "default", "m1")
     ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "UniversalModel", "name": "m1", "uid": owner["metadata"]["uid"]}
-    await call(emu, "POST", ISVC_PATH, {"metadata": {"name": "m1", "ownerReferences": [ref]}, "spec": {}})
+    await call(
+        emu, "POST", ISVC_PATH, {"metadata": {"name": "m1", "ownerReferences": [ref]}, "spec": {"predictor": {}}}
+    )
     await emu.put_status(
         "inferenceservices",
         "default",
@@ -659,7 +661,17 @@ async def test_kubectl_apply_get_delete(served: ServedEmulator, tmp_path: Path) 
     assert "Warning" not in result.stderr
     result = await served.kubectl("get", "isvc", check=True)
     header, row = result.stdout.splitlines()
-    assert header.split() == ["NAME", "URL", "READY", "AGE"]
+    # KServe's CRD's printer columns (v0.20.0 config/crd/full, ``additionalPrinterColumns``)
+    assert header.split() == [
+        "NAME",
+        "URL",
+        "READY",
+        "PREV",
+        "LATEST",
+        "PREVROLLEDOUTREVISION",
+        "LATESTREADYREVISION",
+        "AGE",
+    ]
     assert row.split()[:3] == ["m1", "http://m1.default", "True"]
     result = await served.kubectl("get", "ns", check=True)
     assert result.stdout.split()[:3] == ["NAME", "AGE", "default"]

@@ -62,6 +62,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
     writes_by_method: Counter[str] = attrs.field(factory=Counter, init=False)
     write_log: list[WriteRecord] = attrs.field(factory=list, init=False)
     access_log: list[Access] = attrs.field(factory=list, init=False)  # every non-harness resource request
+    #: Every field a write carried that its CRD's schema lacks and the server dropped: (kind, name, path), what a
+    #: real API server answers as ``Warning: unknown field "spec.x"`` (apiextensions-apiserver v1.31
+    #: ``pkg/apiserver/customresource_handler.go``: ``PruneWithOptions(..., ReturnPruned)`` gives the unknown field
+    #: paths, warned under the default ``fieldValidation=Warn``). Tests assert it stays empty where they should.
+    pruned: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     #: The cluster whose admission InferenceService writes go through; None: none (a bare API server).
     admission: _admission.Cluster | None = attrs.field(default=None, init=False)
 
@@ -550,8 +555,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if spec.schema is None:
             return obj
         shaped, errors = _schemas.admit(obj, old, spec.schema)
+        name = obj["metadata"].get("name", "")
+        self.pruned += [(spec.kind, name, path) for path in _schemas.unknown_fields(obj, spec.schema, root=True)]
         if errors:
-            name = obj["metadata"].get("name", "")
             res = f"{spec.kind}.{spec.group}" if spec.group else spec.kind
             causes = [
                 {"reason": "FieldValueInvalid", "message": e.split(": ", 1)[-1], "field": e.split(": ", 1)[0]}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import kmock
+import yaml
 
 from universal_simcluster.apiserver.emulator import KubeEmulator
 from universal_simcluster.apiserver.resources import ALL_VERBS, ListType, Path_, ResourceSpec
@@ -89,73 +92,33 @@ def register_builtins(emulator: KubeEmulator, *, default_namespace: bool = True)
         emulator._create(emulator.resolve("namespaces"), None, {"metadata": {"name": "default"}})
 
 
+#: KServe's own CRDs, vendored verbatim from kserve/kserve v0.20.0 (commit 1fb78105) ``config/crd/full/`` (the
+#: InferenceService) and ``config/crd/full/localmodel/`` (see ``kserve/crds/README.md``; each file's git blob id is
+#: checked against the tag's in ``tests/simcluster/test_kserve_crds.py``). ``full``, not ``minimal``: the default
+#: ``kserve-crd`` chart installs the full schema, so an API server prunes and validates InferenceService writes
+#: against it, and a rendered field KServe does not have is dropped, not stored.
+KSERVE_CRDS = Path(__file__).resolve().parents[1] / "kserve" / "crds"
+
+
+@functools.cache
+def kserve_crd(plural: str) -> dict[str, Any]:
+    """KServe's CRD for ``plural`` (``inferenceservices``, ``localmodelcaches``...), parsed once per process."""
+    text = (KSERVE_CRDS / f"serving.kserve.io_{plural}.yaml").read_text()
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 0.4 s for the 1.9 MB InferenceService CRD
+    crd: dict[str, Any] = yaml.load(text, Loader=loader)
+    return crd
+
+
 def register_inference_services(emulator: KubeEmulator) -> None:
-    """Serve KServe's ``serving.kserve.io/v1beta1`` InferenceService (shortname ``isvc``)."""
-    register_crd(
-        emulator,
-        {
-            "apiVersion": "apiextensions.k8s.io/v1",
-            "kind": "CustomResourceDefinition",
-            "metadata": {"name": "inferenceservices.serving.kserve.io"},
-            "spec": {
-                "group": "serving.kserve.io",
-                "scope": "Namespaced",
-                "names": {
-                    "plural": "inferenceservices",
-                    "singular": "inferenceservice",
-                    "kind": "InferenceService",
-                    "listKind": "InferenceServiceList",
-                    "shortNames": ["isvc"],
-                },
-                "versions": [
-                    {
-                        "name": "v1beta1",
-                        "served": True,
-                        "storage": True,
-                        "subresources": {"status": {}},
-                        "additionalPrinterColumns": [
-                            {"name": "URL", "type": "string", "jsonPath": ".status.url"},
-                            {
-                                "name": "Ready",
-                                "type": "string",
-                                "jsonPath": ".status.conditions[?(@.type=='Ready')].status",
-                            },
-                            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                        ],
-                    }
-                ],
-            },
-        },
-    )
+    """Serve KServe's ``serving.kserve.io/v1beta1`` InferenceService (shortname ``isvc``) from its real CRD."""
+    register_crd(emulator, copy.deepcopy(kserve_crd("inferenceservices")))
 
 
-#: KServe's LocalModel kinds, all cluster-scoped at v1alpha1: (kind, plural, status subresource). KServe v0.14.1-v0.20.0
-#: config/crd/full/serving.kserve.io_localmodelcaches.yaml, _localmodelnodegroups.yaml, _localmodelnodes.yaml
-#: (``scope: Cluster``; the cache and the node have ``subresources: status``, the node group none).
-LOCAL_MODEL_KINDS = (
-    ("LocalModelCache", "localmodelcaches", True),
-    ("LocalModelNodeGroup", "localmodelnodegroups", False),
-    ("LocalModelNode", "localmodelnodes", True),
-)
+#: KServe's LocalModel kinds the stand-in serves, all cluster-scoped at v1alpha1.
+LOCAL_MODEL_KINDS = ("localmodelcaches", "localmodelnodegroups", "localmodelnodes")
 
 
 def register_local_model_caches(emulator: KubeEmulator) -> None:
     """Serve KServe's LocalModelCache, LocalModelNodeGroup and LocalModelNode (``serving.kserve.io/v1alpha1``)."""
-    for kind, plural, status in LOCAL_MODEL_KINDS:
-        version: dict[str, Any] = {"name": "v1alpha1", "served": True, "storage": True}
-        if status:
-            version["subresources"] = {"status": {}}
-        register_crd(
-            emulator,
-            {
-                "apiVersion": "apiextensions.k8s.io/v1",
-                "kind": "CustomResourceDefinition",
-                "metadata": {"name": f"{plural}.serving.kserve.io"},
-                "spec": {
-                    "group": "serving.kserve.io",
-                    "scope": "Cluster",
-                    "names": {"plural": plural, "singular": plural[:-1], "kind": kind, "listKind": f"{kind}List"},
-                    "versions": [version],
-                },
-            },
-        )
+    for plural in LOCAL_MODEL_KINDS:
+        register_crd(emulator, copy.deepcopy(kserve_crd(plural)))

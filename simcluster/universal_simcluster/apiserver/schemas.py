@@ -70,6 +70,29 @@ def prune(value: Any, schema: Schema, *, root: bool = False) -> Any:
     return value
 
 
+def unknown_fields(value: Any, schema: Schema, path: str = "", *, root: bool = False) -> list[str]:
+    """The paths :func:`prune` drops from ``value`` (``spec.predictor.minReplica``), as the API server's
+    ``unknown field`` warnings name them."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        keep_unknown = bool(schema.get("x-kubernetes-preserve-unknown-fields"))
+        for name, item in value.items():
+            if root and name in _ROOT_KEPT:
+                continue
+            if name in properties:
+                found += unknown_fields(item, properties[name], _join(path, name))
+            elif isinstance(extra, Mapping):
+                found += unknown_fields(item, extra, _join(path, name))
+            elif not (extra is True or keep_unknown):
+                found.append(_join(path, name))
+    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for index, item in enumerate(value):
+            found += unknown_fields(item, schema["items"], f"{path}[{index}]")
+    return found
+
+
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "object": dict,
     "array": list,
