@@ -33,7 +33,7 @@ from lightkube.resources.core_v1 import Namespace, Pod, Service
 from openai import AsyncOpenAI
 
 from tests.clock import SteppedClock
-from tests.conftest import TEST_OPERATOR_CONFIG, embedded_operator
+from tests.conftest import TEST_OPERATOR_CONFIG, cluster_for, embedded_operator
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
@@ -392,18 +392,21 @@ async def simulated_cluster(
     sources: Mapping[str, str],
     gated: Mapping[str, str],
     openai_timeout: float,
+    operator_config: Mapping[str, Any] = TEST_OPERATOR_CONFIG,
 ) -> AsyncIterator[SimulatedCluster]:
     """The simulated cluster: the emulator ($KUBECONFIG names it meanwhile), the stand-in running real predictor
     processes (``sources``: storage URIs it "downloads" from local folders beyond its defaults; ``gated``: those
-    its hub serves only with a token), the embedded operator and the in-process gateway."""
+    its hub serves only with a token), the embedded operator and the in-process gateway. ``operator_config``: the
+    operator's configuration; the cluster's admission (KServe release, Knative flags) is the one it describes."""
     clock = SteppedClock()
+    config = parse_config(dict(operator_config))
     with pytest.MonkeyPatch.context() as env:
-        async with serve_emulator(workdir, crds=[crd]) as served:
+        async with serve_emulator(workdir, crds=[crd], admission=cluster_for(config)) as served:
             env.setenv("KUBECONFIG", str(served.kubeconfig))
             client = AsyncClient()
             try:
                 async with (
-                    embedded_operator(parse_config(TEST_OPERATOR_CONFIG)),
+                    embedded_operator(config),
                     kserve_processes(
                         client,
                         workdir / "kserve",

