@@ -44,23 +44,25 @@ KINDS = frozenset(_BUILTIN) | frozenset(_CUSTOM)
 _FORMATS = jsonschema.FormatChecker()
 
 
-@_FORMATS.checks("int32")
 def _int32(value: object) -> bool:
     return not isinstance(value, int) or -(2**31) <= value < 2**31
 
 
-@_FORMATS.checks("int64")
 def _int64(value: object) -> bool:
     return not isinstance(value, int) or -(2**63) <= value < 2**63
+
+
+_FORMATS.checks("int32")(_int32)
+_FORMATS.checks("int64")(_int64)
 
 
 def errors(obj: Mapping[str, Any], kube_version: str = KUBE_VERSIONS[-1]) -> list[str]:
     """Every way ``obj`` breaks its kind's published schema (empty: valid), each ``field: what``."""
     key = (obj.get("apiVersion"), obj.get("kind"))
     if key in _BUILTIN:
-        return _builtin_errors(obj, _BUILTIN[key], kube_version)  # type: ignore[index]
+        return _builtin_errors(obj, _BUILTIN[key], kube_version)
     if key in _CUSTOM:
-        return _custom_resource_errors(obj, _CUSTOM[key], kube_version)  # type: ignore[index]
+        return _custom_resource_errors(obj, _CUSTOM[key], kube_version)
     raise LookupError(f"no vendored schema for {key}")
 
 
