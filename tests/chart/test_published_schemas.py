@@ -37,6 +37,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], set[str]]] = {
                        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "internal", "port": 8443}],
         "hostnames": ["models.example.com", "*.ml.example.com"], "timeoutSeconds": 99999,
         "annotations": {"team": "ml"}}}}, {"HTTPRoute"}),
+    "http route to two gateways of one name in two namespaces": ({"gateway": {"httpRoute": {
+        "enabled": True, "parentRefs": [{"name": "public", "namespace": "a"}, {"name": "public", "namespace": "b"}]}}},
+        {"HTTPRoute"}),
     "service monitor defaults": ({"metrics": {"serviceMonitor": {"enabled": True}}}, {"ServiceMonitor"}),
     "service monitor with a bearer token and labels": ({"metrics": {"serviceMonitor": {
         "enabled": True, "interval": "1m", "scrapeTimeout": "500ms", "labels": {"release": "prometheus"},
@@ -107,9 +110,11 @@ def test_a_misspelt_metadata_field_fails_for_custom_resources_too(chart: helm.Ch
         (lambda r: r["spec"]["rules"][0]["timeouts"].update(request="20 minutes"), "should match"),
         (lambda r: r["spec"]["parentRefs"][0].update(port=70000), "less than or equal to 65535"),
         (lambda r: r["spec"]["rules"][0]["backendRefs"][0].pop("name"), "backendRefs[0].name: Required value"),
+        (lambda r: r["spec"]["parentRefs"].append(r["spec"]["parentRefs"][0]),  # a CEL rule naming __namespace__
+         "sectionName must be unique when parentRefs includes 2 or more references to the same parent"),
     ],
     ids=["an Ingress path type", "a backend timeout over the request's", "a duration Go would parse", "a port",
-         "no backend name"],
+         "no backend name", "one listener twice"],
 )  # fmt: skip
 def test_the_http_route_schema_refuses_what_gateway_api_refuses(chart: helm.Chart, change: Any, message: str) -> None:
     route = render(chart, EVERYTHING).one("HTTPRoute", GATEWAY)
