@@ -335,3 +335,10 @@ def test_the_script_always_returns_a_health_status_argo_cd_accepts_and_a_message
     assert result["status"] in ARGO_CD_HEALTH_STATUSES - {"Missing", "Suspended"}
     assert result["message"]
     assert result["message"] != "Lua returned an invalid health status"
+
+
+def test_every_status_the_script_can_set_is_one_argo_cd_accepts() -> None:
+    # Statically, so a branch no status above reaches is covered too: a typo ("Healty") would read as Unknown.
+    assigned = set(re.findall(r"\bstatus\s*=\s*\"(\w*)\"", health_script()))
+    assert assigned == {"Progressing", "Degraded", "Healthy", "Unknown"}
+    assert assigned <= ARGO_CD_HEALTH_STATUSES
