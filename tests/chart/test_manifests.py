@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +107,8 @@ CASES = {
 #: 1.28) and the newest whose schemas kubernetes-validate carries.
 KUBE_VERSIONS = [yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["kubeVersion"].lstrip(">=").split(".0-")[0],
                  kubernetes_validate.latest_version()]  # fmt: skip
-#: Kinds from CRDs the Kubernetes OpenAPI does not describe; each has a test of its own below.
+#: Kinds from CRDs the Kubernetes OpenAPI does not describe: test_published_schemas.py checks them against their
+#: CRDs' schemas (and Ingress and NetworkPolicy against Kubernetes' OpenAPI v3 too, in every variant).
 NOT_IN_KUBERNETES_OPENAPI = {"ServiceMonitor", "HTTPRoute"}
 
 
@@ -479,36 +479,20 @@ def test_ingress_defaults_hold_a_request_for_the_default_startup_timeout_on_any_
     assert "annotations" not in plain["metadata"]
 
 
-#: Gateway API v1 (kubernetes-sigs/gateway-api v1.2.0 apis/v1/httproute_types.go, shared_types.go):
-#: Duration is GEP-2257's `^([0-9]{1,5}(h|m|s|ms)){1,4}$`; backendRequest must not exceed request.
-GATEWAY_API_DURATION = re.compile(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$")
-HTTP_ROUTE_FIELDS = {"spec": {"parentRefs", "hostnames", "rules"},
-                     "rule": {"matches", "filters", "backendRefs", "timeouts", "name", "sessionPersistence", "retry"},
-                     "parentRef": {"group", "kind", "namespace", "name", "sectionName", "port"},
-                     "backendRef": {"group", "kind", "name", "namespace", "port", "weight", "filters"},
-                     "timeouts": {"request", "backendRequest"}}  # fmt: skip
-
-
 def test_http_route_attaches_to_the_gateway_and_holds_a_cold_start(chart: helm.Chart) -> None:
     rendered = render(chart, EVERYTHING)
     route = rendered.one("HTTPRoute", GATEWAY)
     service = rendered.one("Service", GATEWAY)
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
-    assert set(route["spec"]) <= HTTP_ROUTE_FIELDS["spec"]
     assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "gateway-system", "sectionName": "https"}]
     assert route["spec"]["hostnames"] == ["models.example.com"]
     [rule] = route["spec"]["rules"]
-    assert set(rule) <= HTTP_ROUTE_FIELDS["rule"]
     assert rule["matches"] == [
         {"path": {"type": "PathPrefix", "value": "/v1"}},
         {"path": {"type": "PathPrefix", "value": "/openai/v1"}},
     ]
     assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}]
     assert rule["timeouts"] == {"request": "3600s", "backendRequest": "3600s"}
-    for ref in route["spec"]["parentRefs"]:
-        assert set(ref) <= HTTP_ROUTE_FIELDS["parentRef"]
-    assert all(set(ref) <= HTTP_ROUTE_FIELDS["backendRef"] for ref in rule["backendRefs"])
-    assert all(GATEWAY_API_DURATION.match(value) for value in rule["timeouts"].values())
 
 
 def test_an_http_route_without_a_gateway_to_attach_to_fails_the_install_saying_so(chart: helm.Chart) -> None:

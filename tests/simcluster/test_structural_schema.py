@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from universal_operator.crd import custom_resource_definition
-from universal_simcluster.apiserver import serve_emulator
+from universal_simcluster.apiserver import schemas, serve_emulator
 
 MANIFEST = """\
 apiVersion: serving.universal-runtime.dev/v1alpha1
@@ -59,3 +59,15 @@ async def test_a_transition_rule_holds_on_update_only(tmp_path: Path) -> None:
         changed = await served.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(standard))
         assert changed.returncode != 0
         assert "scaling.mode cannot change after the model is created" in changed.stderr
+
+
+def test_cel_rules_name_a_reserved_or_punctuated_property_by_its_escaped_name() -> None:
+    # Kubernetes' escaping (apiserver/pkg/cel/escaping.go): Gateway API's parentRefs rules say p.__namespace__.
+    labels = {"type": "object", "additionalProperties": {"type": "string"}}
+    schema = {"type": "object", "properties": {"namespace": {"type": "string"}, "a.b-c": {"type": "string"},
+                                               "labels": labels},
+              "x-kubernetes-validations": [{"rule": "self.__namespace__ == 'ml' && self.a__dot__b__dash__c == 'x'"
+                                                    " && self.labels['app.kubernetes.io/name'] == 'y'"}]}  # fmt: skip
+    value = {"namespace": "ml", "a.b-c": "x", "labels": {"app.kubernetes.io/name": "y"}}
+    assert schemas.cel_errors(value, None, schema) == []
+    assert schemas.cel_errors({**value, "namespace": "other"}, None, schema) != []

@@ -7,8 +7,10 @@ where it is absent, recursively, into ``properties``, ``items`` and ``additional
 ``x-kubernetes-preserve-unknown-fields``; the root's ``apiVersion``, ``kind`` and ``metadata`` are kept), then
 validated against the OpenAPI schema (``pkg/apiserver/validation``: types, ``enum``, ``required``, bounds, lengths,
 ``pattern``) and its ``x-kubernetes-validations`` CEL rules (``pkg/apiserver/schema/cel``: ``self``, and
-``oldSelf`` on updates for transition rules, which are skipped on create). A failure is 422 Invalid naming the field,
-as the API server answers; pruned fields are dropped silently (the real server also warns, ``unknown field``).
+``oldSelf`` on updates for transition rules, which are skipped on create; a property a rule cannot spell as it is,
+such as ``namespace``, escaped as ``apiserver/pkg/cel/escaping.go`` does: ``__namespace__``). A failure is 422
+Invalid naming the field, as the API server answers; pruned fields are dropped silently (the real server also warns,
+``unknown field``).
 
 A documented subset: ``anyOf``/``oneOf``/``allOf``/``not`` value validation, ``format``, ``multipleOf``,
 ``x-kubernetes-int-or-string`` coercion and CEL cost limits are not checked here.
@@ -182,9 +184,9 @@ def cel_errors(value: Any, old: Any, schema: Schema, path: str = "") -> list[str
             continue
         environment = celpy.Environment()
         program = environment.program(environment.compile(rule["rule"]))
-        activation = {"self": json_to_cel(value)}
+        activation = {"self": json_to_cel(cel_value(value, schema))}
         if transition:
-            activation["oldSelf"] = json_to_cel(old)
+            activation["oldSelf"] = json_to_cel(cel_value(old, schema))
         try:
             verdict = program.evaluate(activation)
         except Exception as exc:  # celpy's evaluation errors: the rule cannot hold
@@ -204,6 +206,45 @@ def cel_errors(value: Any, old: Any, schema: Schema, path: str = "") -> list[str
         for index, item in enumerate(value):
             errors += cel_errors(item, None, schema["items"], f"{path}[{index}]")
     return errors
+
+
+#: CEL's reserved words; a property so named is ``__{word}__`` in a rule (Kubernetes v1.31
+#: ``staging/src/k8s.io/apiserver/pkg/cel/escaping.go``, ``celReservedSymbols``: ``namespace`` among them).
+_CEL_RESERVED = frozenset({"true", "false", "null", "in", "as", "break", "const", "continue", "else", "for",
+                           "function", "if", "import", "let", "loop", "package", "namespace", "return", "var",
+                           "void", "while"})  # fmt: skip
+_CEL_ESCAPES = {"__": "__underscores__", ".": "__dot__", "-": "__dash__", "/": "__slash__"}
+
+
+def cel_property_name(name: str) -> str | None:
+    """``name`` as a CEL rule spells the property (``Escape`` in the same file); ``None``: a rule cannot name it."""
+    if not name or name[0].isdigit():
+        return None
+    if name in _CEL_RESERVED:
+        return f"__{name}__"
+    if not re.fullmatch(r"[A-Za-z0-9_./-]+", name):
+        return None
+    return re.sub(r"__|[./-]", lambda m: _CEL_ESCAPES[m.group()], name)
+
+
+def cel_value(value: Any, schema: Schema) -> Any:
+    """``value`` as a rule sees it: the properties ``schema`` declares under their escaped names; the keys of a map
+    (``additionalProperties``) as they are, reached with ``self['key']``."""
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        out: JSON = {}
+        for name, item in value.items():
+            if name in properties:
+                escaped = cel_property_name(name)
+                if escaped is not None:
+                    out[escaped] = cel_value(item, properties[name])
+            else:
+                out[name] = cel_value(item, extra) if isinstance(extra, Mapping) else item
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [cel_value(item, schema["items"]) for item in value]
+    return value
 
 
 def admit(obj: JSON, old: JSON | None, schema: Schema) -> tuple[JSON, list[str]]:
