@@ -92,6 +92,8 @@ class LoopbackHub:
         self.repositories = {r.repo_id: r for r in repositories}
         #: Every request as (method, path, whether it carried a bearer token): what a test may check was asked.
         self.requests: list[tuple[str, str, bool]] = []
+        #: The paths answered in part (206), with the Range asked: a resumed download.
+        self.partial: list[tuple[str, str]] = []
         self._server = ThreadingHTTPServer((host, 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-hub", daemon=True)
@@ -184,6 +186,7 @@ def _handler(hub: LoopbackHub) -> type[BaseHTTPRequestHandler]:
                 start = int(wanted["start"])
                 end = min(int(wanted["end"]) + 1, end) if wanted["end"] else end
                 status = HTTPStatus.PARTIAL_CONTENT
+                hub.partial.append((unquote(urlsplit(self.path).path), wanted.string))
             self.send_response(status)
             self.send_header("X-Repo-Commit", commit)
             self.send_header("ETag", f'"{blob_id(content)}"')
