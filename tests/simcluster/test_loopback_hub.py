@@ -79,7 +79,7 @@ def test_refusals_become_the_clients_own_errors(hub: LoopbackHub, tmp_path: Path
         fetch("acme/nothing")
     assert not isinstance(missing.value, GatedRepoError)
     with pytest.raises(GatedRepoError) as anonymous:
-        fetch("acme/gated")
+        fetch("acme/gated", token=False)  # not even a token from the environment
     assert anonymous.value.response.status_code == 401
     with pytest.raises(GatedRepoError) as wrong:
         fetch("acme/gated", token="hf_someone_else")
