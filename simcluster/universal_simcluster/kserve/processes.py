@@ -32,7 +32,9 @@ KServe records it; ``observedGeneration`` is the child workload's.
 Two modes (``mode=``), the same statuses and scaling in both:
 
 * ``"process"`` (the default, fast): the rendered command runs on this host, in this virtualenv
-  (:func:`render_launch`); the storage initializer resolves a storage URI to its local copy (``sources``).
+  (:func:`render_launch`); the storage initializer resolves a storage URI to its local copy (``sources``), or,
+  given a loopback hub (``hub=``, :mod:`universal_simcluster.hub`), downloads an hf:// URI from it with KServe's own
+  storage code, as in container mode.
 * ``"container"``: each pod runs as a podman container of the image the operator rendered, under its
   securityContext, limits and emptyDir volumes (:func:`universal_simcluster.podman.run_args`), attached, so its
   exit is the pod's. Before it, KServe's init step runs: for a fetched source the storage initializer with KServe's
@@ -109,6 +111,10 @@ STORE_CREDENTIALS: Mapping[str, Mapping[str, str]] = {
 }
 #: Sources the "hub" hands to KServe's storage code as URLs to download (container mode).
 HTTP_PREFIXES = ("http://", "https://")
+HF_PREFIX = "hf://"
+#: The host's hub settings a real init container never has: its token comes from the ServiceAccount only, its
+#: cache from its own home (huggingface_hub 2.4.0 utils/_auth.py get_token reads HF_TOKEN, then HF_HOME/token).
+HOST_HUB_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
 #: Knative's stable window, the idle time before scaling to zero when nothing else is rendered.
 KNATIVE_DEFAULT_IDLE_S = 60.0
 #: Knative's revision timeout when none is rendered (knative-v1.16.0 pkg/apis/config/defaults.go,
@@ -544,7 +550,7 @@ class PredictorWorkload:
             env.update({name: data[key] for name, key in store.items() if key in data})
         return env
 
-    def _mounts(self, generation: int, credentials: Mapping[str, str]) -> dict[str, Path]:
+    async def _mounts(self, generation: int, credentials: Mapping[str, str]) -> dict[str, Path]:
         """A local folder for each volume the container mounts; the storage initializer's /mnt/models."""
         container = predictor_container(self.isvc)
         volumes = {v["name"]: v for v in self.predictor.get("volumes") or []}
@@ -562,10 +568,22 @@ class PredictorWorkload:
         cached = self._cached_folder()
         if cached is not None:
             mounts[MODEL_MOUNT_PATH] = cached
+        elif storage_uri and self._from_hub(storage_uri):  # a real download, into the pod's provision volume
+            self.kserve.initializer_runs.append(self.key)
+            pod = self.root / f"pod-{generation}-{self.launches}"
+            mounts[MODEL_MOUNT_PATH], _ = await self._fetch(storage_uri, credentials, pod)
         elif storage_uri:
             self.kserve.initializer_runs.append(self.key)
             mounts[MODEL_MOUNT_PATH] = Path(self._storage_initializer(storage_uri, credentials))
         return mounts
+
+    def _from_hub(self, storage_uri: str) -> bool:
+        """Whether KServe's storage code downloads ``storage_uri`` from the loopback hub (no local copy known)."""
+        return (
+            self.kserve.hub is not None
+            and storage_uri.startswith(HF_PREFIX)
+            and storage_uri.rstrip("/") not in self.kserve.sources
+        )
 
     def _cached_folder(self) -> Path | None:
         """With KServe's LocalModelCache label on the InferenceService, the pod webhook mounts the cache's claim at
@@ -592,8 +610,11 @@ class PredictorWorkload:
         KServe's storage code (:meth:`_fetch`). A source that is an ``http(s)://`` URL (container mode) is handed to
         KServe's storage code as it is: a real download (of an archive it unpacks, or a file). A gated source
         (``ProcessKServe.gated``) is refused as the hub refuses it: without the HF_TOKEN it accepts among the
-        ``credentials`` (see :meth:`_storage_credentials`).
+        ``credentials`` (see :meth:`_storage_credentials`). With a loopback hub, an hf:// URI without a local copy
+        is handed on as it is: KServe's storage code downloads it from the hub, which gates it itself.
         """
+        if self._from_hub(storage_uri):
+            return storage_uri
         wanted_token = self.kserve.gated.get(storage_uri.rstrip("/"))
         if wanted_token is not None and credentials.get("HF_TOKEN") != wanted_token:
             account = self.predictor.get("serviceAccountName") or "default"
@@ -658,7 +679,7 @@ class PredictorWorkload:
         launch = render_launch(
             self.isvc,
             port=port,
-            mounts={**image_files(), **self._mounts(generation, await self._storage_credentials())},
+            mounts={**image_files(), **await self._mounts(generation, await self._storage_credentials())},
             secrets=await self._secrets(),
             python=self.kserve.python,
         )
@@ -724,10 +745,16 @@ class PredictorWorkload:
         it takes its local-copy path and links the files (see
         :mod:`universal_simcluster.kserve.storage_initializer`). The init
         container gets the credential env of the pod's ServiceAccount. Returns the volume and the linked folder.
+        With a loopback hub, ``HF_ENDPOINT`` names it and the host's own hub token and cache stay out.
         """
         source = self._storage_initializer(storage_uri, credentials)
         out_dir = pod / storage_initializer.PROVISION_VOLUME
         log_path = pod / "storage-initializer.log"
+        await asyncio.to_thread(pod.mkdir, parents=True, exist_ok=True)
+        env = {**os.environ}
+        if self.kserve.hub is not None:
+            env = {k: v for k, v in env.items() if k not in HOST_HUB_ENV}
+            env.update(HF_ENDPOINT=self.kserve.hub, HF_HOME=str(pod / "storage-initializer-home"))
         with log_path.open("wb") as log:
             process = await asyncio.create_subprocess_exec(
                 *storage_initializer.command(source, out_dir, python=self.kserve.python),
@@ -735,7 +762,7 @@ class PredictorWorkload:
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
                 cwd=storage_initializer.IMPORT_ROOT,
-                env={**os.environ, **credentials},
+                env={**env, **credentials},
             )
             code = await process.wait()
         if code != 0:
@@ -1008,6 +1035,7 @@ class ProcessKServe:
         *,
         sources: Mapping[str, str] = DEFAULT_SOURCES,
         gated: Mapping[str, str] | None = None,
+        hub: str | None = None,
         namespace: str = "*",
         python: str = sys.executable,
         grace_period: float = 15.0,
@@ -1026,6 +1054,9 @@ class ProcessKServe:
         self.sources = dict(sources)
         #: Sources the "hub" serves only with a token: storage URI -> the HF_TOKEN it accepts.
         self.gated = dict(gated or {})
+        #: A hub's HF_ENDPOINT (:class:`universal_simcluster.hub.LoopbackHub`): hf:// sources not in ``sources`` are
+        #: downloaded from it by KServe's storage code, in both modes (None: only ``sources`` can be fetched).
+        self.hub = hub
         self.namespace = namespace
         self.python = python
         self.grace_period = grace_period

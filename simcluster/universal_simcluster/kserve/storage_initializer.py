@@ -6,8 +6,10 @@ python/storage-initializer/scripts/initializer-entrypoint; the ``kserve-storage`
 this module is that entrypoint, run as a process (``python -m universal_simcluster.kserve.storage_initializer SRC
 DEST``) so a failure ends it with exit code 1 and its log, as the init container's would.
 
-No model hub is reachable here, so the caller maps a storage URI (``hf://...``) to its local copy first (the KServe
-stand-in's ``sources``) and hands Storage that local path: ``Storage.download`` takes its local-copy code path
+Given a loopback hub (:mod:`universal_simcluster.hub`, named by ``HF_ENDPOINT``), the caller hands Storage the
+``hf://`` URI itself and its hf:// code downloads it as from huggingface.co. Otherwise no model hub is reachable,
+so the caller maps a storage URI (``hf://...``) to its local copy first (the KServe stand-in's ``sources``) and
+hands Storage that local path: ``Storage.download`` takes its local-copy code path
 (``_download_local``), which fills the destination with symbolic links to the source's entries instead of
 downloading. A pod that reads the destination must therefore see the linked folder at the same path:
 :func:`linked_folder` names it (the stand-in binds it read-only, standing for the bytes a download would have
