@@ -84,6 +84,18 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=False)
 
 
+def _check_hub_reference(uri: str, revision: str | None) -> None:
+    """An hf:// URI names OWNER/REPO (optionally :REVISION, not both ways); a revision needs an hf:// URI."""
+    if uri.startswith("hf://"):
+        path = uri[len("hf://") :]
+        if not re.fullmatch(r"[^/:]+/[^/:]+(:[^/:]+)?", path):
+            raise ValueError(f"source.uri {uri!r} must look like hf://OWNER/REPO (optionally :REVISION)")
+        if ":" in path and revision is not None:
+            raise ValueError("give the revision either in source.uri (hf://OWNER/REPO:REV) or source.revision")
+    elif revision is not None:
+        raise ValueError("source.revision applies only to hf:// sources")
+
+
 class ScalingMode(StrEnum):
     """How replicas are managed."""
 
@@ -159,14 +171,7 @@ class Source(_Model):
 
     @model_validator(mode="after")
     def _hub_reference(self) -> Source:
-        if self.scheme == "hf":
-            path = self.uri[len("hf://") :]
-            if not re.fullmatch(r"[^/:]+/[^/:]+(:[^/:]+)?", path):
-                raise ValueError(f"source.uri {self.uri!r} must look like hf://OWNER/REPO (optionally :REVISION)")
-            if ":" in path and self.revision is not None:
-                raise ValueError("give the revision either in source.uri (hf://OWNER/REPO:REV) or source.revision")
-        elif self.revision is not None:
-            raise ValueError("source.revision applies only to hf:// sources")
+        _check_hub_reference(self.uri, self.revision)
         return self
 
     @property
@@ -186,6 +191,76 @@ class Source(_Model):
     def is_remote(self) -> bool:
         """Whether something must fetch the files before the predictor starts."""
         return self.scheme in REMOTE_SCHEMES
+
+
+#: The separator between a base model's served name and one of its adapters in the OpenAI ``model`` field
+#: (``qwen-chat:support-bot``): the convention of the Hugging Face hub's ``repo:revision`` and of container image
+#: tags, absent from DNS labels (an adapter name cannot contain it) and safe unescaped in a URL path
+#: (``/v1/models/qwen-chat:support-bot``).
+ADAPTER_SEPARATOR = ":"
+#: At most this many adapters per model: the API server's CEL cost estimate needs a bound on the list, and a
+#: predictor keeps at most ``max_loras`` of them resident anyway (the rest load on first use).
+MAX_ADAPTERS = 512
+
+
+class AdapterSource(_Model):
+    """Where a LoRA adapter's files come from: the same schemes and credentials rules as the base model's."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.revision) || self.uri.startsWith('hf://')",
+                    "source.revision applies only to hf:// sources",
+                    ".revision",
+                )
+            ]
+        }
+    )
+
+    uri: str = Field(
+        min_length=1,
+        max_length=2048,
+        pattern=SOURCE_URI,
+        description=(
+            "The adapter's folder (a PEFT adapter: adapter_config.json and adapter_model.safetensors; a GGUF "
+            "LoRA file for llamacpp): hf://ORG/REPO, s3://, gs://, https://, pvc://, or a path."
+        ),
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, max_length=256, description="A branch, tag or commit (hf:// sources)."
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        pattern=DNS_1123_SUBDOMAIN,
+        max_length=253,
+        description="A Secret in KServe's storage format, as source.credentialsSecret (for this adapter's source).",
+    )
+
+    @model_validator(mode="after")
+    def _hub_reference(self) -> AdapterSource:
+        _check_hub_reference(self.uri, self.revision)
+        return self
+
+    @property
+    def storage_uri(self) -> str:
+        """The URI KServe's storage code fetches (hf:// carries the revision as ``:REV``)."""
+        return f"{self.uri}:{self.revision}" if self.uri.startswith("hf://") and self.revision else self.uri
+
+
+class Adapter(_Model):
+    """A LoRA adapter of a generate model, served as the model ``{servedName}:{name}``."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=DNS_1035_LABEL,
+        description=(
+            "The adapter's name (a DNS label): clients ask for the model '<servedName>:<name>', and vLLM-style "
+            "clients for '<name>' alone where no other model has that name."
+        ),
+    )
+    source: AdapterSource = Field(description="Where the adapter's files come from.")
 
 
 class State(_Model):
@@ -537,6 +612,10 @@ CPU_TASKS_MESSAGE = (
 )
 
 
+ADAPTERS_RULE = "!has(self.adapters) || size(self.adapters) == 0 || self.task == 'generate'"
+ADAPTERS_MESSAGE = "adapters (LoRA) apply only to task generate"
+
+
 class UniversalModelSpec(_Model):
     """What to serve and how."""
 
@@ -548,6 +627,7 @@ class UniversalModelSpec(_Model):
                 _cel(PROJECTOR_RULE, PROJECTOR_MESSAGE, ".source.projectorFile"),
                 _cel(CACHE_RULE, CACHE_MESSAGE, ".cache"),
                 _cel(CPU_TASKS_RULE, CPU_TASKS_MESSAGE, ".resources.gpus"),
+                _cel(ADAPTERS_RULE, ADAPTERS_MESSAGE, ".adapters"),
             ]
         }
     )
@@ -614,6 +694,17 @@ class UniversalModelSpec(_Model):
         ),
     )
 
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description=(
+            "LoRA adapters of this model (task generate), each served as its own model '<servedName>:<name>' by "
+            "the same predictor: added or removed without restarting it, downloaded and loaded on first use "
+            "(docs/tasks/generate.md, Adapters)."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
     @field_validator("engine_args", mode="before")
     @classmethod
     def _scalar_engine_args(cls, value: Any) -> Any:
@@ -662,6 +753,18 @@ class UniversalModelSpec(_Model):
         if cache is not None and source is not None and source.scheme not in SCHEMES_CACHED:
             raise ValueError(CACHE_MESSAGE)
         return cache
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters_of_a_generate_model(cls, adapters: list[Adapter], info: ValidationInfo) -> list[Adapter]:
+        if adapters and info.data.get("task") not in (None, Task.GENERATE):
+            raise ValueError(ADAPTERS_MESSAGE)
+        seen: set[str] = set()
+        for adapter in adapters:
+            if adapter.name in seen:
+                raise ValueError(f"adapter {adapter.name} appears more than once")
+            seen.add(adapter.name)
+        return adapters
 
     @field_validator("env")
     @classmethod
@@ -768,6 +871,27 @@ class CacheStatus(_Model):
     mounted: bool = Field(default=False, description="Whether the InferenceService mounts the cache now.")
 
 
+class AdapterState(StrEnum):
+    """Where one LoRA adapter stands in the running predictors."""
+
+    PENDING = "Pending"  # listed, not asked for yet (adapters load on first use)
+    DOWNLOADING = "Downloading"
+    READY = "Ready"  # loaded, or downloaded and loadable
+    FAILED = "Failed"  # see reason and message: the base model keeps serving
+
+
+class AdapterStatus(_Model):
+    """One adapter's state, as the predictors report it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The adapter's name (spec.adapters[].name).")
+    served_name: str | None = Field(default=None, description="The OpenAI 'model' name it answers to.")
+    state: AdapterState = Field(default=AdapterState.PENDING, description="Pending, Downloading, Ready or Failed.")
+    reason: str | None = Field(default=None, description="Why it Failed, as one CamelCase word.")
+    message: str | None = Field(default=None, description="What went wrong, and what to do.")
+
+
 class UniversalModelStatus(_Model):
     """What the operator observed (and, in predictorReport, the gateway)."""
 
@@ -812,6 +936,11 @@ class UniversalModelStatus(_Model):
     )
     cache: CacheStatus | None = Field(
         default=None, description="With spec.cache: the LocalModelCache and how many nodes hold the model."
+    )
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list,
+        description="With spec.adapters: each adapter's state (Pending, Downloading, Ready, Failed with a reason).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -320,6 +320,14 @@ INVALID = {
         {"spec": {"env": [{"name": "A"}]}},
         ".spec.env[0]: an env entry needs exactly one of value, valueFrom",
     ),
+    "adapters on an embed model (LoRA adapters are a generate feature)": (
+        {"spec": {"task": "embed", "source": {"uri": "/m"}, "adapters": [{"name": "a", "source": {"uri": "/a"}}]}},
+        ".spec: adapters (LoRA) apply only to task generate",
+    ),
+    "an adapter's revision on an s3:// source": (
+        {"spec": {"adapters": [{"name": "a", "source": {"uri": "s3://b/a", "revision": "main"}}]}},
+        ".spec.adapters[0].source: source.revision applies only to hf:// sources",
+    ),
     "valueFrom with two sources": (
         {"spec": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}, "secretKeyRef": SECRET}}]}},
         ".spec.env[0].valueFrom: valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef",
@@ -362,6 +370,15 @@ BOUNDARY_VALID = {
     "embed with a file": {"spec": {"task": "embed", "source": {"file": "*.gguf"}}},
     "every task with auto": {"spec": {"task": "anomaly", "source": {"uri": "/opt/a"}, "backend": "auto"}},
     "ocr with tesseract": {"spec": {"task": "ocr", "backend": "tesseract", "source": {"uri": "/opt/t"}}},
+    "adapters on a generate model": {
+        "spec": {
+            "adapters": [
+                {"name": "support-bot", "source": {"uri": "hf://acme/support-lora", "revision": "v2"}},
+                {"name": "legal", "source": {"uri": "s3://adapters/legal", "credentialsSecret": "store"}},
+            ]
+        }
+    },
+    "an empty adapter list on an embed model": {"spec": {"task": "embed", "source": {"uri": "/m"}, "adapters": []}},
 }
 
 
@@ -376,6 +393,15 @@ def test_a_name_with_a_trailing_newline_is_rejected_by_cel_and_pydantic_alike() 
     body = merged(load(VALID), {"metadata": {"name": "qwen\n"}})
     assert cel_failures(body) != []
     assert not pydantic_accepts(body)
+
+
+def test_duplicate_adapter_names_and_bad_names_are_rejected_by_pydantic_as_by_the_api_server() -> None:
+    twice = [{"name": "a", "source": {"uri": "/a"}}, {"name": "a", "source": {"uri": "/b"}}]
+    assert not pydantic_accepts(merged(load(VALID), {"spec": {"adapters": twice}}))
+    for name in ("Support", "a:b", "a_b", "-a", "a" * 64):
+        assert not pydantic_accepts(
+            merged(load(VALID), {"spec": {"adapters": [{"name": name, "source": {"uri": "/a"}}]}})
+        )
 
 
 def test_duplicate_env_names_are_rejected_by_pydantic_as_by_the_api_server() -> None:

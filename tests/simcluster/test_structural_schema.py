@@ -71,3 +71,20 @@ def test_cel_rules_name_a_reserved_or_punctuated_property_by_its_escaped_name() 
     value = {"namespace": "ml", "a.b-c": "x", "labels": {"app.kubernetes.io/name": "y"}}
     assert schemas.cel_errors(value, None, schema) == []
     assert schemas.cel_errors({**value, "namespace": "other"}, None, schema) != []
+
+
+async def test_adapters_are_refused_off_generate_and_twice_by_name(tmp_path: Path) -> None:
+    async with serve_emulator(tmp_path, crds=[custom_resource_definition()]) as served:
+        on_embed = yaml.safe_load(MANIFEST.replace("NAME", "e"))
+        on_embed["spec"]["adapters"] = [{"name": "a", "source": {"uri": "/a"}}]
+        refused = await served.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(on_embed))
+        assert refused.returncode != 0
+        assert "adapters (LoRA) apply only to task generate" in refused.stderr
+        twice = yaml.safe_load(MANIFEST.replace("NAME", "g").replace("task: embed", "task: generate"))
+        twice["spec"]["adapters"] = [{"name": "a", "source": {"uri": "/a"}}, {"name": "a", "source": {"uri": "/b"}}]
+        refused = await served.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(twice))
+        assert refused.returncode != 0
+        assert 'spec.adapters[1]: Duplicate value: {"name": "a"}' in refused.stderr
+        twice["spec"]["adapters"].pop()
+        accepted = await served.kubectl("apply", "--validate=false", "-f", "-", input=yaml.safe_dump(twice))
+        assert accepted.returncode == 0, accepted.stderr

@@ -19,6 +19,7 @@ A documented subset: ``anyOf``/``oneOf``/``allOf``/``not`` value validation, ``f
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -148,6 +149,7 @@ def validate(value: Any, schema: Schema, path: str = "") -> list[str]:
         if "minItems" in schema and len(value) < schema["minItems"]:
             errors.append(f"{where}: Invalid value: {len(value)}: {where} in body should have at least "
                           f"{schema['minItems']} items")  # fmt: skip
+        errors += _list_type_errors(value, schema, where)
         items = schema.get("items")
         if isinstance(items, Mapping):
             for index, item in enumerate(value):
@@ -163,6 +165,25 @@ def validate(value: Any, schema: Schema, path: str = "") -> list[str]:
                 errors += validate(item, properties[name], _join(path, name))
             elif isinstance(extra, Mapping):
                 errors += validate(item, extra, _join(path, name))
+    return errors
+
+
+def _list_type_errors(value: list[Any], schema: Schema, where: str) -> list[str]:
+    """``x-kubernetes-list-type`` ``map`` (unique map keys) and ``set`` (unique items): a repeat is a Duplicate
+    value (apiextensions-apiserver v1.31 ``pkg/apiserver/schema/listtype/validation.go``, validateListSetsAndMaps)."""
+    kind = schema.get("x-kubernetes-list-type")
+    seen: set[str] = set()
+    errors: list[str] = []
+    for index, item in enumerate(value):
+        if kind == "map" and isinstance(item, dict):
+            key = json.dumps({k: item.get(k) for k in schema.get("x-kubernetes-list-map-keys") or []}, sort_keys=True)
+        elif kind == "set":
+            key = json.dumps(item, sort_keys=True)
+        else:
+            continue
+        if key in seen:
+            errors.append(f"{where}[{index}]: Duplicate value: {key}")
+        seen.add(key)
     return errors
 
 
