@@ -58,3 +58,23 @@ PREEMPTIONS = Counter(
 CANCELLED = Counter(
     "universal_predictor_cancelled_total", "Generations stopped because the client went away.", ["model"]
 )
+ADAPTER_REQUESTS = Counter(
+    "universal_predictor_adapter_requests_total", "Sequences generated with a LoRA adapter.", ["model", "adapter"]
+)
+ADAPTER_TOKENS = Counter(
+    "universal_predictor_adapter_generated_tokens_total", "Tokens generated with a LoRA adapter.", ["model", "adapter"]
+)
+ADAPTER_LOADS = Counter(
+    "universal_predictor_adapter_loads_total", "LoRA adapters loaded into the engine.", ["model", "adapter"]
+)
+ADAPTER_EVICTIONS = Counter(
+    "universal_predictor_adapter_evictions_total",
+    "LoRA adapters unloaded to make room (the least recently used beyond max_loras).",
+    ["model", "adapter"],
+)
+ADAPTER_LOAD_SECONDS = Histogram(
+    "universal_predictor_adapter_load_seconds",
+    "Time to load a LoRA adapter into the engine (its files already local).",
+    ["model", "adapter"],
+    buckets=_LATENCY_BUCKETS,
+)

@@ -39,6 +39,7 @@ from universal_predictors.catalog import Backend
 from universal_predictors.config import PredictorConfig
 from universal_predictors.engine_args import NoEngineArgs
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
+from universal_predictors.generation.adapters import AdapterRef
 
 FinishReason = Literal["stop", "length"]
 
@@ -76,6 +77,7 @@ class EngineCapabilities:
     logprobs: bool = False
     max_top_logprobs: int = 0  # the largest top_logprobs (0: only the chosen token's logprob)
     constraints: bool = True  # JSONSchemaConstraint and GrammarConstraint (response_format, tools, structured_outputs)
+    adapters: bool = False  # LoRA adapters per request (GenerationRequest.adapter), several in one batch
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,9 @@ class GenerationRequest:
     #: The prompt's images, when it has any (then ``prompt_ids`` is ``multimodal.prompt_ids``); only an
     #: engine whose :attr:`Engine.vision` is set is ever given one.
     multimodal: MultimodalPrompt | None = None
+    #: The LoRA adapter to generate with (its files local); None: the base model. Only an engine whose
+    #: :attr:`EngineCapabilities.adapters` is set is ever given one.
+    adapter: AdapterRef | None = None
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import queue
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import detect_device, model_dtype, release_memory
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
+from universal_predictors.generation.adapters import BASE_ROW, AdapterMismatch, AdapterRef, check_fits, read_lora
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -91,6 +92,9 @@ class TransformersArgs(BaseModel):
     #: Prompt tokens per prefill forward step (split over the rows prefilled together): bounds the
     #: activations of a long prompt, which would otherwise grow with its length in one step.
     prefill_chunk: int = Field(default=512, ge=1, le=1_000_000)
+    #: LoRA adapters resident at once (vLLM's name); the least recently used one with no running sequence is
+    #: unloaded to make room. The rest stay on disk and load on first use.
+    max_loras: int = Field(default=8, ge=1, le=1024)
 
 
 #: The smallest KV-cache budget worth serving with: below it the model is refused at load.
@@ -286,7 +290,9 @@ class TransformersEngine(Engine):
 
     backend = Backend.TRANSFORMERS
     EngineArgs = TransformersArgs
-    capabilities = EngineCapabilities(penalties=True, logprobs=True, max_top_logprobs=20, constraints=True)
+    capabilities = EngineCapabilities(
+        penalties=True, logprobs=True, max_top_logprobs=20, constraints=True, adapters=True
+    )
 
     def __init__(self, config: PredictorConfig, args: BaseModel) -> None:
         super().__init__(config, args)
@@ -304,6 +310,16 @@ class TransformersEngine(Engine):
         #: Called on the engine thread before every forward step with (stage, rows, columns); a test seam
         #: (an exception it raises is the step's: e.g. ``torch.OutOfMemoryError``), None in service.
         self.step_hook: Callable[[str, int, int], None] | None = None
+        #: The LoRA adapters loaded into the model (PEFT), least recently used first: name -> folder.
+        self._adapters: OrderedDict[str, Path] = OrderedDict()
+        #: Sequences using each adapter now (queued or running): an adapter in use is never unloaded.
+        self._adapter_users: Counter[str] = Counter()
+        #: Held by every forward step and by loading or unloading an adapter (which rewrites the model's layers).
+        self._model_lock = threading.Lock()
+        #: The base model's linear layers, (in_features, out_features) by module path: read once, before PEFT
+        #: wraps them, to check an adapter fits.
+        self._linear_shapes: dict[str, tuple[int, int]] | None = None
+        self._wrapped = False
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -553,11 +569,23 @@ class TransformersEngine(Engine):
             grammar = constraints.grammar_for(request.constraint)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.params.seed if request.params.seed is not None else random.getrandbits(63))
-        seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar, generator)
-        stream = stream_from_engine_thread(self, self.admission, seq, self._incoming.put)
-        async with contextlib.aclosing(stream) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        adapter = request.adapter.name if request.adapter is not None else None
+        if adapter is not None:
+            self._adapter_users[adapter] += 1  # before loading: no other load may evict it from here on
+        try:
+            if request.adapter is not None:
+                await asyncio.to_thread(self.load_adapter, request.adapter)
+                metrics.ADAPTER_REQUESTS.labels(self.config.model_name, adapter).inc()
+            seq = _Seq(request, asyncio.get_running_loop(), asyncio.Queue(), grammar, generator)
+            stream = stream_from_engine_thread(self, self.admission, seq, self._incoming.put)
+            async with contextlib.aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    if adapter is not None:
+                        metrics.ADAPTER_TOKENS.labels(self.config.model_name, adapter).inc(len(chunk.token_ids))
+                    yield chunk
+        finally:
+            if adapter is not None:
+                self._adapter_users[adapter] -= 1
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
@@ -699,12 +727,100 @@ class TransformersEngine(Engine):
             seq.send(out_of_memory(stage))
         release_memory(self.device)  # gc.collect(), then torch.cuda.empty_cache() on CUDA
 
-    def _forward(self, stage: str, **inputs: Any) -> Any:
+    def _forward(self, stage: str, seqs: list[_Seq], **inputs: Any) -> Any:
         if self.step_hook is not None:
             tokens = inputs["input_ids"] if "input_ids" in inputs else inputs["inputs_embeds"]
             rows, columns = tokens.shape[:2]
             self.step_hook(stage, int(rows), int(columns))
-        return self.model(**inputs)
+        with self._model_lock:
+            if self._peft:
+                # PEFT's mixed-adapter batch: each row through its own adapter's LoRA delta, or none.
+                inputs["adapter_names"] = [s.request.adapter.name if s.request.adapter else BASE_ROW for s in seqs]
+            return self.model(**inputs)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+
+    @property
+    def _peft(self) -> bool:
+        """Whether PEFT wraps the model (since the first adapter loaded)."""
+        return self._wrapped
+
+    @property
+    def adapters_loaded(self) -> list[str]:
+        """The resident adapters, least recently used first."""
+        return list(self._adapters)
+
+    def load_adapter(self, adapter: AdapterRef) -> bool:
+        """Make ``adapter`` resident (a blocking call: run it off the event loop). False when it already was.
+
+        Checked against the base before the model is touched (:func:`check_fits`: an :class:`AdapterMismatch`
+        leaves the base serving as it was); the least recently used adapter no sequence uses is unloaded when
+        ``max_loras`` are resident; when every one is in use, 503 until one finishes."""
+        torch = self._torch
+        with self._model_lock:
+            if self._adapters.get(adapter.name) == adapter.path:
+                self._adapters.move_to_end(adapter.name)
+                return False
+            started = time.monotonic()
+            if self._linear_shapes is None:
+                self._linear_shapes = {
+                    name: (module.in_features, module.out_features)
+                    for name, module in self.model.named_modules()
+                    if isinstance(module, torch.nn.Linear)
+                }
+            check_fits(read_lora(adapter.path), self._linear_shapes)
+            if adapter.name in self._adapters:  # a new version of the same name: the old one goes first
+                self._unload(adapter.name)
+            while len(self._adapters) >= self.targs.max_loras:
+                idle = next((name for name in self._adapters if self._adapter_users[name] <= 0), None)
+                if idle is None:
+                    raise Unavailable(
+                        f"all {self.targs.max_loras} resident adapters (engine arg max_loras) are in use; retry "
+                        "when one finishes, or raise max_loras",
+                        code="adapters_busy",
+                        retry_after=1,
+                    )
+                self._unload(idle)
+                metrics.ADAPTER_EVICTIONS.labels(self.config.model_name, idle).inc()
+            self._attach(adapter)
+            self._adapters[adapter.name] = adapter.path
+        elapsed = time.monotonic() - started
+        metrics.ADAPTER_LOADS.labels(self.config.model_name, adapter.name).inc()
+        metrics.ADAPTER_LOAD_SECONDS.labels(self.config.model_name, adapter.name).observe(elapsed)
+        logger.info("LoRA adapter %s loaded from %s in %.2f s", adapter.name, adapter.path, elapsed)
+        return True
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload ``name`` if resident and unused (an adapter removed from the model's list); False otherwise."""
+        with self._model_lock:
+            if name not in self._adapters or self._adapter_users[name] > 0:
+                return False
+            self._unload(name)
+            return True
+
+    def _attach(self, adapter: AdapterRef) -> None:
+        """Load the adapter's weights into the model (under the model lock)."""
+        from peft import PeftModel
+
+        try:
+            if self._peft:
+                self.model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
+            else:
+                self.model = PeftModel.from_pretrained(
+                    self.model, str(adapter.path), adapter_name=adapter.name, is_trainable=False
+                )
+                self._wrapped = True
+        except Exception as exc:
+            if self._peft and adapter.name in self.model.peft_config:
+                self.model.delete_adapter(adapter.name)  # what it injected before failing
+            raise AdapterMismatch(f"PEFT could not load the adapter: {exc}".splitlines()[0]) from exc
+        self.model.eval()
+
+    def _unload(self, name: str) -> None:
+        """Drop ``name``'s weights from the model (under the model lock)."""
+        self.model.delete_adapter(name)
+        del self._adapters[name]
+        logger.info("LoRA adapter %s unloaded", name)
 
     def _start_matcher(self, seq: _Seq) -> bool:
         """Give a constrained sequence its matcher; False (the sequence failed alone) if it cannot start."""
@@ -742,6 +858,7 @@ class TransformersEngine(Engine):
             tokens = {"inputs_embeds": embeds[:, start:end]} if embeds is not None else {"input_ids": ids[:, start:end]}
             out = self._forward(
                 "prefill",
+                seqs,
                 **tokens,
                 attention_mask=mask[:, :end],
                 position_ids=positions[:, start:end],
@@ -808,6 +925,7 @@ class TransformersEngine(Engine):
         mask = torch.cat([mask, torch.ones((len(seqs), 1), dtype=mask.dtype, device=mask.device)], dim=1)
         out = self._forward(
             "decode",
+            seqs,
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
