@@ -140,6 +140,12 @@ class PredictorConfig(BaseModel):
     state_dir: str | None = Field(
         default=None, description="A writable directory for state that must outlive the process (fitted detectors)."
     )
+    adapters_file: str | None = Field(
+        default=None,
+        description="A JSON file listing the model's LoRA adapters ([{name, uri}]), re-read when it changes (a "
+        "ConfigMap volume in a cluster): each is downloaded and loaded on first use. Set: the engine starts with "
+        "adapters enabled (vLLM's enable_lora), even while the list is empty.",
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -183,6 +189,8 @@ class PredictorConfig(BaseModel):
         ]
         if self.state_dir:
             args.append(f"--state-dir={self.state_dir}")
+        if self.adapters_file:
+            args.append(f"--adapters-file={self.adapters_file}")
         args.append(f"--http_port={self.http_port}")
         if self.http_host:
             args.append(f"--http-host={self.http_host}")
@@ -208,6 +216,7 @@ class PredictorConfig(BaseModel):
         parser.add_argument("--engine-arg-default", dest="engine_arg_defaults", action="append", default=[],
                             metavar="BACKEND:KEY=VALUE")  # fmt: skip
         parser.add_argument("--state-dir", dest="state_dir", default=None)
+        parser.add_argument("--adapters-file", dest="adapters_file", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
         parser.add_argument("--http-host", dest="http_host", default=None)
         return parser
@@ -240,6 +249,7 @@ class PredictorConfig(BaseModel):
             http_port=ns.http_port,
             http_host=ns.http_host,
             state_dir=ns.state_dir,
+            adapters_file=ns.adapters_file,
         )
 
     @classmethod
