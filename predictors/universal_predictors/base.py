@@ -212,6 +212,10 @@ class UniversalPredictor(kserve.Model):
             **self.describe(),
         }
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``/openai/v1/models``' entries: the model's card (and, where a task has them, its adapters')."""
+        return [self.model_card()]
+
     def route(self, name: str) -> Callable[[Handler], Handler]:
         """Decorator for task routes: metrics, OpenAI errors, no stack traces."""
         return endpoint(name, lambda: self.name)
@@ -265,7 +269,7 @@ def common_routes(predictor: UniversalPredictor) -> APIRouter:
         return error_response(Unavailable(f"{predictor.name} is loading", code="model_loading", retry_after=5))
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [predictor.model_card()]})
+        return JSONResponse({"object": "list", "data": predictor.model_cards()})
 
     router.add_api_route("/v2/health/ready", ready, methods=["GET"])
     router.add_api_route("/openai/v1/models", models, methods=["GET"])

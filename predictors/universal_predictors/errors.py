@@ -6,6 +6,7 @@ adding ``Retry-After`` where waiting helps. No stack trace ever reaches a client
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -51,9 +52,10 @@ class ModelNotFound(APIError):
     status_code = 404
     error_type = "not_found_error"
 
-    def __init__(self, requested: str, served: str) -> None:
+    def __init__(self, requested: str, served: str, adapters: Sequence[str] = ()) -> None:
+        also = f" and its adapters {', '.join(repr(a) for a in adapters)}" if adapters else ""
         super().__init__(
-            f"The model {requested!r} does not exist here; this server serves {served!r}.",
+            f"The model {requested!r} does not exist here; this server serves {served!r}{also}.",
             param="model",
             code="model_not_found",
         )

@@ -11,11 +11,17 @@ A mismatch with the base (a module it lacks, other dimensions, another rank than
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: PEFT's files in an adapter folder (peft/utils/constants.py ``CONFIG_NAME``, ``SAFETENSORS_WEIGHTS_NAME``).
 ADAPTER_CONFIG = "adapter_config.json"
@@ -113,3 +119,187 @@ def check_fits(shape: LoraShape, linear_shapes: dict[str, tuple[int, int]]) -> N
                 f"{module}: the adapter expects {fan_in} -> {fan_out} features, the base model has "
                 f"{found[0]} -> {found[1]} (adapter trained on {shape.base_model or 'another base model'})"
             )
+
+
+# -- the model's adapter list ----------------------------------------------------------------------------------
+
+#: The separator between the base model's name and an adapter's in a request's ``model``
+#: (``universal_operator.spec.ADAPTER_SEPARATOR``; the predictor does not import the operator).
+SEPARATOR = ":"
+_ADAPTER_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class AdapterState(StrEnum):
+    """As ``universal_operator.spec.AdapterState`` spells them (the status reports these)."""
+
+    PENDING = "Pending"
+    DOWNLOADING = "Downloading"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+@dataclass
+class AdapterEntry:
+    """One listed adapter and where it stands in this process."""
+
+    name: str
+    uri: str
+    state: AdapterState = AdapterState.PENDING
+    reason: str | None = None
+    message: str | None = None
+    path: Path | None = None  # its local folder, once fetched
+
+    def report(self, base: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "served_name": f"{base}{SEPARATOR}{self.name}", "state": self.state}
+        if self.reason:
+            out |= {"reason": self.reason, "message": self.message}
+        return out
+
+
+def read_adapters_file(path: Path) -> dict[str, str]:
+    """``{"adapters": [{"name": ..., "uri": ...}]}`` (the operator's ConfigMap key, ``serve``'s file) as name ->
+    URI; ValueError naming what is wrong. A missing file is an empty list (the volume may lag the pod)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text() or "{}")
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    items = data.get("adapters") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise ValueError(f'{path}: expected {{"adapters": [{{"name": ..., "uri": ...}}]}}')
+    adapters: dict[str, str] = {}
+    for index, item in enumerate(items):
+        name, uri = (item.get("name"), item.get("uri")) if isinstance(item, dict) else (None, None)
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+            raise ValueError(f"{path}: adapters[{index}].name must be a DNS label (got {name!r})")
+        if not isinstance(uri, str) or not uri:
+            raise ValueError(f"{path}: adapters[{index}].uri must be a non-empty string")
+        if name in adapters:
+            raise ValueError(f"{path}: adapter {name} appears more than once")
+        adapters[name] = uri
+    return adapters
+
+
+Fetch = Callable[[str, Path], Path]
+
+
+def fetch_local_or_hub(uri: str, cache: Path) -> Path:
+    """A local folder for ``uri``: a path (or file://) as it is; hf://ORG/REPO[:REV] from the hub (HF_TOKEN,
+    HF_ENDPOINT honoured, as for the base model). Other schemes: NotImplementedError naming them."""
+    if uri.startswith("hf://"):
+        from huggingface_hub import snapshot_download
+
+        repo, _, revision = uri.removeprefix("hf://").partition(":")
+        return Path(snapshot_download(repo_id=repo, revision=revision or None, cache_dir=cache / "hub"))
+    scheme, sep, _ = uri.partition("://")
+    if sep and scheme != "file":
+        raise NotImplementedError(f"{scheme}:// adapter sources are not fetched by this predictor yet; use hf:// "
+                                  "or a path")  # fmt: skip
+    path = Path(uri.removeprefix("file://")).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return path
+
+
+class AdapterCatalog:
+    """The adapters a model lists (its ``--adapters-file``, re-read when it changes), fetched on first use.
+
+    Names resolve as ``{base}:{adapter}``, and as ``{adapter}`` alone (what vLLM's clients send: vLLM serves a
+    LoRA module under its bare name, ``vllm/entrypoints/openai/serving_models.py``) when that is not the base's
+    own name."""
+
+    def __init__(self, base: str, file: Path | None, cache: Path, fetch: Fetch = fetch_local_or_hub) -> None:
+        self.base = base
+        self.file = file
+        self.cache = cache
+        self._fetch = fetch
+        self._entries: dict[str, AdapterEntry] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.error: str | None = None  # why the file could not be read (the last good list stays)
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read the file when its mtime or size changed; True when the list changed."""
+        if self.file is None:
+            return False
+        try:
+            info = self.file.stat()
+            stamp = (info.st_mtime_ns, info.st_size)
+        except FileNotFoundError:
+            stamp = (0, 0)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            listed = read_adapters_file(self.file)
+        except (OSError, ValueError) as exc:
+            self.error = str(exc)
+            logger.error("the adapters file cannot be read, keeping the last list: %s", exc)
+            return False
+        self.error = None
+        before = {name: entry.uri for name, entry in self._entries.items()}
+        for name, uri in listed.items():
+            entry = self._entries.get(name)
+            if entry is None or entry.uri != uri:
+                self._entries[name] = AdapterEntry(name, uri)
+        for name in set(self._entries) - set(listed):
+            del self._entries[name]
+        return before != listed
+
+    @property
+    def names(self) -> list[str]:
+        self.refresh()
+        return sorted(self._entries)
+
+    def entries(self) -> list[AdapterEntry]:
+        self.refresh()
+        return [self._entries[name] for name in sorted(self._entries)]
+
+    def resolve(self, model: str | None) -> str | None:
+        """The adapter ``model`` names, None for the base (or no model named); KeyError when it names neither."""
+        if model is None or model == self.base:
+            return None
+        self.refresh()
+        base, sep, adapter = model.rpartition(SEPARATOR)
+        if sep and base == self.base and adapter in self._entries:
+            return adapter
+        if model in self._entries:
+            return model
+        raise KeyError(model)
+
+    async def local(self, name: str) -> AdapterRef:
+        """The adapter's local files (fetched once; a failure is remembered and raised again until the list
+        changes): :class:`AdapterMismatch` or the fetch's error."""
+        entry = self._entries[name]
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if entry.state is AdapterState.FAILED:
+                raise AdapterMismatch(entry.message or "failed")
+            if entry.path is None:
+                entry.state = AdapterState.DOWNLOADING
+                try:
+                    entry.path = await asyncio.to_thread(self._fetch, entry.uri, self.cache / name)
+                    await asyncio.to_thread(read_lora_or_gguf, entry.path)
+                except Exception as exc:
+                    self.fail(name, "DownloadFailed" if not isinstance(exc, AdapterMismatch) else "Mismatch", exc)
+                    raise
+                entry.state = AdapterState.READY
+        return AdapterRef(name, entry.path)
+
+    def fail(self, name: str, reason: str, error: BaseException) -> None:
+        """Mark ``name`` Failed with ``reason`` (the base model serves on)."""
+        entry = self._entries.get(name)
+        if entry is not None:
+            entry.state, entry.reason, entry.message = AdapterState.FAILED, reason, str(error).splitlines()[0]
+            logger.warning("LoRA adapter %s failed (%s): %s", name, reason, entry.message)
+
+
+def read_lora_or_gguf(folder: Path) -> None:
+    """Check the fetched files are an adapter: a PEFT folder (:func:`read_lora`) or a GGUF LoRA (llama.cpp)."""
+    if folder.is_file() and folder.suffix == ".gguf":
+        return
+    if folder.is_dir() and not (folder / ADAPTER_CONFIG).exists() and any(folder.glob("*.gguf")):
+        return
+    read_lora(folder)

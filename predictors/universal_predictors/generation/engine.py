@@ -397,6 +397,16 @@ class Engine(ABC):
         """Extra fields for ``/openai/v1/models`` (the OpenAI layer adds ``context_length``)."""
         return {}
 
+    def load_adapter(self, adapter: AdapterRef) -> bool:
+        """Make the LoRA ``adapter`` resident (blocking: run it off the event loop); False when it already was.
+        An engine whose :attr:`EngineCapabilities.adapters` is set implements it; :class:`AdapterMismatch` when
+        the adapter does not fit the base, ``errors.Unavailable`` when no room can be made now."""
+        raise InvalidRequest(f"the {self.backend.value} backend does not serve LoRA adapters", param="model")
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload ``name`` if resident and unused; False otherwise."""
+        return False
+
     def health(self) -> str | None:
         """None while the loaded engine can still generate; otherwise why it cannot (its engine process
         died, a sticky device error). Cheap and non-blocking: readiness and the predictor's health watch

@@ -483,14 +483,14 @@ async def respond(
             return Response(status_code=CLIENT_CLOSED)
         [choice] = choices
         content, reason = unary_content(body, tools, choice)
-        answer = _message(message_id, runner.model_name, content, _usage(plan, choice.tokens))
+        answer = _message(message_id, plan.model or runner.model_name, content, _usage(plan, choice.tokens))
         answer["stop_reason"] = reason
         answer["stop_sequence"] = choice.stop if reason == "stop_sequence" else None
         return JSONResponse(answer)
 
     shape = chat_shape(chat, plan, tools)
     single = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
-    writer = _EventWriter(_message(message_id, runner.model_name, [], _usage(plan, 0)), single)
+    writer = _EventWriter(_message(message_id, plan.model or runner.model_name, [], _usage(plan, 0)), single)
 
     def render(delta: Delta) -> list[dict[str, Any]]:
         return writer.pieces(shape.delta(delta))

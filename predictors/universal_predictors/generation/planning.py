@@ -64,6 +64,8 @@ class Plan:
     jobs: list[tuple[int, GenerationRequest]]  # (prompt index, request) per choice
     stops: list[str]
     prompt_tokens: int
+    #: The model name the answer carries: the request's adapter (``base:adapter``); None: the base's name.
+    model: str | None = None
 
 
 def context_error(context: int, prompt: int, requested: int | None) -> InvalidRequest:

@@ -175,7 +175,7 @@ async def respond(
     """The unary JSON response or the SSE stream for ``plan``, in ``shape``'s form."""
     created, rid = int(time.time()), f"{shape.id_prefix}-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    model = runner.model_name
+    model = plan.model or runner.model_name
 
     if not body.stream:
         choices = await runner.run_unary(request, plan)

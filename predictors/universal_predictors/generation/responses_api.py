@@ -659,7 +659,8 @@ async def respond(
     tools: ChatTools,
 ) -> Response:  # fmt: skip
     """The ``response`` object, or its event stream, for a planned chat of one choice."""
-    response = _Response(body, runner.model_name, stored=request.headers.get(RESPONSES_STORED_HEADER) is not None)
+    stored = request.headers.get(RESPONSES_STORED_HEADER) is not None
+    response = _Response(body, plan.model or runner.model_name, stored=stored)
     logprobs = body.wants_logprobs()
     if not body.stream:
         choices = await runner.run_unary(request, plan)

@@ -15,6 +15,7 @@ completions for one served model, put together from engine-independent parts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -22,8 +23,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from universal_predictors.config import RESPONSES_STORED_HEADER
-from universal_predictors.errors import APIError, InvalidRequest
+from universal_predictors.errors import APIError, InvalidRequest, Unavailable
 from universal_predictors.generation import messages_api, responses_api
+from universal_predictors.generation.adapters import SEPARATOR, AdapterCatalog, AdapterMismatch
 from universal_predictors.generation.chat_images import ImageArgs, check_count, decode_budget, load_images
 from universal_predictors.generation.engine import (
     Engine,
@@ -63,6 +65,7 @@ class GenerationService:
         model_name: str,
         tool_call_parser: str | None = None,
         image_args: ImageArgs | None = None,
+        adapters: AdapterCatalog | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -72,6 +75,8 @@ class GenerationService:
         self.runner = ChoiceRunner(engine, model_name)
         self._tool_call_parser = tool_call_parser
         self._tool_parser: ToolParser | None = None
+        #: The model's LoRA adapters (``--adapters-file``); None: it has none.
+        self.adapters = adapters
 
     @property
     def tool_parser(self) -> ToolParser:
@@ -84,6 +89,7 @@ class GenerationService:
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         plan, tools = await self._plan_chat(body)
+        plan = await self.adapted(plan, body.model)
         return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Response:
@@ -94,6 +100,7 @@ class GenerationService:
             plan, tools = await self._plan_chat(chat)
         except APIError as error:
             raise responses_api.renamed(error, origins) from None
+        plan = await self.adapted(plan, body.model)
         return await responses_api.respond(self.runner, request, body, chat, plan, tools)
 
     async def messages(self, request: Request, body: MessagesRequest) -> Response:
@@ -103,7 +110,34 @@ class GenerationService:
             plan, tools = await self._plan_chat(chat)
         except APIError as error:
             raise messages_api.renamed(error, origins) from None
+        plan = await self.adapted(plan, body.model)
         return await messages_api.respond(self.runner, request, body, chat, plan, tools)
+
+    async def adapted(self, plan: Plan, model: str | None) -> Plan:
+        """``plan`` on the adapter ``model`` names (fetched and loaded first), or as it is for the base. An
+        adapter that cannot be fetched or does not fit its base is Failed (its status says why) and a 400 naming
+        it; the base serves on."""
+        name = self.adapters.resolve(model) if self.adapters is not None else None
+        if name is None or self.adapters is None:
+            return plan
+        try:
+            adapter = await self.adapters.local(name)
+            await asyncio.to_thread(self.engine.load_adapter, adapter)
+        except Unavailable:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, AdapterMismatch | FileNotFoundError | PermissionError | LookupError | OSError):
+                logger.exception("LoRA adapter %s failed to load", name)
+            self.adapters.fail(name, "Mismatch" if isinstance(exc, AdapterMismatch) else "LoadFailed", exc)
+            entry = next(e for e in self.adapters.entries() if e.name == name)
+            raise InvalidRequest(
+                f"The adapter {model!r} failed ({entry.reason}): {entry.message}. The base model "
+                f"{self.model_name!r} still serves; fix the adapter's source and list it again.",
+                param="model",
+                code="adapter_failed",
+            ) from None
+        jobs = [(p, dataclasses.replace(job, adapter=adapter)) for p, job in plan.jobs]
+        return dataclasses.replace(plan, jobs=jobs, model=f"{self.model_name}{SEPARATOR}{name}")
 
     async def count_message_tokens(self, body: CountTokensRequest) -> int:
         """``POST /v1/messages/count_tokens``: the input tokens the same ``/v1/messages`` request is billed."""
@@ -135,6 +169,7 @@ class GenerationService:
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         plan, echoes = await asyncio.to_thread(self._plan_completion, body)
+        plan = await self.adapted(plan, body.model)
         return await respond(self.runner, request, body, plan, completion_shape(body, plan, echoes))
 
     def _plan_completion(self, body: CompletionRequest) -> tuple[Plan, list[str]]:

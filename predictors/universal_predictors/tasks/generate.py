@@ -7,7 +7,9 @@ engine's own ``EngineArgs`` validate ``--engine-arg`` keys at start-up.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -18,7 +20,8 @@ from universal_predictors.base import StartupError, UniversalPredictor, parse_en
 from universal_predictors.catalog import Backend, Route, Task
 from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import allocated_gpus, gpu_unusable_reason
-from universal_predictors.errors import InvalidRequest
+from universal_predictors.errors import InvalidRequest, ModelNotFound
+from universal_predictors.generation.adapters import SEPARATOR, AdapterCatalog
 from universal_predictors.generation.chat_images import IMAGE_ARG_KEYS, ImageArgs
 from universal_predictors.generation.engines import EngineUnavailable, engine_class, resolve_backend
 from universal_predictors.generation.messages_api import CountTokensRequest, MessagesRequest
@@ -97,7 +100,13 @@ class GeneratePredictor(UniversalPredictor):
         image_args = parse_engine_args(ImageArgs, layer, f"the chat images of task {self.task.value}")
         self.engine_impl = cls(config, args)
         self.engine_impl.max_images = image_args.max_images
-        self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args)
+        self.adapters: AdapterCatalog | None = None
+        if config.adapters_file:
+            if not cls.capabilities.adapters:
+                raise StartupError(f"the {self.backend.value} backend does not serve LoRA adapters (--adapters-file)")
+            cache = Path(tempfile.gettempdir()) / "universal-runtime-adapters" / config.model_name
+            self.adapters = AdapterCatalog(config.model_name, Path(config.adapters_file), cache)
+        self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args, self.adapters)
 
     def load(self) -> bool:
         self.engine_impl.load()
@@ -109,6 +118,34 @@ class GeneratePredictor(UniversalPredictor):
 
     def health(self) -> str | None:
         return self.engine_impl.health()
+
+    def check_model(self, requested: str | None) -> None:
+        """404 unless the body names this model, one of its adapters (``model:adapter``, or the adapter's bare
+        name as vLLM's clients send it), or nothing."""
+        if requested is None or requested == self.name:
+            return
+        if self.adapters is not None:
+            try:
+                self.adapters.resolve(requested)
+                return
+            except KeyError:
+                pass
+        adapters = [f"{self.name}{SEPARATOR}{a}" for a in self.adapters.names] if self.adapters is not None else []
+        raise ModelNotFound(requested, self.name, adapters)
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The base's card, then one per listed adapter: ``parent`` is the base (vLLM's LoRA entries in
+        ``/v1/models`` have it too, ``vllm/entrypoints/openai/serving_models.py``), ``adapter`` its state."""
+        cards = [self.model_card()]
+        if self.adapters is not None:
+            base = cards[0]
+            for entry in self.adapters.entries():
+                report = entry.report(self.name)
+                cards.append({"id": report.pop("served_name"), "object": "model", "created": base["created"],
+                              "owned_by": base["owned_by"], "parent": self.name, "root": entry.uri,
+                              "task": base["task"], "backend": base["backend"], "ready": base["ready"],
+                              "adapter": report})  # fmt: skip
+        return cards
 
     def describe(self) -> dict[str, Any]:
         if not self.ready:
