@@ -31,9 +31,10 @@ from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.predictor import reported_backend
 from universal_operator.reconcile import cache as local_model
+from universal_operator.reconcile.adapters import desired_adapters_config_map
 from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.checks import check_servable
-from universal_operator.reconcile.drift import child_drifted, is_subset, service_account_drifted
+from universal_operator.reconcile.drift import child_drifted, config_map_drifted, is_subset, service_account_drifted
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
@@ -216,6 +217,8 @@ async def _reconcile_model(
         return None
     if not await ensure_service_account(state, plain, model, retry):
         return None
+    if not await ensure_adapters_config_map(state, plain, model, retry):
+        return None
     applied: dict[str, Any] | None = None
     if child_drifted(desired, live):
         try:
@@ -357,6 +360,44 @@ async def ensure_service_account(state: OperatorState, body: dict[str, Any], mod
         await report_refused_write(state, body, model, exc, retry, "spec.source", "the ServiceAccount")
         return False
     logger.info("applied ServiceAccount %s/%s for the storage initializer's credentials", namespace, name)
+    return True
+
+
+async def ensure_adapters_config_map(
+    state: OperatorState, body: dict[str, Any], model: UniversalModel, retry: int
+) -> bool:
+    """Apply the model's adapter list (a ConfigMap its predictors mount, :mod:`.reconcile.adapters`) if it is
+    missing or differs; before the InferenceService, so a pod never waits on a volume that is not there.
+    Returns False when the model cannot be served (the name is taken), which it reports."""
+    desired = desired_adapters_config_map(model)
+    if desired is None:
+        return True
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    try:
+        actual = await state.api.get_config_map(namespace, name)
+    except ApiError as exc:
+        if api_error_code(exc) == 403:
+            await report_forbidden(state, body, model, exc, retry)
+        raise kopf.TemporaryError(f"reading the adapters ConfigMap failed: {exc}", delay=RETRY_DELAY) from exc
+    if actual is not None and not owned_by(actual, model):
+        await report_invalid_spec(
+            state,
+            body,
+            SpecError(
+                "spec.adapters",
+                f"the ConfigMap {name!r} that would carry the adapter list already exists in {namespace!r} and is "
+                "not owned by this UniversalModel; rename the model or remove that ConfigMap",
+            ),
+        )
+        return False
+    if actual is not None and not config_map_drifted(desired, actual):
+        return True
+    try:
+        await state.api.apply_config_map(desired)
+    except ApiError as exc:
+        await report_refused_write(state, body, model, exc, retry, "spec.adapters", "the adapters ConfigMap")
+        return False
+    logger.info("applied ConfigMap %s/%s: %d adapters", namespace, name, len(model.spec.adapters))
     return True
 
 

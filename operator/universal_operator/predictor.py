@@ -38,6 +38,7 @@ def predictor_config(
     source: str | None = None,
     state_dir: str | None = None,
     engine_arg_defaults: dict[Backend, dict[str, str]] | None = None,
+    adapters_file: str | None = None,
 ) -> PredictorConfig:
     """The predictor's command line as a config: the one contract cluster and local runs share.
 
@@ -71,6 +72,7 @@ def predictor_config(
         engine_arg_defaults=defaults,
         http_port=http_port,
         state_dir=state_dir,
+        adapters_file=adapters_file,
     )
 
 

@@ -258,6 +258,14 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
     await eventually(lambda: emulator.get_object(ISVC, "default", "private"))
     assert emulator.get_object("serviceaccounts", "default", "private-storage") is not None
 
+    # A model with LoRA adapters: their list, a ConfigMap of its own (read, then created by server-side apply).
+    tuned = load_manifest("cluster/qwen-chat.yaml")
+    tuned["metadata"]["name"] = "tuned"
+    tuned["spec"]["adapters"] = [{"name": "support", "source": {"uri": "hf://acme/support-lora"}}]
+    await harness_create(cluster, UM, "default", tuned)
+    await eventually(lambda: emulator.get_object(ISVC, "default", "tuned"))
+    assert emulator.get_object("configmaps", "default", "tuned-adapters") is not None
+
     # An invalid one: SpecValid=False and a Warning Event.
     await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))
     await eventually(lambda: condition(emulator.get_object(UM, "default", "needs-h100"), "SpecValid") == "False")

@@ -36,6 +36,7 @@ class RecordingApi:
         self.existing: dict[tuple[str, str], dict[str, Any]] = {}
         self.accounts: dict[tuple[str, str], dict[str, Any]] = {}
         self.account_error: ApiError | None = None
+        self.config_maps: dict[tuple[str, str], dict[str, Any]] = {}
 
     async def get_service_account(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.accounts.get((namespace, name))
@@ -46,6 +47,15 @@ class RecordingApi:
         self.applied.append(desired)
         meta = desired["metadata"]
         self.accounts[(meta["namespace"], meta["name"])] = copy.deepcopy(desired)
+        return desired
+
+    async def get_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.config_maps.get((namespace, name))
+
+    async def apply_config_map(self, desired: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(desired)
+        meta = desired["metadata"]
+        self.config_maps[(meta["namespace"], meta["name"])] = copy.deepcopy(desired)
         return desired
 
     async def apply_inference_service(self, desired: dict[str, Any]) -> dict[str, Any]:

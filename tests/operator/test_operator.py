@@ -6,6 +6,7 @@ The tests play KServe: they write the InferenceService's status the way KServe's
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +400,43 @@ async def test_credentials_reach_kserve_through_an_owned_service_account_repaire
     result = await cluster.kubectl("delete", "um", "minilm", "--wait=false")
     assert result.returncode == 0, result.stderr
     await eventually(lambda: cluster.emulator.get_object("serviceaccounts", "default", "minilm-storage") is None)
+
+
+async def test_adapters_reach_the_predictor_through_a_mounted_config_map_and_change_without_a_new_revision(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    manifest = load_manifest("cluster/qwen-chat.yaml")
+    name = manifest["metadata"]["name"]
+    manifest["spec"]["adapters"] = [{"name": "support", "source": {"uri": "hf://acme/support-lora", "revision": "v2"}}]
+    await _apply_text(cluster, manifest, tmp_path)
+
+    child = await eventually(lambda: _child(cluster, name))
+    listing = await eventually(lambda: cluster.emulator.get_object("configmaps", "default", f"{name}-adapters"))
+    assert json.loads(listing["data"]["adapters.json"]) == {
+        "adapters": [{"name": "support", "uri": "hf://acme/support-lora:v2"}]
+    }
+    [owner] = listing["metadata"]["ownerReferences"]
+    assert owner["uid"] == _model(cluster, name)["metadata"]["uid"]  # type: ignore[index]
+    predictor = child["spec"]["predictor"]
+    container = predictor["containers"][0]
+    assert "--adapters-file=/etc/universal-runtime/adapters/adapters.json" in container["args"]
+    assert {"name": "adapters", "configMap": {"name": f"{name}-adapters"}} in predictor["volumes"]
+    assert {"name": "adapters", "mountPath": "/etc/universal-runtime/adapters", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+
+    # Another adapter: the list changes, the pod template does not (no new Knative revision, no restart).
+    cluster.emulator.reset_writes()
+    manifest["spec"]["adapters"].append({"name": "legal", "source": {"uri": "s3://adapters/legal"}})
+    await _apply_text(cluster, manifest, tmp_path)
+
+    def listed() -> list[str]:
+        cm = cluster.emulator.get_object("configmaps", "default", f"{name}-adapters") or {"data": {}}
+        return [a["name"] for a in json.loads(cm["data"].get("adapters.json", "{}")).get("adapters", [])]
+
+    await eventually(lambda: listed() == ["support", "legal"])
+    await eventually(lambda: (_model(cluster, name) or {}).get("status", {}).get("observedGeneration") == 2)
+    assert cluster.emulator.write_count(ISVC, "default", name) == 0
 
 
 async def test_another_writers_env_entry_is_kept_and_causes_no_rewrite_over_two_repair_intervals(

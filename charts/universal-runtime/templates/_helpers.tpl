@@ -136,6 +136,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
   resources: [serviceaccounts]
   verbs: [get, create, patch]
 - apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
 {{- end }}

@@ -119,6 +119,18 @@ def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> boo
     )
 
 
+def config_map_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
+    """Whether the live ConfigMap's data differs from the operator's, or it lost the labels or owner it set."""
+    if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):
+        return True
+    want_meta, have_meta = desired["metadata"], actual.get("metadata", {})
+    return not (
+        actual.get("data") == desired["data"]
+        and is_subset(want_meta["labels"], have_meta.get("labels") or {})
+        and is_subset(want_meta["ownerReferences"], have_meta.get("ownerReferences") or [], field="ownerReferences")
+    )
+
+
 def service_account_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
     """Whether the live ServiceAccount lost something the operator set (or is gone)."""
     if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):

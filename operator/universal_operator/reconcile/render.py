@@ -17,6 +17,12 @@ from universal_operator.predictor import (
     engine_arg_defaults,
     predictor_config,
 )
+from universal_operator.reconcile.adapters import (
+    ADAPTERS_MOUNT_PATH,
+    ADAPTERS_VOLUME,
+    adapters_config_map_name,
+    adapters_file,
+)
 from universal_operator.reconcile.cache import DISABLE_ANNOTATION, NODE_GROUP_ANNOTATION, CacheState
 from universal_operator.reconcile.checks import FEATURE_SECURITY_CONTEXT, check_servable
 from universal_operator.reconcile.labels import (
@@ -309,7 +315,9 @@ def desired_inference_service(
         "image": _image(model, profile, config),
         "imagePullPolicy": config.images.pull_policy,
         "command": ["python", "-m", PREDICTOR_MODULE],
-        "args": predictor_config(model, engine_arg_defaults=engine_arg_defaults(model, config, profile)).to_args(),
+        "args": predictor_config(
+            model, engine_arg_defaults=engine_arg_defaults(model, config, profile), adapters_file=adapters_file(model)
+        ).to_args(),
         "env": _env(model, COMPILE_CACHE_ENV if compile_claim else {}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
         **predictor_probes(model),
@@ -336,6 +344,10 @@ def desired_inference_service(
     if compile_claim is not None:
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": compile_claim}})
         container["volumeMounts"].append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
+    adapters_map = adapters_config_map_name(model)
+    if adapters_map is not None:  # a ConfigMap volume: the kubelet updates it in place (reconcile/adapters.py)
+        volumes.append({"name": ADAPTERS_VOLUME, "configMap": {"name": adapters_map}})
+        container["volumeMounts"].append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH, "readOnly": True})
     if spec.resources.gpus > 0:
         shm: dict[str, Any] = {"medium": "Memory"}
         if profile is not None and profile.shm_size:
