@@ -36,6 +36,7 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
+from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER
 from universal_predictors.errors import (
@@ -235,8 +236,24 @@ class Gateway:
 
     async def _list_models(self, request: Request, params: Params) -> Response:
         allowed = self._allowed(request)
-        cards = [self._card(v) for v in self.backends.models() if allowed is None or v.name in allowed]
+        cards: list[dict[str, Any]] = []
+        for view in self.backends.models():
+            if allowed is None or view.name in allowed:
+                cards.append(self._card(view))
+            cards += [c for c in view.adapter_cards() if allowed is None or view.name in allowed or c["id"] in allowed]
         return Response.json({"object": "list", "data": cards})
+
+    def _adapter_base(self, name: str) -> str | None:
+        """The model ``name`` is a LoRA adapter of (``base:adapter``, or an adapter's bare name, vLLM's
+        spelling, when exactly one model lists it and no model is called that), else None."""
+        if self.backends.find(name) is not None:
+            return None
+        base, sep, adapter = name.rpartition(ADAPTER_SEPARATOR)
+        if sep:
+            view = self.backends.find(base)
+            return base if view is not None and adapter in view.adapters else None
+        owners = [v.name for v in self.backends.models() if name in v.adapters]
+        return owners[0] if len(owners) == 1 else None
 
     def _card(self, view: ModelView) -> dict[str, Any]:
         """The model's card, with the requests held for its wake right now."""
@@ -244,10 +261,16 @@ class Gateway:
 
     async def _get_model(self, request: Request, params: Params) -> Response:
         name = params["name"]
-        self.keys.authorize(request.headers.get("authorization"), name)
-        view = self.backends.find(name)
+        base = self._adapter_base(name)
+        self.keys.authorize(request.headers.get("authorization"), name, base)
+        view = self.backends.find(base or name)
         if view is None:
             raise self._unknown(name)
+        if base is not None:
+            adapter = name.rpartition(ADAPTER_SEPARATOR)[2]
+            return Response.json(
+                next(c for c in view.adapter_cards() if c["id"] == f"{base}{ADAPTER_SEPARATOR}{adapter}")
+            )
         return Response.json(self._card(view))
 
     # -- proxying ----------------------------------------------------------------------------------
@@ -406,11 +429,15 @@ class Gateway:
         extra_head: bytes = b"",
         observe: Observer | None = None,
     ) -> Response | StreamedResponse:
+        base = self._adapter_base(name)
         if self.keys.enabled:
-            self.keys.authorize(self._credentials(request), name)
-        view = self.backends.find(name)
+            self.keys.authorize(self._credentials(request), name, base)
+        view = self.backends.find(base or name)
         if view is None:
             raise self._unknown(name)
+        # An adapter's request is its base model's: the same predictor (woken if idle), gate, idle timer and
+        # series; the body still names the adapter, which the predictor serves.
+        name = view.name
         if view.task != task:
             raise InvalidRequest(
                 f"The model {name!r} does {view.task.value}; {request.path} needs a {task} model.", param="model"

@@ -53,8 +53,10 @@ class ApiKeys:
                 keys[key.strip()] = None
         return cls(keys)
 
-    def authorize(self, header: str | None, model: str | None) -> frozenset[str] | None:
-        """The models this caller may use (None: all); 401 without a valid key, 403 for another model."""
+    def authorize(self, header: str | None, model: str | None, base: str | None = None) -> frozenset[str] | None:
+        """The models this caller may use (None: all); 401 without a valid key, 403 for another model. ``base``:
+        the model ``model`` is an adapter of: a key naming the base may use its adapters too, a key naming one
+        adapter (``qwen:support``) that adapter only."""
         if not self.keys:
             return None
         scheme, _, token = (header or "").partition(" ")
@@ -67,6 +69,6 @@ class ApiKeys:
                 allowed, found = models, True
         if not found:
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
-        if model is not None and allowed is not None and model not in allowed:
+        if model is not None and allowed is not None and model not in allowed and (base is None or base not in allowed):
             raise Forbidden(f"This API key may not use the model {model!r}.", param="model", code="model_not_allowed")
         return allowed

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import Task
 
 
@@ -108,6 +109,8 @@ class ModelView:
     pid: int | None = None
     stats: UsageStats = field(default_factory=UsageStats)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The model's LoRA adapters (``spec.adapters`` names), each served as ``{name}:{adapter}`` by its predictors.
+    adapters: tuple[str, ...] = ()
 
     def card(self) -> dict[str, Any]:
         """The OpenAI model object, with our state fields. Not where the model runs (its address, its
@@ -125,6 +128,15 @@ class ModelView:
             "p50_ms": self.stats.p50_ms,
             **self.extra,
         }
+
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        """One OpenAI model object per adapter: ``parent`` names the base (as vLLM's ``/v1/models`` does), the
+        state is the base's (an adapter loads with its first request, once the base runs)."""
+        return [
+            {"id": f"{self.name}{ADAPTER_SEPARATOR}{adapter}", "object": "model", "owned_by": "universal-runtime",
+             "parent": self.name, "task": self.task.value, "backend": self.backend, "state": self.state.value}
+            for adapter in self.adapters
+        ]  # fmt: skip
 
     def row(self) -> dict[str, Any]:
         """The fields ``universal-runtime ps`` prints."""

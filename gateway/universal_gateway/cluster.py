@@ -450,6 +450,7 @@ class KubernetesBackends(Backends):
                 message=m.status.message or "",
                 endpoint=m.address,
                 stats=m.stats,
+                adapters=tuple(a.name for a in m.model.spec.adapters),
                 extra={
                     "namespace": m.namespace,
                     "mode": m.policy.mode.value,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import re
@@ -23,13 +24,13 @@ import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
-from universal_gateway.manifests import Manifest
+from universal_gateway.manifests import Manifest, load_manifests
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
 from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool
@@ -131,6 +132,8 @@ class LocalModel:
     watchers: set[asyncio.Task[None]] = field(default_factory=set)
     #: The backend the running predictor says it runs, where the spec leaves it to the predictor (``auto``).
     running_backend: Backend | None = None
+    #: Whether the running predictor was started with an adapters file (it re-reads it; else a restart is due).
+    with_adapters: bool = False
     #: Whether the running process is a standby that took this model (its libraries were imported already).
     from_standby: bool = False
     #: While it starts: Starting (the process, its imports: nothing listens yet), then Loading (its server
@@ -174,6 +177,8 @@ class LocalSupervisor(Backends):
         # Loopback is shared by every user of this machine: the predictors also want this run's token.
         self._token = self.upstream_token = secrets.token_urlsafe(32)
         self._state_root = state_root or default_state_root()
+        #: Each manifest file's mtime when last read (adapters are re-read when it changes).
+        self._manifest_stamps: dict[Path, int] = {}
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
@@ -296,7 +301,10 @@ class LocalSupervisor(Backends):
         model.port = free_port()
         state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
         state_dir.mkdir(parents=True, exist_ok=True)
-        config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir))
+        adapters = write_adapters_file(model.manifest, state_dir)
+        model.with_adapters = adapters is not None
+        config = predictor_config(model.manifest.model, model.port, source=model.source_path, state_dir=str(state_dir),
+                                  adapters_file=str(adapters) if adapters else None)  # fmt: skip
         config = config.model_copy(update={"http_host": LOOPBACK})
         env = self._process_env(model)
         model.log_tail.clear()
@@ -415,11 +423,54 @@ class LocalSupervisor(Backends):
             model.state = ModelState.IDLE
             model.message = f"Stopped ({reason}); the next request starts it."
 
+    async def _reread_adapters(self) -> None:
+        """A manifest edited while serving: its models' ``spec.adapters`` change at once (their adapters files are
+        rewritten; a running predictor re-reads its own, no restart), as a cluster's ConfigMap does. Other
+        changes need ``serve`` restarted: said in the log. A running predictor started with no adapters has no
+        list to re-read: it is stopped, and the next request starts it with them (in a cluster the first adapter
+        rolls the predictor too)."""
+        for path in {m.manifest.path for m in self._models.values()}:
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                continue
+            seen = self._manifest_stamps.setdefault(path, stamp)
+            if stamp == seen:
+                continue
+            self._manifest_stamps[path] = stamp
+            try:
+                edited = {m.model.served_name: m for m in load_manifests([path])}
+            except Exception as exc:  # a half-saved file: the next change is read again
+                logger.warning("%s changed and cannot be read (%s); serving as before", path, exc)
+                continue
+            for model in self._models.values():
+                new = edited.get(model.name)
+                if new is None or new.path != path:
+                    continue
+                old = model.manifest
+                if new.model.spec.adapters != old.model.spec.adapters:
+                    model.manifest = replace(old, model=old.model.model_copy(
+                        update={"spec": old.model.spec.model_copy(update={"adapters": new.model.spec.adapters})}
+                    ))  # fmt: skip
+                    state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
+                    if model.with_adapters or new.model.spec.adapters:
+                        write_adapters_file(model.manifest, state_dir, keep_empty=True)
+                    if model.running() and not model.with_adapters:
+                        await self._stop(model, reason="its first adapters were added")
+                    logger.info("%s: adapters now %s", model.name,
+                                [a.name for a in new.model.spec.adapters] or "none")  # fmt: skip
+                if new.model.spec.model_copy(update={"adapters": []}) != old.model.spec.model_copy(
+                    update={"adapters": []}
+                ):
+                    logger.warning("%s changed in %s beyond its adapters: restart serve to apply it", model.name, path)
+
     async def _reap_idle(self) -> None:
         """The TTL unload: stop models idle for longer than their idleTimeout; and warm windows
-        (``scaling.warmSchedule``): start a model when one begins, keep it through it."""
+        (``scaling.warmSchedule``): start a model when one begins, keep it through it. Each tick also re-reads
+        edited manifests' adapters (:meth:`_reread_adapters`)."""
         while True:
             await asyncio.sleep(self._reap_interval)
+            await self._reread_adapters()
             now = self._clock.monotonic()
             wall = self._clock.now()
             for model in self._models.values():
@@ -454,6 +505,7 @@ class LocalSupervisor(Backends):
             endpoint=model.url if model.running() else None,
             pid=model.process.pid if model.running() and model.process else None,
             stats=model.stats,
+            adapters=tuple(a.name for a in model.manifest.model.spec.adapters),
             extra={
                 "starts": model.starts,
                 "idle_timeout": model.policy.idle_timeout_text,
@@ -462,6 +514,31 @@ class LocalSupervisor(Backends):
                 **({"max_held_requests": model.policy.max_held} if model.policy.max_held else {}),
             },
         )
+
+
+#: The adapters file ``serve`` writes in a model's state folder for its predictor (``--adapters-file``).
+ADAPTERS_FILE = "adapters.json"
+
+
+def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool = False) -> Path | None:
+    """The model's ``spec.adapters`` as its predictor reads them (paths resolved against the manifest's folder;
+    hf:// left to the predictor, which fetches on first use), written atomically (the predictor may be reading);
+    None when it lists none (unless ``keep_empty``: a running predictor's list emptied)."""
+    adapters = manifest.model.spec.adapters
+    if not adapters and not keep_empty:
+        return None
+    listed = []
+    for adapter in adapters:
+        uri = adapter.source.storage_uri
+        if "://" not in uri or uri.startswith("file://"):
+            path = Path(uri.removeprefix("file://")).expanduser()
+            uri = str(path if path.is_absolute() else (manifest.path.parent / path).resolve())
+        listed.append({"name": adapter.name, "uri": uri})
+    target = state_dir / ADAPTERS_FILE
+    staging = target.with_suffix(".tmp")
+    staging.write_text(json.dumps({"adapters": listed}, indent=1))
+    staging.replace(target)
+    return target
 
 
 def fetch_source(manifest: Manifest) -> str:

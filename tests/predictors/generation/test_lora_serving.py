@@ -10,9 +10,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from tests.gateway.harness import running_gateway, wait_for
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama
 from tests.predictors.generation.tiny_lora import build_lora, merged_greedy
 from tests.predictors.harness import PredictorProcess, running_predictor
@@ -135,3 +137,64 @@ def test_adapters_added_and_removed_while_running_without_a_restart(
         complete(running, f"{MODEL}:foreign", prompt)  # removed from the list
     assert running.process.pid == pid
     assert running.process.poll() is None
+
+
+# -- through `universal-runtime serve`: the manifest's spec.adapters, the gateway's routing and keys -------------------
+
+MANIFEST = """\
+apiVersion: serving.universal-runtime.dev/v1alpha1
+kind: UniversalModel
+metadata: {{name: tiny}}
+spec:
+  task: generate
+  backend: transformers
+  source: {{uri: "{base}"}}
+  adapters:
+{adapters}
+"""
+
+
+def manifest_text(base: Path, adapters: dict[str, str]) -> str:
+    listed = "\n".join(f"  - {{name: {n}, source: {{uri: {u}}}}}" for n, u in adapters.items())
+    return MANIFEST.format(base=base, adapters=listed)
+
+
+def test_serve_routes_adapters_lists_them_scopes_keys_and_rereads_the_manifest(
+    tiny_llama_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    (folder / "loras").symlink_to(loras["alpha"].parent)
+    manifest = folder / "tiny.yaml"
+    manifest.write_text(manifest_text(tiny_llama_dir, {"alpha": "loras/alpha"}))  # relative to the manifest
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-all\nsk-alpha tiny:alpha\n")
+    with running_gateway([folder], tmp_path / "gw", "--api-keys-file", str(keys)) as gateway:
+        everything = openai.OpenAI(base_url=gateway.base_url, api_key="sk-all", max_retries=0)
+        only_alpha = openai.OpenAI(base_url=gateway.base_url, api_key="sk-alpha", max_retries=0)
+        cards = {m.id: m.model_extra for m in everything.models.list().data}
+        assert set(cards) == {MODEL, f"{MODEL}:alpha"}
+        assert cards[f"{MODEL}:alpha"]["parent"] == MODEL
+        assert [m.id for m in only_alpha.models.list().data] == [f"{MODEL}:alpha"]
+
+        prompt = [1, 40, 41, 42, 43]
+        answer = only_alpha.completions.create(model=f"{MODEL}:alpha", prompt=prompt, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert answer.model == f"{MODEL}:alpha"
+        expected = merged_greedy(tiny_llama_dir, loras["alpha"], prompt, MAX_TOKENS)
+        with httpx.Client(base_url=gateway.url, headers={"Authorization": "Bearer sk-all"}) as http:
+            text = http.post("/v1/detokenize", json={"model": MODEL, "tokens": expected}).json()["prompt"]
+        assert answer.choices[0].text == text
+        with pytest.raises(openai.PermissionDeniedError):  # the key names one adapter, not the base
+            only_alpha.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            everything.completions.create(model=f"{MODEL}:nope", prompt=prompt, max_tokens=2)
+        pid = gateway.predictor_pid(MODEL)
+
+        # The manifest edited while serving: beta added, served by the same predictor process.
+        manifest.write_text(manifest_text(tiny_llama_dir, {"alpha": "loras/alpha", "beta": "loras/beta"}))
+        wait_for(lambda: f"{MODEL}:beta" in {m.id for m in everything.models.list().data})
+        beta = everything.completions.create(model=f"{MODEL}:beta", prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert beta.choices[0].text != answer.choices[0].text
+        assert gateway.predictor_pid(MODEL) == pid
