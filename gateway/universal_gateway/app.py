@@ -277,7 +277,14 @@ class Gateway:
 
     def _unknown(self, name: str) -> APIError:
         error = ModelNotFound(name, "")
-        available = ", ".join(sorted(v.name for v in self.backends.models())) or "none"
+        views = self.backends.models()
+        base, sep, _ = name.rpartition(ADAPTER_SEPARATOR)
+        parent = self.backends.find(base) if sep else None
+        if parent is not None:  # a model's adapter it does not list: name the ones it has
+            listed = ", ".join(f"{parent.name}{ADAPTER_SEPARATOR}{a}" for a in parent.adapters) or "none"
+            error.message = f"The model {parent.name!r} has no adapter {name!r}; its adapters: {listed}."
+            return error
+        available = ", ".join(sorted(v.name for v in views)) or "none"
         error.message = f"The model {name!r} does not exist; available models: {available}."
         return error
 

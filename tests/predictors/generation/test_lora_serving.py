@@ -187,8 +187,9 @@ def test_serve_routes_adapters_lists_them_scopes_keys_and_rereads_the_manifest(
         assert answer.choices[0].text == text
         with pytest.raises(openai.PermissionDeniedError):  # the key names one adapter, not the base
             only_alpha.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.NotFoundError) as unknown:
             everything.completions.create(model=f"{MODEL}:nope", prompt=prompt, max_tokens=2)
+        assert "its adapters: tiny:alpha" in unknown.value.body["message"]  # type: ignore[index]
         pid = gateway.predictor_pid(MODEL)
 
         # The manifest edited while serving: beta added, served by the same predictor process.
