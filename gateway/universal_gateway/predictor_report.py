@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 CARD_TIMEOUT_S = 5.0
 #: After a failed ask or write, the next served request may try again this much later.
 RETRY_AFTER_S = 30.0
+#: A model with LoRA adapters: its predictor is asked for their states at most this often (under traffic).
+ADAPTERS_EVERY_S = 10.0
 #: After the API server refused the write (403: an older chart's RBAC), try again this much later.
 REFUSED_RETRY_AFTER_S = 600.0
 
@@ -50,15 +52,34 @@ STATUS_RBAC_HINT = (
 Key = tuple[str, str]  # (namespace, name)
 
 
-async def ask_backend(session: aiohttp.ClientSession, base_url: str, token: str | None) -> Backend | None:
-    """The backend the predictor at ``base_url`` says it runs; None when its card names none (or only ``auto``)."""
+async def ask_cards(session: aiohttp.ClientSession, base_url: str, token: str | None) -> list[dict[str, Any]]:
+    """The predictor's ``/openai/v1/models`` entries: its model's card first, then one per LoRA adapter."""
     headers = {UPSTREAM_TOKEN_HEADER: token} if token else {}
     timeout = aiohttp.ClientTimeout(total=CARD_TIMEOUT_S)
     async with session.get(f"{base_url}/openai/v1/models", headers=headers, timeout=timeout) as response:
         response.raise_for_status()
         payload: Any = await response.json()
     cards = payload.get("data") if isinstance(payload, dict) else None
-    if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
+    return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+
+
+def adapter_report(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each adapter's state as the predictor's cards say (``predictorReport.adapters``), by name."""
+    out = []
+    for card in cards[1:]:
+        adapter = card.get("adapter")
+        if isinstance(adapter, dict) and isinstance(adapter.get("name"), str) and adapter.get("state"):
+            out.append({k: adapter[k] for k in ("name", "state", "reason", "message") if adapter.get(k) is not None})
+    return sorted(out, key=lambda a: str(a["name"]))
+
+
+async def ask_backend(session: aiohttp.ClientSession, base_url: str, token: str | None) -> Backend | None:
+    """The backend the predictor at ``base_url`` says it runs; None when its card names none (or only ``auto``)."""
+    return backend_of(await ask_cards(session, base_url, token))
+
+
+def backend_of(cards: list[dict[str, Any]]) -> Backend | None:
+    if not cards:
         return None
     try:
         backend = Backend(str(cards[0].get("backend")))
@@ -92,35 +113,57 @@ class PredictorReporter:
         self._asking: dict[Key, asyncio.Task[None]] = {}
         #: Per model: the generation last reported, or tried, and the monotonic time before which not to ask again.
         self._not_before: dict[Key, tuple[int, float]] = {}
+        #: Per model with adapters: the monotonic time before which not to ask for their states again.
+        self._adapters_not_before: dict[Key, float] = {}
 
     def served(self, key: Key, model: UniversalModel, address: str | None, token: str | None) -> None:
         """The gateway relayed an answer from this model: ask its predictor in the background if there is
         something to learn and no ask for it is under way or recently failed."""
         generation = generation_to_report(model)
-        if generation is None or address is None:
+        now = time.monotonic()
+        adapters_due = bool(model.spec.adapters) and now >= self._adapters_not_before.get(key, 0.0)
+        if address is None:
             return
         asking = self._asking.get(key)
         if asking is not None and not asking.done():
             return
         seen, not_before = self._not_before.get(key, (None, 0.0))
-        if seen == generation and time.monotonic() < not_before:
+        if generation is not None and seen == generation and now < not_before:
+            generation = None
+        if generation is None and not adapters_due:
             return
-        self._asking[key] = asyncio.create_task(self._report(key, generation, address, token), name=f"ask-{key[1]}")
+        if adapters_due:  # adapters load on their first request: their states change under traffic, so at most
+            self._adapters_not_before[key] = now + ADAPTERS_EVERY_S  # every ADAPTERS_EVERY_S
+        task = self._report(key, generation, model if adapters_due else None, address, token)
+        self._asking[key] = asyncio.create_task(task, name=f"ask-{key[1]}")
 
-    async def _report(self, key: Key, generation: int, address: str, token: str | None) -> None:
+    async def _report(
+        self, key: Key, generation: int | None, adapters_of: UniversalModel | None, address: str, token: str | None
+    ) -> None:
         namespace, name = key
-        retry = (generation, time.monotonic() + RETRY_AFTER_S)
-        self._not_before[key] = retry
+        if generation is not None:
+            self._not_before[key] = (generation, time.monotonic() + RETRY_AFTER_S)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            backend = await ask_backend(self._session, address, token)
+            cards = await ask_cards(self._session, address, token)
         except Exception as exc:  # unreachable, an error answer, not JSON: the next served request asks again
-            logger.info("could not ask %s/%s which backend it runs (%s)", namespace, name, exc or type(exc).__name__)
+            logger.info("could not ask %s/%s about itself (%s)", namespace, name, exc or type(exc).__name__)
             return
-        if backend is None:
+        report: dict[str, Any] = {}
+        backend = backend_of(cards) if generation is not None else None
+        if backend is not None:
+            report |= {"backend": backend.value, "generation": generation}
+        if adapters_of is not None:
+            adapters = adapter_report(cards)
+            previous = adapters_of.status.predictor_report
+            known = [a.model_dump(mode="json", exclude_none=True, exclude={"served_name"}) for a in previous.adapters]\
+                if previous is not None else []  # fmt: skip
+            if adapters != sorted(known, key=lambda a: str(a["name"])):
+                report["adapters"] = adapters
+        if not report:
             return
-        patch = {"status": {"predictorReport": {"backend": backend.value, "generation": generation}}}
+        patch = {"status": {"predictorReport": report}}
         try:
             await self._client().patch(
                 UniversalModelResource.Status, name, patch, namespace=namespace, patch_type=PatchType.MERGE
@@ -131,16 +174,21 @@ class PredictorReporter:
                 return  # the model is gone
             refused = code == 403
             if refused:
-                self._not_before[key] = (generation, time.monotonic() + REFUSED_RETRY_AFTER_S)
+                if generation is not None:
+                    self._not_before[key] = (generation, time.monotonic() + REFUSED_RETRY_AFTER_S)
+                self._adapters_not_before[key] = time.monotonic() + REFUSED_RETRY_AFTER_S
             logger.log(logging.WARNING if refused else logging.INFO,
-                       "could not record that %s/%s runs %s: %s %s%s", namespace, name, backend.value, code,
+                       "could not record %s/%s's predictor report %s: %s %s%s", namespace, name, report, code,
                        exc.status.message, f"; {STATUS_RBAC_HINT}" if refused else "")  # fmt: skip
             return
         except Exception as exc:  # the API server unreachable: the next served request tries again
-            logger.info("could not record that %s/%s runs %s (%s)", namespace, name, backend.value, exc)
+            logger.info("could not record %s/%s's predictor report %s (%s)", namespace, name, report, exc)
             return
-        self._not_before[key] = (generation, float("inf"))
-        logger.info("%s/%s runs %s (generation %d)", namespace, name, backend.value, generation)
+        if backend is not None and generation is not None:
+            self._not_before[key] = (generation, float("inf"))
+            logger.info("%s/%s runs %s (generation %d)", namespace, name, backend.value, generation)
+        if "adapters" in report:
+            logger.info("%s/%s adapters: %s", namespace, name, {a["name"]: a["state"] for a in report["adapters"]})
 
     async def close(self) -> None:
         for task in self._asking.values():

@@ -39,6 +39,7 @@ from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, ow
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
 from universal_operator.reconcile.status import (
+    adapter_statuses,
     status_changed,
     status_for_forbidden,
     status_for_invalid_spec,
@@ -786,9 +787,13 @@ async def follow_predictor_report(
     except SpecError:
         return
     report, generation = model.status.predictor_report, model.metadata.generation
-    if report is None or report.generation != generation or model.status.observed_generation != generation:
+    if report is None or model.status.observed_generation != generation:
         return
-    if model.status.backend == reported_backend(model).value:
+    shown = [a.model_dump(mode="json", by_alias=True, exclude_none=True) for a in model.status.adapters]
+    if shown != adapter_statuses(model):
+        await reconcile_model(state, body, children, reason="the predictor reported its adapters", models=models)
+        return
+    if report.generation != generation or model.status.backend == reported_backend(model).value:
         return
     await reconcile_model(state, body, children, reason="the predictor reported its backend", models=models)
 

@@ -90,7 +90,12 @@ def reported_backend(model: UniversalModel) -> Backend:
     one of the task's. A report for an earlier generation says nothing about the current spec: ``auto`` again."""
     backend = resolved_backend(model)
     report = model.status.predictor_report
-    if backend is not Backend.AUTO or report is None or report.generation != model.metadata.generation:
+    if (
+        backend is not Backend.AUTO
+        or report is None
+        or report.backend is None
+        or report.generation != model.metadata.generation
+    ):
         return backend
     try:
         running = Backend(report.backend)

@@ -834,6 +834,27 @@ class Condition(_Model):
     observed_generation: int | None = Field(default=None, description="The spec generation this was judged on.")
 
 
+class AdapterState(StrEnum):
+    """Where one LoRA adapter stands in the running predictors."""
+
+    PENDING = "Pending"  # listed, not asked for yet (adapters load on first use)
+    DOWNLOADING = "Downloading"
+    READY = "Ready"  # loaded, or downloaded and loadable
+    FAILED = "Failed"  # see reason and message: the base model keeps serving
+
+
+class AdapterStatus(_Model):
+    """One adapter's state, as the predictors report it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The adapter's name (spec.adapters[].name).")
+    served_name: str | None = Field(default=None, description="The OpenAI 'model' name it answers to.")
+    state: AdapterState = Field(default=AdapterState.PENDING, description="Pending, Downloading, Ready or Failed.")
+    reason: str | None = Field(default=None, description="Why it Failed, as one CamelCase word.")
+    message: str | None = Field(default=None, description="What went wrong, and what to do.")
+
+
 class PredictorReport(_Model):
     """What a running predictor said about itself, and for which spec generation.
 
@@ -844,8 +865,18 @@ class PredictorReport(_Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    backend: str = Field(description="The backend the predictor runs (its /openai/v1/models card).")
-    generation: int = Field(description="The UniversalModel's metadata.generation the predictor was asked for.")
+    backend: str | None = Field(
+        default=None, description="The backend the predictor runs (its /openai/v1/models card)."
+    )
+    generation: int | None = Field(
+        default=None, description="The UniversalModel's metadata.generation the predictor was asked for."
+    )
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list,
+        description="Each LoRA adapter's state in the predictor that last served one (its /openai/v1/models card); "
+        "the operator reports them as status.adapters.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
 
 class WarmScheduleStatus(_Model):
@@ -869,27 +900,6 @@ class CacheStatus(_Model):
     nodes_total: int = Field(default=0, description="Nodes of the cache's node groups.")
     nodes_failed: int = Field(default=0, description="Nodes whose download failed.")
     mounted: bool = Field(default=False, description="Whether the InferenceService mounts the cache now.")
-
-
-class AdapterState(StrEnum):
-    """Where one LoRA adapter stands in the running predictors."""
-
-    PENDING = "Pending"  # listed, not asked for yet (adapters load on first use)
-    DOWNLOADING = "Downloading"
-    READY = "Ready"  # loaded, or downloaded and loadable
-    FAILED = "Failed"  # see reason and message: the base model keeps serving
-
-
-class AdapterStatus(_Model):
-    """One adapter's state, as the predictors report it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(description="The adapter's name (spec.adapters[].name).")
-    served_name: str | None = Field(default=None, description="The OpenAI 'model' name it answers to.")
-    state: AdapterState = Field(default=AdapterState.PENDING, description="Pending, Downloading, Ready or Failed.")
-    reason: str | None = Field(default=None, description="Why it Failed, as one CamelCase word.")
-    message: str | None = Field(default=None, description="What went wrong, and what to do.")
 
 
 class UniversalModelStatus(_Model):

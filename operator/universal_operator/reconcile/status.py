@@ -17,8 +17,10 @@ from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.reconcile.waking import WakeStep, predictor_step
 from universal_operator.spec import (
+    ADAPTER_SEPARATOR,
     CONDITION_IDLE_STOP,
     READY_STOPPED_BY_HAND,
+    AdapterState,
     Condition,
     Phase,
     ScalingMode,
@@ -123,6 +125,23 @@ def _is_true(condition: dict[str, Any] | None) -> bool:
     return condition is not None and condition.get("status") == "True"
 
 
+def adapter_statuses(model: UniversalModel) -> list[dict[str, Any]]:
+    """``status.adapters``: each listed adapter as the predictor last reported it (``predictorReport.adapters``,
+    written by the gateway), Pending until then (an adapter loads with its first request)."""
+    report = model.status.predictor_report
+    known = {a.name: a for a in report.adapters} if report is not None else {}
+    out = []
+    for adapter in model.spec.adapters:
+        seen = known.get(adapter.name)
+        state = seen.state if seen is not None else AdapterState.PENDING
+        served = f"{model.served_name}{ADAPTER_SEPARATOR}{adapter.name}"
+        entry: dict[str, Any] = {"name": adapter.name, "servedName": served, "state": state.value}
+        if seen is not None and seen.reason:
+            entry |= {"reason": seen.reason, "message": seen.message}
+        out.append(entry)
+    return out
+
+
 def status_from_inference_service(
     isvc: dict[str, Any] | None,
     model: UniversalModel,
@@ -168,6 +187,8 @@ def status_from_inference_service(
         "inferenceService": model.metadata.name,
         "requestTimeoutSeconds": request_timeout_seconds(model, config),
     }
+    if model.spec.adapters or model.status.adapters:  # (an emptied list clears the last states)
+        base["adapters"] = adapter_statuses(model)
     if model.spec.scaling.warm_schedule:
         active, next_change = warm_at(model.spec.scaling.warm_schedule, now)
         base["warmSchedule"] = {"active": active, "nextChange": _now_text(next_change) if next_change else None}

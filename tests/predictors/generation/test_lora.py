@@ -122,7 +122,9 @@ def test_an_adapter_of_another_base_is_refused_by_name_and_the_base_serves_on(
     base_before = asyncio.run(run(engine, request(engine, 2, None)))
     wider = build_llama(tmp_path / "wider", LlamaShape(hidden=256, heads=4, intermediate=512))
     foreign = build_lora(wider, tmp_path / "foreign", seed=9)
-    with pytest.raises(AdapterMismatch, match=r"the adapter expects 512 -> 256 features, the base model has 256 -> 128"):
+    with pytest.raises(
+        AdapterMismatch, match=r"the adapter expects 512 -> 256 features, the base model has 256 -> 128"
+    ):
         engine.load_adapter(AdapterRef("foreign", foreign))
     other_modules = build_lora(wider, tmp_path / "gate", seed=9, targets=("gate_proj",))
     with pytest.raises(AdapterMismatch):
