@@ -82,10 +82,14 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """One event loop for the module: vLLM's AsyncLLM binds its output handler to the loop of its first request."""
     loop = asyncio.new_event_loop()
     yield loop
-    pending = asyncio.all_tasks(loop)  # vLLM's output handler, still waiting after its shutdown
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+    async def cancel_pending() -> None:  # vLLM's output handler, still waiting after its shutdown
+        pending = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    loop.run_until_complete(cancel_pending())
     loop.close()
 
 
