@@ -1,6 +1,7 @@
 """LoRA adapters on the vLLM engine: each adapter's greedy output equals vLLM's own offline ``LLM.generate`` with the
 same ``LoRARequest`` (and differs from the base's), eight concurrent requests over four adapters and the base each
-get their solo output, and an adapter vLLM cannot serve (a rank above ``max_lora_rank``, a module the base lacks)
+get their solo output, an unloaded adapter leaves vLLM and loads again when next asked for, and an adapter vLLM
+cannot serve (a rank above ``max_lora_rank``, a module the base lacks)
 is refused by name, the base serving on. Skipped where vllm is not installed (``.ci/vllm.sh`` runs it in
 ``.venv-vllm``, which has no peft: the adapters are written here in PEFT's file layout).
 """
@@ -210,6 +211,27 @@ def test_an_adapter_above_max_lora_rank_is_refused_by_name_and_the_base_serves_o
     assert "wide" not in engine.adapters_loaded
     assert "fc9" not in engine.adapters_loaded
     assert loop.run_until_complete(run(engine, request(engine, 0, None))) == reference[None][0]
+
+
+def test_an_unloaded_adapter_leaves_vllm_and_comes_back_at_its_next_request(
+    engine: Any, adapters: dict[str, Path], reference: dict[str | None, list[list[int]]],
+    loop: asyncio.AbstractEventLoop,
+) -> None:  # fmt: skip
+    gamma = ref(adapters, "gamma")
+    loop.run_until_complete(run(engine, request(engine, 1, gamma)))
+    assert "gamma" in engine.adapters_loaded
+
+    async def unload_from_a_thread() -> set[int]:  # as the adapter list's watcher would, off the serving loop
+        assert await asyncio.to_thread(engine.unload_adapter, "gamma")
+        await asyncio.gather(*engine._tasks)  # remove_lora, sent to this loop
+        return set(await engine._llm.list_loras())
+
+    held = loop.run_until_complete(unload_from_a_thread())
+    assert "gamma" not in engine.adapters_loaded
+    assert len(held) == len(engine.adapters_loaded)  # vLLM dropped it too
+    assert not engine.unload_adapter("gamma")  # unknown now
+    assert loop.run_until_complete(run(engine, request(engine, 1, gamma))) == reference["gamma"][1]
+    assert "gamma" in engine.adapters_loaded
 
 
 def test_an_adapter_on_an_engine_without_lora_is_refused_saying_how_to_turn_it_on(
