@@ -1,9 +1,9 @@
 """LoRA adapters on the vLLM engine: each adapter's greedy output equals vLLM's own offline ``LLM.generate`` with the
 same ``LoRARequest`` (and differs from the base's), eight concurrent requests over four adapters and the base each
 get their solo output, an unloaded adapter leaves vLLM and loads again when next asked for, and an adapter vLLM
-cannot serve (a rank above ``max_lora_rank``, a module the base lacks)
-is refused by name, the base serving on. Skipped where vllm is not installed (``.ci/vllm.sh`` runs it in
-``.venv-vllm``, which has no peft: the adapters are written here in PEFT's file layout).
+cannot serve (a rank above ``max_lora_rank``, a module the base lacks) is refused by name, the base serving on.
+Skipped where vllm is not installed (``.ci/vllm.sh`` runs it in ``.venv-vllm``, which has no peft: the adapters are
+written here in PEFT's file layout).
 """
 
 from __future__ import annotations
