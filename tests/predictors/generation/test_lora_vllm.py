@@ -247,3 +247,15 @@ def test_an_adapter_on_an_engine_without_lora_is_refused_saying_how_to_turn_it_o
     with_list = PredictorConfig(model_name="tiny", task=Task.GENERATE, backend=Backend.VLLM,
                                 source=str(tiny_llama_dir), adapters_file="/tmp/adapters.json")  # fmt: skip
     assert VllmEngine(with_list, VllmArgs()).lora
+
+
+def test_with_lora_on_vllm_gets_eight_adapter_slots_and_an_engine_arg_wins(tiny_llama_dir: Path) -> None:
+    from universal_predictors.generation.engines.vllm import VllmArgs, build_engine_args
+
+    on = build_engine_args(str(tiny_llama_dir), VllmArgs(**ENGINE_ARGS), lora=True)
+    assert (on.enable_lora, on.max_loras, on.max_lora_rank) == (True, 8, 16)
+    given = build_engine_args(
+        str(tiny_llama_dir), VllmArgs(**ENGINE_ARGS, max_loras="2", max_lora_rank="64"), lora=True
+    )
+    assert (given.max_loras, given.max_lora_rank) == (2, 64)
+    assert not build_engine_args(str(tiny_llama_dir), VllmArgs(**ENGINE_ARGS)).enable_lora
