@@ -54,5 +54,6 @@ export VLLM_HOST_IP=127.0.0.1
 # also_vllm there, and fails any that would skip.
 G=tests/predictors/generation
 UNIVERSAL_RUNTIME_TIER=vllm "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  "$G/test_conformance.py" "$G/test_client_apis.py" "$G/test_admission.py" "$G/test_vllm.py" "$G/test_backend_choice.py" \
+  "$G/test_conformance.py" "$G/test_client_apis.py" "$G/test_admission.py" "$G/test_vllm.py" "$G/test_lora_vllm.py" \
+  "$G/test_backend_choice.py" \
   e2e/test_vllm_example.py

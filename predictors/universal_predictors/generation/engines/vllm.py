@@ -18,6 +18,17 @@ tokens vLLM runs, which usage counts, and the processed pixels) goes to ``AsyncL
 is processed twice. vLLM's ``limit_mm_per_prompt`` defaults to ``{"image": max_images}`` (the OpenAI layer's limit)
 so that vLLM sizes its encoder cache for as many images as a request may carry.
 
+LoRA adapters (:class:`~universal_predictors.generation.adapters.AdapterRef` on a request): on when the predictor
+has an adapter list (``--adapters-file``) or the engine arg ``enable_lora=true``. Each adapter goes to vLLM as a
+``LoRARequest`` (vllm 0.32 lora/request.py) with an id stable per (name, folder), added once with
+``AsyncLLM.add_lora`` before its first request (v1/engine/async_llm.py), so that an adapter vLLM rejects fails
+that call rather than a forward step of the engine core. vLLM keeps ``max_loras`` adapters in the batch's device
+slots and ``max_cpu_loras`` in CPU memory, least recently used out (lora/worker_manager.py
+``LRUCacheWorkerLoRAManager``); an evicted one reloads from its folder when next used. ``max_lora_rank`` sizes
+vLLM's LoRA buffers when the engine starts (config/lora.py ``LoRAConfig``, one of 1, 8, 16, 32, 64, 128, 256, 320,
+512), before any adapter is known: it defaults to vLLM's 16, and an adapter of a higher rank is refused naming
+the engine arg, which takes effect at the next start.
+
 Closing a :meth:`VllmEngine.generate` iterator (a client disconnect, a matched stop string) aborts the
 vLLM request, which frees its KV-cache blocks at the next scheduler step.
 """
@@ -25,6 +36,7 @@ vLLM request, which frees its KV-cache blocks at the next scheduler step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import importlib
@@ -32,6 +44,7 @@ import itertools
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +57,7 @@ from universal_predictors.catalog import Backend
 from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import release_memory
 from universal_predictors.errors import RequestTooLarge
+from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef, check_fits, read_lora
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -83,6 +97,8 @@ _DEFAULTS: dict[str, Any] = {
     "structured_outputs_config": json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
     "max_model_len": "-1",
 }
+#: With LoRA on: our default of resident adapters (the transformers engine's), where vLLM's is 1.
+_LORA_DEFAULTS: dict[str, Any] = {"max_loras": "8"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -207,14 +223,27 @@ def missing_dependency(source: str) -> str | None:
     return None
 
 
-def build_engine_args(source: str, args: BaseModel, max_images: int | None = None) -> AsyncEngineArgs:
+def lora_enabled(config: PredictorConfig, args: BaseModel) -> bool:
+    """Whether vLLM starts with LoRA: the model has an adapter list, or the engine arg ``enable_lora`` is true."""
+    given = getattr(args, "enable_lora", None)
+    if given is not None:
+        return str(given).strip().lower() in _TRUE
+    return bool(config.adapters_file)
+
+
+def build_engine_args(
+    source: str, args: BaseModel, max_images: int | None = None, *, lora: bool = False
+) -> AsyncEngineArgs:
     """vLLM's engine arguments: vLLM's defaults, then the ``--engine-arg`` values, model from ``source``.
 
     For a model with a vision part, ``max_images`` (the OpenAI layer's limit) becomes vLLM's
     ``limit_mm_per_prompt`` unless that is given: vLLM otherwise profiles its encoder cache for 999 images.
+    ``lora``: vLLM's ``enable_lora``, with our ``max_loras`` default.
     """
     given = args.model_dump(exclude_none=True, exclude=set(_OWN_ARGS))
     defaults = dict(_DEFAULTS)
+    if lora:
+        defaults.update(_LORA_DEFAULTS, enable_lora="true")
     if max_images is not None and has_vision_config(source):
         defaults["limit_mm_per_prompt"] = json.dumps({"image": max_images})
     argv: list[str] = []
@@ -259,11 +288,27 @@ class VllmEngine(Engine):
 
     backend = Backend.VLLM
     EngineArgs = VllmArgs
-    capabilities = EngineCapabilities(penalties=True, logprobs=True, max_top_logprobs=20, constraints=True)
+    #: Adapters are honoured when LoRA is on (:func:`lora_enabled`); otherwise a request naming one is refused.
+    capabilities = EngineCapabilities(
+        penalties=True, logprobs=True, max_top_logprobs=20, constraints=True, adapters=True
+    )
 
     def __init__(self, config: PredictorConfig, args: BaseModel) -> None:
         super().__init__(config, args)
         self._ids = itertools.count()
+        self.lora = lora_enabled(config, args)
+        #: Adapters checked against the base: name -> its LoRARequest (id stable per name and folder).
+        self._adapters: dict[str, Any] = {}
+        #: Of those, the ones vLLM holds (added, not seen evicted): name -> id.
+        self._added: dict[str, int] = {}
+        self._lora_ids = itertools.count(1)  # vLLM's ids start at 1 (LoRARequest.__post_init__)
+        self._adding: dict[str, asyncio.Lock] = {}
+        self._linear_shapes: dict[str, tuple[int, int]] | None = None
+        #: The serving loop (AsyncLLM's output handler runs on it): where unload_adapter sends remove_lora.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Sequences using each adapter now: one in use is not removed from vLLM.
+        self._adapter_users: Counter[str] = Counter()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._llm: Any = None
         self.device = "cpu"
         assert isinstance(args, _OwnArgs)
@@ -293,7 +338,7 @@ class VllmEngine(Engine):
     def load(self) -> None:
         from vllm.platforms import current_platform
 
-        engine_args = build_engine_args(self.config.source, self.args, self.max_images)
+        engine_args = build_engine_args(self.config.source, self.args, self.max_images, lora=self.lora)
         # Built off the event loop (this is a worker thread): AsyncLLM starts its output handler on
         # the serving loop at the first request.
         try:
@@ -428,6 +473,7 @@ class VllmEngine(Engine):
             "max_num_seqs": self.admission.slots,
             "max_queue": self.admission.max_queue,
             "engine_args": set_args,
+            **({"max_loras": self.max_loras} if self.lora else {}),
         }
 
     def health(self) -> str | None:
@@ -505,7 +551,9 @@ class VllmEngine(Engine):
             params = self._sampling_params(request)
         except (ValueError, TypeError, VLLMClientError) as exc:
             raise ValueError(str(exc)) from None
-        # Admit before the first await, so that concurrent requests cannot all pass the check at once.
+        adapter = request.adapter.name if request.adapter is not None else None
+        lora_request = await self._lora_request(request.adapter) if request.adapter is not None else None
+        # Admit before the next await, so that concurrent requests cannot all pass the check at once.
         self.check_capacity(1)
         # n choices share the layer's request id; vLLM needs one id per sequence.
         request_id = f"{request.request_id}-{next(self._ids)}"
@@ -515,8 +563,11 @@ class VllmEngine(Engine):
                 raise ValueError(f"the model {self.config.model_name!r} has no vision encoder")
             # vLLM's processed input as multimodal_prompt made it (shared by the n choices: copied, not changed)
             prompt = {**request.multimodal.inputs, "arrival_time": time.time()}
-        stream = self._llm.generate(prompt, params, request_id)
+        stream = self._llm.generate(prompt, params, request_id, lora_request=lora_request)
         self.admission.outstanding += 1
+        if adapter is not None:
+            self._adapter_users[adapter] += 1
+            metrics.ADAPTER_REQUESTS.labels(self.config.model_name, adapter).inc()
         self._set_waiting(1)
         waiting = True
         want_logprobs = request.params.logprobs is not None
@@ -552,6 +603,8 @@ class VllmEngine(Engine):
                     ]
                 if ids:
                     tokens_metric.inc(len(ids))
+                    if adapter is not None:
+                        metrics.ADAPTER_TOKENS.labels(self.config.model_name, adapter).inc(len(ids))
                 finished = out.finished
                 if finished and finish is None:
                     raise RuntimeError(f"vLLM ended the sequence: {completion.finish_reason}")
@@ -563,9 +616,159 @@ class VllmEngine(Engine):
             if waiting:
                 self._set_waiting(-1)
             self.admission.outstanding -= 1
+            if adapter is not None:
+                self._adapter_users[adapter] -= 1
             await stream.aclose()  # vLLM's generator aborts an unfinished request when closed
             if not finished and self._llm is not None:
                 await self._llm.abort(request_id)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+
+    def _lora_off(self) -> ValueError:
+        return ValueError(
+            f"the model {self.config.model_name!r} is served without LoRA adapters (vLLM started with enable_lora "
+            "off); give the predictor an adapter list (--adapters-file) or the engine arg enable_lora=true"
+        )
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters in one batch (vLLM's device slots); 0 with LoRA off."""
+        lora_config = self._llm.vllm_config.lora_config if self._llm is not None else None
+        return int(lora_config.max_loras) if lora_config is not None else 0
+
+    @property
+    def adapters_loaded(self) -> list[str]:
+        """The adapters vLLM holds (in its CPU cache, ``max_cpu_loras``) as of the last one added, oldest first."""
+        return list(self._added)
+
+    def load_adapter(self, adapter: AdapterRef) -> bool:
+        """Check that ``adapter`` fits this engine and remember it; False when it already was, with this folder.
+
+        Blocking (it reads the adapter's files): run it off the event loop. vLLM itself loads the adapter at its
+        first request (``add_lora`` on the serving loop). Refused with :class:`AdapterMismatch` naming the cause:
+        a rank above the engine arg ``max_lora_rank``, a module the base has not as a linear layer of those
+        dimensions, a LoRA feature vLLM does not serve (vllm 0.32 lora/peft_helper.py ``validate_legal``)."""
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora:
+            raise self._lora_off()
+        known = self._adapters.get(adapter.name)
+        if known is not None and known.lora_path == str(adapter.path):
+            return False
+        shape = read_lora(adapter.path)
+        lora_config = self._llm.vllm_config.lora_config
+        max_rank = int(lora_config.max_lora_rank)
+        if shape.rank > max_rank:
+            raise AdapterMismatch(
+                f"the adapter's rank r={shape.rank} is above the engine arg max_lora_rank={max_rank}, which vLLM "
+                f"sizes its LoRA buffers by when it starts: restart with max_lora_rank of at least {shape.rank} "
+                "(1, 8, 16, 32, 64, 128, 256, 320 or 512)"
+            )
+        linear_shapes = self._base_linear_shapes()
+        if linear_shapes is not None:
+            check_fits(shape, linear_shapes)
+        hf_config = self._llm.model_config.hf_text_config
+        try:
+            PEFTHelper.from_local_dir(
+                str(adapter.path), getattr(hf_config, "max_position_embeddings", None)
+            ).validate_legal(lora_config)
+        except (ValueError, TypeError) as exc:
+            raise AdapterMismatch(f"vLLM does not serve this adapter: {exc}") from None
+        if known is not None:  # another folder under the same name: another adapter to vLLM, with another id
+            self._forget(adapter.name)
+        self._adapters[adapter.name] = LoRARequest(
+            lora_name=adapter.name, lora_int_id=next(self._lora_ids), lora_path=str(adapter.path)
+        )
+        return True
+
+    def unload_adapter(self, name: str) -> bool:
+        """Forget ``name`` and remove it from vLLM, unless unknown or in use by a sequence (False then)."""
+        if name not in self._adapters or self._adapter_users[name] > 0:
+            return False
+        self._forget(name)
+        del self._adapters[name]
+        logger.info("LoRA adapter %s unloaded", name)
+        return True
+
+    def _forget(self, name: str) -> None:
+        """Remove ``name``'s copy from vLLM, if it has one (from any thread: remove_lora runs on the serving loop)."""
+        lora_id = self._added.pop(name, None)
+        if lora_id is None or self._loop is None or self._llm is None:
+            return
+        coroutine = self._llm.remove_lora(lora_id)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        future: asyncio.Future[Any] = (
+            self._loop.create_task(coroutine)
+            if running is self._loop
+            else asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop), loop=self._loop)
+        )
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+
+    def _base_linear_shapes(self) -> dict[str, tuple[int, int]] | None:
+        """The base's linear layers by Hugging Face module path (the names an adapter's tensors carry), from the
+        model's architecture on the meta device (no weights); None where transformers cannot build it."""
+        if self._linear_shapes is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(self._llm.model_config.hf_config)  # type: ignore[no-untyped-call]
+            except (ValueError, TypeError, KeyError) as exc:
+                logger.info("adapters are checked by vLLM alone: transformers cannot build the base (%s)", exc)
+                return None
+            self._linear_shapes = {
+                name: (module.in_features, module.out_features)
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+        return self._linear_shapes
+
+    async def _lora_request(self, adapter: AdapterRef) -> Any:
+        """The adapter's ``LoRARequest``, checked and added to vLLM once (:meth:`load_adapter`, ``add_lora``)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not self.lora:
+            raise self._lora_off()
+        self._loop = asyncio.get_running_loop()
+        known = self._adapters.get(adapter.name)
+        if known is None or known.lora_path != str(adapter.path):
+            await asyncio.to_thread(self.load_adapter, adapter)
+            known = self._adapters[adapter.name]
+        if self._added.get(adapter.name) == known.lora_int_id:
+            return known
+        async with self._adding.setdefault(adapter.name, asyncio.Lock()):
+            if self._added.get(adapter.name) == known.lora_int_id:  # added while this one waited
+                return known
+            started = time.monotonic()
+            try:
+                # Before any request uses it: vLLM's engine core fails a forward step on an adapter that does not
+                # load, where a failed add_lora is only this call's error (v1/engine/core.py, utility calls).
+                await self._llm.add_lora(known)
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                if self._adapters.get(adapter.name) is known:
+                    del self._adapters[adapter.name]
+                raise AdapterMismatch(f"vLLM could not load the adapter: {str(exc).splitlines()[0]}") from None
+            self._added[adapter.name] = known.lora_int_id
+            elapsed = time.monotonic() - started
+            metrics.ADAPTER_LOADS.labels(self.config.model_name, adapter.name).inc()
+            metrics.ADAPTER_LOAD_SECONDS.labels(self.config.model_name, adapter.name).observe(elapsed)
+            logger.info("LoRA adapter %s loaded from %s in %.2f s", adapter.name, adapter.path, elapsed)
+            # vLLM's CPU cache evicts its least recently used adapter beyond max_cpu_loras (lora/model_manager.py
+            # LRUCacheLoRAModelManager): an adapter no longer listed is added again at its next request.
+            held = await self._llm.list_loras()
+            for name, lora_id in list(self._added.items()):
+                if lora_id not in held:
+                    del self._added[name]
+                    metrics.ADAPTER_EVICTIONS.labels(self.config.model_name, name).inc()
+        return known
 
     def _logprob(self, token_id: int, entries: Any, top_k: int) -> TokenLogprob:
         chosen = entries.get(token_id)
