@@ -65,7 +65,7 @@ from typing import Any, Literal
 import httpx
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Secret, ServiceAccount
+from lightkube.resources.core_v1 import ConfigMap, Secret, ServiceAccount
 
 from universal_predictors.config import DEFAULT_HTTP_PORT, MODEL_MOUNT_PATH, resolve_source
 from universal_simcluster import admission
@@ -368,7 +368,12 @@ class PredictorWorkload:
         # A Service's address outlives its pods: one port per InferenceService (Standard), or the proxy's.
         self._service_port = free_port()
         self._proxy: asyncio.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._work(), name=f"kserve-{self.key}")]
+        #: The running pod's configMap volumes: its local folder -> the ConfigMap (kept in sync in place).
+        self._projected: dict[Path, str] = {}
+        self._tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(self._work(), name=f"kserve-{self.key}"),
+            asyncio.create_task(self._sync_projections(), name=f"kubelet-configmaps-{self.key}"),
+        ]
 
     # -- what the object asks for ------------------------------------------------------------------
 
@@ -555,14 +560,22 @@ class PredictorWorkload:
         container = predictor_container(self.isvc)
         volumes = {v["name"]: v for v in self.predictor.get("volumes") or []}
         mounts: dict[str, Path] = {}
+        self._projected = {}
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"], {})
             claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            config_map = (volume.get("configMap") or {}).get("name")
             if claim:  # a claim outlives pods: one folder per claim
                 local = self.kserve.workdir / self.key[0] / "claims" / claim / (mount.get("subPath") or "")
-            else:  # an emptyDir is new with each pod
+            else:  # an emptyDir (or a configMap's projection) is new with each pod
                 local = self.root / f"pod-{generation}-{self.launches}" / mount["name"]
             local.mkdir(parents=True, exist_ok=True)
+            if config_map:
+                if mount.get("subPath"):
+                    raise LaunchFailed("the stand-in projects whole configMap volumes only (a subPath mount is never "
+                                       "updated by the kubelet either)")  # fmt: skip
+                await self._project(config_map, local, volume["configMap"].get("optional", False))
+                self._projected[local] = config_map
             mounts[mount["mountPath"]] = local
         storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
         cached = self._cached_folder()
@@ -576,6 +589,33 @@ class PredictorWorkload:
             self.kserve.initializer_runs.append(self.key)
             mounts[MODEL_MOUNT_PATH] = Path(self._storage_initializer(storage_uri, credentials))
         return mounts
+
+    async def _project(self, name: str, folder: Path, optional: bool) -> bool:
+        """Write the ConfigMap's keys as files in ``folder``, as the kubelet's configMap volume does, each replaced
+        atomically (the kubelet swaps a ``..data`` symlink; a reader never sees half a file); keys gone are
+        removed. Kubernetes v1.31 ``pkg/volume/configmap/configmap.go`` (SetUpAt: a missing ConfigMap fails the
+        mount unless ``optional``) and ``pkg/volume/util/atomic_writer.go``. True when a file changed."""
+        try:
+            found: Any = await self.kserve.client.get(ConfigMap, name, namespace=self.key[0])
+        except ApiError as exc:
+            if exc.status.code != 404 or not optional:
+                if exc.status.code == 404:
+                    raise LaunchFailed(f'FailedMount: MountVolume.SetUp failed: configmap "{name}" not found') from None
+                raise
+            found = None
+        data: dict[str, str] = dict(found.data or {}) if found is not None else {}
+        return await asyncio.to_thread(_write_projection, folder, data)
+
+    async def _sync_projections(self) -> None:
+        """The kubelet's periodic resync of configMap volumes: a changed ConfigMap reaches a running pod's files
+        in place, without a restart (every ``config_map_sync`` seconds here; a minute or so on a real node:
+        the kubelet's sync period plus its ConfigMap cache's TTL)."""
+        while True:
+            await asyncio.sleep(self.kserve.config_map_sync)
+            for folder, name in list(self._projected.items()):
+                with contextlib.suppress(ApiError, LaunchFailed, OSError):
+                    if await self._project(name, folder, optional=True):
+                        logger.info("KServe stand-in: %s/%s sees configmap %s's new data", *self.key, name)
 
     def _from_hub(self, storage_uri: str) -> bool:
         """Whether KServe's storage code downloads ``storage_uri`` from the loopback hub (no local copy known)."""
@@ -1021,6 +1061,24 @@ class PredictorWorkload:
             await self._proxy.wait_closed()
 
 
+def _write_projection(folder: Path, data: Mapping[str, str]) -> bool:
+    """``data``'s keys as files in ``folder``, each replaced atomically; other files removed. True if any changed."""
+    changed = False
+    for key, value in data.items():
+        target = folder / key
+        if target.exists() and target.read_text() == value:
+            continue
+        staging = folder / f"..{key}.tmp"
+        staging.write_text(value)
+        staging.replace(target)
+        changed = True
+    for stale in folder.iterdir():
+        if not stale.name.startswith("..") and stale.name not in data:
+            stale.unlink()
+            changed = True
+    return changed
+
+
 # --------------------------------------------------------------------------------------------------
 # The controller
 
@@ -1043,6 +1101,7 @@ class ProcessKServe:
         mode: Mode = "process",
         clock: Callable[[], float] = time.monotonic,
         local_models: LocalModelStandin | None = None,
+        config_map_sync: float = 0.5,
     ) -> None:
         if mode not in ("process", "container"):
             raise ValueError(f"mode must be 'process' or 'container', not {mode!r}")
@@ -1071,6 +1130,8 @@ class ProcessKServe:
         self.local_models = local_models
         #: Every storage-initializer run, by InferenceService: a pod that mounts a cache runs none.
         self.initializer_runs: list[Key] = []
+        #: How often a running pod's configMap volumes are brought up to date (the kubelet's resync).
+        self.config_map_sync = config_map_sync
 
     def workload(self, namespace: str, name: str) -> PredictorWorkload | None:
         return self.workloads.get((namespace, name))
