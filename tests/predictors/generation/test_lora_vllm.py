@@ -259,3 +259,31 @@ def test_with_lora_on_vllm_gets_eight_adapter_slots_and_an_engine_arg_wins(tiny_
     )
     assert (given.max_loras, given.max_lora_rank) == (2, 64)
     assert not build_engine_args(str(tiny_llama_dir), VllmArgs(**ENGINE_ARGS)).enable_lora
+
+
+def test_a_predictor_process_serves_its_listed_adapters_by_name_through_the_openai_client(
+    tiny_llama_dir: Path, adapters: dict[str, Path], reference: dict[str | None, list[list[int]]], engine: Any,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The whole predictor on vLLM: ``--adapters-file`` turns LoRA on, ``tiny:beta`` answers as vLLM's offline
+    generate with beta's LoRARequest, ``/v1/models`` lists the adapters with their parent."""
+    import openai
+
+    from tests.predictors.harness import running_predictor
+
+    listing = tmp_path / "adapters.json"
+    listing.write_text(json.dumps({"adapters": [{"name": n, "uri": str(adapters[n])} for n in ("alpha", "beta")]}))
+    config = PredictorConfig(model_name="tiny", task=Task.GENERATE, backend=Backend.VLLM, source=str(tiny_llama_dir),
+                             engine_args=dict(ENGINE_ARGS), adapters_file=str(listing))  # fmt: skip
+    with running_predictor(config, tmp_path, env={"VLLM_HOST_IP": "127.0.0.1"}, ready_within=600) as running:
+        client = openai.OpenAI(base_url=running.openai_url, api_key="unused", max_retries=0)
+        cards = {m.id: m.model_extra for m in client.models.list().data}
+        assert cards["tiny:beta"]["parent"] == "tiny"
+        answer = client.completions.create(model="tiny:beta", prompt=prompt_of(engine, 1), max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert answer.model == "tiny:beta"
+        with running.client() as http:
+            expected = http.post("/detokenize", json={"model": "tiny", "tokens": reference["beta"][1]}).json()["prompt"]
+        # The same tokens; a character whose UTF-8 bytes the last token leaves incomplete is held back by the
+        # stream (never sent as U+FFFD), where /detokenize shows it as U+FFFD.
+        assert answer.choices[0].text == expected.removesuffix("\ufffd")

@@ -1,0 +1,164 @@
+"""LoRA adapters on the transformers engine: what serving many fine-tunes of one base costs (nothing asserted).
+
+    .venv/bin/python bench/lora.py [--adapters 100] [--resident 8] [--requests 48] [--concurrency 8]
+
+Model: the random Llama of ``bench/generation.py`` (about 30M parameters, hidden 512, 8 layers), greedy, fixed
+prompt and output lengths (``ignore_eos``), driven in-process through the engine (the HTTP layer is the same for
+every adapter and is measured by ``bench/generation.py``). Adapters: rank 16 on every linear layer (q, k, v, o,
+gate, up, down), random weights written in PEFT's layout, ``--adapters`` of them registered.
+
+Lines:
+- tokens/s, ``--concurrency`` requests at a time: the base alone (the anchor), then the same load with each request
+  on one of ``--resident`` adapters (every one resident: PEFT's mixed batch), then over all ``--adapters`` with a
+  Zipf-like popularity (the engine keeps ``--resident``, loading and evicting the rest on demand). Ratio against
+  the base (goal >= 0.8x).
+- cold load: loading one adapter whose files are on local disk (median of 5), and that time scaled to a rank-16
+  adapter of a 1B-class model (Llama-3.2-1B: hidden 2048, 16 layers, intermediate 8192, 8 KV heads of 64) by the
+  ratio of the adapters' bytes (goal <= 1 s). The scaling is linear in bytes: PEFT's load reads the safetensors
+  and copies each matrix into its layer; the fixed per-layer cost of injecting LoRA modules scales with the layer
+  count (16 vs 8), which the byte ratio (about 6x) over-covers.
+vLLM's own multi-LoRA serving as the anchor for the vLLM engine: not in this script yet (issue 27).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.generation import BENCH_SHAPE
+
+from tests.predictors.generation.tiny_llama import build_llama
+from universal_predictors.catalog import Backend, Task
+from universal_predictors.config import PredictorConfig
+from universal_predictors.generation.adapters import AdapterRef
+from universal_predictors.generation.engine import GenerationRequest, SamplingParams
+from universal_predictors.generation.engines.transformers import TransformersArgs, TransformersEngine
+
+RANK = 16
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Llama-3.2-1B's dimensions (its config.json): (hidden, layers, intermediate, kv heads x head dim).
+ONE_B = (2048, 16, 8192, 8 * 64)
+
+
+def lora_bytes(hidden: int, layers: int, intermediate: int, kv: int, rank: int = RANK, dtype_bytes: int = 4) -> int:
+    """Bytes of a rank-``rank`` adapter on every linear layer: r x (in + out) per module."""
+    per_layer = (hidden + hidden) * 2 + (hidden + kv) * 2 + (hidden + intermediate) * 2 + (intermediate + hidden)
+    return per_layer * rank * layers * dtype_bytes
+
+
+def write_adapters(base: Path, out: Path, count: int) -> list[Path]:
+    """``count`` random rank-16 adapters in PEFT's layout (one built by PEFT, the rest its shapes refilled)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.predictors.generation.tiny_lora import build_lora
+
+    first = build_lora(base, out / "a000", seed=0, rank=RANK, targets=TARGETS)
+    tensors = load_file(str(first / "adapter_model.safetensors"))
+    paths = [first]
+    for i in range(1, count):
+        folder = out / f"a{i:03d}"
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(i)
+        save_file({k: torch.randn(v.shape, generator=generator) * 0.02 for k, v in tensors.items()},
+                  str(folder / "adapter_model.safetensors"))  # fmt: skip
+        (folder / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
+        paths.append(folder)
+    return paths
+
+
+async def load(engine: TransformersEngine, prompt: list[int], args: argparse.Namespace,
+               pick: Any) -> float:  # fmt: skip
+    """Tokens/s of ``args.requests`` requests, ``args.concurrency`` at a time, each on ``pick(i)``'s adapter."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(args.requests):
+        queue.put_nowait(i)
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        while not queue.empty():
+            i = queue.get_nowait()
+            request = GenerationRequest(f"r{i}", prompt, SamplingParams(args.output_tokens, 0.0, ignore_eos=True),
+                                        adapter=pick(i))  # fmt: skip
+            async for chunk in engine.generate(request):
+                tokens += len(chunk.token_ids)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return tokens / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapters", type=int, default=100)
+    parser.add_argument("--resident", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    args = parser.parse_args()
+    print(f"# lora bench {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, transformers engine, "
+          f"{args.adapters} adapters (rank {RANK}, all linear layers), {args.resident} resident, "
+          f"c={args.concurrency}, {args.requests} requests of {args.prompt_tokens}+{args.output_tokens} "
+          "tokens")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_llama(Path(tmp) / "base", BENCH_SHAPE)
+        paths = write_adapters(base, Path(tmp) / "adapters", args.adapters)
+        refs = [AdapterRef(f"a{i:03d}", p) for i, p in enumerate(paths)]
+        config = PredictorConfig(model_name="bench", task=Task.GENERATE, backend=Backend.TRANSFORMERS, source=str(base))
+        engine = TransformersEngine(config, TransformersArgs(max_loras=args.resident, max_batch_size=args.concurrency,
+                                                             batch_wait_ms=5))  # fmt: skip
+        engine.load()
+        try:
+            prompt = [1 + (i * 7) % 400 for i in range(args.prompt_tokens)]
+            popularity = [1 / (rank + 1) for rank in range(args.adapters)]  # Zipf, s=1
+            chooser = random.Random(0)
+            zipf = chooser.choices(refs, weights=popularity, k=args.requests)
+            runs: dict[str, float] = {}
+            asyncio.run(load(engine, prompt, args, lambda i: None))  # warm-up
+            for label, pick in (
+                ("base alone", lambda i: None),
+                ("1 adapter (every request)", lambda i: refs[0]),
+                ("base, PEFT holding adapters", lambda i: None),
+                (f"{args.resident} adapters, all resident", lambda i: refs[i % args.resident]),
+                (f"{args.adapters} adapters, Zipf popularity", lambda i: zipf[i]),
+            ):
+                runs[label] = max(asyncio.run(load(engine, prompt, args, pick)) for _ in range(2))  # best of 2
+            anchor = runs["base alone"]
+            for label, rate in runs.items():
+                print(f"tokens/s {label:<40} {rate:8.1f}   ratio {rate / anchor:.2f}x (goal >= 0.8x)")
+            loads = []
+            for ref in refs[-5:]:
+                engine.unload_adapter(ref.name)
+                started = time.perf_counter()
+                engine.load_adapter(ref)
+                loads.append(time.perf_counter() - started)
+            cold = statistics.median(loads)
+            shape = (BENCH_SHAPE.hidden, BENCH_SHAPE.layers, BENCH_SHAPE.intermediate,
+                     BENCH_SHAPE.kv_heads * BENCH_SHAPE.hidden // BENCH_SHAPE.heads)  # fmt: skip
+            scale = lora_bytes(*ONE_B) / lora_bytes(*shape)
+            print(
+                f"cold load (files local), this model's adapter ({lora_bytes(*shape) >> 10} KiB): {cold * 1000:.0f} ms"
+            )
+            print(f"cold load scaled to a 1B-class rank-16 adapter ({lora_bytes(*ONE_B) >> 20} MiB, x{scale:.1f} "
+                  f"bytes): {cold * scale * 1000:.0f} ms (goal <= 1000 ms)")  # fmt: skip
+            print(json.dumps({"runs": runs, "cold_load_s": cold, "scaled_1b_s": cold * scale}))
+        finally:
+            engine.unload()
+
+
+if __name__ == "__main__":
+    main()
