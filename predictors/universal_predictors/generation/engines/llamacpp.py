@@ -19,6 +19,17 @@ the OpenAI layer relies on map one to one onto this loop; and the measured cost 
 small beside the decode (``bench/generation_llamacpp.py`` compares against ``llama-server`` built from
 the same vendored llama.cpp; the README's performance section has the numbers).
 
+LoRA adapters (GGUF LoRAs, :mod:`.llamacpp_lora`) are loaded with llama.cpp's adapter API, at most
+``max_loras`` at once (the least recently used idle one is freed). llama.cpp applies an adapter to the whole
+context, every sequence of a decode, so a step makes one ``llama_decode`` per adapter in use (the base is one
+group): each sequence still advances once a step, but ``n`` groups cost ``n`` decodes of fewer rows and
+``n - 1`` switches of the context's adapter, after each of which llama.cpp re-plans its compute graph instead
+of reusing the last one (``sched_reserve``: about 1 ms on CPU). A slot's cached prefix is reused only by a
+sequence on the same adapter (its K and V were computed through it). ``bench/lora_llamacpp.py``, 8 sequences on
+a ~30M Llama, 2 shared CPU cores: base 458 tokens/s, all on one rank-16 adapter 416 (0.91x), spread over 4
+adapters 250 (0.55x): the split decodes, not the LoRA matmuls, are the cost; on a larger model, whose decode is
+bound by reading the weights once per decode, expect the 4-adapter step to cost nearer 4 single decodes.
+
 ``n_ctx`` (per slot) is the GGUF's training context, capped by what the container's memory limit
 (cgroup, not the host's RAM) leaves for the KV cache of all slots once the weights are in; ``n_parallel``
 defaults from the CPUs (:func:`default_parallel`) and drops until each slot keeps a useful context:
@@ -614,6 +625,11 @@ class LlamaCppEngine(Engine):
         params.type_k = CACHE_TYPES[self.largs.type_k][0]
         params.type_v = CACHE_TYPES[self.largs.type_v][0]
         self._ctx = llama_internals.LlamaContext(model=self._model, params=params, verbose=False)
+        # llama-cpp-python prints every llama.cpp log line unless its logger is set: an adapter switch logs the
+        # graph's re-planning at INFO, lines per decode. Warnings and errors only, unless set already.
+        llama_log = logging.getLogger("llama-cpp-python")
+        if llama_log.level == logging.NOTSET:
+            llama_log.setLevel(logging.WARNING)
         self._memory = llama_cpp.llama_get_memory(self._ctx.ctx)
         if self.projector_path is not None:
             try:
