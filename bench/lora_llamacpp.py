@@ -4,7 +4,7 @@ small shape) with rank-16 GGUF LoRAs on q, v, o and down. One adapter adds its L
 4 adapters split each step into 4 decodes, with a switch of the context's adapter (and llama.cpp's graph
 re-planning) before each.
 
-    .venv/bin/python bench/lora_llamacpp.py [--tokens 64] [--rounds 3]
+    .venv/bin/python bench/lora_llamacpp.py [--size small|large] [--tokens 64] [--rounds 3]
 
 Prints one line per case: tokens/s (best round), decodes per step, and the ratio to the base.
 """
@@ -36,15 +36,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="decode threads (default: the engine's); 1 on a shared machine")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="bench/generation_llamacpp's shapes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        hf = build_llama(root / "hf", SIZES["small"])
+        hf = build_llama(root / "hf", SIZES[args.size])
         base = write_gguf(hf, root / "base.gguf")
         peft = {name: build_lora(hf, root / "peft" / name, seed=i + 1, rank=16) for i, name in enumerate(ADAPTERS)}
         lora_to_gguf(hf, {peft[name]: root / f"{name}.gguf" for name in ADAPTERS}, vendored_llama_cpp())
         config = PredictorConfig(model_name="bench", task=Task.GENERATE, backend=Backend.LLAMACPP, source=str(base))
-        engine = LlamaCppEngine(config, LlamaCppArgs(n_parallel=SEQUENCES, n_ctx=512))
+        engine = LlamaCppEngine(config, LlamaCppArgs(n_parallel=SEQUENCES, n_ctx=512, n_threads=args.threads))
         engine.load()
         try:
             cases: dict[str, list[str | None]] = {
@@ -57,7 +59,7 @@ def main() -> None:
             engine.unload()
     anchor = results["base alone"][0]
     for name, (rate, per_step) in results.items():
-        print(f"lora_llamacpp {name:12s} c={SEQUENCES} {rate:8.1f} tok/s  {per_step:.1f} decodes/step  "
+        print(f"lora_llamacpp {args.size} {name:12s} c={SEQUENCES} {rate:8.1f} tok/s  {per_step:.1f} decodes/step  "
               f"{rate / anchor:.2f}x base")  # fmt: skip
 
 

@@ -26,9 +26,9 @@ group): each sequence still advances once a step, but ``n`` groups cost ``n`` de
 ``n - 1`` switches of the context's adapter, after each of which llama.cpp re-plans its compute graph instead
 of reusing the last one (``sched_reserve``: about 1 ms on CPU). A slot's cached prefix is reused only by a
 sequence on the same adapter (its K and V were computed through it). ``bench/lora_llamacpp.py``, 8 sequences on
-a ~30M Llama, 2 shared CPU cores: base 458 tokens/s, all on one rank-16 adapter 416 (0.91x), spread over 4
-adapters 250 (0.55x): the split decodes, not the LoRA matmuls, are the cost; on a larger model, whose decode is
-bound by reading the weights once per decode, expect the 4-adapter step to cost nearer 4 single decodes.
+a ~30M Llama (rank-16 adapters), 2 CPU cores shared with other jobs, best of 3-5 alternating rounds: all on one
+adapter 0.91-0.94x the base's tokens/s (base 372-471), spread over 4 adapters 0.33-0.55x: the split decodes, not
+the LoRA matmuls, are the cost. Not measured: a larger model or a GPU.
 
 ``n_ctx`` (per slot) is the GGUF's training context, capped by what the container's memory limit
 (cgroup, not the host's RAM) leaves for the KV cache of all slots once the weights are in; ``n_parallel``
