@@ -46,3 +46,31 @@ def merged_greedy(base: Path, adapter: Path | None, prompt: list[int], max_token
             torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+#: Run the vendored llama.cpp's convert_lora_to_gguf.py on its own source (its ``conversion`` package and
+#: ``gguf-py``), several adapters in one process: torch and transformers imported once.
+_CONVERT_LORA = """
+import json, runpy, sys
+source, runs = sys.argv[1], json.loads(sys.argv[2])
+sys.path[:0] = [source, source + "/gguf-py"]
+for args in runs:
+    sys.argv = [source + "/convert_lora_to_gguf.py", *args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def lora_to_gguf(base: Path, adapters: dict[Path, Path], llama_cpp_source: Path) -> None:
+    """Each PEFT adapter folder (key) as an F32 GGUF LoRA (value), by llama.cpp's own converter; ``base`` is
+    the Hugging Face folder of the base model (its config names the tensors)."""
+    import json
+    import subprocess
+    import sys
+
+    runs = [["--base", str(base), "--outtype", "f32", "--outfile", str(out), str(folder)]
+            for folder, out in adapters.items()]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CONVERT_LORA, str(llama_cpp_source), json.dumps(runs)], capture_output=True, text=True
+    )
+    if result.returncode != 0 or not all(out.exists() for out in adapters.values()):
+        raise RuntimeError(f"convert_lora_to_gguf.py failed:\n{result.stderr[-4000:]}")
