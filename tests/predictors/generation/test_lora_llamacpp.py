@@ -191,3 +191,35 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name_and_the_base_serves_on(
         asyncio.run(run(engine, request(engine, 2, AdapterRef("foreign", tmp_path / "foreign"))))
     assert asyncio.run(run(engine, request(engine, 2, None))) == base_before
     assert engine._adapter_users["foreign"] == 0
+
+
+def test_a_predictor_process_serves_its_gguf_adapters_by_name(
+    engine: LlamaCppEngine, adapters: dict[str, Path], tiny_llama_gguf: Path, tmp_path: Path
+) -> None:
+    """The whole predictor on llama.cpp: ``--adapters-file`` lists GGUF LoRA folders, ``tiny:beta`` answers as
+    llama-cpp-python's own ``lora_path`` run does, and ``/v1/models`` lists the adapters with their parent."""
+    import json
+
+    import openai
+
+    from tests.predictors.harness import running_predictor
+
+    listing = tmp_path / "adapters.json"
+    listing.write_text(json.dumps({"adapters": [{"name": n, "uri": str(adapters[n])} for n in ("alpha", "beta")]}))
+    config = PredictorConfig(model_name="tiny", task=Task.GENERATE, backend=Backend.LLAMACPP,
+                             source=str(tiny_llama_gguf), engine_args={"n_ctx": str(N_CTX)},
+                             adapters_file=str(listing))  # fmt: skip
+    prompt = prompt_of(engine, 3)
+    expected_ids = reference_greedy(
+        tiny_llama_gguf, next(adapters["beta"].glob("*.gguf")), prompt, engine.eos_token_ids
+    )
+    with running_predictor(config, tmp_path) as running:
+        client = openai.OpenAI(base_url=running.openai_url, api_key="unused", max_retries=0)
+        cards = {m.id: m.model_extra for m in client.models.list().data}
+        assert cards["tiny:beta"]["parent"] == "tiny"
+        answer = client.completions.create(model="tiny:beta", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        assert answer.model == "tiny:beta"
+        with running.client() as http:
+            expected = http.post("/detokenize", json={"model": "tiny", "tokens": expected_ids}).json()["prompt"]
+        assert answer.choices[0].text == expected.removesuffix("\ufffd")  # a held-back partial character
