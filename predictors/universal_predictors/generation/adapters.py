@@ -29,7 +29,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: The adapter name PEFT's mixed-batch forward reads as "no adapter" for a row (peft/tuners/lora/model.py
 #: ``_enable_peft_forward_hooks``: rows named ``__base__`` skip every LoRA delta).
 BASE_ROW = "__base__"
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
 class AdapterMismatch(ValueError):
@@ -77,7 +77,7 @@ def read_lora(folder: Path) -> LoraShape:
     shapes = _safetensors_shapes(weights)
     parts: dict[str, dict[str, list[int]]] = {}
     for key, shape in shapes.items():
-        match = _LORA_KEY.match(key)
+        match = LORA_KEY.match(key)
         if match is not None:
             parts.setdefault(match["module"], {})[match["part"]] = shape
     modules: dict[str, tuple[int, int]] = {}

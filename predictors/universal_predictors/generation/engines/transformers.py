@@ -51,7 +51,7 @@ from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import detect_device, model_dtype, release_memory
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
-from universal_predictors.generation.adapters import BASE_ROW, AdapterMismatch, AdapterRef, check_fits, read_lora
+from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef, check_fits, read_lora
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -66,6 +66,7 @@ from universal_predictors.generation.engine import (
     tokenizer_special_tokens,
 )
 from universal_predictors.generation.engines.admission import Admission, QueuedSequence, stream_from_engine_thread
+from universal_predictors.generation.engines.batched_lora import BatchedLora, lora_matrices
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +320,8 @@ class TransformersEngine(Engine):
         #: The base model's linear layers, (in_features, out_features) by module path: read once, before PEFT
         #: wraps them, to check an adapter fits.
         self._linear_shapes: dict[str, tuple[int, int]] | None = None
-        self._wrapped = False
+        #: The resident adapters' matrices and their hooks (made with the first adapter).
+        self._lora: BatchedLora | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -455,6 +457,10 @@ class TransformersEngine(Engine):
         self._incoming.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._lora is not None:
+            self._lora.close()
+            self._lora = None
+        self._adapters.clear()
         for name in ("model", "tokenizer", "processor"):
             if hasattr(self, name):
                 delattr(self, name)
@@ -733,17 +739,17 @@ class TransformersEngine(Engine):
             rows, columns = tokens.shape[:2]
             self.step_hook(stage, int(rows), int(columns))
         with self._model_lock:
-            if self._peft:
-                # PEFT's mixed-adapter batch: each row through its own adapter's LoRA delta, or none.
-                inputs["adapter_names"] = [s.request.adapter.name if s.request.adapter else BASE_ROW for s in seqs]
-            return self.model(**inputs)
+            if self._lora is None:
+                return self.model(**inputs)
+            # Each row through its own adapter's LoRA delta (slot 0: the base), all in one forward.
+            slots = self._lora.slot_of
+            self._lora.rows([slots[s.request.adapter.name] if s.request.adapter else 0 for s in seqs])
+            try:
+                return self.model(**inputs)
+            finally:
+                self._lora.rows(None)
 
     # -- LoRA adapters ----------------------------------------------------------------------------------
-
-    @property
-    def _peft(self) -> bool:
-        """Whether PEFT wraps the model (since the first adapter loaded)."""
-        return self._wrapped
 
     @property
     def adapters_loaded(self) -> list[str]:
@@ -799,26 +805,21 @@ class TransformersEngine(Engine):
             return True
 
     def _attach(self, adapter: AdapterRef) -> None:
-        """Load the adapter's weights into the model (under the model lock)."""
-        from peft import PeftModel
-
+        """Put the adapter's matrices in a free slot (under the model lock)."""
+        if self._lora is None:
+            self._lora = BatchedLora(self.model, self.targs.max_loras, self._torch)
         try:
-            if self._peft:
-                self.model.load_adapter(str(adapter.path), adapter_name=adapter.name, is_trainable=False)
-            else:
-                self.model = PeftModel.from_pretrained(
-                    self.model, str(adapter.path), adapter_name=adapter.name, is_trainable=False
-                )
-                self._wrapped = True
-        except Exception as exc:
-            if self._peft and adapter.name in self.model.peft_config:
-                self.model.delete_adapter(adapter.name)  # what it injected before failing
-            raise AdapterMismatch(f"PEFT could not load the adapter: {exc}".splitlines()[0]) from exc
-        self.model.eval()
+            matrices, _ = lora_matrices(adapter.path, self._torch)
+        except AdapterMismatch:
+            raise
+        except Exception as exc:  # unreadable weights
+            raise AdapterMismatch(f"the adapter's weights cannot be read: {exc}".splitlines()[0]) from exc
+        self._lora.add(adapter.name, matrices)
 
     def _unload(self, name: str) -> None:
-        """Drop ``name``'s weights from the model (under the model lock)."""
-        self.model.delete_adapter(name)
+        """Free ``name``'s slot (under the model lock)."""
+        assert self._lora is not None
+        self._lora.remove(name)
         del self._adapters[name]
         logger.info("LoRA adapter %s unloaded", name)
 
