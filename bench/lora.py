@@ -12,10 +12,10 @@ Lines:
   on one of ``--resident`` adapters (every one resident: PEFT's mixed batch), then over all ``--adapters`` with a
   Zipf-like popularity (the engine keeps ``--resident``, loading and evicting the rest on demand). Ratio against
   the base (goal >= 0.8x).
-- cold load: loading one adapter whose files are on local disk into its slot (median of 5), and that time scaled to
-  a rank-16 adapter of a 1B-class model (Llama-3.2-1B: hidden 2048, 16 layers, intermediate 8192, 8 KV heads of 64) by the
-  ratio of the adapters' bytes (goal <= 1 s). The scaling is linear in bytes: PEFT's load reads the safetensors
-  and copies each matrix into its layer; the fixed per-layer cost of injecting LoRA modules scales with the layer
+- cold load: loading one adapter whose files are on local disk into its slot (median of 5), and that time scaled
+  to a rank-16 adapter of a 1B-class model (Llama-3.2-1B: hidden 2048, 16 layers, intermediate 8192, 8 KV heads of
+  64) by the ratio of the adapters' bytes (goal <= 1 s). The scaling is linear in bytes: a load reads the
+  safetensors and copies each matrix into its layer's slot; the fixed per-layer cost scales with the layer
   count (16 vs 8), which the byte ratio (about 9x) over-covers.
 
 Measured 2026-12-04 on the 2-core CI machine (30 adapters, 24 requests, c=8, best of 2): base 604 tokens/s; one
