@@ -81,6 +81,7 @@ class BatchedLora:
         #: The current forward's slot per row, per device (None: every row is the base's: no delta at all).
         self._rows: list[int] | None = None
         self._rows_on: dict[Any, Any] = {}
+        self._same: int | None = None  # the one slot every row is on, if so
 
     def add(self, name: str, matrices: dict[str, tuple[Any, Any]]) -> None:
         """Put ``name``'s matrices in a free slot (the caller keeps at most ``max_loras`` resident)."""
@@ -103,6 +104,7 @@ class BatchedLora:
         """The next forward's slot per row (None, or all zero: the base for every row)."""
         self._rows = slots if slots and any(slots) else None
         self._rows_on = {}
+        self._same = slots[0] if self._rows is not None and slots and len(set(slots)) == 1 else None
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -142,14 +144,17 @@ class BatchedLora:
         def add_delta(module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
             if self._rows is None:
                 return output
-            x = inputs[0]
+            x = inputs[0].to(layer.a.dtype)
+            if self._same is not None:  # every row on one adapter: two plain products, nothing gathered
+                delta = (x @ layer.a[self._same].T) @ layer.b[self._same].T
+                return output + delta.to(output.dtype)
             index = self._rows_on.get(x.device)
             if index is None:
                 index = self._rows_on[x.device] = torch.tensor(self._rows, dtype=torch.long, device=x.device)
             rows = x if x.dim() == 3 else x.unsqueeze(1)
             a = layer.a.index_select(0, index)
             b = layer.b.index_select(0, index)
-            delta = torch.bmm(torch.bmm(rows.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2))
+            delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2))
             return output + delta.view_as(output).to(output.dtype)
 
         return add_delta
