@@ -18,10 +18,10 @@ Lines:
   safetensors and copies each matrix into its layer's slot; the fixed per-layer cost scales with the layer
   count (16 vs 8), which the byte ratio (about 9x) over-covers.
 
-Measured 2026-12-04 on the 2-core CI machine (30 adapters, 24 requests, c=8, best of 2): base 604 tokens/s; one
-adapter for every request 0.70x; eight adapters mixed in each batch 0.63x; 30 adapters with Zipf popularity
-(loads and evictions included) 0.61x; cold load 5 ms, 46 ms scaled to 1B. PEFT's own mixed batch, which the engine
-used first, measured 0.29x and 0.32x, and 88 ms per load, on the same machine.
+Measured 2026-12-04 on the 2-core CI machine (30 adapters, 24 requests, c=8, best of 2): base 660 tokens/s; one
+adapter for every request 0.82x; the base with adapters resident 1.01x; eight adapters mixed in each batch 0.66x;
+30 adapters with Zipf popularity (loads and evictions included) 0.62x; cold load 5 ms, 46 ms scaled to 1B. PEFT's
+own mixed batch, which the engine used first, measured 0.29x and 0.32x, and 88 ms per load, on the same machine.
 vLLM's own multi-LoRA serving as the anchor for the vLLM engine: not in this script yet (issue 27).
 """
 
