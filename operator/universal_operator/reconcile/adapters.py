@@ -17,14 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from universal_operator.reconcile.labels import (
-    LABEL_MANAGED_BY,
-    LABEL_MODEL,
-    LABEL_NAME,
-    LABEL_PART_OF,
-    MANAGED_BY,
-    owner_reference,
-)
+from universal_operator.reconcile.labels import owned_metadata
 from universal_operator.spec import UniversalModel
 
 ADAPTERS_CONFIG_MAP_SUFFIX = "-adapters"
@@ -58,16 +51,6 @@ def desired_adapters_config_map(model: UniversalModel) -> dict[str, Any] | None:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": name,
-            "namespace": model.metadata.namespace,
-            "labels": {
-                LABEL_MANAGED_BY: MANAGED_BY,
-                LABEL_PART_OF: MANAGED_BY,
-                LABEL_NAME: model.metadata.name,
-                LABEL_MODEL: model.metadata.name,
-            },
-            "ownerReferences": [owner_reference(model)],
-        },
+        "metadata": owned_metadata(model, name),
         "data": {ADAPTERS_KEY: adapters_json(model)},
     }

@@ -76,6 +76,22 @@ def owner_reference(model: UniversalModel) -> dict[str, Any]:
     }
 
 
+def owned_metadata(model: UniversalModel, name: str) -> dict[str, Any]:
+    """The metadata of a namespaced helper object the model owns (its ServiceAccount, its adapters ConfigMap):
+    in the model's namespace, labelled as ours, garbage-collected with it."""
+    return {
+        "name": name,
+        "namespace": model.metadata.namespace,
+        "labels": {
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_PART_OF: MANAGED_BY,
+            LABEL_NAME: model.metadata.name,
+            LABEL_MODEL: model.metadata.name,
+        },
+        "ownerReferences": [owner_reference(model)],
+    }
+
+
 def owned_by(child: dict[str, Any], model: UniversalModel) -> bool:
     """Whether ``child`` names ``model`` as its controller."""
     refs = child.get("metadata", {}).get("ownerReferences") or []

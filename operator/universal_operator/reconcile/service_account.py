@@ -7,14 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from universal_operator.config import OperatorConfig
-from universal_operator.reconcile.labels import (
-    LABEL_MANAGED_BY,
-    LABEL_MODEL,
-    LABEL_NAME,
-    LABEL_PART_OF,
-    MANAGED_BY,
-    owner_reference,
-)
+from universal_operator.reconcile.labels import owned_metadata
 from universal_operator.spec import UniversalModel
 
 #: The per-model ServiceAccount that hands spec.source.credentialsSecret to KServe's storage initializer.
@@ -53,17 +46,7 @@ def desired_service_account(model: UniversalModel) -> dict[str, Any] | None:
     return {
         "apiVersion": SERVICE_ACCOUNT_API_VERSION,
         "kind": "ServiceAccount",
-        "metadata": {
-            "name": name,
-            "namespace": model.metadata.namespace,
-            "labels": {
-                LABEL_MANAGED_BY: MANAGED_BY,
-                LABEL_PART_OF: MANAGED_BY,
-                LABEL_NAME: model.metadata.name,
-                LABEL_MODEL: model.metadata.name,
-            },
-            "ownerReferences": [owner_reference(model)],
-        },
+        "metadata": owned_metadata(model, name),
         "secrets": [{"name": model.spec.source.credentials_secret}],
         "automountServiceAccountToken": False,
     }

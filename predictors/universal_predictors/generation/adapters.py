@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +30,28 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: ``_enable_peft_forward_hooks``: rows named ``__base__`` skip every LoRA delta).
 BASE_ROW = "__base__"
 LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def make_room(
+    resident: Collection[str], users: Mapping[str, int], max_loras: int, free: Callable[[str], None], model: str
+) -> None:
+    """Free least recently used adapters (``resident``, live, in that order; ``free`` removes one from it) no
+    sequence uses until fewer than ``max_loras`` remain; 503 ``adapters_busy`` when every one is in use. The
+    engines' shared LRU rule."""
+    from universal_predictors import metrics
+    from universal_predictors.errors import Unavailable
+
+    while len(resident) >= max_loras:
+        idle = next((name for name in resident if users.get(name, 0) <= 0), None)
+        if idle is None:
+            raise Unavailable(
+                f"all {max_loras} resident adapters (engine arg max_loras) are in use; retry when one finishes, or "
+                "raise max_loras",
+                code="adapters_busy",
+                retry_after=1,
+            )
+        free(idle)
+        metrics.ADAPTER_EVICTIONS.labels(model, idle).inc()
 
 
 class AdapterMismatch(ValueError):

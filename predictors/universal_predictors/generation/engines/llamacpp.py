@@ -65,9 +65,8 @@ from universal_predictors import metrics
 from universal_predictors.base import StartupError
 from universal_predictors.catalog import Backend
 from universal_predictors.config import PredictorConfig
-from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
-from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef
+from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef, make_room
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -780,17 +779,8 @@ class LlamaCppEngine(Engine):
             with self._model_lock:
                 if resident is not None:  # a new version of the same name: the old one goes first
                     self._free_adapter(adapter.name)
-                while len(self._adapters) >= self.largs.max_loras:
-                    idle = next((name for name in self._adapters if self._adapter_users[name] <= 0), None)
-                    if idle is None:
-                        raise Unavailable(
-                            f"all {self.largs.max_loras} resident adapters (engine arg max_loras) are in use; "
-                            "retry when one finishes, or raise max_loras",
-                            code="adapters_busy",
-                            retry_after=1,
-                        )
-                    self._free_adapter(idle)
-                    metrics.ADAPTER_EVICTIONS.labels(self.config.model_name, idle).inc()
+                make_room(self._adapters, self._adapter_users, self.largs.max_loras, self._free_adapter,
+                          self.config.model_name)  # fmt: skip
                 handle = llama_cpp.llama_adapter_lora_init(self._model.model, str(path).encode("utf-8"))
                 if not handle:
                     raise AdapterMismatch(f"llama.cpp could not load the LoRA {path.name} onto this base model "

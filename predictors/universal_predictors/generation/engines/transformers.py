@@ -51,7 +51,7 @@ from universal_predictors.config import PredictorConfig
 from universal_predictors.devices import detect_device, model_dtype, release_memory
 from universal_predictors.errors import Unavailable
 from universal_predictors.generation import constraints
-from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef, check_fits, read_lora
+from universal_predictors.generation.adapters import AdapterMismatch, AdapterRef, check_fits, make_room, read_lora
 from universal_predictors.generation.engine import (
     Engine,
     EngineCapabilities,
@@ -777,17 +777,8 @@ class TransformersEngine(Engine):
             check_fits(read_lora(adapter.path), self._linear_shapes)
             if adapter.name in self._adapters:  # a new version of the same name: the old one goes first
                 self._unload(adapter.name)
-            while len(self._adapters) >= self.targs.max_loras:
-                idle = next((name for name in self._adapters if self._adapter_users[name] <= 0), None)
-                if idle is None:
-                    raise Unavailable(
-                        f"all {self.targs.max_loras} resident adapters (engine arg max_loras) are in use; retry "
-                        "when one finishes, or raise max_loras",
-                        code="adapters_busy",
-                        retry_after=1,
-                    )
-                self._unload(idle)
-                metrics.ADAPTER_EVICTIONS.labels(self.config.model_name, idle).inc()
+            make_room(self._adapters, self._adapter_users, self.targs.max_loras, self._unload,
+                      self.config.model_name)  # fmt: skip
             self._attach(adapter)
             self._adapters[adapter.name] = adapter.path
         elapsed = time.monotonic() - started
