@@ -3,8 +3,10 @@
 Why a ConfigMap volume: adding or removing an adapter must not roll the predictor (a restart reloads the base
 model and drops every request in flight). A change to the InferenceService's pod template makes Knative cut a new
 revision (and KServe's raw mode a new ReplicaSet); a ConfigMap's data is not in the template, and the kubelet
-rewrites a mounted ConfigMap in place when it changes (not with ``subPath``; after its sync period and cache TTL,
-about a minute by default), where the predictor re-reads it (``--adapters-file``). Knative accepts configMap
+rewrites a mounted ConfigMap in place when it changes (not with ``subPath``; Kubernetes v1.31
+``pkg/volume/configmap/configmap.go`` with ``pkg/volume/util/atomic_writer.go``), at its next pod sync: the
+kubelet's ``syncFrequency`` defaults to 1 minute (``pkg/kubelet/apis/config/v1beta1/defaults.go``), so about a
+minute; there the predictor re-reads it (``--adapters-file``). Knative accepts configMap
 volumes with no feature flag (knative/serving knative-v1.23.0 ``pkg/apis/serving/k8s_validation.go``
 validateVolume: only emptyDir, hostPath, CSI, ephemeral, image and PVC volumes are behind flags).
 
