@@ -88,6 +88,33 @@ def test_a_batch_mixing_four_adapters_and_the_base_gives_each_row_its_solo_outpu
     assert max(rows for stage, rows, _ in steps if stage == "decode") == len(names)  # one batch, adapters mixed
 
 
+def test_adapters_of_other_ranks_and_modules_mix_in_one_batch(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A rank-4 adapter first, then rank 16 (every slot's matrices padded to the larger rank) on partly other modules:
+    each row of a mixed batch still says what PEFT's merged model says for its adapter."""
+    shapes = {"narrow": (4, ("q_proj", "v_proj")), "broad": (16, ("q_proj", "k_proj", "o_proj", "up_proj"))}
+    folders = {n: build_lora(tiny_llama_dir, tmp_path / n, seed=5 + i, rank=r, targets=t)
+               for i, (n, (r, t)) in enumerate(shapes.items())}  # fmt: skip
+    config = PredictorConfig(model_name="tiny", task=Task.GENERATE, backend=Backend.TRANSFORMERS,
+                             source=str(tiny_llama_dir))  # fmt: skip
+    engine = TransformersEngine(config, TransformersArgs(batch_wait_ms=50, max_loras=2))
+    engine.load()
+    try:
+        engine.load_adapter(AdapterRef("narrow", folders["narrow"]))  # the slots are made at rank 4, then grown
+        names = ["narrow", "broad", None, "broad", "narrow"]
+        refs = [AdapterRef(n, folders[n]) if n else None for n in names]
+
+        async def together() -> list[list[int]]:
+            return list(await asyncio.gather(*(run(engine, request(engine, i, r)) for i, r in enumerate(refs))))
+
+        batched = asyncio.run(together())
+        prompts = [prompt_of(engine, i) for i in range(len(names))]
+    finally:
+        engine.unload()
+    for i, name in enumerate(names):
+        expected = merged_greedy(tiny_llama_dir, folders[name] if name else None, prompts[i], MAX_TOKENS)
+        assert batched[i] == expected, (i, name)
+
+
 def test_adapters_beyond_max_loras_evict_the_least_recently_used(
     engine: TransformersEngine, adapters: dict[str, Path]
 ) -> None:

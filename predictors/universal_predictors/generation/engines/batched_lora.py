@@ -1,13 +1,16 @@
-"""LoRA deltas for a batch whose rows use different adapters, two batched matrix products per layer.
+"""LoRA deltas for a batch whose rows use different adapters, two matrix products per layer.
 
 Each resident adapter has a slot (1..``max_loras``; slot 0 is the base: zero matrices). For every adapted linear
-layer the slots' matrices are stacked, ``A`` as [slots, r, in] and ``B`` (its scaling folded in) as
-[slots, out, r], ``r`` the largest rank resident (smaller ranks zero-padded: the padding adds nothing). A forward
-hook on the layer adds, for the step's rows, ``(x @ A[slot]^T) @ B[slot]^T`` with the rows' slots gathered in one
-``index_select``: the same arithmetic as PEFT's unmerged LoRA (``peft/tuners/lora/layer.py`` ``Linear.forward``,
-0.21), in two ``bmm`` whatever the mix of adapters, where PEFT's mixed batch (``_mixed_batch_forward``) loops over
-the batch's adapters with a gather and a scatter each. vLLM's punica kernels (``vllm/lora/punica_wrapper``) do the
-same per row with CUDA kernels; this is their shape in plain torch, on any device.
+layer the slots' matrices are stacked slot after slot, ``A`` as [slots * r, in] and ``B`` (its scaling folded in)
+as [slots * r, out], ``r`` the largest rank resident (smaller ranks zero-padded: the padding adds nothing). A
+forward hook on the layer adds, for the step's rows, ``((x @ A^T) * mask) @ B`` where ``mask`` keeps, for each row,
+only its own slot's ``r`` columns: every row's ``(x @ A[slot]^T) @ B[slot]^T``, the same arithmetic as PEFT's
+unmerged LoRA (``peft/tuners/lora/layer.py`` ``Linear.forward``, 0.21), in two dense products over the slots the
+step uses, whatever the mix of adapters. PEFT's mixed batch (``_mixed_batch_forward``) loops over the batch's
+adapters with a gather and a scatter each; gathering each row's matrices for two ``bmm`` (this module's first
+form) copies every row's adapter at every step. vLLM's punica kernels (``vllm/lora/punica_wrapper``) do the
+per-row products with CUDA kernels; this is the same sum in plain torch, on any device. Its cost grows with the
+slots in use times ``r``, against the layer's own width: measured in ``bench/lora.py``.
 
 What an adapter may use: PEFT LoRA with ``bias: none``, no DoRA, no ``modules_to_save``, no ``fan_in_fan_out``, no
 per-module ``alpha_pattern`` or ``rank_pattern``; ``use_rslora`` scales by ``alpha / sqrt(r)``. Anything else is
@@ -43,8 +46,9 @@ _UNSUPPORTED: dict[str, Any] = {
 class _Layer:
     """One adapted linear layer's stacked matrices."""
 
-    a: Any  # [slots + 1, rank, in]
-    b: Any  # [slots + 1, out, rank], scaling folded in
+    a: Any  # [(slots + 1) * rank, in]
+    b: Any  # [(slots + 1) * rank, out], scaling folded in
+    rank: int
 
 
 def lora_matrices(folder: Path, torch: Any) -> tuple[dict[str, tuple[Any, Any]], int]:
@@ -119,42 +123,62 @@ class BatchedLora:
         rank = a.shape[0]
         if layer is None:
             layer = _Layer(
-                a=torch.zeros((self._slots, rank, linear.in_features), dtype=weight.dtype, device=weight.device),
-                b=torch.zeros((self._slots, linear.out_features, rank), dtype=weight.dtype, device=weight.device),
+                a=torch.zeros((self._slots * rank, linear.in_features), dtype=weight.dtype, device=weight.device),
+                b=torch.zeros((self._slots * rank, linear.out_features), dtype=weight.dtype, device=weight.device),
+                rank=rank,
             )
             self._layers[module] = layer
             self._hooks.append(linear.register_forward_hook(self._hook(layer)))
-        elif rank > layer.a.shape[1]:  # a larger rank than any before: pad every slot's matrices with zeros
-            grow = rank - layer.a.shape[1]
-            layer.a = torch.cat([layer.a, layer.a.new_zeros((self._slots, grow, layer.a.shape[2]))], dim=1)
-            layer.b = torch.cat([layer.b, layer.b.new_zeros((self._slots, layer.b.shape[1], grow))], dim=2)
-        layer.a[slot].zero_()
-        layer.b[slot].zero_()
-        layer.a[slot, :rank] = a.to(weight.device, weight.dtype)
-        layer.b[slot, :, :rank] = b.to(weight.device, weight.dtype)
+        elif rank > layer.rank:  # a larger rank than any before: pad every slot's block with zeros
+            grow, old = rank - layer.rank, layer.rank
+            a_old = layer.a.view(self._slots, old, -1)
+            b_old = layer.b.view(self._slots, old, -1)
+            layer.a = torch.cat([a_old, a_old.new_zeros((self._slots, grow, a_old.shape[2]))], dim=1).flatten(0, 1)
+            layer.b = torch.cat([b_old, b_old.new_zeros((self._slots, grow, b_old.shape[2]))], dim=1).flatten(0, 1)
+            layer.rank = rank
+        block = slice(slot * layer.rank, (slot + 1) * layer.rank)
+        layer.a[block].zero_()
+        layer.b[block].zero_()
+        layer.a[slot * layer.rank : slot * layer.rank + rank] = a.to(weight.device, weight.dtype)
+        layer.b[slot * layer.rank : slot * layer.rank + rank] = b.T.to(weight.device, weight.dtype)
 
     def _clear(self, slot: int) -> None:
         for layer in self._layers.values():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
+            layer.a[slot * layer.rank : (slot + 1) * layer.rank].zero_()
+            layer.b[slot * layer.rank : (slot + 1) * layer.rank].zero_()
+
+    def _mask(self, rank: int, device: Any, dtype: Any) -> tuple[Any, int, int]:
+        """The step's row mask over the slots in use ([rows, 1, (last - first) * rank]), and those slots' range."""
+        key = (rank, device, dtype)
+        cached = self._rows_on.get(key)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        assert self._rows is not None
+        used = [s for s in self._rows if s]
+        first, last = min(used), max(used) + 1
+        mask = self._torch.zeros((len(self._rows), 1, (last - first) * rank), dtype=dtype)
+        for row, slot in enumerate(self._rows):
+            if slot:
+                mask[row, 0, (slot - first) * rank : (slot - first + 1) * rank] = 1
+        cached = self._rows_on[key] = (mask.to(device), first, last)
+        return cached
 
     def _hook(self, layer: _Layer) -> Any:
-        torch = self._torch
-
         def add_delta(module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
             if self._rows is None:
                 return output
-            x = inputs[0].to(layer.a.dtype)
-            if self._same is not None:  # every row on one adapter: two plain products, nothing gathered
-                delta = (x @ layer.a[self._same].T) @ layer.b[self._same].T
+            x = inputs[0]
+            if x.dtype != layer.a.dtype:
+                x = x.to(layer.a.dtype)
+            r = layer.rank
+            if self._same is not None:  # every row on one adapter: two plain products, nothing masked
+                block = slice(self._same * r, (self._same + 1) * r)
+                delta = (x @ layer.a[block].T) @ layer.b[block]
                 return output + delta.to(output.dtype)
-            index = self._rows_on.get(x.device)
-            if index is None:
-                index = self._rows_on[x.device] = torch.tensor(self._rows, dtype=torch.long, device=x.device)
+            mask, first, last = self._mask(r, x.device, x.dtype)
             rows = x if x.dim() == 3 else x.unsqueeze(1)
-            a = layer.a.index_select(0, index)
-            b = layer.b.index_select(0, index)
-            delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2))
+            used = slice(first * r, last * r)
+            delta = (rows @ layer.a[used].T).mul_(mask) @ layer.b[used]
             return output + delta.view_as(output).to(output.dtype)
 
         return add_delta
