@@ -95,7 +95,9 @@ TARGETS = [
         no_emit=("torchvision", "torchaudio", "torchcodec"),
     ),
     Target(
-        "image-control-plane", "the control-plane image: the base dependencies, extra tracing", ("tracing",),
+        "image-control-plane",
+        "the control-plane image: the base dependencies, extra tracing",
+        ("tracing",),
         ("setuptools>=69",),
     ),
     # llama-cpp-python is left out: the wheelhouse carries the wheel built here from the dev lock's hashed sdist

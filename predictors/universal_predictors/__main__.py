@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from universal_predictors import standby, wake_phases
+from universal_predictors import standby, tracing, wake_phases
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PARENT_PID_ENV, STANDBY_FLAG, PredictorConfig, resolve_backend, resolve_source
 
@@ -161,6 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         predictor = cls(config)
     except StartupError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    try:  # before the routes are bound (serve): they are traced or not from then on
+        tracing.configure("universal-predictor", attributes={"universal_runtime.model": config.model_name,
+                                                             "universal_runtime.task": config.task.value})  # fmt: skip
+    except tracing.TracingConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     serve(predictor, config.http_port, host=config.http_host, enable_grpc=bool(ns.enable_grpc), grpc_port=ns.grpc_port)

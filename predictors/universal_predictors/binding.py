@@ -22,13 +22,14 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from universal_predictors.catalog import Route
+from universal_predictors import tracing
+from universal_predictors.catalog import Backend, Route, Task
 from universal_predictors.http import endpoint, unless_disconnected
 
 
@@ -36,6 +37,8 @@ class UniversalPredictor(Protocol):
     """What the binder uses of a predictor (:class:`universal_predictors.base.UniversalPredictor`)."""
 
     name: str
+    task: ClassVar[Task]
+    backend: Backend
     stop_on_disconnect: bool
 
     async def read_request(self, route: Route, request: Request) -> tuple[str | None, Any]: ...
@@ -72,6 +75,8 @@ def bind_routes(predictor: UniversalPredictor, router: APIRouter, routes: Sequen
                 "(the catalog's route names it)"
             )
         answer = _body_route(predictor, route, handler) if route.method == "POST" else _query_route(predictor, handler)
+        answer = tracing.traced_route(answer, route.operation, predictor.task.value,
+                                      lambda: (predictor.name, predictor.backend.value))  # fmt: skip
         bound = endpoint(route.operation, lambda: predictor.name, route.errors)(answer)
         for path in (route.upstream, *route.aliases):
             router.add_api_route(_rest_of_path(path), bound, methods=[route.method], name=route.operation)
@@ -81,7 +86,8 @@ def _body_route(
     predictor: UniversalPredictor, route: Route, handler: Handler
 ) -> Callable[[Request], Awaitable[Response]]:
     async def answer(request: Request) -> Response:
-        model, body = await predictor.read_request(route, request)
+        with tracing.span("parse"):
+            model, body = await predictor.read_request(route, request)
         predictor.check_model(model)
         predictor.require_ready()
         if predictor.stop_on_disconnect:

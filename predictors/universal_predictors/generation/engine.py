@@ -229,6 +229,9 @@ class GenerationChunk:
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    #: On a sequence's first chunk, when the engine began its prefill (``time.time_ns()``), where the engine says
+    #: (transformers, llama.cpp): the end of its wait in the queue, in its trace (:mod:`universal_predictors.tracing`).
+    prefill_started_ns: int | None = None
 
 
 #: Sampling defaults a model may publish, and their bounds: ``generation_config.json``'s ``temperature``, ``top_p``,

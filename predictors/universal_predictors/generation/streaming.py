@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from universal_predictors import metrics
+from universal_predictors import metrics, tracing
 from universal_predictors.errors import APIError, InternalError, InvalidRequest
 from universal_predictors.generation.engine import Engine, GenerationRequest, TokenLogprob
 from universal_predictors.generation.planning import Plan
@@ -130,6 +130,7 @@ class ChoiceRunner:
         the sequence."""
         choice = Choice(index)
         matcher = StopMatcher(stops)
+        spans = tracing.sequence_spans()  # None unless tracing is on
         started = last = time.perf_counter()
         stream = self.engine.generate(request)
         try:
@@ -140,6 +141,8 @@ class ChoiceRunner:
                     now = time.perf_counter()
                     if choice.tokens == 0:
                         metrics.TIME_TO_FIRST_TOKEN.labels(self.model_name).observe(now - started)
+                        if spans is not None:
+                            spans.token(chunk.prefill_started_ns)
                     else:
                         metrics.INTER_TOKEN_LATENCY.labels(self.model_name).observe(now - last)
                     last = now
@@ -162,6 +165,8 @@ class ChoiceRunner:
                 raise InvalidRequest(str(exc), param=param) from None
         finally:
             await stream.aclose()  # type: ignore[attr-defined]  # async generators have aclose()
+            if spans is not None:
+                spans.end(choice.tokens, choice.finish_reason, len(request.prompt_ids))
         if choice.finish_reason is None:  # the engine ended without saying why
             choice.finish_reason = "stop"
         return choice
@@ -181,7 +186,10 @@ class ChoiceRunner:
         error, cancelled), every choice has left its engine's ``generate`` when it returns."""
         tasks = started if started is not None else self.start_all(plan, emit)
         try:
-            return list(await asyncio.gather(*tasks))
+            choices = list(await asyncio.gather(*tasks))
+            if tracing.ACTIVE is not None:
+                tracing.usage(plan.prompt_tokens, sum(c.tokens for c in choices), [c.finish_reason for c in choices])
+            return choices
         finally:
             for task in tasks:
                 task.cancel()

@@ -79,6 +79,8 @@ class QueuedSequence:
     grammar: str | None  # llguidance grammar of the constraint, checked before admission
     #: Set from the event loop when the consumer goes away: the engine thread drops it at its next step.
     abandoned: bool = field(default=False, kw_only=True)
+    #: Set by the engine thread when it first takes the sequence into a prefill (``time.time_ns()``; 0: not yet).
+    prefill_started_ns: int = field(default=0, kw_only=True)
 
     def send(self, item: Any) -> None:
         """From the engine thread: a :data:`TokenItem` or an exception, to the sequence's consumer."""
@@ -102,7 +104,11 @@ async def stream_from_engine_thread(
     try:
         want_logprobs = seq.request.params.logprobs is not None
         async with contextlib.aclosing(drain_tokens(engine, seq.out, want_logprobs)) as chunks:
+            first = True
             async for chunk in chunks:
+                if first:
+                    chunk.prefill_started_ns = seq.prefill_started_ns or None
+                    first = False
                 yield chunk
     finally:
         seq.abandoned = True

@@ -934,6 +934,7 @@ class LlamaCppEngine(Engine):
     def _admit(self, seq: _Seq, slot: _Slot, running: list[_Seq]) -> None:
         """Put ``seq`` into ``slot``: keep the cached common prefix (the last prompt token is always evaluated
         again, as its logits pick the first token), build its sampler and constraint matcher."""
+        seq.prefill_started_ns = seq.prefill_started_ns or time.time_ns()  # its wait in the queue ends here
         prompt = seq.keys
         common = slot.cut(min(common_prefix(slot.cached, prompt), len(prompt) - 1)) if slot.lora is seq.lora else 0
         slot.lora = seq.lora

@@ -826,6 +826,9 @@ class TransformersEngine(Engine):
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[Any, Any]:
         torch = self._torch
+        now = time.time_ns()
+        for seq in seqs:  # the first prefill ends its wait (a preempted one's second is part of its generation)
+            seq.prefill_started_ns = seq.prefill_started_ns or now
         width = max(len(s.context_ids) for s in seqs)
         pad = next(iter(self._eos), 0)
         ids = torch.full((len(seqs), width), pad, dtype=torch.long)
