@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from universal_gateway import tracing
 from universal_gateway.auth import ApiKeys, Forbidden
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.limits import GatewayLimits as GatewayLimits
@@ -84,7 +85,8 @@ class Gateway:
         self._server: HttpServer | None = None
         self._router: Router[_Handler] = Router()
         for path, task_route in task_routes(catalog):
-            self._router.add(path, task_route.route.method, self._task_handler(task_route))
+            handler = tracing.traced(self._task_handler(task_route), task_route.route.operation, task_route.task)
+            self._router.add(path, task_route.route.method, handler)
         for prefix in PREFIXES:
             self._router.add(f"{prefix}/models", "GET", self._list_models)
             self._router.add(f"{prefix}/models/{{name:path}}", "GET", self._get_model)
@@ -437,8 +439,10 @@ class Gateway:
         observe: Observer | None = None,
     ) -> Response | StreamedResponse:
         base = self._adapter_base(name)
+        tracing.model(name)
         if self.keys.enabled:
-            self.keys.authorize(self._credentials(request), name, base)
+            with tracing.auth():
+                self.keys.authorize(self._credentials(request), name, base)
         view = self.backends.find(base or name)
         if view is None:
             raise self._unknown(name)
@@ -479,6 +483,7 @@ class Gateway:
                     if held:
                         request.on_gone = None
                         held, waited = False, time.monotonic() - started
+                        tracing.held(name, waited)
                         self._unhold(name)
                         self.wake_waits.woke(name, waited)
                         series.woke(waited)
@@ -509,6 +514,7 @@ class Gateway:
                         await _stop(keepalive)
                     if held:  # the wake failed, or the client left while held
                         request.on_gone = None
+                        tracing.held(name, time.monotonic() - started, woke=False)
                         self._unhold(name)
                 status = response.status
                 return response
@@ -570,7 +576,9 @@ class Gateway:
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
         origin = self._upstreams.origin(base)
-        head = origin.head(request, path, len(body), self._token_header + extra_head)
+        trace = tracing.upstream(name, base, path)
+        observe = trace.observing(observe)
+        head = origin.head(request, path, len(body), self._token_header + extra_head + trace.head_lines, trace.replaced)
         attempt = 0
         while True:
             try:
@@ -580,6 +588,7 @@ class Gateway:
                 # Nothing was sent yet: one retry is safe (the process may have just restarted).
                 attempt += 1
                 if attempt > 1:
+                    trace.end(0)
                     raise APIError(
                         f"The model {name!r} is unreachable: {exc}", status_code=502, code="upstream_unreachable"
                     ) from None
@@ -639,6 +648,7 @@ class Gateway:
             await response.end()
             return response
         finally:
+            trace.end(upstream.status)
             self._upstreams.release(upstream, whole)
 
 

@@ -66,6 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if (error := _start_tracing()) is not None:
+        return _fail("serve", error)
     from universal_gateway.local import default_state_root
 
     state_root = Path(args.state_dir) if args.state_dir else default_state_root()
@@ -95,6 +97,8 @@ def _gateway(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if (error := _start_tracing()) is not None:
+        return _fail("gateway", error)
     backends = KubernetesBackends(args.namespace)
     if args.upstream_token_file:
         try:
@@ -153,6 +157,18 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
     )
 
 
+def _start_tracing() -> str | None:
+    """Tracing on when the OTEL_* environment asks (universal_gateway.tracing), before the Gateway binds its routes;
+    what is wrong with that environment, if anything."""
+    from universal_gateway import tracing
+
+    try:
+        tracing.configure("universal-gateway")
+    except tracing.TracingConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> int:
     """Serve until SIGINT or SIGTERM; then requests in flight finish and every predictor stops."""
 
@@ -170,8 +186,13 @@ def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> in
         await gateway.close()  # stops every predictor: no orphans
         return 0
 
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(run())
+    from universal_gateway import tracing
+
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(run())
+    finally:
+        tracing.shutdown()  # the spans still queued go out
 
 
 def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:

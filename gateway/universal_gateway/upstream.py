@@ -69,14 +69,17 @@ class Origin:
         self.host_header = url.host_port_subcomponent or self.host
         self.prefix = url.raw_path.rstrip("/")
 
-    def head(self, request: Request, path: str, length: int, extra: bytes = b"") -> bytes:
-        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own,
-        plus ``extra`` (complete header lines)."""
+    def head(
+        self, request: Request, path: str, length: int, extra: bytes = b"", replaced: frozenset[bytes] = frozenset()
+    ) -> bytes:
+        """The request line and headers: the caller's (as sent), less hop-by-hop and the gateway's own and those
+        ``extra`` replaces (lower-case names: a traced request's trace context), plus ``extra`` (complete lines)."""
         query = request.query_string
         parts = [f"{request.method} {self.prefix}{path}{'?' + query if query else ''} HTTP/1.1\r\n"
                  f"Host: {self.host_header}\r\n".encode("latin-1")]  # fmt: skip
+        dropped = _DROPPED_HEADER_BYTES | replaced if replaced else _DROPPED_HEADER_BYTES
         for key, value in request.raw_headers:
-            if key.lower() not in _DROPPED_HEADER_BYTES:
+            if key.lower() not in dropped:
                 parts += (key, b": ", value, b"\r\n")
         if length or request.method == "POST":
             parts.append(b"Content-Length: %d\r\n" % length)

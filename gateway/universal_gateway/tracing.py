@@ -1,0 +1,233 @@
+"""The gateway's spans: ``gateway.request`` for each proxied request, with ``auth``, ``hold`` and ``upstream``.
+
+On and off as :mod:`universal_predictors.tracing` says (``OTEL_TRACES_EXPORTER``; off by default), with the same
+OTLP/HTTP export. Off, :func:`traced` hands back the route's handler itself and the other hooks return a shared
+no-op: no SDK import, no span object, one global load per hook on the request path (bench/gateway.py measures it).
+
+On, a proxied request's tree is::
+
+    gateway.request (server; the child of the client's traceparent, if it sent one)
+      auth          the key's check for the model (with keys on)
+      hold          only when the model was asleep: from the request's arrival to the upstream's head (the wake)
+      upstream      (client) the predictor's request; its traceparent replaces the client's on the way up, so
+                    the predictor's predictor.request span is its child
+
+with the GenAI semantic conventions' attributes where the gateway knows them (``gen_ai.request.model``,
+``gen_ai.operation.name``; from a 200's body, ``gen_ai.usage.input_tokens``/``output_tokens`` and
+``gen_ai.response.finish_reasons``: a stream's counts need ``stream_options.include_usage``, as for the client).
+Bodies are read for those counts only, never recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from universal_predictors import tracing as shared
+from universal_predictors.tracing import TRACE_CONTEXT_HEADERS, TracingConfigError, operation_name
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from universal_gateway.server import Request, Response, StreamedResponse
+
+configure = shared.configure
+shutdown = shared.shutdown
+__all__ = [
+    "NO_UPSTREAM", "TracingConfigError", "Upstream", "auth", "configure", "held", "model", "shutdown", "traced",
+    "upstream",
+]  # fmt: skip
+
+#: What the upstream's head leaves out when tracing is on: the client's trace context, which ours replaces.
+REPLACED_HEADERS = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
+
+_Handler = Callable[["Request", Any], Awaitable["Response | StreamedResponse"]]
+
+
+def traced(handler: _Handler, operation: str, task: str) -> _Handler:
+    """``handler`` (a proxied route's) inside a ``gateway.request`` span; ``handler`` itself when tracing is off."""
+    tracing = shared.ACTIVE
+    if tracing is None:
+        return handler
+    from opentelemetry import context, trace
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    op = operation_name(operation, task)
+
+    @functools.wraps(handler)
+    async def request_span(request: Request, params: Any) -> Response | StreamedResponse:
+        parent = tracing.extract(request.headers)
+        span = tracing.tracer.start_span("gateway.request", context=parent, kind=SpanKind.SERVER, attributes={
+            "gen_ai.operation.name": op, "universal_runtime.task": task, "http.request.method": request.method,
+            "url.path": request.path,
+        })  # fmt: skip
+        token = context.attach(trace.set_span_in_context(span, parent))
+        status = 500
+        try:
+            response = await handler(request, params)
+            status = response.status
+            return response
+        except BaseException as exc:
+            status = int(getattr(exc, "status_code", 499 if isinstance(exc, ConnectionResetError) else 500))
+            span.set_attribute("error.type", type(exc).__name__ if status >= 500 else str(status))
+            raise
+        finally:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(StatusCode.ERROR)
+            context.detach(token)
+            span.end()
+
+    return request_span
+
+
+def model(name: str) -> None:
+    """The model the current request names (``gen_ai.request.model``)."""
+    if shared.ACTIVE is None:
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().set_attribute("gen_ai.request.model", name)
+
+
+def auth() -> contextlib.AbstractContextManager[Any]:
+    """The ``auth`` span for the block; a shared no-op when tracing is off."""
+    return shared.span("auth")
+
+
+def held(name: str, waited_s: float, *, woke: bool = True) -> None:
+    """A ``hold`` span, ending now, of the ``waited_s`` the request waited for ``name`` to wake (``woke``: it did)."""
+    tracing = shared.ACTIVE
+    if tracing is None:
+        return
+    from opentelemetry.trace import StatusCode
+
+    end = time.time_ns()
+    span = tracing.tracer.start_span("hold", start_time=end - int(waited_s * 1e9), attributes={
+        "gen_ai.request.model": name, "universal_runtime.wake_seconds": waited_s, "universal_runtime.woke": woke,
+    })  # fmt: skip
+    if not woke:
+        span.set_status(StatusCode.ERROR)
+    span.end(end_time=end)
+
+
+class Upstream:
+    """The ``upstream`` span of one proxied request: the traceparent for the upstream's head, and what a 200's body
+    says of usage (unary: the JSON body; a stream: its events' ``usage`` and ``finish_reason``)."""
+
+    __slots__ = ("_carry", "_finish", "_observe", "_root", "_usage", "head_lines", "span")
+
+    replaced = REPLACED_HEADERS
+
+    def __init__(self, span: Span, root: Span, head_lines: bytes) -> None:
+        self.span = span
+        self._root = root
+        self.head_lines = head_lines
+        self._observe: Callable[[bytes, bool], Awaitable[None]] | None = None
+        self._carry = b""
+        self._usage: dict[str, Any] | None = None
+        self._finish: list[str] = []
+
+    def observing(
+        self, observe: Callable[[bytes, bool], Awaitable[None]] | None
+    ) -> Callable[[bytes, bool], Awaitable[None]]:
+        """An observer (app.Observer) that reads the counts, then passes the body on to ``observe``."""
+        self._observe = observe
+        return self._seen
+
+    async def _seen(self, data: bytes, unary: bool) -> None:
+        if unary:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                self._read(orjson.loads(data))
+        else:
+            self._events(data)
+        if self._observe is not None:
+            await self._observe(data, unary)
+
+    def _events(self, data: bytes) -> None:
+        """The ``data:`` lines of server-sent events (a line may span chunks) that carry usage or a finish reason."""
+        lines = (self._carry + data).split(b"\n")
+        self._carry = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data: {") and (b'"usage"' in line or b'_reason"' in line):
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    self._read(orjson.loads(line[6:]))
+
+    def _read(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        inner = body.get("response") if isinstance(body.get("response"), dict) else None  # Responses API events
+        message = body.get("message") if isinstance(body.get("message"), dict) else None  # Messages API start
+        for source in (body, inner, message):
+            if source is not None and isinstance(source.get("usage"), dict):
+                self._usage = {**(self._usage or {}), **source["usage"]}
+        for choice in body.get("choices") or ():
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                self._finish.append(choice["finish_reason"])
+        for source in (body, body.get("delta")):
+            if isinstance(source, dict) and isinstance(source.get("stop_reason"), str):
+                self._finish.append(source["stop_reason"])  # Anthropic's Messages API
+        if inner is not None and isinstance(inner.get("status"), str) and inner["status"] != "in_progress":
+            self._finish = [inner["status"]]  # Responses API: completed, incomplete
+
+    def end(self, status: int) -> None:
+        from opentelemetry.trace import StatusCode
+
+        span = self.span
+        if status:
+            span.set_attribute("http.response.status_code", status)
+        if not status or status >= 500:
+            span.set_status(StatusCode.ERROR)
+        attributes: dict[str, Any] = {}
+        usage = self._usage or {}
+        for key, names in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
+                           ("gen_ai.usage.output_tokens", ("completion_tokens", "output_tokens"))):  # fmt: skip
+            found = next((usage[n] for n in names if isinstance(usage.get(n), int)), None)
+            if found is not None:
+                attributes[key] = found
+        if self._finish:
+            attributes["gen_ai.response.finish_reasons"] = self._finish
+        span.set_attributes(attributes)
+        self._root.set_attributes(attributes)
+        span.end()
+
+
+class _NoUpstream:
+    """The ``upstream`` stand-in when tracing is off."""
+
+    __slots__ = ()
+
+    head_lines = b""
+    replaced: frozenset[bytes] = frozenset()
+
+    def observing(
+        self, observe: Callable[[bytes, bool], Awaitable[None]] | None
+    ) -> Callable[[bytes, bool], Awaitable[None]] | None:
+        return observe
+
+    def end(self, status: int) -> None:
+        return None
+
+
+NO_UPSTREAM = _NoUpstream()
+
+
+def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
+    """The ``upstream`` client span for a request to ``base`` + ``path``; a shared no-op when tracing is off."""
+    tracing = shared.ACTIVE
+    if tracing is None:
+        return NO_UPSTREAM
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
+
+    root = trace.get_current_span()
+    span = tracing.tracer.start_span("upstream", kind=SpanKind.CLIENT, attributes={
+        "gen_ai.request.model": name, "server.address": base, "url.path": path,
+    })  # fmt: skip
+    lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in tracing.inject(span).items())
+    return Upstream(span, root, lines)

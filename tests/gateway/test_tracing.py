@@ -1,0 +1,194 @@
+"""Traces (issue 28, item 5): a real ``universal-runtime serve`` and its real predictor export OpenTelemetry spans over
+OTLP/HTTP to an in-test collector. The tree runs from the client's traceparent through the gateway (request, auth,
+hold while the model woke, upstream) into the predictor (request, parse, queue, prefill, decode), with the GenAI
+attributes equal to the response's usage; with OTEL_TRACES_EXPORTER unset nothing is exported at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.harness import running_gateway, wait_for
+from tests.otlp_collector import CollectedSpan, Collector, running_collector
+from tests.predictors.generation.tiny_llama import build_llama
+from universal_predictors.tracing import TracingConfigError, exporters_from_env
+
+MODEL = "tiny-chat"
+KEY = "key-tracing"
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    llama = build_llama(tmp_path_factory.mktemp("models") / "llama")
+    folder = tmp_path_factory.mktemp("manifests")
+    (folder / "chat.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
+        f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
+    )
+    return folder
+
+
+@pytest.fixture
+def collector() -> Iterator[Collector]:
+    with running_collector() as running:
+        yield running
+
+
+def tracing_env(collector: Collector) -> dict[str, str]:
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "50",  # export within 50 ms (the default waits 5 s)
+    }
+
+
+def one(spans: list[CollectedSpan], name: str) -> CollectedSpan:
+    found = [s for s in spans if s.name == name]
+    assert len(found) == 1, f"{name}: {[s.name for s in spans]}"
+    return found[0]
+
+
+def children(spans: list[CollectedSpan], parent: CollectedSpan) -> set[str]:
+    return {s.name for s in spans if s.parent_id == parent.span_id}
+
+
+def complete(collector: Collector, trace_id: str, names: set[str]) -> list[CollectedSpan]:
+    """The trace's spans once every one of ``names`` has arrived (the processes export in batches)."""
+    return wait_for(lambda: (spans := collector.trace(trace_id)) and names <= {s.name for s in spans} and spans, 30)  # type: ignore[no-any-return]
+
+
+def test_a_request_that_woke_its_model_is_one_trace_from_the_client_to_the_engine(
+    manifests: Path, collector: Collector, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEY + "\n")
+    with running_gateway([manifests], tmp_path, "--api-keys-file", str(keys), env=tracing_env(collector)) as gateway:
+        headers = {"Authorization": f"Bearer {KEY}", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+        answer = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=300)
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        finish = [c["finish_reason"] for c in answer.json()["choices"]]
+
+        # The model was asleep (serve starts predictors on demand): this request woke it and shows the hold.
+        spans = complete(collector, CLIENT_TRACE, {"gateway.request", "auth", "hold", "upstream", "predictor.request",
+                                                   "parse", "queue", "prefill", "decode"})  # fmt: skip
+        root = one(spans, "gateway.request")
+        assert root.parent_id == CLIENT_SPAN  # the child of the client's traceparent
+        assert root.service == "universal-gateway"
+        assert children(spans, root) == {"auth", "hold", "upstream"}
+        hold = one(spans, "hold")
+        assert hold.attributes["gen_ai.request.model"] == MODEL
+        assert hold.attributes["universal_runtime.wake_seconds"] > 0
+        upstream = one(spans, "upstream")
+        predictor = one(spans, "predictor.request")
+        assert predictor.parent_id == upstream.span_id  # the traceparent the gateway sent up, not the client's
+        assert predictor.service == "universal-predictor"
+        assert children(spans, predictor) == {"parse", "queue", "prefill", "decode"}
+        queue, prefill, decode = one(spans, "queue"), one(spans, "prefill"), one(spans, "decode")
+        assert queue.end_ns <= prefill.start_ns + 1
+        assert prefill.end_ns <= decode.start_ns + 1
+
+        for span in (root, upstream, predictor):
+            assert span.attributes["gen_ai.request.model"] == MODEL
+            assert span.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+            assert span.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+            assert span.attributes["gen_ai.response.finish_reasons"] == finish
+        assert root.attributes["gen_ai.operation.name"] == predictor.attributes["gen_ai.operation.name"] == "chat"
+        assert root.attributes["http.response.status_code"] == 200
+        assert decode.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+        assert prefill.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+        assert not any("Hi" in json.dumps(s.attributes) for s in spans)  # no bodies
+
+        # Awake now: a streamed request without a traceparent starts its own trace, with no hold in it.
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=streamed,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as response:  # fmt: skip
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        final = events[-1]["usage"]
+        roots = wait_for(lambda: [s for s in collector.spans if s.name == "gateway.request" and s.parent_id == ""])
+        trace_id = roots[0].trace_id
+        spans = complete(collector, trace_id, {"gateway.request", "upstream", "predictor.request", "decode"})
+        assert "hold" not in {s.name for s in spans}
+        root = one(spans, "gateway.request")
+        assert root.attributes["gen_ai.usage.input_tokens"] == final["prompt_tokens"]
+        assert root.attributes["gen_ai.usage.output_tokens"] == final["completion_tokens"]
+        predictor = one(spans, "predictor.request")
+        assert predictor.end_ns >= one(spans, "decode").end_ns  # a stream's request span lasts to its last event
+        assert predictor.attributes["gen_ai.usage.output_tokens"] == final["completion_tokens"]
+
+
+def test_with_the_exporter_unset_nothing_is_exported(manifests: Path, collector: Collector, tmp_path: Path) -> None:
+    env = {**tracing_env(collector), "OTEL_TRACES_EXPORTER": ""}  # an endpoint alone does not turn tracing on
+    with running_gateway([manifests], tmp_path, env=env) as gateway:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+        answer = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=300)
+        assert answer.status_code == 200, answer.text
+    # The gateway and its predictor have stopped (a traced process flushes its spans as it stops): none came.
+    assert collector.requests == 0
+    assert collector.spans == []
+
+
+@pytest.mark.parametrize(
+    ("environ", "exporters"),
+    [
+        ({}, []),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, []),
+        ({"OTEL_TRACES_EXPORTER": "none"}, []),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ["otlp"]),
+        ({"OTEL_TRACES_EXPORTER": "otlp,console"}, ["otlp", "console"]),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, []),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, ["otlp"]),
+    ],
+)
+def test_tracing_is_on_only_when_otel_traces_exporter_names_an_exporter(
+    environ: dict[str, str], exporters: list[str]
+) -> None:
+    assert exporters_from_env(environ) == exporters
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER=zipkin"),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "TRACES_PROTOCOL=grpc"),
+    ],
+)
+def test_an_exporter_or_protocol_not_installed_is_one_line_naming_the_variable(
+    environ: dict[str, str], named: str
+) -> None:
+    with pytest.raises(TracingConfigError, match=named):
+        exporters_from_env(environ)
+
+
+def test_off_the_gateway_imports_no_sdk_and_its_hooks_are_the_handlers_themselves() -> None:
+    """Off is free: the route handlers are not wrapped, the per-request hooks are shared no-ops, and no part of the
+    OpenTelemetry SDK is imported (a fresh interpreter, as `universal-runtime serve` starts)."""
+    script = (
+        "import sys, asyncio\n"
+        "from universal_gateway import tracing\n"
+        "assert tracing.configure('universal-gateway') is None\n"
+        "async def handler(request, params): return None\n"
+        "assert tracing.traced(handler, 'chat_completions', 'generate') is handler\n"
+        "assert tracing.upstream('m', 'http://x:1', '/p') is tracing.NO_UPSTREAM\n"
+        "assert tracing.auth() is tracing.auth()\n"
+        "from universal_gateway.app import Gateway\n"
+        "from tests.gateway.harness import OneUpstream\n"
+        "Gateway(OneUpstream('http://127.0.0.1:1', 'm', 'generate'))\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter')))\n"
+        "assert not bad, bad\n"
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
