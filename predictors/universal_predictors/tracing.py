@@ -311,5 +311,9 @@ class SequenceSpans:
 
 
 def sequence_spans() -> SequenceSpans | None:
-    """A sequence's timeline recorder, or None when tracing is off."""
-    return None if ACTIVE is None else SequenceSpans()
+    """A sequence's timeline recorder, or None when tracing is off (or its request is not sampled)."""
+    if ACTIVE is None:
+        return None
+    from opentelemetry import trace
+
+    return SequenceSpans() if trace.get_current_span().is_recording() else None
