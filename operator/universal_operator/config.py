@@ -7,11 +7,12 @@ ConfigMap). It is validated at start-up; a bad file stops the operator with one 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from universal_predictors.catalog import Backend
@@ -124,6 +125,24 @@ class PodSecurity(_Model):
     fs_group: int | None = Field(default=1000, ge=0)
 
 
+class Tracing(_Model):
+    """OpenTelemetry traces from every predictor (universal_predictors.tracing; off unless OTEL_TRACES_EXPORTER is
+    set): the OTEL_* variables put on each predictor container, beneath the model's own spec.env."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _otel_only(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _OTEL_NAME.match(name):
+                raise ValueError(f"{name!r} is not an OTEL_* variable (only those are passed to the predictors)")
+        return env
+
+
+_OTEL_NAME = re.compile(r"^OTEL_[A-Z0-9_]+$")
+
+
 class OperatorConfig(_Model):
     """Everything the operator is told by its deployer."""
 
@@ -144,6 +163,7 @@ class OperatorConfig(_Model):
             "from it). false: such models keep running, and their IdleStop condition says why."
         ),
     )
+    tracing: Tracing = Field(default_factory=Tracing)
     expose_models: bool = Field(
         default=False,
         description=(

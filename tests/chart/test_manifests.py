@@ -313,7 +313,20 @@ def test_operator_config_values_cover_every_operator_config_field_but_namespaces
     operator_keys = {field.alias or name for name, field in OperatorConfig.model_fields.items()}
     # Namespaces come from watchNamespaces, so RBAC and the watch cannot disagree; whether the gateway may stop
     # models from gateway.standardMode, which grants it that RBAC.
-    assert chart_keys == operator_keys - {"namespaces", "gatewayStopsStandardModels"}
+    # And the predictors' OTEL_* variables from tracing.env, which the gateway gets too.
+    assert chart_keys == operator_keys - {"namespaces", "gatewayStopsStandardModels", "tracing"}
+
+
+def test_tracing_env_reaches_the_gateway_and_through_the_operator_every_predictor(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    otel = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.obs.svc:4318"}
+    rendered = render(chart, {"tracing": {"env": otel}, "gateway": {"responses": {"redis": {"deploy": True}}}})
+    env = {item["name"]: item.get("value") for item in rendered.container(GATEWAY)["env"]}
+    assert {k: env[k] for k in otel} == otel
+    assert "UNIVERSAL_RUNTIME_RESPONSES_STORE" in env  # beside the response store's
+    assert load_operator_config(rendered, tmp_path).tracing.env == otel
+    assert load_operator_config(render(chart), tmp_path).tracing.env == {}  # off by default
 
 
 def test_operator_settings_for_the_clusters_kserve_knative_and_pod_ids_reach_parse_config(chart: helm.Chart) -> None:
@@ -550,6 +563,7 @@ BAD_VALUES = {
     ),
     "a negative queue": ({"gateway": {"maxQueue": -1}}, "at '/gateway/maxQueue': minimum: got -1, want 0"),
     "a port out of range": ({"gateway": {"port": 70000}}, "at '/gateway/port': maximum: got 70,000, want 65,535"),
+    "a tracing variable that is not OTEL_*": ({"tracing": {"env": {"HF_TOKEN": "x"}}}, "at '/tracing/env'"),
 }
 
 

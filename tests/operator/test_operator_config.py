@@ -116,6 +116,7 @@ BAD_DOCUMENTS = {
     "namespaces not a list": ("namespaces: models", "namespaces"),
     "default profile that does not exist": ("defaultProfile: gpu\nprofiles: {cpu: {}}", "defaultProfile 'gpu'"),
     "top level not a mapping": ("- a\n- b", "expected a mapping at the top level"),
+    "a tracing variable that is not OTEL_*": ("tracing: {env: {HF_TOKEN: x}}", "'HF_TOKEN' is not an OTEL_* variable"),
 }
 
 

@@ -483,6 +483,20 @@ def test_user_env_can_still_hand_the_predictor_a_secret() -> None:
     assert hf_tokens == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "other", "key": "token"}}}]
 
 
+def test_the_operators_tracing_env_reaches_every_predictor_beneath_the_models_own_env() -> None:
+    config = parse_config(load("""
+        tracing:
+          env: {OTEL_TRACES_EXPORTER: otlp, OTEL_EXPORTER_OTLP_ENDPOINT: "http://collector.obs:4318"}
+        """))  # fmt: skip
+    env = at(render(EMBED, config), "spec.predictor.containers[0].env")
+    assert {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"} in env
+    assert {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://collector.obs:4318"} in env
+    own = render(with_spec("env: [{name: OTEL_TRACES_EXPORTER, value: none}]"), config)
+    exporters = [i for i in at(own, "spec.predictor.containers[0].env") if i["name"] == "OTEL_TRACES_EXPORTER"]
+    assert exporters == [{"name": "OTEL_TRACES_EXPORTER", "value": "none"}]  # a model may opt out
+    assert "OTEL_" not in json.dumps(at(render(EMBED), "spec.predictor.containers[0].env"))  # off by default
+
+
 @pytest.mark.parametrize("version", ["0.14.1", "0.15.2", "0.16.0", "0.20.0"])
 def test_no_kserve_release_gets_download_patterns_the_predictor_picks_the_gguf_file(version: str) -> None:
     # KServe's initializer reads STORAGE_ALLOW_PATTERNS from v0.17.0 (python/storage/kserve_storage), but up to

@@ -99,6 +99,8 @@ null (the platform assigns it), never left for the operator's own default to fil
 {{- $_ := set $config "podSecurity" $podSecurity }}
 {{- /* The gateway stops idle Standard-mode models only with the RBAC gateway.standardMode grants. */}}
 {{- $_ := set $config "gatewayStopsStandardModels" (and .Values.gateway.enabled .Values.gateway.standardMode | default false) }}
+{{- /* The predictors get the same OTEL_* variables as the gateway (tracing.env), through the operator. */}}
+{{- $_ := set $config "tracing" (dict "env" (.Values.tracing.env | default dict)) }}
 {{- toYaml $config }}
 {{- end }}
 

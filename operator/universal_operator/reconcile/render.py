@@ -318,7 +318,7 @@ def desired_inference_service(
         "args": predictor_config(
             model, engine_arg_defaults=engine_arg_defaults(model, config, profile), adapters_file=adapters_file(model)
         ).to_args(),
-        "env": _env(model, COMPILE_CACHE_ENV if compile_claim else {}),
+        "env": _env(model, {**(COMPILE_CACHE_ENV if compile_claim else {}), **config.tracing.env}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
         **predictor_probes(model),
         "securityContext": container_security_context(config),
