@@ -29,11 +29,18 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from universal_predictors import tracing as shared
-from universal_predictors.tracing import TRACE_CONTEXT_HEADERS, TracingConfigError, operation_name
+from universal_predictors.tracing import (
+    CLIENT,
+    CURRENT,
+    SERVER,
+    TRACE_CONTEXT_HEADERS,
+    Span,
+    TracingConfigError,
+    extract,
+    operation_name,
+)
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from universal_gateway.server import Request, Response, StreamedResponse
 
 configure = shared.configure
@@ -54,19 +61,15 @@ def traced(handler: _Handler, operation: str, task: str) -> _Handler:
     tracing = shared.ACTIVE
     if tracing is None:
         return handler
-    from opentelemetry import context, trace
-    from opentelemetry.trace import SpanKind, StatusCode
-
     op = operation_name(operation, task)
 
     @functools.wraps(handler)
     async def request_span(request: Request, params: Any) -> Response | StreamedResponse:
-        parent = tracing.extract(request.headers)
-        span = tracing.tracer.start_span("gateway.request", context=parent, kind=SpanKind.SERVER, attributes={
+        span = tracing.start("gateway.request", SERVER, extract(request.headers), {
             "gen_ai.operation.name": op, "universal_runtime.task": task, "http.request.method": request.method,
             "url.path": request.path,
         })  # fmt: skip
-        token = context.attach(trace.set_span_in_context(span, parent))
+        token = CURRENT.set(span)
         status = 500
         try:
             response = await handler(request, params)
@@ -74,13 +77,12 @@ def traced(handler: _Handler, operation: str, task: str) -> _Handler:
             return response
         except BaseException as exc:
             status = int(getattr(exc, "status_code", 499 if isinstance(exc, ConnectionResetError) else 500))
-            span.set_attribute("error.type", type(exc).__name__ if status >= 500 else str(status))
+            span.attributes["error.type"] = type(exc).__name__ if status >= 500 else str(status)
             raise
         finally:
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(StatusCode.ERROR)
-            context.detach(token)
+            span.attributes["http.response.status_code"] = status
+            span.error = status >= 500
+            CURRENT.reset(token)
             span.end()
 
     return request_span
@@ -88,11 +90,9 @@ def traced(handler: _Handler, operation: str, task: str) -> _Handler:
 
 def model(name: str) -> None:
     """The model the current request names (``gen_ai.request.model``)."""
-    if shared.ACTIVE is None:
-        return
-    from opentelemetry import trace
-
-    trace.get_current_span().set_attribute("gen_ai.request.model", name)
+    span = CURRENT.get()
+    if span is not None:
+        span.attributes["gen_ai.request.model"] = name
 
 
 def auth() -> contextlib.AbstractContextManager[Any]:
@@ -103,17 +103,14 @@ def auth() -> contextlib.AbstractContextManager[Any]:
 def held(name: str, waited_s: float, *, woke: bool = True) -> None:
     """A ``hold`` span, ending now, of the ``waited_s`` the request waited for ``name`` to wake (``woke``: it did)."""
     tracing = shared.ACTIVE
-    if tracing is None:
+    if tracing is None or CURRENT.get() is None:
         return
-    from opentelemetry.trace import StatusCode
-
     end = time.time_ns()
-    span = tracing.tracer.start_span("hold", start_time=end - int(waited_s * 1e9), attributes={
+    span = tracing.start("hold", start=end - int(waited_s * 1e9), attributes={
         "gen_ai.request.model": name, "universal_runtime.wake_seconds": waited_s, "universal_runtime.woke": woke,
     })  # fmt: skip
-    if not woke:
-        span.set_status(StatusCode.ERROR)
-    span.end(end_time=end)
+    span.error = not woke
+    span.end(end)
 
 
 class Upstream:
@@ -124,10 +121,10 @@ class Upstream:
 
     replaced = REPLACED_HEADERS
 
-    def __init__(self, span: Span, root: Span, head_lines: bytes) -> None:
+    def __init__(self, span: Span, root: Span) -> None:
         self.span = span
         self._root = root
-        self.head_lines = head_lines
+        self.head_lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in span.traceparent().items())
         self._observe: Callable[[bytes, bool], Awaitable[None]] | None = None
         self._carry = b""
         self._usage: dict[str, Any] | None = None
@@ -135,8 +132,11 @@ class Upstream:
 
     def observing(
         self, observe: Callable[[bytes, bool], Awaitable[None]] | None
-    ) -> Callable[[bytes, bool], Awaitable[None]]:
-        """An observer (app.Observer) that reads the counts, then passes the body on to ``observe``."""
+    ) -> Callable[[bytes, bool], Awaitable[None]] | None:
+        """An observer (app.Observer) that reads the counts, then passes the body on to ``observe``; ``observe``
+        itself for a request the sampler left out."""
+        if not self.span.sampled:
+            return observe
         self._observe = observe
         return self._seen
 
@@ -176,24 +176,22 @@ class Upstream:
             self._finish = [inner["status"]]  # Responses API: completed, incomplete
 
     def end(self, status: int) -> None:
-        from opentelemetry.trace import StatusCode
-
         span = self.span
+        if not span.sampled:
+            return
         if status:
-            span.set_attribute("http.response.status_code", status)
-        if not status or status >= 500:
-            span.set_status(StatusCode.ERROR)
-        attributes: dict[str, Any] = {}
+            span.attributes["http.response.status_code"] = status
+        span.error = not status or status >= 500
         usage = self._usage or {}
         for key, names in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
                            ("gen_ai.usage.output_tokens", ("completion_tokens", "output_tokens"))):  # fmt: skip
             found = next((usage[n] for n in names if isinstance(usage.get(n), int)), None)
             if found is not None:
-                attributes[key] = found
+                span.attributes[key] = self._root.attributes[key] = found
         if self._finish:
-            attributes["gen_ai.response.finish_reasons"] = self._finish
-        span.set_attributes(attributes)
-        self._root.set_attributes(attributes)
+            span.attributes["gen_ai.response.finish_reasons"] = self._root.attributes[
+                "gen_ai.response.finish_reasons"
+            ] = self._finish
         span.end()
 
 
@@ -217,29 +215,11 @@ class _NoUpstream:
 NO_UPSTREAM = _NoUpstream()
 
 
-class _Unsampled(_NoUpstream):
-    """A request the sampler left out: only its trace context goes up (with the sampled flag off)."""
-
-    __slots__ = ("head_lines",)
-    replaced = REPLACED_HEADERS
-
-    def __init__(self, head_lines: bytes) -> None:
-        self.head_lines = head_lines
-
-
 def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
     """The ``upstream`` client span for a request to ``base`` + ``path``; a shared no-op when tracing is off."""
     tracing = shared.ACTIVE
-    if tracing is None:
+    root = CURRENT.get()
+    if tracing is None or root is None:
         return NO_UPSTREAM
-    from opentelemetry import trace
-    from opentelemetry.trace import SpanKind
-
-    root = trace.get_current_span()
-    if not root.is_recording():  # not sampled: the predictor hears so from the root's traceparent, and records nothing
-        return _Unsampled(b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in tracing.inject(root).items()))
-    span = tracing.tracer.start_span("upstream", kind=SpanKind.CLIENT, attributes={
-        "gen_ai.request.model": name, "server.address": base, "url.path": path,
-    })  # fmt: skip
-    lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in tracing.inject(span).items())
-    return Upstream(span, root, lines)
+    attributes = {"gen_ai.request.model": name, "server.address": base, "url.path": path}
+    return Upstream(tracing.start("upstream", CLIENT, root, attributes), root)

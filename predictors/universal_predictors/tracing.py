@@ -2,46 +2,59 @@
 
 The switch is the SDK's own (opentelemetry-sdk 1.45.2, ``opentelemetry/sdk/_configuration/__init__.py``,
 ``_get_exporter_names``): ``OTEL_TRACES_EXPORTER`` unset or ``none`` means no exporter, so no traces; ``otlp``
-exports over OTLP with HTTP/protobuf (the only protocol installed: no gRPC), ``console`` prints spans to stdout.
-``OTEL_SDK_DISABLED=true`` turns everything off whatever else is set (``opentelemetry/sdk/environment_variables``).
-Everything else is the SDK's to read, as the specification names it: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces``
-appended) or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as given), ``OTEL_EXPORTER_OTLP_HEADERS``, ``_TIMEOUT``,
-``_COMPRESSION``, ``_CERTIFICATE``; ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``; ``OTEL_TRACES_SAMPLER``
-and ``OTEL_TRACES_SAMPLER_ARG`` (default ``parentbased_always_on``: a predictor follows the gateway's decision);
-``OTEL_BSP_*`` for the batch processor. Context travels as W3C Trace Context (``traceparent``, ``tracestate``).
+exports over OTLP with HTTP/protobuf (the only protocol installed: no gRPC). ``OTEL_SDK_DISABLED=true`` turns
+everything off whatever else is set (``opentelemetry/sdk/environment_variables``). The rest is read as the
+specification names it: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` appended) or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as given), ``..._HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_CERTIFICATE``
+(by the SDK's own OTLP/HTTP exporter, which sends each batch); ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``
+(the SDK's ``Resource.create``); ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` (default
+``parentbased_always_on``: a predictor follows the gateway's decision); ``OTEL_BSP_SCHEDULE_DELAY``,
+``_MAX_QUEUE_SIZE``, ``_MAX_EXPORT_BATCH_SIZE``, ``_EXPORT_TIMEOUT`` for the batching. Context travels as W3C Trace
+Context (``traceparent``, ``tracestate``).
+
+Spans are recorded here, not with the SDK's ``Tracer``: a request's spans are known whole when they end (names,
+ids, times, a few attributes), and the SDK spends about 30 us making each and 25 us encoding it for export, on the
+gateway's one event loop (bench/gateway.py --part tracing). Here a span is a small object, encoded to its OTLP
+protobuf bytes when it ends (the encoding of repeated attributes cached), and a thread sends the batches.
 
 Off, nothing of the SDK is imported and no span object is made: :data:`ACTIVE` is None, the hooks return their
-arguments or a shared no-op, and callers pay one attribute load and a comparison (bench/gateway.py measures it).
-On, the predictor's spans are ``predictor.request`` (a server span, the child of the caller's ``traceparent``) with
-``parse``, and per generated sequence ``queue`` (waiting for the engine to take it into a batch), ``prefill`` (to the
-first token) and ``decode`` (to the last), with the GenAI semantic conventions' attributes (``gen_ai.*``, semantic
-conventions 1.37: model, operation, token counts, finish reasons). No request or response body is ever recorded.
-The gateway's spans (``universal_gateway.tracing``) use the same setup.
+arguments or a shared no-op, and callers pay one global load and a comparison. On, the predictor's spans are
+``predictor.request`` (a server span, the child of the caller's ``traceparent``) with ``parse``, and per generated
+sequence ``queue`` (waiting for the engine to take it into a batch), ``prefill`` (to the first token) and ``decode``
+(to the last), with the GenAI semantic conventions' attributes (``gen_ai.*``: model, operation, token counts, finish
+reasons). No request or response body is ever recorded. The gateway's spans (``universal_gateway.tracing``) use the
+same recorder.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import os
+import random
+import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the SDK is imported only when tracing is on
-    from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 #: The exporters this project installs (``OTEL_TRACES_EXPORTER`` may name several, comma-separated).
-EXPORTERS = ("otlp", "console")
+EXPORTERS = ("otlp",)
 #: The OTLP protocols installed: HTTP/protobuf only (opentelemetry-exporter-otlp-proto-http).
 PROTOCOLS = ("http/protobuf",)
+#: The samplers of the specification's OTEL_TRACES_SAMPLER this recorder implements (the SDK's ``_KNOWN_SAMPLERS``,
+#: opentelemetry-sdk 1.45.2 ``opentelemetry/sdk/trace/sampling.py``).
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+            "parentbased_traceidratio")  # fmt: skip
 #: The W3C Trace Context headers (https://www.w3.org/TR/trace-context/): replaced, not relayed, by a traced proxy.
 TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+#: OTLP span kinds (opentelemetry/proto/trace/v1/trace.proto, Span.SpanKind).
+INTERNAL, SERVER, CLIENT = 1, 2, 3
 
 
 class TracingConfigError(ValueError):
@@ -56,77 +69,300 @@ def exporters_from_env(environ: Mapping[str, str] = os.environ) -> list[str]:
     names = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if not names or names == "none":
         return []
-    exporters = [n.strip() for n in names.split(",") if n.strip() and n.strip() != "none"]
+    exporters = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip() and n.strip() != "none"))
     for name in exporters:
         if name not in EXPORTERS:
             raise TracingConfigError(
-                f"OTEL_TRACES_EXPORTER={name}: not installed here; give one of {', '.join(EXPORTERS)} (or none)"
+                f"OTEL_TRACES_EXPORTER={name}: not installed here; give {' or '.join(EXPORTERS)} (or none)"
             )
-    if "otlp" in exporters:
-        for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-            protocol = environ.get(var, "").strip().lower()
-            if protocol:
-                if protocol not in PROTOCOLS:
-                    raise TracingConfigError(
-                        f"{var}={protocol}: only http/protobuf is installed (port 4318 on a collector); "
-                        "unset it or give http/protobuf"
-                    )
-                break
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = environ.get(var, "").strip().lower()
+        if protocol:
+            if protocol not in PROTOCOLS:
+                raise TracingConfigError(
+                    f"{var}={protocol}: only http/protobuf is installed (port 4318 on a collector); "
+                    "unset it or give http/protobuf"
+                )
+            break
     return exporters
 
 
+# -- OTLP protobuf, by hand (opentelemetry-proto 1.45.2: trace/v1/trace.proto, common/v1/common.proto) ---------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, data: bytes) -> bytes:
+    """A length-delimited field."""
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _any_value(value: Any) -> bytes:
+    """An AnyValue: string 1, bool 2, int 3, double 4, array 5."""
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"
+    if isinstance(value, int):
+        return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
+    if isinstance(value, float):
+        return b"\x21" + struct.pack("<d", value)
+    if isinstance(value, str):
+        return _field(1, value.encode())
+    return _field(5, b"".join(_field(1, _any_value(v)) for v in value))
+
+
+_KEY_VALUES: dict[tuple[str, Any], bytes] = {}
+
+
+def _key_value(key: str, value: Any, number: int = 9) -> bytes:
+    """A KeyValue as field ``number`` (a Span's attributes: 9); those of strings and booleans cached (routes, model
+    names and methods repeat on every request)."""
+    if not isinstance(value, str | bool) or number != 9:
+        return _field(number, _field(1, key.encode()) + _field(2, _any_value(value)))
+    cached = _KEY_VALUES.get((key, value))
+    if cached is None:
+        cached = _field(9, _field(1, key.encode()) + _field(2, _any_value(value)))
+        if len(_KEY_VALUES) < 4096:
+            _KEY_VALUES[(key, value)] = cached
+    return cached
+
+
+_NS = struct.Struct("<Q").pack
+_ERROR_STATUS = _field(15, b"\x18\x02")  # Status{code: STATUS_CODE_ERROR}
+
+
+# -- spans ------------------------------------------------------------------------------------------------------------
+
+
+class Span:
+    """One span as this process records it; encoded for export when it ends (if sampled)."""
+
+    __slots__ = ("attributes", "error", "kind", "name", "parent_id", "sampled", "span_id", "start", "trace_id",
+                 "tracestate")  # fmt: skip
+
+    def __init__(self, name: str, kind: int, trace_id: int, span_id: int, parent_id: int, sampled: bool,
+                 tracestate: str, start: int, attributes: dict[str, Any]) -> None:  # fmt: skip
+        self.name = name
+        self.kind = kind
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.sampled = sampled
+        self.tracestate = tracestate
+        self.start = start
+        self.attributes = attributes
+        self.error = False
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def traceparent(self) -> dict[str, str]:
+        """The W3C headers that make this span the parent of what the receiver starts."""
+        headers = {"traceparent": f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}"}
+        if self.tracestate:
+            headers["tracestate"] = self.tracestate
+        return headers
+
+    def end(self, end: int | None = None) -> None:
+        tracing = ACTIVE
+        if not self.sampled or tracing is None:
+            return
+        parts = [
+            b"\x0a\x10", self.trace_id.to_bytes(16, "big"), b"\x12\x08", self.span_id.to_bytes(8, "big"),
+            _field(5, self.name.encode()), b"\x30", _varint(self.kind),
+            b"\x39", _NS(self.start), b"\x41", _NS(end if end is not None else time.time_ns()),
+        ]  # fmt: skip
+        if self.parent_id:
+            parts += (b"\x22\x08", self.parent_id.to_bytes(8, "big"))
+        if self.tracestate:
+            parts.append(_field(3, self.tracestate.encode()))
+        parts += [_key_value(k, v) for k, v in self.attributes.items() if v is not None]
+        if self.error:
+            parts.append(_ERROR_STATUS)
+        tracing.batches.add(_field(2, b"".join(parts)))  # as a ScopeSpans' span (field 2)
+
+
+#: The span of the request this task is serving (its children's parent).
+CURRENT: contextvars.ContextVar[Span | None] = contextvars.ContextVar("universal_runtime_span", default=None)
+
+
+class Remote:
+    """A caller's span, from its ``traceparent`` (https://www.w3.org/TR/trace-context/#traceparent-header)."""
+
+    __slots__ = ("sampled", "span_id", "trace_id", "tracestate")
+
+    def __init__(self, trace_id: int, span_id: int, sampled: bool, tracestate: str) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.sampled = sampled
+        self.tracestate = tracestate
+
+
+def extract(headers: Mapping[str, str]) -> Remote | None:
+    """The caller's span context from ``traceparent`` (and ``tracestate``), or None without a valid one."""
+    header = headers.get("traceparent")
+    if not header:
+        return None
+    parts = header.strip().split("-")
+    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    if parts[0] == "00" and len(parts) != 4:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3][:2], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return Remote(trace_id, span_id, bool(flags & 1), headers.get("tracestate", "")[:512])
+
+
+class Sampler:
+    """OTEL_TRACES_SAMPLER's decision for a new span, as the SDK's samplers take it (``sampling.py``)."""
+
+    def __init__(self, name: str, ratio: float) -> None:
+        self.parent_based = name.startswith("parentbased_")
+        root = name.removeprefix("parentbased_")
+        # TraceIdRatioBased: sampled when the trace id's low 64 bits are below round(rate * 2**64).
+        self.bound = {"always_on": 1 << 64, "always_off": 0}.get(root, round(ratio * (1 << 64)))
+
+    def sampled(self, trace_id: int, parent: Span | Remote | None) -> bool:
+        if parent is not None and self.parent_based:
+            return parent.sampled
+        return trace_id & 0xFFFFFFFFFFFFFFFF < self.bound
+
+
+def sampler_from_env(environ: Mapping[str, str]) -> Sampler:
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower() or "parentbased_always_on"
+    if name not in SAMPLERS:
+        raise TracingConfigError(f"OTEL_TRACES_SAMPLER={name}: not one of {', '.join(SAMPLERS)}")
+    ratio = 1.0
+    if name.endswith("traceidratio"):
+        arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+        try:
+            ratio = float(arg)
+        except ValueError:
+            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg}: give a number from 0 to 1") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg}: give a number from 0 to 1")
+    return Sampler(name, ratio)
+
+
+class Batches:
+    """Encoded spans waiting for export, sent by a thread in batches (the SDK's BatchSpanProcessor's rules: every
+    ``OTEL_BSP_SCHEDULE_DELAY`` ms, or at once when a batch is full; beyond the queue's size spans are dropped)."""
+
+    def __init__(self, send: Callable[[list[bytes]], None], environ: Mapping[str, str]) -> None:
+        def number(name: str, default: int) -> int:
+            value = environ.get(name, "").strip()
+            if not value:
+                return default
+            if not value.isdigit():
+                raise TracingConfigError(f"{name}={value}: give a whole number")
+            return int(value)
+
+        self.delay_s = number("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self.max_queue = number("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
+        self.batch = max(1, min(number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self.max_queue))
+        self.timeout_s = number("OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000
+        self.dropped = 0
+        self._send = send
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="otlp-traces", daemon=True)
+        self._thread.start()
+
+    def add(self, span: bytes) -> None:
+        if len(self._queue) >= self.max_queue:
+            self.dropped += 1
+            return
+        self._queue.append(span)
+        if len(self._queue) >= self.batch:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.wait(self.delay_s)
+            self._wake.clear()
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._queue:
+            spans: list[bytes] = []
+            while self._queue and len(spans) < self.batch:
+                spans.append(self._queue.popleft())
+            try:
+                self._send(spans)
+            except Exception:  # an export that fails loses its batch, never the request path
+                logger.exception("exporting %d spans failed", len(spans))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(self.timeout_s)
+
+
 class Tracing:
-    """Tracing on: the provider (its batch processors and exporters), a tracer, the W3C propagator."""
+    """Tracing on: the sampler, the resource, and the batches for the exporter."""
 
-    def __init__(self, provider: TracerProvider, scope: str) -> None:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    def __init__(self, sampler: Sampler, batches: Batches) -> None:
+        self.sampler = sampler
+        self.batches = batches
+        self._ids = random.Random()  # the SDK's RandomIdGenerator draws from `random` too
 
-        self.provider = provider
-        self.tracer: Tracer = provider.get_tracer(scope)
-        self.propagator = TraceContextTextMapPropagator()
-
-    def extract(self, headers: Mapping[str, str]) -> Context:
-        """The caller's context from its ``traceparent``/``tracestate`` (an empty one without them)."""
-        return self.propagator.extract(headers)
-
-    def inject(self, span: Span) -> dict[str, str]:
-        """The W3C headers that make ``span`` the parent of what the receiver starts."""
-        from opentelemetry import trace
-
-        carrier: dict[str, str] = {}
-        self.propagator.inject(carrier, trace.set_span_in_context(span))
-        return carrier
+    def start(self, name: str, kind: int = INTERNAL, parent: Span | Remote | None = None,
+              attributes: dict[str, Any] | None = None, start: int | None = None) -> Span:  # fmt: skip
+        """A new span, the child of ``parent`` (None: the current span; a new trace without one)."""
+        if parent is None:
+            parent = CURRENT.get()
+        bits = self._ids.getrandbits
+        if parent is None:
+            trace_id, parent_id, tracestate = bits(128) or 1, 0, ""
+        else:
+            trace_id, parent_id, tracestate = parent.trace_id, parent.span_id, parent.tracestate
+        return Span(name, kind, trace_id, bits(64) or 1, parent_id, self.sampler.sampled(trace_id, parent),
+                    tracestate, start if start is not None else time.time_ns(), attributes or {})  # fmt: skip
 
     def shutdown(self) -> None:
         """Export what is still queued (bounded by ``OTEL_BSP_EXPORT_TIMEOUT``), then stop."""
-        self.provider.shutdown()
+        self.batches.shutdown()
 
 
-def start(service_name: str, scope: str, environ: Mapping[str, str] = os.environ,
+def start(service_name: str, environ: Mapping[str, str] = os.environ,
           attributes: Mapping[str, str] | None = None) -> Tracing | None:  # fmt: skip
     """Tracing as the environment configures it (module docstring), or None when it is off. ``service_name`` is the
     default for ``OTEL_SERVICE_NAME``; ``attributes`` are more resource attributes (``OTEL_RESOURCE_ATTRIBUTES``
     overrides them)."""
-    exporters = exporters_from_env(environ)
-    if not exporters:
+    if not exporters_from_env(environ):
         return None
+    sampler = sampler_from_env(environ)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
     # Resource.create reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME, which win over what is given here.
     resource = Resource.create({"service.name": service_name, **(attributes or {})})
-    provider = TracerProvider(resource=resource)  # the sampler from OTEL_TRACES_SAMPLER(_ARG)
-    for name in dict.fromkeys(exporters):
-        exporter: SpanExporter
-        if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    encoded_resource = _field(1, b"".join(_key_value(k, v, 1) for k, v in resource.attributes.items()))
+    scope = _field(1, _field(1, b"universal_runtime"))  # ScopeSpans.scope: InstrumentationScope{name}
+    # The SDK's exporter reads the endpoint, headers, timeout, compression and certificates from OTEL_EXPORTER_OTLP_*;
+    # its client sends a serialized ExportTraceServiceRequest with retries (opentelemetry-exporter-otlp-proto-http
+    # 1.45.2, trace_exporter/__init__.py: export() encodes the SDK's spans, then calls self._client.export(bytes)).
+    exporter = OTLPSpanExporter()
 
-            exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression from OTEL_EXPORTER_OTLP_*
-        else:
-            exporter = ConsoleSpanExporter()
-        provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_* (queue, batch, delay)
-    return Tracing(provider, scope)
+    def send(spans: list[bytes]) -> None:
+        request = _field(1, encoded_resource + _field(2, scope + b"".join(spans)))  # ResourceSpans{resource, scope}
+        result = exporter._client.export(request)
+        if not result.success:
+            logger.warning("%d spans not exported: %s", len(spans), result.error or result.status_code)
+
+    return Tracing(sampler, Batches(send, environ))
 
 
 #: Tracing in this process, once :func:`configure` turned it on; None: off (the default).
@@ -138,17 +374,19 @@ def configure(service_name: str, environ: Mapping[str, str] = os.environ,
     """Turn tracing on for this process when the environment asks (before any route is bound: the hooks that wrap
     routes decide then). Raises :class:`TracingConfigError` for an environment that asks for what is not here."""
     global ACTIVE
-    ACTIVE = start(service_name, "universal_runtime", environ, attributes)
+    ACTIVE = start(service_name, environ, attributes)
     if ACTIVE is not None:
-        logger.info("tracing on: spans exported by %s", environ.get("OTEL_TRACES_EXPORTER"))
+        logger.info("tracing on: spans exported over OTLP/HTTP (%s)", environ.get("OTEL_TRACES_SAMPLER") or
+                    "parentbased_always_on")  # fmt: skip
     return ACTIVE
 
 
 def shutdown() -> None:
     """Flush and stop tracing (nothing when off)."""
     global ACTIVE
-    if ACTIVE is not None:
-        ACTIVE.shutdown()
+    tracing = ACTIVE
+    if tracing is not None:
+        tracing.shutdown()
         ACTIVE = None
 
 
@@ -169,6 +407,27 @@ class _Off:
 
 OFF = _Off()
 
+
+class _Child:
+    """A child span of the current one for a ``with`` block, current within it."""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def __enter__(self) -> Span:
+        self._token = CURRENT.set(self._span)
+        return self._span
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        CURRENT.reset(self._token)
+        if kind is not None:
+            self._span.error = True
+            self._span.attributes["error.type"] = kind.__name__
+        self._span.end()
+
+
 #: GenAI operation names (semantic conventions, ``gen_ai.operation.name``) for the OpenAI-style routes; other
 #: routes are named by their task (``rerank``, ``classify``, ...).
 OPERATIONS = {
@@ -184,9 +443,9 @@ def operation_name(operation: str, task: str) -> str:
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A child span of the current one for the block (``parse``); a shared no-op when tracing is off."""
     tracing = ACTIVE
-    if tracing is None:
+    if tracing is None or CURRENT.get() is None:
         return OFF
-    return tracing.tracer.start_as_current_span(name, record_exception=False)
+    return _Child(tracing.start(name))
 
 
 def traced_route(answer: Callable[[Any], Awaitable[Any]], operation: str, task: str,
@@ -197,33 +456,22 @@ def traced_route(answer: Callable[[Any], Awaitable[Any]], operation: str, task: 
     tracing = ACTIVE
     if tracing is None:
         return answer
-    from opentelemetry import context, trace
-    from opentelemetry.trace import SpanKind, StatusCode
-
     op = operation_name(operation, task)
 
     @functools.wraps(answer)
     async def traced(request: Any) -> Any:
-        parent = tracing.extract(request.headers)
         name, backend = model()
-        span = tracing.tracer.start_span(
-            "predictor.request",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "gen_ai.operation.name": op, "gen_ai.request.model": name, "universal_runtime.backend": backend,
-                "universal_runtime.task": task, "http.request.method": request.method,
-                "url.path": request.url.path,
-            },
-        )  # fmt: skip
-        token = context.attach(trace.set_span_in_context(span, parent))
+        span = tracing.start("predictor.request", SERVER, extract(request.headers), {
+            "gen_ai.operation.name": op, "gen_ai.request.model": name, "universal_runtime.backend": backend,
+            "universal_runtime.task": task, "http.request.method": request.method, "url.path": request.url.path,
+        })  # fmt: skip
+        token = CURRENT.set(span)
         ended = True
         try:
             response = await answer(request)
             status = int(getattr(response, "status_code", 200))
-            span.set_attribute("http.response.status_code", status)
-            if status >= 500:
-                span.set_status(StatusCode.ERROR)
+            span.attributes["http.response.status_code"] = status
+            span.error = status >= 500
             body = getattr(response, "body_iterator", None)
             if body is not None:  # a stream: the span lasts as long as its body
                 response.body_iterator = _ending(body, span)
@@ -231,13 +479,12 @@ def traced_route(answer: Callable[[Any], Awaitable[Any]], operation: str, task: 
             return response
         except BaseException as exc:
             status = int(getattr(exc, "status_code", 500))
-            span.set_attribute("http.response.status_code", status)
-            span.set_attribute("error.type", type(exc).__name__ if status >= 500 else str(status))
-            if status >= 500:
-                span.set_status(StatusCode.ERROR)
+            span.attributes["http.response.status_code"] = status
+            span.attributes["error.type"] = type(exc).__name__ if status >= 500 else str(status)
+            span.error = status >= 500
             raise
         finally:
-            context.detach(token)
+            CURRENT.reset(token)
             if ended:
                 span.end()
 
@@ -255,26 +502,23 @@ async def _ending(body: Any, span: Span) -> Any:
 
 def usage(prompt_tokens: int, completion_tokens: int, finish_reasons: Sequence[str | None]) -> None:
     """The current request's token counts and finish reasons, as its response's usage reports them."""
-    if ACTIVE is None:
+    span = CURRENT.get()
+    if span is None:
         return
-    from opentelemetry import trace
-
-    span = trace.get_current_span()
-    span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-    span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
-    span.set_attribute("gen_ai.response.finish_reasons", [r or "stop" for r in finish_reasons])
+    span.attributes["gen_ai.usage.input_tokens"] = prompt_tokens
+    span.attributes["gen_ai.usage.output_tokens"] = completion_tokens
+    span.attributes["gen_ai.response.finish_reasons"] = [r or "stop" for r in finish_reasons]
 
 
 class SequenceSpans:
     """One generated sequence's timeline, made into ``queue``, ``prefill`` and ``decode`` spans at its end (the
     children of the span current when it was made). Times are wall-clock nanoseconds, as spans take them."""
 
-    __slots__ = ("_parent", "entered", "first_token", "prefill_started")
+    __slots__ = ("_parent", "_tracing", "entered", "first_token", "prefill_started")
 
-    def __init__(self) -> None:
-        from opentelemetry import context
-
-        self._parent = context.get_current()
+    def __init__(self, tracing: Tracing, parent: Span) -> None:
+        self._tracing = tracing
+        self._parent = parent
         self.entered = time.time_ns()
         self.prefill_started: int | None = None
         self.first_token: int | None = None
@@ -285,15 +529,10 @@ class SequenceSpans:
         self.prefill_started = prefill_started
 
     def end(self, tokens: int, finish_reason: str | None, prompt_tokens: int) -> None:
-        tracing = ACTIVE
-        if tracing is None:
-            return
         now = time.time_ns()
-        tracer = tracing.tracer
 
         def record(name: str, start: int, end: int, **attributes: Any) -> None:
-            span = tracer.start_span(name, context=self._parent, start_time=start, attributes=attributes)
-            span.end(end_time=end)
+            self._tracing.start(name, INTERNAL, self._parent, attributes, start).end(end)
 
         first = self.first_token
         prefill = self.prefill_started
@@ -312,8 +551,8 @@ class SequenceSpans:
 
 def sequence_spans() -> SequenceSpans | None:
     """A sequence's timeline recorder, or None when tracing is off (or its request is not sampled)."""
-    if ACTIVE is None:
+    tracing = ACTIVE
+    if tracing is None:
         return None
-    from opentelemetry import trace
-
-    return SequenceSpans() if trace.get_current_span().is_recording() else None
+    parent = CURRENT.get()
+    return SequenceSpans(tracing, parent) if parent is not None and parent.sampled else None

@@ -18,7 +18,7 @@ import pytest
 from tests.gateway.harness import running_gateway, wait_for
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
-from universal_predictors.tracing import TracingConfigError, exporters_from_env
+from universal_predictors.tracing import Remote, Sampler, TracingConfigError, exporters_from_env, extract, start
 
 MODEL = "tiny-chat"
 KEY = "key-tracing"
@@ -146,7 +146,7 @@ def test_with_the_exporter_unset_nothing_is_exported(manifests: Path, collector:
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, []),
         ({"OTEL_TRACES_EXPORTER": "none"}, []),
         ({"OTEL_TRACES_EXPORTER": "otlp"}, ["otlp"]),
-        ({"OTEL_TRACES_EXPORTER": "otlp,console"}, ["otlp", "console"]),
+        ({"OTEL_TRACES_EXPORTER": "none,otlp"}, ["otlp"]),
         ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, []),
         ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, ["otlp"]),
     ],
@@ -161,6 +161,10 @@ def test_tracing_is_on_only_when_otel_traces_exporter_names_an_exporter(
     ("environ", "named"),
     [
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER=zipkin"),
+        ({"OTEL_TRACES_EXPORTER": "console"}, "OTEL_TRACES_EXPORTER=console"),
+        ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "OTEL_TRACES_SAMPLER=jaeger_remote"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}, "OTEL_TRACES_SAMPLER_ARG=half"),
+        ({"OTEL_BSP_SCHEDULE_DELAY": "soon"}, "OTEL_BSP_SCHEDULE_DELAY=soon"),
         ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
         ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "TRACES_PROTOCOL=grpc"),
     ],
@@ -169,7 +173,38 @@ def test_an_exporter_or_protocol_not_installed_is_one_line_naming_the_variable(
     environ: dict[str, str], named: str
 ) -> None:
     with pytest.raises(TracingConfigError, match=named):
-        exporters_from_env(environ)
+        start("test", {"OTEL_TRACES_EXPORTER": "otlp", **environ})
+
+
+@pytest.mark.parametrize(
+    ("header", "parsed"),
+    [
+        (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", (int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), True)),
+        (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00", (int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), False)),
+        (f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-future", (int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), True)),
+        (f"00-{'0' * 32}-{CLIENT_SPAN}-01", None),  # an all-zero trace id is invalid
+        (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", None),  # version ff is invalid
+        (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01-extra", None),  # version 00 has exactly four parts
+        ("00-xyz-abc-01", None),
+    ],
+)
+def test_a_traceparent_is_read_as_w3c_trace_context_defines_it(
+    header: str, parsed: tuple[int, int, bool] | None
+) -> None:
+    remote = extract({"traceparent": header, "tracestate": "vendor=1"})
+    assert (None if remote is None else (remote.trace_id, remote.span_id, remote.sampled)) == parsed
+
+
+def test_samplers_decide_as_the_sdks_do() -> None:
+    low, high = 1 << 62, (1 << 64) - 1  # trace ids whose low 64 bits are below and above a quarter of 2**64
+    quarter = Sampler("traceidratio", 0.3)
+    assert quarter.sampled(low, None)
+    assert not quarter.sampled(high, None)
+    sampled_parent, unsampled_parent = Remote(1, 2, True, ""), Remote(1, 2, False, "")
+    assert Sampler("parentbased_always_off", 1.0).sampled(low, sampled_parent)  # the parent decides
+    assert not Sampler("parentbased_always_on", 1.0).sampled(low, unsampled_parent)
+    assert not Sampler("parentbased_always_off", 1.0).sampled(low, None)
+    assert Sampler("always_on", 1.0).sampled(high, unsampled_parent)  # not parent-based: the parent is ignored
 
 
 def test_off_the_gateway_imports_no_sdk_and_its_hooks_are_the_handlers_themselves() -> None:
