@@ -90,7 +90,12 @@ def exporters_from_env(environ: Mapping[str, str] = os.environ) -> list[str]:
 # -- OTLP protobuf, by hand (opentelemetry-proto 1.45.2: trace/v1/trace.proto, common/v1/common.proto) ---------------
 
 
+_BYTES = [bytes((n,)) for n in range(0x80)]
+
+
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTES[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -99,9 +104,13 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+_TAGS = {number: _varint(number << 3 | 2) for number in range(1, 16)}
+
+
 def _field(number: int, data: bytes) -> bytes:
     """A length-delimited field."""
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
+    size = len(data)
+    return _TAGS[number] + (_BYTES[size] if size < 0x80 else _varint(size)) + data
 
 
 def _any_value(value: Any) -> bytes:
@@ -121,15 +130,26 @@ _KEY_VALUES: dict[tuple[str, Any], bytes] = {}
 
 
 def _key_value(key: str, value: Any, number: int = 9) -> bytes:
-    """A KeyValue as field ``number`` (a Span's attributes: 9); those of strings and booleans cached (routes, model
-    names and methods repeat on every request)."""
-    if not isinstance(value, str | bool) or number != 9:
+    """A KeyValue as field ``number`` (a Span's attributes: 9); those of strings, booleans and integers cached
+    (routes, model names, statuses and token counts repeat from request to request)."""
+    if isinstance(value, float | list) or number != 9:
         return _field(number, _field(1, key.encode()) + _field(2, _any_value(value)))
     cached = _KEY_VALUES.get((key, value))
     if cached is None:
         cached = _field(9, _field(1, key.encode()) + _field(2, _any_value(value)))
-        if len(_KEY_VALUES) < 4096:
+        if len(_KEY_VALUES) < 8192:
             _KEY_VALUES[(key, value)] = cached
+    return cached
+
+
+_NAMES: dict[str, bytes] = {}
+
+
+def _name(name: str) -> bytes:
+    """A span's name field (field 5), cached: a handful of names recur."""
+    cached = _NAMES.get(name)
+    if cached is None:
+        cached = _NAMES[name] = _field(5, name.encode())
     return cached
 
 
@@ -175,7 +195,7 @@ class Span:
             return
         parts = [
             b"\x0a\x10", self.trace_id.to_bytes(16, "big"), b"\x12\x08", self.span_id.to_bytes(8, "big"),
-            _field(5, self.name.encode()), b"\x30", _varint(self.kind),
+            _name(self.name), b"\x30", _BYTES[self.kind],
             b"\x39", _NS(self.start), b"\x41", _NS(end if end is not None else time.time_ns()),
         ]  # fmt: skip
         if self.parent_id:

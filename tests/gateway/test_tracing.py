@@ -14,11 +14,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 
 from tests.gateway.harness import running_gateway, wait_for
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
-from universal_predictors.tracing import Remote, Sampler, TracingConfigError, exporters_from_env, extract, start
+from universal_predictors import tracing as shared
+from universal_predictors.tracing import (
+    SERVER,
+    Remote,
+    Sampler,
+    Tracing,
+    TracingConfigError,
+    exporters_from_env,
+    extract,
+    start,
+)
 
 MODEL = "tiny-chat"
 KEY = "key-tracing"
@@ -205,6 +216,38 @@ def test_samplers_decide_as_the_sdks_do() -> None:
     assert not Sampler("parentbased_always_on", 1.0).sampled(low, unsampled_parent)
     assert not Sampler("parentbased_always_off", 1.0).sampled(low, None)
     assert Sampler("always_on", 1.0).sampled(high, unsampled_parent)  # not parent-based: the parent is ignored
+
+
+def test_spans_encode_as_otlp_protobuf_decodes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder writes OTLP's protobuf by hand; opentelemetry-proto reads back every field and attribute type."""
+    added: list[bytes] = []
+
+    class Collect:
+        def add(self, span: bytes) -> None:
+            added.append(span)
+
+    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    parent = Remote(int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), True, "vendor=1")
+    attributes = {"s": "x" * 300, "b": True, "i": 2**40, "n": -1, "f": 0.25, "l": ["stop", "length"], "none": None}
+    for _ in range(2):  # the second time from the caches
+        span = tracing.start("predictor.request", SERVER, parent, dict(attributes), start=1_000)
+        span.error = True
+        span.end(2_000)
+    decoded = ScopeSpans.FromString(b"".join(added)).spans
+    assert len(decoded) == 2
+    assert decoded[0].attributes == decoded[1].attributes  # the cached encodings are the same
+    one = decoded[0]
+    assert (one.trace_id.hex(), one.parent_span_id.hex(), one.trace_state) == (CLIENT_TRACE, CLIENT_SPAN, "vendor=1")
+    assert (one.name, one.kind) == ("predictor.request", 2)
+    assert (one.start_time_unix_nano, one.end_time_unix_nano) == (1000, 2000)
+    assert one.status.code == 2  # STATUS_CODE_ERROR
+    values = {a.key: a.value for a in one.attributes}
+    assert values["s"].string_value == "x" * 300
+    assert values["b"].bool_value is True
+    assert (values["i"].int_value, values["n"].int_value, values["f"].double_value) == (2**40, -1, 0.25)
+    assert [v.string_value for v in values["l"].array_value.values] == ["stop", "length"]
+    assert "none" not in values
 
 
 def test_off_the_gateway_imports_no_sdk_and_its_hooks_are_the_handlers_themselves() -> None:
