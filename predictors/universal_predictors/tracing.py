@@ -28,6 +28,7 @@ same recorder.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import contextvars
@@ -396,6 +397,7 @@ def configure(service_name: str, environ: Mapping[str, str] = os.environ,
     global ACTIVE
     ACTIVE = start(service_name, environ, attributes)
     if ACTIVE is not None:
+        atexit.register(shutdown)  # a process that ends normally (SIGTERM in KServe's server) exports what it holds
         logger.info("tracing on: spans exported over OTLP/HTTP (%s)", environ.get("OTEL_TRACES_SAMPLER") or
                     "parentbased_always_on")  # fmt: skip
     return ACTIVE
