@@ -120,6 +120,12 @@ def test_a_request_that_woke_its_model_is_one_trace_from_the_client_to_the_engin
         assert prefill.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
         assert not any("Hi" in json.dumps(s.attributes) for s in spans)  # no bodies
 
+        # A caller that did not sample its trace: the gateway and the predictor follow it and record nothing.
+        unsampled = "5bf92f3577b34da6a3ce929d0e0e4736"
+        headers = {"Authorization": f"Bearer {KEY}", "traceparent": f"00-{unsampled}-{CLIENT_SPAN}-00"}
+        answer = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=300)
+        assert answer.status_code == 200, answer.text
+
         # Awake now: a streamed request without a traceparent starts its own trace, with no hold in it.
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=streamed,
@@ -135,6 +141,7 @@ def test_a_request_that_woke_its_model_is_one_trace_from_the_client_to_the_engin
         assert root.attributes["gen_ai.usage.output_tokens"] == final["completion_tokens"]
         predictor = one(spans, "predictor.request")
         assert predictor.end_ns >= one(spans, "decode").end_ns  # a stream's request span lasts to its last event
+        assert collector.trace(unsampled) == []  # exported in order: its spans would have come before these
         assert predictor.attributes["gen_ai.usage.output_tokens"] == final["completion_tokens"]
 
 
