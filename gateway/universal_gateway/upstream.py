@@ -15,14 +15,14 @@ import httptools
 from yarl import URL
 
 from universal_gateway.server import Request
-from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER
+from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER, USAGE_COMMENTS_HEADER
 from universal_predictors.errors import APIError
 
 #: Hop-by-hop headers and ones the gateway owns; never forwarded.
 DROPPED_HEADERS = frozenset({
     "host", "connection", "keep-alive", "proxy-authorization", "te", "trailers", "transfer-encoding",
     "upgrade", "content-length", "authorization", "x-api-key", "expect", UPSTREAM_TOKEN_HEADER.lower(),
-    RESPONSES_STORED_HEADER.lower(),
+    RESPONSES_STORED_HEADER.lower(), USAGE_COMMENTS_HEADER.lower(),
 })  # fmt: skip
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).

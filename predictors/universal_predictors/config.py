@@ -41,6 +41,9 @@ UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
 #: whole conversation already, and the answer echoes ``store`` and ``previous_response_id``. Never a client's header:
 #: the gateway drops it from what clients send.
 RESPONSES_STORED_HEADER = "X-Universal-Runtime-Responses"
+#: Sent by the gateway (any value): a generation's event stream carries its token counts as SSE comments as it goes
+#: (``universal_predictors.generation.streaming.usage_comment``), which the gateway takes out.
+USAGE_COMMENTS_HEADER = "X-Universal-Runtime-Usage"
 #: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
 #: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
 #: status when it declines that model.
