@@ -17,6 +17,11 @@ from universal_operator.predictor import (
     engine_arg_defaults,
     predictor_config,
 )
+from universal_operator.reconcile.adapter_credentials import (
+    ADAPTER_CREDENTIALS_MOUNT_PATH,
+    ADAPTER_CREDENTIALS_VOLUME,
+    adapter_credentials_secret_name,
+)
 from universal_operator.reconcile.adapters import (
     ADAPTERS_MOUNT_PATH,
     ADAPTERS_VOLUME,
@@ -348,6 +353,12 @@ def desired_inference_service(
     if adapters_map is not None:  # a ConfigMap volume: the kubelet updates it in place (reconcile/adapters.py)
         volumes.append({"name": ADAPTERS_VOLUME, "configMap": {"name": adapters_map}})
         container["volumeMounts"].append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH, "readOnly": True})
+    credentials = adapter_credentials_secret_name(model)
+    if credentials is not None:  # whole, like the list: the kubelet rewrites it in place (adapter_credentials.py)
+        volumes.append({"name": ADAPTER_CREDENTIALS_VOLUME, "secret": {"secretName": credentials}})
+        container["volumeMounts"].append(
+            {"name": ADAPTER_CREDENTIALS_VOLUME, "mountPath": ADAPTER_CREDENTIALS_MOUNT_PATH, "readOnly": True}
+        )
     if spec.resources.gpus > 0:
         shm: dict[str, Any] = {"medium": "Memory"}
         if profile is not None and profile.shm_size:
