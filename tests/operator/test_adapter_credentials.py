@@ -92,11 +92,11 @@ async def test_referenced_secrets_are_copied_with_kserve_s_annotations_into_a_mo
         "adapters": [
             {"name": "support", "uri": "s3://adapters/support", "credentials": "store-keys"},
             {"name": "public", "uri": "s3://adapters/public"},
-        ],
-        "credentialsDir": "/etc/universal-runtime/adapter-credentials",
+        ]
     }
     child = await eventually(lambda: cluster.emulator.get_object(ISVC, "default", NAME))
     predictor = child["spec"]["predictor"]
+    assert "--adapter-credentials-dir=/etc/universal-runtime/adapter-credentials" in predictor["containers"][0]["args"]
     assert {"name": "adapter-credentials", "secret": {"secretName": AGGREGATE}} in predictor["volumes"]
     mount = {"name": "adapter-credentials", "mountPath": "/etc/universal-runtime/adapter-credentials", "readOnly": True}
     assert mount in predictor["containers"][0]["volumeMounts"]  # whole: a subPath mount is never updated

@@ -413,8 +413,7 @@ async def test_adapters_reach_the_predictor_through_a_mounted_config_map_and_cha
     child = await eventually(lambda: _child(cluster, name))
     listing = await eventually(lambda: cluster.emulator.get_object("configmaps", "default", f"{name}-adapters"))
     assert json.loads(listing["data"]["adapters.json"]) == {
-        "adapters": [{"name": "support", "uri": "hf://acme/support-lora:v2"}],
-        "credentialsDir": "/etc/universal-runtime/adapter-credentials",
+        "adapters": [{"name": "support", "uri": "hf://acme/support-lora:v2"}]
     }
     [owner] = listing["metadata"]["ownerReferences"]
     assert owner["uid"] == _model(cluster, name)["metadata"]["uid"]  # type: ignore[index]

@@ -50,6 +50,11 @@ def adapter_credentials_secret_name(model: UniversalModel) -> str | None:
     return f"{model.metadata.name}{ADAPTER_CREDENTIALS_SUFFIX}" if model.spec.adapters else None
 
 
+def adapter_credentials_dir(model: UniversalModel) -> str | None:
+    """Where the predictor reads the copies (``--adapter-credentials-dir``), or None."""
+    return ADAPTER_CREDENTIALS_MOUNT_PATH if model.spec.adapters else None
+
+
 def referenced_secrets(model: UniversalModel) -> dict[str, list[str]]:
     """Each Secret the adapters name, with the adapters that name it (in spec order)."""
     found: dict[str, list[str]] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from universal_operator.reconcile.adapter_credentials import ADAPTER_CREDENTIALS_MOUNT_PATH
 from universal_operator.reconcile.labels import owned_metadata
 from universal_operator.spec import UniversalModel
 
@@ -42,15 +41,15 @@ def adapters_file(model: UniversalModel) -> str | None:
 
 def adapters_json(model: UniversalModel) -> str:
     """The list as the predictor reads it (``universal_predictors.generation.adapters.read_adapters_file``): each
-    adapter's URI and the Secret its credentials come from, copied into the model's own Secret, mounted at
-    ``credentialsDir`` (:mod:`.adapter_credentials`)."""
+    adapter's URI and the Secret its credentials come from (copied into the model's own Secret, mounted at
+    ``--adapter-credentials-dir``: :mod:`.adapter_credentials`)."""
     listed: list[dict[str, str]] = []
     for adapter in model.spec.adapters:
         item = {"name": adapter.name, "uri": adapter.source.storage_uri}
         if adapter.source.credentials_secret:
             item["credentials"] = adapter.source.credentials_secret
         listed.append(item)
-    return json.dumps({"adapters": listed, "credentialsDir": ADAPTER_CREDENTIALS_MOUNT_PATH}, indent=1, sort_keys=True)
+    return json.dumps({"adapters": listed}, indent=1, sort_keys=True)
 
 
 def desired_adapters_config_map(model: UniversalModel) -> dict[str, Any] | None:

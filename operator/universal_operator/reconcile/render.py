@@ -20,6 +20,7 @@ from universal_operator.predictor import (
 from universal_operator.reconcile.adapter_credentials import (
     ADAPTER_CREDENTIALS_MOUNT_PATH,
     ADAPTER_CREDENTIALS_VOLUME,
+    adapter_credentials_dir,
     adapter_credentials_secret_name,
 )
 from universal_operator.reconcile.adapters import (
@@ -321,7 +322,10 @@ def desired_inference_service(
         "imagePullPolicy": config.images.pull_policy,
         "command": ["python", "-m", PREDICTOR_MODULE],
         "args": predictor_config(
-            model, engine_arg_defaults=engine_arg_defaults(model, config, profile), adapters_file=adapters_file(model)
+            model,
+            engine_arg_defaults=engine_arg_defaults(model, config, profile),
+            adapters_file=adapters_file(model),
+            adapter_credentials_dir=adapter_credentials_dir(model),
         ).to_args(),
         "env": _env(model, COMPILE_CACHE_ENV if compile_claim else {}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],

@@ -198,21 +198,11 @@ class ListedAdapter:
     credentials: str | None = None
 
 
-@dataclass(frozen=True)
-class AdapterList:
-    """The adapters file: its adapters by name, and where the copies of their credentials Secrets are (the
-    operator's aggregate Secret's mount; None locally, where downloads use the predictor's environment)."""
-
-    adapters: dict[str, ListedAdapter]
-    credentials_dir: Path | None = None
-
-
-def read_adapters_file(path: Path) -> AdapterList:
-    """``{"adapters": [{"name": ..., "uri": ..., "credentials": SECRET?}], "credentialsDir": DIR?}`` (the operator's
-    ConfigMap key, ``serve``'s file); ValueError naming what is wrong. A missing file is an empty list (the volume may
-    lag the pod)."""
+def read_adapters_file(path: Path) -> dict[str, ListedAdapter]:
+    """``{"adapters": [{"name": ..., "uri": ..., "credentials": SECRET?}]}`` (the operator's ConfigMap key, ``serve``'s
+    file) by name; ValueError naming what is wrong. A missing file is an empty list (the volume may lag the pod)."""
     if not path.exists():
-        return AdapterList({})
+        return {}
     try:
         data = json.loads(path.read_text() or "{}")
     except ValueError as exc:
@@ -233,10 +223,7 @@ def read_adapters_file(path: Path) -> AdapterList:
         if credentials is not None and (not isinstance(credentials, str) or not credentials):
             raise ValueError(f"{path}: adapters[{index}].credentials must be a Secret's name")
         adapters[name] = ListedAdapter(uri, credentials)
-    folder = data.get("credentialsDir")
-    if folder is not None and not isinstance(folder, str):
-        raise ValueError(f"{path}: credentialsDir must be a folder's path")
-    return AdapterList(adapters, Path(folder) if folder else None)
+    return adapters
 
 
 Fetch = Callable[[str, Path, StoreSecret | None], Path]
@@ -273,7 +260,14 @@ class AdapterCatalog:
     LoRA module under its bare name, ``vllm/entrypoints/openai/serving_models.py``) when that is not the base's
     own name."""
 
-    def __init__(self, base: str, file: Path | None, cache: Path, fetch: Fetch = fetch_adapter) -> None:
+    def __init__(
+        self,
+        base: str,
+        file: Path | None,
+        cache: Path,
+        credentials_dir: Path | None = None,
+        fetch: Fetch = fetch_adapter,
+    ) -> None:
         self.base = base
         self.file = file
         self.cache = cache
@@ -281,7 +275,9 @@ class AdapterCatalog:
         self._entries: dict[str, AdapterEntry] = {}
         self._stamp: tuple[int, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
-        self.credentials_dir: Path | None = None
+        #: Where the copies of the adapters' credentials Secrets are (``--adapter-credentials-dir``); None: downloads
+        #: use this process's environment, as ``serve``'s do.
+        self.credentials_dir = credentials_dir
         self.error: str | None = None  # why the file could not be read (the last good list stays)
         self.refresh()
 
@@ -304,15 +300,14 @@ class AdapterCatalog:
             logger.error("the adapters file cannot be read, keeping the last list: %s", exc)
             return False
         self.error = None
-        self.credentials_dir = listed.credentials_dir
         before = {name: ListedAdapter(e.uri, e.credentials) for name, e in self._entries.items()}
-        for name, item in listed.adapters.items():
+        for name, item in listed.items():
             entry = self._entries.get(name)
             if entry is None or (entry.uri, entry.credentials) != (item.uri, item.credentials):
                 self._entries[name] = AdapterEntry(name, item.uri, item.credentials)
-        for name in set(self._entries) - set(listed.adapters):
+        for name in set(self._entries) - set(listed):
             del self._entries[name]
-        return before != listed.adapters
+        return before != listed
 
     @property
     def names(self) -> list[str]:
@@ -366,7 +361,8 @@ class AdapterCatalog:
             return None
         if self.credentials_dir is None:
             raise CredentialsUnavailable(
-                f"the adapter names credentials Secret {entry.credentials!r}, but its list gives no credentialsDir"
+                f"the adapter names credentials Secret {entry.credentials!r}, but this predictor has no copies of "
+                "Secrets (--adapter-credentials-dir)"
             )
         return read_store_secret(self.credentials_dir, entry.credentials)
 

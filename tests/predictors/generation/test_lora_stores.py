@@ -141,9 +141,10 @@ def served(
         {"name": "web", "uri": f"{web.url}/beta.tar.gz", "credentials": "web-headers"},
         {"name": "absent", "uri": alpha_uri, "credentials": "never-copied"},
     ]
-    listing.write_text(json.dumps({"adapters": listed, "credentialsDir": str(creds)}))
+    listing.write_text(json.dumps({"adapters": listed}))
     config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.TRANSFORMERS,
-                             source=str(tiny_llama_dir), adapters_file=str(listing))  # fmt: skip
+                             source=str(tiny_llama_dir), adapters_file=str(listing),
+                             adapter_credentials_dir=str(creds))  # fmt: skip
     # The predictor trusts the HTTPS server's certificate (requests reads REQUESTS_CA_BUNDLE); its own environment
     # holds other S3 keys, which an adapter with a Secret of its own must not use.
     env = {"REQUESTS_CA_BUNDLE": str(web.ca_file), "AWS_ACCESS_KEY_ID": s3.access_key_id,
