@@ -3,7 +3,8 @@ KServe's Secret format: the environment built from a Secret as KServe's credenti
 initializer's, and a real predictor process fetching from a real S3 server (moto's, keys checked, through boto3 in
 ``kserve_storage``) and an HTTPS server that wants a header. An adapter whose keys are wrong, or whose Secret was
 never copied, is Failed naming the store's error and the base serves on; the copy rotated, the next request
-fetches it."""
+fetches it. Locally (``serve``), where there are no Secrets, the gateway's environment stands in, as for the base
+model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.gateway.harness import running_gateway
 from tests.predictors.generation.tiny_lora import build_lora, merged_greedy
 from tests.predictors.harness import PredictorProcess, running_predictor
 from tests.stores import HeaderServer, S3Store, copied_secret, https_server, s3_store, tar_gz
@@ -231,3 +233,30 @@ def test_an_adapter_whose_secret_was_never_copied_fails_naming_it(
     assert "'never-copied' is not available" in caught.value.body["message"]  # type: ignore[index]
     assert card(running, "absent")["reason"] == "CredentialsUnavailable"
     assert complete(running, MODEL)
+
+
+# -- `universal-runtime serve`: no Kubernetes Secrets, the environment instead -----------------------------------------
+
+
+def test_serve_fetches_an_s3_adapter_with_the_gateways_environment_as_the_base_would(
+    tiny_llama_dir: Path, stores: tuple[S3Store, HeaderServer, Path], tmp_path: Path
+) -> None:
+    s3, _, _ = stores
+    uri = s3.upload(build_lora(tiny_llama_dir, tmp_path / "gamma", seed=5), "loras/gamma")
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    (folder / "tiny.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: tiny}\n"
+        f'spec:\n  task: generate\n  backend: transformers\n  source: {{uri: "{tiny_llama_dir}"}}\n'
+        f"  adapters:\n  - {{name: gamma, source: {{uri: {uri}, credentialsSecret: store-keys}}}}\n"
+    )
+    # The Secret a cluster would read is the gateway's environment here (KServe's storage code reads these).
+    env = {"AWS_ACCESS_KEY_ID": s3.access_key_id, "AWS_SECRET_ACCESS_KEY": s3.secret_access_key,
+           "AWS_ENDPOINT_URL": s3.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    with running_gateway([folder], tmp_path / "gw", env=env) as gateway:
+        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        answer = client.completions.create(model=f"{MODEL}:gamma", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        expected = merged_greedy(tiny_llama_dir, tmp_path / "gamma", PROMPT, MAX_TOKENS)
+        detokenized = client.post("/detokenize", body={"model": MODEL, "tokens": expected}, cast_to=dict[str, Any])
+        assert answer.choices[0].text == detokenized["prompt"]
