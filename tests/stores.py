@@ -1,5 +1,7 @@
 """Real object stores and web servers for the adapter-source tests: an S3 server (moto's, the one boto3 and KServe's
-storage code talk to as they would to AWS, with access keys checked) and an HTTPS server that wants a header.
+storage code talk to as they would to AWS, with access keys checked), a GCS API server (gcp-storage-emulator, which
+google-cloud-storage talks to through ``STORAGE_EMULATOR_HOST``; it checks no credentials) and an HTTPS server that
+wants a header.
 
 Both serve files from this machine only; the S3 server checks every request's signature once the test's user and
 bucket exist (moto's ``/moto-api/reset-auth``: the IAM checks boto3 requests meet on AWS).
@@ -98,6 +100,49 @@ def s3_store(bucket: str = "adapters") -> Iterator[S3Store]:
         # From here on every request must be signed by a known user's key (moto: INITIAL_NO_AUTH_ACTION_COUNT 0).
         requests.post(f"{endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
         yield S3Store(endpoint, bucket, key["AccessKeyId"], key["SecretAccessKey"])
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class GcsStore:
+    """A running GCS API server and a bucket in it."""
+
+    endpoint: str  # http://127.0.0.1:PORT: STORAGE_EMULATOR_HOST for google-cloud-storage
+    bucket: str
+
+    def secret(self, name: str) -> dict[str, Any]:
+        """A Secret in KServe's GCS format (KServe v0.20.0 pkg/credentials/gcs/gcs_secret.go: the key file under
+        ``gcloud-application-credentials.json``). The emulator checks no key, so any service account's file does."""
+        key = json.dumps({"type": "service_account", "project_id": "test", "client_email": "adapters@test.invalid"})
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                "data": {"gcloud-application-credentials.json": base64.b64encode(key.encode()).decode()}}  # fmt: skip
+
+    def upload(self, folder: Path, prefix: str) -> str:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        client = storage.Client(credentials=AnonymousCredentials(), project="test", client_options={
+            "api_endpoint": self.endpoint})  # fmt: skip
+        bucket = client.bucket(self.bucket)
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                bucket.blob(f"{prefix}/{path.relative_to(folder)}").upload_from_filename(str(path))
+        return f"gs://{self.bucket}/{prefix}"
+
+
+@contextmanager
+def gcs_store(bucket: str = "adapters") -> Iterator[GcsStore]:
+    """gcp-storage-emulator's server, in memory, on a free loopback port, with a bucket."""
+    from gcp_storage_emulator.server import create_server
+
+    from tests.predictors.harness import free_port
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
+    server.start()
+    try:
+        yield GcsStore(f"http://127.0.0.1:{port}", bucket)
     finally:
         server.stop()
 

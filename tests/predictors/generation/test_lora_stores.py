@@ -1,10 +1,10 @@
 """LoRA adapters from object stores and web servers, fetched by KServe's own storage code with credentials in
 KServe's Secret format: the environment built from a Secret as KServe's credential builder builds the storage
 initializer's, and a real predictor process fetching from a real S3 server (moto's, keys checked, through boto3 in
-``kserve_storage``) and an HTTPS server that wants a header. An adapter whose keys are wrong, or whose Secret was
-never copied, is Failed naming the store's error and the base serves on; the copy rotated, the next request
-fetches it. Locally (``serve``), where there are no Secrets, the gateway's environment stands in, as for the base
-model."""
+``kserve_storage``), a GCS API server and an HTTPS server that wants a header. An adapter whose keys are wrong, or
+whose Secret was never copied, is Failed naming the store's error and the base serves on; the copy rotated, the next
+request fetches it. Locally (``serve``), where there are no Secrets, the gateway's environment stands in, as for the
+base model."""
 
 from __future__ import annotations
 
@@ -23,7 +23,16 @@ import pytest
 from tests.gateway.harness import running_gateway
 from tests.predictors.generation.tiny_lora import build_lora, merged_greedy
 from tests.predictors.harness import PredictorProcess, running_predictor
-from tests.stores import HeaderServer, S3Store, copied_secret, https_server, s3_store, tar_gz
+from tests.stores import (
+    GcsStore,
+    HeaderServer,
+    S3Store,
+    copied_secret,
+    gcs_store,
+    https_server,
+    s3_store,
+    tar_gz,
+)
 from universal_predictors.catalog import Backend, Task
 from universal_predictors.config import PredictorConfig
 from universal_predictors.generation.adapter_stores import (
@@ -123,25 +132,35 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Store, 
 
 
 @pytest.fixture(scope="module")
+def gcs() -> Iterator[GcsStore]:
+    with gcs_store() as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
 def served(
-    tiny_llama_dir: Path, stores: tuple[S3Store, HeaderServer, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[PredictorProcess, dict[str, Path], Path]]:
+    tiny_llama_dir: Path, stores: tuple[S3Store, HeaderServer, Path], gcs: GcsStore,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[PredictorProcess, dict[str, Path], Path]]:  # fmt: skip
     s3, web, web_root = stores
     folder = tmp_path_factory.mktemp("lora-stores")
     loras = {name: build_lora(tiny_llama_dir, folder / name, seed=i + 1) for i, name in enumerate(("alpha", "beta"))}
     alpha_uri = s3.upload(loras["alpha"], "loras/alpha")
+    cloud_uri = gcs.upload(loras["alpha"], "loras/alpha")
     tar_gz(loras["beta"], web_root / "beta.tar.gz")
     creds = folder / "credentials"
     creds.mkdir()
     (creds / "store-keys.json").write_text(copied_secret(s3.secret("store-keys")))
     (creds / "wrong-keys.json").write_text(copied_secret(s3.secret("wrong-keys", secret_access_key="not-it")))
     (creds / "web-headers.json").write_text(copied_secret(web.secret("web-headers")))
+    (creds / "gcs-key.json").write_text(copied_secret(gcs.secret("gcs-key")))
     listing = folder / "adapters.json"
     listed: list[dict[str, Any]] = [
         {"name": "alpha", "uri": alpha_uri, "credentials": "store-keys"},
         {"name": "wrong", "uri": alpha_uri, "credentials": "wrong-keys"},
         {"name": "web", "uri": f"{web.url}/beta.tar.gz", "credentials": "web-headers"},
         {"name": "absent", "uri": alpha_uri, "credentials": "never-copied"},
+        {"name": "cloud", "uri": cloud_uri, "credentials": "gcs-key"},
     ]
     listing.write_text(json.dumps({"adapters": listed}))
     config = PredictorConfig(model_name=MODEL, task=Task.GENERATE, backend=Backend.TRANSFORMERS,
@@ -150,7 +169,8 @@ def served(
     # The predictor trusts the HTTPS server's certificate (requests reads REQUESTS_CA_BUNDLE); its own environment
     # holds other S3 keys, which an adapter with a Secret of its own must not use.
     env = {"REQUESTS_CA_BUNDLE": str(web.ca_file), "AWS_ACCESS_KEY_ID": s3.access_key_id,
-           "AWS_SECRET_ACCESS_KEY": s3.secret_access_key, "AWS_ENDPOINT_URL": s3.endpoint}  # fmt: skip
+           "AWS_SECRET_ACCESS_KEY": s3.secret_access_key, "AWS_ENDPOINT_URL": s3.endpoint,
+           "STORAGE_EMULATOR_HOST": gcs.endpoint}  # fmt: skip
     with running_predictor(config, folder, env=env) as running:
         yield running, loras, creds
 
@@ -198,6 +218,17 @@ def test_an_https_archive_behind_a_header_is_fetched_with_the_secrets_headers(
         running, merged_greedy(tiny_llama_dir, loras["beta"], PROMPT, MAX_TOKENS)
     )
     assert web.requests[-1]["X-Adapter-Token"] == "let-me-in"
+
+
+def test_a_gs_adapter_is_fetched_from_a_gcs_api(
+    served: tuple[PredictorProcess, dict[str, Path], Path], tiny_llama_dir: Path
+) -> None:
+    """gs:// through KServe's storage code and google-cloud-storage (the emulator checks no credentials: the key
+    file's handling is the unit test's above)."""
+    running, loras, _ = served
+    assert complete(running, f"{MODEL}:cloud") == text_of(
+        running, merged_greedy(tiny_llama_dir, loras["alpha"], PROMPT, MAX_TOKENS)
+    )
 
 
 def test_wrong_keys_fail_the_adapter_with_the_stores_error_and_a_rotated_copy_is_used_next(
