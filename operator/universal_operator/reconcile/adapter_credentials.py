@@ -12,7 +12,9 @@ than the referenced Secrets mounted as they are:
   very thing adapters must not do (``reconcile/adapters.py``). The aggregate is one volume, present while
   ``spec.adapters`` is not empty (possibly with no data): a new Secret changes its data only, and the kubelet
   rewrites a mounted Secret in place like a ConfigMap (not with ``subPath``; Kubernetes v1.31
-  ``pkg/volume/secret/secret.go`` SetUpAt writes through ``pkg/volume/util/atomic_writer.go``), at its next sync;
+  ``pkg/volume/secret/secret.go`` SetUpAt writes through ``pkg/volume/util/atomic_writer.go``), at its next sync.
+  Knative admits secret volumes with no feature flag (knative/serving knative-v1.23.0
+  ``pkg/apis/serving/k8s_validation.go`` validateVolume);
 - a Secret volume holds the data only: annotations never reach the files, and KServe reads S3 settings from them.
 
 Each copy is the key ``<secret>.json``: ``{"data": {key: base64 value}, "annotations": {serving.kserve.io/*}}``.
