@@ -246,7 +246,8 @@ def fetch_adapter(uri: str, cache: Path, secret: StoreSecret | None = None) -> P
         return download(uri, target, secret)
     scheme, sep, _ = uri.partition("://")
     if sep and scheme != "file":
-        raise ValueError(f"{scheme}:// is not an adapter source; use hf://, s3://, gs://, https://, or a path")
+        raise ValueError(f"{scheme}:// adapter sources are not fetched by the predictor (yet); use hf://, s3://, "
+                         "gs://, https:// or a path")  # fmt: skip
     path = Path(uri.removeprefix("file://")).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
