@@ -522,8 +522,12 @@ ADAPTERS_FILE = "adapters.json"
 
 def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool = False) -> Path | None:
     """The model's ``spec.adapters`` as its predictor reads them (paths resolved against the manifest's folder;
-    hf:// left to the predictor, which fetches on first use), written atomically (the predictor may be reading);
-    None when it lists none (unless ``keep_empty``: a running predictor's list emptied)."""
+    hf://, s3://, gs://, http(s):// left to the predictor, which fetches on first use), written atomically (the
+    predictor may be reading); None when it lists none (unless ``keep_empty``: a running predictor's list emptied).
+
+    ``credentialsSecret`` names a cluster's Secret, which ``serve`` has not: as for the base model's source, a
+    download here uses the environment the gateway was started with (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+    ``<host>-headers``: what KServe's storage code reads), so the list names no credentials."""
     adapters = manifest.model.spec.adapters
     if not adapters and not keep_empty:
         return None

@@ -149,6 +149,12 @@ class PredictorConfig(BaseModel):
         "ConfigMap volume in a cluster): each is downloaded and loaded on first use. Set: the engine starts with "
         "adapters enabled (vLLM's enable_lora), even while the list is empty.",
     )
+    adapter_credentials_dir: str | None = Field(
+        default=None,
+        description="A folder of copies of the Secrets the adapters name (``<secret>.json``; the operator's "
+        "NAME-adapter-credentials Secret, mounted), read at each download. None: downloads use the process's "
+        "environment (``serve``).",
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -194,6 +200,8 @@ class PredictorConfig(BaseModel):
             args.append(f"--state-dir={self.state_dir}")
         if self.adapters_file:
             args.append(f"--adapters-file={self.adapters_file}")
+        if self.adapter_credentials_dir:
+            args.append(f"--adapter-credentials-dir={self.adapter_credentials_dir}")
         args.append(f"--http_port={self.http_port}")
         if self.http_host:
             args.append(f"--http-host={self.http_host}")
@@ -220,6 +228,7 @@ class PredictorConfig(BaseModel):
                             metavar="BACKEND:KEY=VALUE")  # fmt: skip
         parser.add_argument("--state-dir", dest="state_dir", default=None)
         parser.add_argument("--adapters-file", dest="adapters_file", default=None)
+        parser.add_argument("--adapter-credentials-dir", dest="adapter_credentials_dir", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
         parser.add_argument("--http-host", dest="http_host", default=None)
         return parser
@@ -253,6 +262,7 @@ class PredictorConfig(BaseModel):
             http_host=ns.http_host,
             state_dir=ns.state_dir,
             adapters_file=ns.adapters_file,
+            adapter_credentials_dir=ns.adapter_credentials_dir,
         )
 
     @classmethod

@@ -258,13 +258,21 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
     await eventually(lambda: emulator.get_object(ISVC, "default", "private"))
     assert emulator.get_object("serviceaccounts", "default", "private-storage") is not None
 
-    # A model with LoRA adapters: their list, a ConfigMap of its own (read, then created by server-side apply).
+    # A model with LoRA adapters: their list, a ConfigMap of its own, and a copy of the Secret one names, a Secret of
+    # its own (each read, then created by server-side apply; the named Secret read, and read again at each repair).
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store-keys"}, "data": {"HF_TOKEN": "aGY="}}
+    await harness_create(cluster, "secrets", "default", secret)
     tuned = load_manifest("cluster/qwen-chat.yaml")
     tuned["metadata"]["name"] = "tuned"
-    tuned["spec"]["adapters"] = [{"name": "support", "source": {"uri": "hf://acme/support-lora"}}]
+    tuned["spec"]["adapters"] = [
+        {"name": "support", "source": {"uri": "hf://acme/support-lora", "credentialsSecret": "store-keys"}}
+    ]
     await harness_create(cluster, UM, "default", tuned)
     await eventually(lambda: emulator.get_object(ISVC, "default", "tuned"))
     assert emulator.get_object("configmaps", "default", "tuned-adapters") is not None
+    assert set(emulator.get_object("secrets", "default", "tuned-adapter-credentials")["data"]) == {  # type: ignore[index]
+        "store-keys.json"
+    }
 
     # An invalid one: SpecValid=False and a Warning Event.
     await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))

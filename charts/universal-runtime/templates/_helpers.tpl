@@ -111,6 +111,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - events: kopf posts Warning Events (InvalidSpec) on the models;
 - pods: the predictor pods (KServe's serving.kserve.io/inferenceservice label), watched for the step a
   starting predictor is at (status.step: Scheduling, Pulling image, Downloading, Loading);
+- configmaps, secrets: a model with adapters gets their list (a ConfigMap) and a copy of the Secrets they
+  name (a Secret, NAME-adapter-credentials), so that adding an adapter never changes the pod template; the
+  operator reads only the Secrets adapters name (get, never list or watch);
 - universalmodels/finalizers: the children's ownerReference sets blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) admits only
   from who may update the owner's finalizers subresource (kubernetes/kubernetes
@@ -137,6 +140,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
   verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [secrets]
   verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [pods]

@@ -121,14 +121,19 @@ class GenerationService:
         if name is None or self.adapters is None:
             return plan
         try:
-            adapter = await self.adapters.local(name)
-            await asyncio.to_thread(self.engine.load_adapter, adapter)
+            adapter = await self.adapters.local(name)  # a failed download or check: Failed by the catalog, its reason
+            try:
+                await asyncio.to_thread(self.engine.load_adapter, adapter)
+            except Unavailable:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, AdapterMismatch | FileNotFoundError | PermissionError | LookupError | OSError):
+                    logger.exception("LoRA adapter %s failed to load", name)
+                self.adapters.fail(name, "Mismatch" if isinstance(exc, AdapterMismatch) else "LoadFailed", exc)
+                raise
         except Unavailable:
             raise
-        except Exception as exc:
-            if not isinstance(exc, AdapterMismatch | FileNotFoundError | PermissionError | LookupError | OSError):
-                logger.exception("LoRA adapter %s failed to load", name)
-            self.adapters.fail(name, "Mismatch" if isinstance(exc, AdapterMismatch) else "LoadFailed", exc)
+        except Exception:
             entry = next(e for e in self.adapters.entries() if e.name == name)
             raise InvalidRequest(
                 f"The adapter {model!r} failed ({entry.reason}): {entry.message}. The base model "
