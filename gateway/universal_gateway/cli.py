@@ -128,7 +128,7 @@ def _keys_create(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from universal_gateway.auth import KeyEntry, KeysError, parse_keys
+    from universal_gateway.auth import ApiKeys, KeyEntry, KeysError, parse_keys
 
     path = Path(args.file)
     document: dict[str, object] = {"keys": []}
@@ -161,7 +161,7 @@ def _keys_create(args: argparse.Namespace) -> int:
     keys.append(entry)
     text = yaml.safe_dump(document, sort_keys=False)
     try:
-        parse_keys(text, str(path))  # ids unique, every entry valid
+        ApiKeys(parse_keys(text, str(path))[0])  # every entry valid, ids and secrets unique
     except KeysError as exc:
         return _fail("keys create", str(exc))
     path.write_text(text)
