@@ -507,7 +507,7 @@ class Gateway:
         status = 500
         series.in_flight.inc()
         try:
-            async with gate:
+            async with gate.slot(meter.key_id):
                 held = view.state is not ModelState.READY
                 waiter = asyncio.current_task()
                 stream: StreamedResponse | None = None
@@ -578,15 +578,17 @@ class Gateway:
             series.count(status)
             ended = time.monotonic()
             series.latency.observe(ended - started)
-            await self._account(request, meter, requested, status, started, ended, body)
+            await self._account(request, meter, requested, status, started, ended, body, gate)
 
     async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
-                       ended: float, body: bytes) -> None:  # fmt: skip
-        """After a proxied request: its tokens taken from its key's limits, the ledger, the audit line."""
+                       ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip
+        """After a proxied request: its tokens counted toward its key's share of the model, taken from its key's
+        limits and written in the ledger, and its audit line."""
         usage = meter.usage
         usage.requests = 1
         if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
             usage.predictor_seconds = ended - meter.sent + (meter.wake_s or 0.0)
+        gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
         try:
             if meter.ticket is not None:
                 await meter.ticket.settle(usage.input_tokens, usage.output_tokens)
