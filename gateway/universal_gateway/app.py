@@ -42,7 +42,12 @@ from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, Up
 from universal_gateway.usage import Ledger, StreamTap, Usage, UsageMetrics, unary_usage, usage_report
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
-from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER, USAGE_COMMENTS_HEADER
+from universal_predictors.config import (
+    IMAGES_HEADER,
+    RESPONSES_STORED_HEADER,
+    UPSTREAM_TOKEN_HEADER,
+    USAGE_COMMENTS_HEADER,
+)
 from universal_predictors.errors import (
     APIError,
     InvalidRequest,
@@ -586,6 +591,7 @@ class Gateway:
         limits and written in the ledger, and its audit line."""
         usage = meter.usage
         usage.requests = 1
+        usage.images = max(usage.images, meter.images)
         if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
             usage.predictor_seconds = ended - meter.sent + (meter.wake_s or 0.0)
         gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
@@ -684,6 +690,7 @@ class Gateway:
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
             if meter is not None:
                 passed += meter.headers
+                meter.images = next((int(v) for k, v in upstream.headers if k.lower() == _IMAGES and v.isdigit()), 0)
             head_only = request.method == "HEAD"  # the upstream's answer ended with its head
             event_stream = upstream.content_type.startswith("text/event-stream")
             if into is not None and not (event_stream and upstream.status == 200):
@@ -792,6 +799,7 @@ def _instant(value: str | None, param: str, default: float) -> float:
     return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
 
 
+_IMAGES = IMAGES_HEADER.lower()
 #: How often the gateway looks for a changed keys file (seconds).
 KEYS_REREAD_S = 2.0
 
@@ -799,7 +807,7 @@ KEYS_REREAD_S = 2.0
 class _Meter:
     """One proxied request's key, its draw on the key's limits and what it used."""
 
-    __slots__ = ("key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s")
+    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s")
 
     def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
         self.key = key
@@ -809,6 +817,7 @@ class _Meter:
         self.sent: float | None = None  # when it was sent to the predictor (monotonic)
         self.wake_s: float | None = None  # how long it waited for its model to wake
         self.streamed = False
+        self.images = 0  # the images a chat held (the predictor's IMAGES_HEADER)
 
     @property
     def headers(self) -> list[tuple[str, str]]:

@@ -44,6 +44,8 @@ RESPONSES_STORED_HEADER = "X-Universal-Runtime-Responses"
 #: Sent by the gateway (any value): a generation's event stream carries its token counts as SSE comments as it goes
 #: (``universal_predictors.generation.streaming.usage_comment``), which the gateway takes out.
 USAGE_COMMENTS_HEADER = "X-Universal-Runtime-Usage"
+#: On a generation's answer: the images its chat held (the gateway's usage ledger counts them, and drops the header).
+IMAGES_HEADER = "X-Universal-Runtime-Images"
 #: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
 #: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
 #: status when it declines that model.
