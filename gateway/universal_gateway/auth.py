@@ -205,6 +205,8 @@ class ApiKeys:
         self.model_limits: dict[str, Limits] = dict(model_limits or {})
         self.on_reload_error = on_reload_error
         self._by_digest: dict[bytes, Key] = {}
+        #: Bumped whenever the keys change (what caches of per-key settings check).
+        self.generation = 0
         self._index()
 
     @classmethod
@@ -234,7 +236,7 @@ class ApiKeys:
         stat = self._file.stat()
         keys, model_limits = parse_keys(self._file.read_text(), str(self._file))
         previous = (self._file_keys, self.model_limits)
-        self._file_keys, self.model_limits = keys, model_limits
+        self._file_keys, self.model_limits = keys, model_limits  # (_index bumps the generation)
         try:
             self._index()
         except KeysError:
@@ -281,6 +283,7 @@ class ApiKeys:
                 raise KeysError(f"{key.source}: the key {key.id!r} has the same secret as {by_digest[key.digest].id!r}")
             ids[key.id] = by_digest[key.digest] = key
         self._by_digest = by_digest
+        self.generation += 1
 
     def authenticate(self, header: str | None) -> Key | None:
         """The caller's key (None: the gateway is open); 401 without a valid one."""
@@ -299,10 +302,7 @@ class ApiKeys:
     def authorize(self, header: str | None, model: str | None, base: str | None = None) -> Key | None:
         """The caller's key (None: the gateway is open); 401 without a valid key, 403 for a model it may not use.
         ``base``: the model ``model`` is an adapter of (see :meth:`Key.may_use`)."""
-        key = self.authenticate(header)
-        if key is not None and not key.may_use(model, base):
-            raise Forbidden(f"This API key may not use the model {model!r}.", param="model", code="model_not_allowed")
-        return key
+        return may_use(self.authenticate(header), model, base)
 
     def limits(self, key: Key | None, model: str) -> tuple[Limits, Limits]:
         """The limits over all of ``key``'s requests, and those on its requests to ``model``."""
@@ -310,6 +310,13 @@ class ApiKeys:
             return NO_LIMITS, self.model_limits.get(model, NO_LIMITS)
         default = self.model_limits.get(model, NO_LIMITS)
         return key.limits, key.model_limits.get(model, NO_LIMITS).over(default)
+
+
+def may_use(key: Key | None, model: str | None, base: str | None = None) -> Key | None:
+    """``key``, if it may use ``model`` (see :meth:`Key.may_use`); 403 if not."""
+    if key is not None and not key.may_use(model, base):
+        raise Forbidden(f"This API key may not use the model {model!r}.", param="model", code="model_not_allowed")
+    return key
 
 
 def allowed_models(key: Key | None) -> frozenset[str] | None:

@@ -161,29 +161,28 @@ class RateLimited(APIError):
         }
 
 
-def _tightest(levels: Sequence[Level]) -> Level | None:
-    return min(levels, key=lambda lv: lv.remaining / lv.bucket.limit, default=None)
-
-
 def rate_headers(levels: Sequence[Level]) -> list[tuple[str, str]]:
-    """OpenAI's ``x-ratelimit-*`` headers for the buckets a request drew on."""
+    """OpenAI's ``x-ratelimit-*`` headers for the buckets a request drew on: per kind of limit, the bucket with the
+    least left for its size (``tokens``: input or output, whichever)."""
+    tightest: dict[str, tuple[float, Level]] = {}
+    for level in levels:
+        share = level.remaining / level.bucket.limit
+        kind = level.bucket.kind
+        for suffix in ("requests",) if kind == REQUESTS else ("tokens", _TOKEN_SUFFIX[kind]):
+            held = tightest.get(suffix)
+            if held is None or share < held[0]:
+                tightest[suffix] = (share, level)
     out: list[tuple[str, str]] = []
-
-    def trio(suffix: str, level: Level | None) -> None:
-        if level is not None:
-            out.extend([
-                (f"x-ratelimit-limit-{suffix}", str(level.bucket.limit)),
-                (f"x-ratelimit-remaining-{suffix}", str(max(0, math.floor(level.remaining)))),
-                (f"x-ratelimit-reset-{suffix}", duration(level.reset_s)),
-            ])  # fmt: skip
-
-    trio("requests", _tightest([lv for lv in levels if lv.bucket.kind == REQUESTS]))
-    trio("tokens", _tightest([lv for lv in levels if lv.bucket.kind != REQUESTS]))
-    trio("input-tokens", _tightest([lv for lv in levels if lv.bucket.kind == INPUT]))
-    trio("output-tokens", _tightest([lv for lv in levels if lv.bucket.kind == OUTPUT]))
+    for suffix, (_, level) in tightest.items():
+        out += (
+            (f"x-ratelimit-limit-{suffix}", str(level.bucket.limit)),
+            (f"x-ratelimit-remaining-{suffix}", str(max(0, math.floor(level.remaining)))),
+            (f"x-ratelimit-reset-{suffix}", duration(level.reset_s)),
+        )
     return out
 
 
+_TOKEN_SUFFIX = {INPUT: "input-tokens", OUTPUT: "output-tokens"}
 _KIND_NAMES = {
     REQUESTS: "requests per minute",
     INPUT: "input tokens per minute",
@@ -216,47 +215,70 @@ def _whose(key: Key | None, bucket_scope: str) -> str:
     return f"key {name}" if bucket_scope == "key" else f"key {name} on the model {bucket_scope!r}"
 
 
+#: Output tokens a stream takes from its buckets at a time and then spends as it goes (what is left given back at
+#: its end): one counter operation per this many tokens rather than per piece, which matters when the counters
+#: are in Redis. A stream near its key's budget takes what each piece needs, so the cut is still exact.
+OUTPUT_LEASE = 32
+
+
 class Ticket:
     """One admitted request's draw on its limits: its headers, its streamed output, its final usage."""
 
     def __init__(self, quotas: Quotas, key: Key | None, buckets: list[Bucket], slots: list[str],
-                 levels: list[Level]) -> None:  # fmt: skip
+                 headers: list[tuple[str, str]]) -> None:  # fmt: skip
         self._quotas = quotas
         self.key = key
         self._buckets = buckets
+        self._output_buckets = [b for b in buckets if b.kind == OUTPUT]
         self._slots = slots
-        self.headers = rate_headers(levels)
-        self.output_taken = 0
+        self.headers = headers
+        self.output_taken = 0  # output tokens spent
+        self._leased = 0  # output tokens taken from the buckets and not spent yet
         self._closed = False
 
     @property
     def limits_output(self) -> bool:
-        return any(b.kind == OUTPUT for b in self._buckets)
+        return bool(self._output_buckets)
 
-    async def output(self, tokens: int) -> bool:
-        """Take ``tokens`` more streamed output tokens; False (nothing taken) when a bucket has fewer left."""
-        if tokens <= 0:
-            return True
+    async def _take_output(self, amount: int) -> bool:
+        """``amount`` from every output bucket, or from none."""
         now = self._quotas.clock()
-        taken: list[tuple[Bucket, int]] = []
-        for bucket in self._buckets:
-            if bucket.kind != OUTPUT:
-                continue
-            if await self._quotas.counters.take(bucket, tokens, now, all_or_nothing=True) is None:
-                for done, amount in taken:  # give back what the other buckets gave
+        taken: list[Bucket] = []
+        for bucket in self._output_buckets:
+            if await self._quotas.counters.take(bucket, amount, now, all_or_nothing=True) is None:
+                for done in taken:  # give back what the other buckets gave
                     await self._quotas.counters.take(done, -amount, now, all_or_nothing=False)
                 return False
-            taken.append((bucket, tokens))
+            taken.append(bucket)
+        return True
+
+    async def output(self, tokens: int) -> bool:
+        """Spend ``tokens`` more streamed output tokens; False (nothing spent) when a bucket has fewer left."""
+        if tokens <= 0:
+            return True
+        if tokens > self._leased:
+            need = tokens - self._leased
+            if await self._take_output(max(need, OUTPUT_LEASE)):
+                self._leased += max(need, OUTPUT_LEASE)
+            elif await self._take_output(need):  # near the budget: exactly what this piece needs
+                self._leased += need
+            else:
+                return False
+        self._leased -= tokens
         self.output_taken += tokens
         return True
 
     async def settle(self, input_tokens: int, output_tokens: int) -> None:
-        """Take the answer's input tokens, and its output tokens not yet taken as they streamed."""
+        """Take the answer's input tokens, and its output tokens not yet spent as they streamed; give back the
+        rest of a lease."""
         now = self._quotas.clock()
+        unspent = self._leased - max(0, output_tokens - self.output_taken)
         for bucket in self._buckets:
-            amount = input_tokens if bucket.kind == INPUT else output_tokens - self.output_taken
-            if bucket.kind != REQUESTS and amount > 0:
-                await self._quotas.counters.take(bucket, amount, now, all_or_nothing=False)
+            if bucket.kind == INPUT and input_tokens > 0:
+                await self._quotas.counters.take(bucket, input_tokens, now, all_or_nothing=False)
+            elif bucket.kind == OUTPUT and unspent:
+                await self._quotas.counters.take(bucket, -unspent, now, all_or_nothing=False)
+        self._leased = 0
         self.output_taken = max(self.output_taken, output_tokens)
 
     async def close(self) -> None:
@@ -273,10 +295,25 @@ class Quotas:
         self.keys = keys
         self.counters: Counters = counters if counters is not None else MemoryCounters()
         self.clock = time.time  # wall time: Redis-kept levels are shared between machines
+        #: (key id, model) -> its buckets and counters, made once per version of the keys.
+        self._plans: dict[tuple[str | None, str], tuple[list[Bucket], list[tuple[str, int]]]] = {}
+        self._generation = -1
+
+    def _plan(self, key: Key | None, model: str) -> tuple[list[Bucket], list[tuple[str, int]]]:
+        if self._generation != self.keys.generation:
+            self._plans.clear()
+            self._generation = self.keys.generation
+        who = key.id if key is not None else None
+        plan = self._plans.get((who, model))
+        if plan is None:
+            if len(self._plans) > 100_000:  # models named by requests: bounded
+                self._plans.clear()
+            plan = self._plans[(who, model)] = buckets_for(key, model, self.keys.limits(key, model))
+        return plan
 
     async def admit(self, key: Key | None, model: str) -> Ticket | None:
         """The request's ticket (None: nothing limits it); :class:`RateLimited` when a limit is reached."""
-        buckets, slots = buckets_for(key, model, self.keys.limits(key, model))
+        buckets, slots = self._plan(key, model)
         if not buckets and not slots:
             return None
         admission = await self.counters.admit(buckets, slots, self.clock())
@@ -302,4 +339,4 @@ class Quotas:
                 1.0,
                 headers,
             )
-        return Ticket(self, key, buckets, [name for name, _ in slots], admission.levels)
+        return Ticket(self, key, buckets, [name for name, _ in slots], headers)

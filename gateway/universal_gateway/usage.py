@@ -42,8 +42,11 @@ class Usage:
     predictor_seconds: float = 0.0
 
     def add(self, other: Usage) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in USAGE_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+USAGE_FIELDS = tuple(f.name for f in fields(Usage))
 
 
 def from_usage_object(usage: Any) -> Usage:
@@ -172,11 +175,18 @@ class UsageMetrics:
             for f in fields(Usage)
         }
 
+        #: (key id, model) -> each counter's child: ``labels()`` takes a lock and builds a key on every call.
+        self._children: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+
     def add(self, key_id: str, model: str, usage: Usage) -> None:
-        for name, counter in self.counters.items():
+        children = self._children.get((key_id, model))
+        if children is None:
+            children = [(name, counter.labels(key_id, model)) for name, counter in self.counters.items()]
+            self._children[(key_id, model)] = children
+        for name, child in children:
             value = getattr(usage, name)
             if value:
-                counter.labels(key_id, model).inc(value)
+                child.inc(value)
 
 
 class Ledger:

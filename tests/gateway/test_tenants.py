@@ -85,7 +85,18 @@ def client(gateway: GatewayProcess, key: str) -> openai.OpenAI:
 
 def audit_lines(gateway: GatewayProcess) -> list[dict[str, Any]]:
     path = gateway.log_path.parent / "audit.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def audited(gateway: GatewayProcess, key_id: str, after: int) -> dict[str, Any]:
+    """The first audit line of ``key_id`` beyond the first ``after`` lines (the log is written every half second)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [line for line in audit_lines(gateway)[after:] if line["key_id"] == key_id]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no audit line for {key_id!r}"
+        time.sleep(0.1)
 
 
 def chat(key: str, gateway: GatewayProcess, **fields: Any) -> httpx.Response:
@@ -131,12 +142,12 @@ def test_a_stream_that_runs_out_of_output_tokens_ends_with_an_error_event(gatewa
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
 
+    seen = len(audit_lines(gateway))
     with pytest.raises(openai.APIError, match="output tokens per minute of key 'streamer' ran out"):
         read_stream()
     assert pieces
     assert whole.choices[0].message.content.startswith("".join(pieces))
-    counted = audit_lines(gateway)[-1]
-    assert counted["key_id"] == "streamer"
+    counted = audited(gateway, "streamer", seen)
     assert 1 <= counted["output_tokens"] <= OUTPUT_BUDGET  # cut between two pieces, never past the budget
     # A unary answer is admitted while any token is left and may take the bucket below zero; the next request then
     # waits for it to refill.
@@ -237,9 +248,10 @@ def ledger_totals(gateway: GatewayProcess, key_id: str) -> dict[str, float]:
 
 def test_every_request_has_one_audit_line_without_secrets_or_bodies(gateway: GatewayProcess) -> None:
     marker = "a sentence only the audited request holds"
+    seen = len(audit_lines(gateway))
     answer = chat(TEAM, gateway, messages=[{"role": "user", "content": marker}])
     assert answer.status_code == 200
-    line = audit_lines(gateway)[-1]
+    line = audited(gateway, "team-a", seen)
     assert line["key_id"] == "team-a"
     assert line["owner"] == "search"
     assert line["model"] == MODEL

@@ -286,11 +286,12 @@ class ChoiceRunner:
                 delta = await queue.get()
                 if delta is None:
                     break
-                if usage_comments and delta.tokens:
+                frames = "".join(frame(rendered) for rendered in render(delta))
+                if usage_comments and delta.tokens:  # in the same write: one chunk, not two
                     generated += delta.tokens
-                    yield usage_comment(plan.prompt_tokens, generated)
-                for rendered in render(delta):
-                    yield frame(rendered)
+                    frames = usage_comment(plan.prompt_tokens, generated) + frames
+                if frames:
+                    yield frames
             try:
                 choices = work.result()
             except APIError as error:
