@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -54,10 +55,13 @@ class ModelGate:
     #: What an output token counts against an input token.
     OUTPUT_WEIGHT = 2.0
 
-    def __init__(self, concurrency: int, queue: int) -> None:
+    def __init__(self, concurrency: int, queue: int, *, fair: bool = True) -> None:
         self._free = concurrency
         self._queue = queue
-        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        #: False: first come first served across keys too (what the bench compares the fair order with).
+        self.fair = fair
+        self._arrivals = itertools.count()
+        self._waiting: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
         self._queued = 0
         #: Service each key has had (requests let through, tokens used): who goes first when places are scarce.
         self.counters: dict[str, float] = {}
@@ -86,11 +90,11 @@ class ModelGate:
                 retry_after=1,
             )
         if not self._waiting.get(who):  # it starts queueing: no credit banked while it was away
-            queued = [self.counters.get(k, 0.0) for k, q in self._waiting.items() if q]
+            queued = [self.counters.get(k, 0.0) for k in self._waiting]
             floor = min(queued) if queued else self._last_served
             self.counters[who] = max(self.counters.get(who, 0.0), floor)
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(who, collections.deque()).append(turn)
+        self._waiting.setdefault(who, collections.deque()).append((next(self._arrivals), turn))
         self._queued += 1
         try:
             await turn
@@ -98,14 +102,20 @@ class ModelGate:
             if turn.done() and not turn.cancelled():  # given the place just as it left: pass it on
                 self.release()
             else:
-                self._waiting[who].remove(turn)
+                queue = self._waiting[who]
+                queue.remove(next(entry for entry in queue if entry[1] is turn))
                 self._queued -= 1
+                if not queue:
+                    del self._waiting[who]
             raise
 
     def release(self) -> None:
         while self._queued:
-            who = min((k for k, q in self._waiting.items() if q), key=lambda k: self.counters.get(k, 0.0))
-            turn = self._waiting[who].popleft()
+            if self.fair:
+                who = min(self._waiting, key=lambda k: self.counters.get(k, 0.0))
+            else:
+                who = min(self._waiting, key=lambda k: self._waiting[k][0][0])
+            _, turn = self._waiting[who].popleft()
             self._queued -= 1
             if not self._waiting[who]:
                 del self._waiting[who]

@@ -87,3 +87,9 @@ async def test_a_full_queue_is_a_429_and_a_client_that_leaves_frees_its_place() 
     await third
     gate.release()
     assert gate._free == 1
+
+
+async def test_unfair_is_first_come_first_served_across_keys() -> None:
+    # What the bench compares the fair order with.
+    order = await served_order(ModelGate(1, 100, fair=False), ["a"] * 6 + ["b"] * 3)
+    assert order == ["a"] * 6 + ["b"] * 3
