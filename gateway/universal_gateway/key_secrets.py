@@ -10,7 +10,8 @@ two forms cannot drift): ``secret`` or ``sha256``; optional ``id`` (default: the
 A Secret that holds no valid key is skipped (every other key keeps working): a log line naming the field, the gauge
 ``universal_gateway_api_key_secrets_invalid``, and a Warning Event on the Secret where the gateway may create Events.
 A Secret whose id or secret another key already has (the keys file's, or an earlier Secret's by name) is skipped the
-same way: the keys file wins, then the Secret whose name sorts first.
+same way: the keys file wins (a changed file that clashes is refused by :meth:`ApiKeys.refresh` instead), then
+the Secret whose name sorts first.
 
 One namespace, not all: RBAC cannot grant reading only the Secrets that carry a label (a Role's rules name resources
 and verbs; ``list`` and ``watch`` on ``secrets`` reach every Secret of the namespace), so the gateway reads Secrets in

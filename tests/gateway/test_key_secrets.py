@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import eventually
 from universal_gateway.app import Gateway
 from universal_gateway.auth import ApiKeys
+from universal_gateway.cli import main
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_gateway.key_secrets import (
     LABEL,
@@ -85,6 +86,13 @@ def test_an_invalid_secret_names_its_field(data: dict[str, str], field: str, say
 def test_a_secret_named_beyond_a_key_id_needs_an_id_field() -> None:
     with pytest.raises(InvalidKeySecret, match=r"the Secret's name is not a valid key id.*give the key an `id` field"):
         key_from_secret(secret_body("k" * 70, secret=SECRET_A))
+
+
+def test_the_command_line_refuses_a_selector_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", "--api-key-secrets=tier in (a,b)"]) == 2
+    assert "universal-runtime gateway: error: --api-key-secrets: 'tier in (a,b)': give label=value" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_selector_takes_equality_and_existence_terms_only() -> None:
