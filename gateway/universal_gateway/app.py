@@ -89,6 +89,7 @@ class Gateway:
         self.catalog = catalog
         self.metrics = GatewayMetrics()
         self.keys.on_reload_error = self.metrics.keys_reload_errors.inc
+        self.metrics.key_secrets_invalid.set_function(lambda: self.keys.invalid_secrets)
         #: Per-key limits, where their counts live (this process unless given Redis-kept ones).
         self.quotas = quotas or Quotas(self.keys)
         #: Usage per key, model and hour.

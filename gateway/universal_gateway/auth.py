@@ -204,6 +204,11 @@ class ApiKeys:
         self._secret_keys: list[Key] = []
         self.model_limits: dict[str, Limits] = dict(model_limits or {})
         self.on_reload_error = on_reload_error
+        #: Keys required even while no source holds one: with Secrets as a source, a cluster with none (yet, or any
+        #: more) must refuse every caller, not open the gateway.
+        self.required = False
+        #: Labelled Secrets skipped: no valid key in them (``universal_gateway_api_key_secrets_invalid``).
+        self.invalid_secrets = 0
         self._by_digest: dict[bytes, Key] = {}
         #: Bumped whenever the keys change (what caches of per-key settings check).
         self.generation = 0
@@ -225,7 +230,7 @@ class ApiKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._by_digest)
+        return self.required or bool(self._by_digest)
 
     @property
     def keys(self) -> list[Key]:
@@ -287,7 +292,7 @@ class ApiKeys:
 
     def authenticate(self, header: str | None) -> Key | None:
         """The caller's key (None: the gateway is open); 401 without a valid one."""
-        if not self._by_digest:
+        if not self.enabled:
             return None
         scheme, _, token = (header or "").partition(" ")
         token = token.strip()

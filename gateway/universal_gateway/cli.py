@@ -101,6 +101,14 @@ def _gateway(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     backends = KubernetesBackends(args.namespace)
+    if args.api_key_secrets is not None:
+        from universal_gateway.key_secrets import SELECTOR, KeySecrets
+
+        try:
+            backends.key_secrets = KeySecrets(keys, namespace=args.api_key_secrets_namespace,
+                                              selector=args.api_key_secrets or SELECTOR)  # fmt: skip
+        except ValueError as exc:
+            return _fail("gateway", f"--api-key-secrets: {exc}")
     if args.upstream_token_file:
         try:
             backends.upstream_token = Path(args.upstream_token_file).read_text().strip() or None
@@ -375,6 +383,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_options(gateway, "0.0.0.0")
     gateway.add_argument(
         "--upstream-token-file", help="send this file's token to every predictor (they refuse requests without it)"
+    )
+    gateway.add_argument(
+        "--api-key-secrets", nargs="?", const="", metavar="SELECTOR",
+        help="also take API keys from the Secrets with this label (default "
+             "serving.universal-runtime.dev/api-key=true), one key each, reloaded as they change; needs list and "
+             "watch on secrets in that namespace",
+    )  # fmt: skip
+    gateway.add_argument(
+        "--api-key-secrets-namespace",
+        help="where those Secrets are (default: the gateway's own namespace, its ServiceAccount's)",
     )
     gateway.set_defaults(handler=_gateway)
 

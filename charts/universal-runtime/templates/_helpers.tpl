@@ -157,6 +157,16 @@ it runs, where the spec says auto); with Standard-mode models it also patches In
 serving.kserve.io/stop annotation) and lists the predictor Services' EndpointSlices (the idle check
 asks every ready replica).
 */}}
+{{- /* universal_gateway.key_secrets.rbac_rules(): API keys from Secrets, in the release namespace only. */ -}}
+{{- define "universal-runtime.gateway.keySecretsRules" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
 {{- define "universal-runtime.gateway.rules" -}}
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels]
