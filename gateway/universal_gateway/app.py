@@ -14,18 +14,21 @@ import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from universal_gateway import tracing
-from universal_gateway.auth import ApiKeys, Forbidden
+from universal_gateway.audit import AuditLog
+from universal_gateway.auth import ApiKeys, Forbidden, Key, allowed_models, may_use
 from universal_gateway.backends import Backends, ModelState, ModelView
 from universal_gateway.limits import GatewayLimits as GatewayLimits
 from universal_gateway.limits import ModelGate, WakeWaits
 from universal_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, ModelSeries
 from universal_gateway.openapi import openapi_document
+from universal_gateway.quotas import Quotas, RateLimited, Ticket
 from universal_gateway.responses_store import (
     FinalResponse,
     ResponseStore,
@@ -37,9 +40,15 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
+from universal_gateway.usage import Ledger, StreamTap, Usage, UsageMetrics, unary_usage, usage_report
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
-from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER
+from universal_predictors.config import (
+    IMAGES_HEADER,
+    RESPONSES_STORED_HEADER,
+    UPSTREAM_TOKEN_HEADER,
+    USAGE_COMMENTS_HEADER,
+)
 from universal_predictors.errors import (
     APIError,
     InvalidRequest,
@@ -66,6 +75,10 @@ class Gateway:
         cors_origins: list[str] | None = None,
         catalog: Catalog = CATALOG,
         responses: ResponseStore | None = None,
+        quotas: Quotas | None = None,
+        ledger: Ledger | None = None,
+        audit: AuditLog | None = None,
+        metering: bool = True,
     ) -> None:
         self.backends = backends
         #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
@@ -76,12 +89,28 @@ class Gateway:
         self.cors_origins = cors_origins or []
         self.catalog = catalog
         self.metrics = GatewayMetrics()
+        self.keys.on_reload_error = self.metrics.keys_reload_errors.inc
+        self.metrics.key_secrets_invalid.set_function(lambda: self.keys.invalid_secrets)
+        #: Per-key limits, where their counts live (this process unless given Redis-kept ones).
+        self.quotas = quotas or Quotas(self.keys)
+        #: Usage per key, model and hour.
+        self.ledger = ledger or Ledger(UsageMetrics(self.metrics.registry))
+        if self.ledger.metrics is None:
+            self.ledger.metrics = UsageMetrics(self.metrics.registry)
+        self.audit = audit
+        #: Whether answers are read for their usage (the ledger, token limits, fair shares); off only to measure
+        #: what that costs (bench/gateway.py).
+        self.metering = metering
+        self._keys_watch: asyncio.Task[None] | None = None
         backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
         backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
         self._models: dict[str, tuple[ModelGate, ModelSeries]] = {}
         self._upstreams = UpstreamPool()
         token = backends.upstream_token
         self._token_header = f"{UPSTREAM_TOKEN_HEADER}: {token}\r\n".encode("latin-1") if token else b""
+        # Every upstream request asks for usage comments in event streams (streaming.usage_comment).
+        if metering:
+            self._token_header += f"{USAGE_COMMENTS_HEADER}: 1\r\n".encode()
         self._server: HttpServer | None = None
         self._router: Router[_Handler] = Router()
         for path, task_route in task_routes(catalog):
@@ -93,6 +122,7 @@ class Gateway:
             self._router.add(f"{prefix}/responses/{{response_id}}", "GET", self._get_response)
             self._router.add(f"{prefix}/responses/{{response_id}}", "DELETE", self._delete_response)
             self._router.add(f"{prefix}/responses/{{response_id}}/input_items", "GET", self._response_input_items)
+            self._router.add(f"{prefix}/usage", "GET", self._usage)
         #: Answered without an API key (probes): they name no model.
         self._open_paths = frozenset({"/healthz", "/readyz"})
         #: The Messages API's paths: errors in Anthropic's shape, and the key also taken as ``x-api-key``.
@@ -119,13 +149,25 @@ class Gateway:
         )
         await server.start(host, port)
         self._server = server
+        self._keys_watch = asyncio.create_task(self._watch_keys())
         return server
+
+    async def _watch_keys(self) -> None:
+        """Re-read a changed keys file (a mounted Secret is rewritten in place) every ``KEYS_REREAD_S``."""
+        while True:
+            await asyncio.sleep(KEYS_REREAD_S)
+            self.keys.refresh()
 
     async def close(self) -> None:
         """Stop listening, let requests in flight finish, then stop the backends (and every predictor)."""
+        if self._keys_watch is not None:
+            await _stop(self._keys_watch)
         if self._server is not None:
             await self._server.close()
         await self.backends.close()
+        await self.ledger.close()
+        if self.audit is not None:
+            self.audit.close()
         self._upstreams.close()
         if self.responses is not None:
             await self.responses.close()
@@ -149,10 +191,18 @@ class Gateway:
         if not self.keys.enabled:
             return None
         try:
-            self.keys.authorize(self._credentials(request), None)
+            request.caller = self.keys.authenticate(self._credentials(request))
         except APIError as error:
             return self._shaped(request, error)
         return None
+
+    def _key(self, request: Request, model: str, base: str | None) -> Key | None:
+        """The caller's key, found on the request's head (:meth:`authorize_head`) or now; 403 for a model it may not
+        use (None: the gateway is open)."""
+        if not self.keys.enabled:
+            return None
+        key = request.caller if isinstance(request.caller, Key) else self.keys.authenticate(self._credentials(request))
+        return may_use(key, model, base)
 
     def _credentials(self, request: Request) -> str | None:
         """The Authorization header, or on the Messages API's routes an ``x-api-key`` (Anthropic's key header)."""
@@ -170,7 +220,7 @@ class Gateway:
 
     def _allowed(self, request: Request) -> frozenset[str] | None:
         """The models this caller may see (None: all); raises 401 without a valid key when keys are on."""
-        return self.keys.authorize(request.headers.get("authorization"), None)
+        return allowed_models(self.keys.authenticate(request.headers.get("authorization")))
 
     async def handle(self, request: Request) -> Response | StreamedResponse:
         try:
@@ -274,6 +324,28 @@ class Gateway:
                 next(c for c in view.adapter_cards() if c["id"] == f"{base}{ADAPTER_SEPARATOR}{adapter}")
             )
         return Response.json(self._card(view))
+
+    async def _usage(self, request: Request, params: Params) -> Response:
+        """``GET /v1/usage?from=&to=&key=&format=json|csv``: the ledger's hours. ``from``/``to``: RFC 3339 times or
+        epoch seconds (default: the last 24 hours); an admin key reads any key's (``key``) or all, another key its
+        own only; an open gateway (no keys) answers everyone."""
+        key = self.keys.authenticate(self._credentials(request))
+        query = request.query if request.query_string else {}
+        now = time.time()
+        start = _instant(query.get("from"), "from", now - 24 * 3600)
+        end = _instant(query.get("to"), "to", now + 1)
+        asked = query.get("key") or None
+        if key is not None and not key.admin:
+            if asked is not None and asked != key.id:
+                raise Forbidden("Only an admin key reads another key's usage; leave out ?key= for this key's own.",
+                                param="key", code="admin_key_required")  # fmt: skip
+            asked = key.id
+        form = query.get("format") or ("csv" if "text/csv" in (request.headers.get("accept") or "") else "json")
+        if form not in ("json", "csv"):
+            raise InvalidRequest(f"format: give json or csv, not {form!r}", param="format")
+        rows = await self.ledger.rows(int(start) // 3600 * 3600, int(end), asked)
+        body, content_type = usage_report(rows, form == "csv")
+        return Response(body, headers=[("Content-Type", content_type)])
 
     # -- proxying ----------------------------------------------------------------------------------
 
@@ -439,26 +511,26 @@ class Gateway:
         observe: Observer | None = None,
     ) -> Response | StreamedResponse:
         base = self._adapter_base(name)
-        tracing.model(name)
-        if self.keys.enabled:
-            with tracing.auth():
-                self.keys.authorize(self._credentials(request), name, base)
+        with tracing.auth():
+            key = self._key(request, name, base)
+        tracing.model(name, key.id if key is not None else None)
         view = self.backends.find(base or name)
         if view is None:
             raise self._unknown(name)
-        # An adapter's request is its base model's: the same predictor (woken if idle), gate, idle timer and
-        # series; the body still names the adapter, which the predictor serves.
-        name = view.name
+        # An adapter's request is its base model's: the same predictor (woken if idle), gate, idle timer, limits
+        # and series; the body still names the adapter, which the predictor serves, and the ledger counts it.
+        requested, name = name, view.name
         if view.task != task:
             raise InvalidRequest(
                 f"The model {name!r} does {view.task.value}; {request.path} needs a {task} model.", param="model"
             )
         started = time.monotonic()
+        meter = _Meter(key, await self.quotas.admit(key, name))
         gate, series = self._model(name)
         status = 500
         series.in_flight.inc()
         try:
-            async with gate:
+            async with gate.slot(meter.key_id):
                 held = view.state is not ModelState.READY
                 waiter = asyncio.current_task()
                 stream: StreamedResponse | None = None
@@ -468,7 +540,7 @@ class Gateway:
                     if waiter is not None:  # a client that leaves while held stops waiting; the wake goes on
                         request.on_gone = _canceller(waiter)
                     if self.limits.wake_keepalive_s > 0 and _asks_to_stream(body):
-                        stream = await request.stream(200, SSE_HEADERS)
+                        stream = await request.stream(200, [*SSE_HEADERS, *meter.headers])
                         keepalive = asyncio.create_task(self._keep_alive(stream, name, self.limits.wake_keepalive_s))
 
                 async def answered() -> None:
@@ -484,15 +556,17 @@ class Gateway:
                         request.on_gone = None
                         held, waited = False, time.monotonic() - started
                         tracing.held(name, waited)
+                        meter.wake_s = waited
                         self._unhold(name)
                         self.wake_waits.woke(name, waited)
                         series.woke(waited)
 
                 try:
                     async with self.backends.lease(name) as upstream:
+                        meter.sent = time.monotonic()
                         response = await self._relay(
                             request, view, series, upstream, path, body, started, stream, answered=answered,
-                            extra_head=extra_head, observe=observe,
+                            extra_head=extra_head, observe=observe, meter=meter,
                         )  # fmt: skip
                 except APIError as error:
                     if stream is None:
@@ -527,7 +601,35 @@ class Gateway:
         finally:
             series.in_flight.dec()
             series.count(status)
-            series.latency.observe(time.monotonic() - started)
+            ended = time.monotonic()
+            series.latency.observe(ended - started)
+            await self._account(request, meter, requested, status, started, ended, body, gate)
+
+    async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
+                       ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip
+        """After a proxied request: its tokens counted toward its key's share of the model, taken from its key's
+        limits and written in the ledger, and its audit line."""
+        usage = meter.usage
+        usage.requests = 1
+        usage.images = max(usage.images, meter.images)
+        if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
+            usage.predictor_seconds = ended - meter.sent + (meter.wake_s or 0.0)
+        gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
+        try:
+            if meter.ticket is not None:
+                await meter.ticket.settle(usage.input_tokens, usage.output_tokens)
+                await meter.ticket.close()
+            if self.metering:
+                await self.ledger.record(meter.key_id, model, usage)
+        except Exception:  # the answer is out: a failing ledger or counter store must not turn it into an error
+            logger.exception("could not account for a request to %s (key %s)", model, meter.key_id)
+        if self.audit is not None:
+            self.audit.record({
+                "key_id": meter.key_id, "owner": meter.key.owner if meter.key is not None else "", "model": model,
+                "route": request.path, "status": status, "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens, "latency_s": round(ended - started, 4),
+                "woke": meter.wake_s is not None, "wake_s": round(meter.wake_s or 0.0, 3), "stream": meter.streamed,
+            }, body)  # fmt: skip
 
     async def _keep_alive(self, stream: StreamedResponse, name: str, every_s: float) -> None:
         """SSE comments (which clients ignore) on a held stream: one at once, then one every ``every_s``, each
@@ -567,11 +669,14 @@ class Gateway:
         answered: Callable[[], Awaitable[None]] | None = None,
         extra_head: bytes = b"",
         observe: Observer | None = None,
+        meter: _Meter | None = None,
     ) -> Response | StreamedResponse:
         """The upstream's answer, relayed; ``into``: a stream already started (a held streaming request), which an
         event stream continues and any other answer ends as an error event; ``answered``: called once the upstream's
         head came, before anything of it is relayed; ``extra_head``: header lines for the upstream; ``observe``: sees
-        a 200's body before the client does (a unary body whole, an event stream chunk by chunk)."""
+        a 200's body before the client does (a unary body whole, an event stream chunk by chunk); ``meter``: the
+        request's usage, read from the answer (an event stream's usage comments taken out, and the stream cut where
+        its key has no output tokens left), and its rate-limit headers."""
         name = view.name
         # A Knative model scaling from zero answers only once loaded: wait as long as its startupTimeout.
         read_timeout = max(self.limits.read_timeout, self.backends.upstream_timeout(name) or 0)
@@ -607,6 +712,9 @@ class Gateway:
             if answered is not None:
                 await answered()
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
+            if meter is not None:
+                passed += meter.headers
+                meter.images = next((int(v) for k, v in upstream.headers if k.lower() == _IMAGES and v.isdigit()), 0)
             head_only = request.method == "HEAD"  # the upstream's answer ended with its head
             event_stream = upstream.content_type.startswith("text/event-stream")
             if into is not None and not (event_stream and upstream.status == 200):
@@ -628,27 +736,43 @@ class Gateway:
                 whole = True
                 series.ttfb.observe(time.monotonic() - started)
                 length = upstream.content_length if head_only else None
+                if meter is not None and upstream.status == 200 and not head_only and self.metering:
+                    meter.usage = unary_usage(payload)
                 if observe is not None and upstream.status == 200 and not head_only:
                     await observe(payload, True)
                 return Response(payload, status=upstream.status, headers=passed, length=length)
             response = into if into is not None else await request.stream(upstream.status, passed)
+            tap = meter.tap() if meter is not None and upstream.status == 200 and self.metering else None
             first = True
             try:
                 while chunk := await upstream.read_some(read_timeout):
                     if first:
                         series.ttfb.observe(time.monotonic() - started)
                         first = False
-                    if observe is not None and upstream.status == 200:
+                    cut = False
+                    if tap is not None:
+                        chunk, cut = await tap.feed(chunk)
+                    if chunk and observe is not None and upstream.status == 200:
                         await observe(chunk, False)
-                    await response.write(chunk)  # waits for the client: backpressure
-                whole = True
+                    if chunk:
+                        await response.write(chunk)  # waits for the client: backpressure
+                    if cut:  # the key's output tokens are spent: ended here, the upstream closed (it stops)
+                        assert meter is not None
+                        await response.write(_error_frame(self._shaped(request, meter.spent(name))))
+                        break
+                else:
+                    whole = True
+                    if tap is not None and (rest := tap.rest()):
+                        await response.write(rest)
             except (TimeoutError, UpstreamError):
                 error = APIError(f"The model {name!r} failed mid-stream.", status_code=502, code="upstream_error")
                 await response.write(_error_frame(self._shaped(request, error)))
+            if tap is not None and meter is not None:
+                meter.usage = tap.usage
             await response.end()
             return response
         finally:
-            trace.end(upstream.status)
+            trace.end(upstream.status, meter.usage if meter is not None else None)
             self._upstreams.release(upstream, whole)
 
 
@@ -682,6 +806,62 @@ def _canceller(task: asyncio.Task[Any]) -> Callable[[], None]:
 
 #: The head of a held streaming request's answer, sent before the model is up.
 SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")]
+
+
+def _instant(value: str | None, param: str, default: float) -> float:
+    """An epoch time from a query parameter: RFC 3339 (``2026-12-04T10:00:00Z``) or epoch seconds."""
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(f"{param}: give an RFC 3339 time (2026-12-04T10:00:00Z) or epoch seconds, not {value!r}",
+                             param=param) from None  # fmt: skip
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+
+
+_IMAGES = IMAGES_HEADER.lower()
+#: How often the gateway looks for a changed keys file (seconds).
+KEYS_REREAD_S = 2.0
+
+
+class _Meter:
+    """One proxied request's key, its draw on the key's limits and what it used."""
+
+    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s")
+
+    def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
+        self.key = key
+        self.key_id = key.id if key is not None else "-"
+        self.ticket = ticket
+        self.usage = Usage()
+        self.sent: float | None = None  # when it was sent to the predictor (monotonic)
+        self.wake_s: float | None = None  # how long it waited for its model to wake
+        self.streamed = False
+        self.images = 0  # the images a chat held (the predictor's IMAGES_HEADER)
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return self.ticket.headers if self.ticket is not None else []
+
+    def tap(self) -> StreamTap:
+        self.streamed = True
+        ticket = self.ticket
+        return StreamTap(ticket.output if ticket is not None and ticket.limits_output else None)
+
+    def spent(self, model: str) -> APIError:
+        who = repr(self.key_id) if self.key is not None else "the gateway's callers"
+        return RateLimited(
+            f"The output tokens per minute of key {who} ran out during this answer from {model!r}; it ends here. "
+            "Retry later, or ask for fewer tokens (max_tokens).",
+            "tokens",
+            1.0,
+            [],
+        )
 
 
 def _asks_to_stream(body: bytes) -> bool:

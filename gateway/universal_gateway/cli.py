@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from universal_operator import cli as operator_cli
 
 if TYPE_CHECKING:
     from universal_gateway.app import Gateway
+    from universal_gateway.audit import AuditLog
     from universal_gateway.responses_store import ResponseStore
 
 PROG = "universal-runtime"
@@ -52,7 +54,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def _serve(args: argparse.Namespace) -> int:
     from universal_gateway.app import Gateway
-    from universal_gateway.auth import ApiKeys
+    from universal_gateway.auth import ApiKeys, KeysError
     from universal_gateway.local import LocalSupervisor
     from universal_gateway.manifests import ManifestError, load_manifests
 
@@ -60,7 +62,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         manifests = load_manifests(paths)
         keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
-    except (ManifestError, OSError) as exc:
+        audit = _audit(args)
+    except (ManifestError, OSError, KeysError) as exc:
         return _fail("serve", str(exc))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -77,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("serve", str(exc))
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby)
     limits = _limits(args)
-    gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses)
+    gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses,
+                      audit=audit)  # fmt: skip
     names = ", ".join(m.model.served_name for m in manifests)
     print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
 
@@ -86,12 +90,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _gateway(args: argparse.Namespace) -> int:
     from universal_gateway.app import Gateway
-    from universal_gateway.auth import ApiKeys
+    from universal_gateway.auth import ApiKeys, KeysError
     from universal_gateway.cluster import KubernetesBackends
 
     try:
         keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
-    except OSError as exc:
+        audit = _audit(args)
+    except (OSError, KeysError) as exc:
         return _fail("gateway", str(exc))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -100,6 +105,14 @@ def _gateway(args: argparse.Namespace) -> int:
     if (error := _start_tracing()) is not None:
         return _fail("gateway", error)
     backends = KubernetesBackends(args.namespace)
+    if args.api_key_secrets is not None:
+        from universal_gateway.key_secrets import SELECTOR, KeySecrets
+
+        try:
+            backends.key_secrets = KeySecrets(keys, namespace=args.api_key_secrets_namespace,
+                                              selector=args.api_key_secrets or SELECTOR)  # fmt: skip
+        except ValueError as exc:
+            return _fail("gateway", f"--api-key-secrets: {exc}")
     if args.upstream_token_file:
         try:
             backends.upstream_token = Path(args.upstream_token_file).read_text().strip() or None
@@ -110,8 +123,65 @@ def _gateway(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("gateway", str(exc))
     limits = _limits(args)
-    gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses)
+    gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses,
+                      audit=audit)  # fmt: skip
     return _run_gateway(gateway, args, "gateway")
+
+
+def _audit(args: argparse.Namespace) -> AuditLog | None:
+    from universal_gateway.audit import AuditLog
+
+    return AuditLog(args.audit_log, bodies=args.audit_bodies) if args.audit_log else None
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    """Add a key to a YAML keys file, stored hashed; its secret printed once (nowhere else has it)."""
+    import secrets
+
+    import yaml
+
+    from universal_gateway.auth import ApiKeys, KeyEntry, KeysError, parse_keys
+
+    path = Path(args.file)
+    document: dict[str, object] = {"keys": []}
+    if path.exists():
+        text = path.read_text()
+        loaded = yaml.safe_load(text) if text.strip() else None
+        if loaded is not None and not (isinstance(loaded, dict) and "keys" in loaded):
+            return _fail("keys create", f"{path} is not a YAML keys file (a mapping with `keys:`); name another file")
+        document = loaded or document
+    secret = "sk-ur-" + secrets.token_urlsafe(32)
+    limits = {name: value for name, value in (
+        ("requestsPerMinute", args.requests_per_minute), ("inputTokensPerMinute", args.input_tokens_per_minute),
+        ("outputTokensPerMinute", args.output_tokens_per_minute), ("concurrentRequests", args.concurrent_requests),
+    ) if value is not None}  # fmt: skip
+    entry: dict[str, object] = {"id": args.id, "sha256": hashlib.sha256(secret.encode()).hexdigest()}
+    if args.owner:
+        entry["owner"] = args.owner
+    if args.models:
+        entry["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if limits:
+        entry["limits"] = limits
+    if args.admin:
+        entry["admin"] = True
+    try:
+        KeyEntry.model_validate(entry)
+    except ValueError as exc:
+        return _fail("keys create", f"--id {args.id!r}: {str(exc).splitlines()[-1].strip()}")
+    keys = document.get("keys")
+    assert isinstance(keys, list)
+    keys.append(entry)
+    text = yaml.safe_dump(document, sort_keys=False)
+    try:
+        ApiKeys(parse_keys(text, str(path))[0])  # every entry valid, ids and secrets unique
+    except KeysError as exc:
+        return _fail("keys create", str(exc))
+    path.write_text(text)
+    path.chmod(0o600)
+    print(secret)
+    print(f"added key {args.id!r} to {path} (stored as its SHA-256; the secret above is shown only now)",
+          file=sys.stderr)  # fmt: skip
+    return 0
 
 
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -198,7 +268,17 @@ def _run_gateway(gateway: Gateway, args: argparse.Namespace, command: str) -> in
 def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
     parser.add_argument("--host", default=host, help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port (default %(default)d)")
-    parser.add_argument("--api-keys-file", help="require API keys: one per line, optionally 'KEY model-a,model-b'")
+    parser.add_argument(
+        "--api-keys-file",
+        help="require API keys: a YAML keys file (ids, owners, models, limits; `keys create` writes one) or one key "
+             "per line, optionally 'KEY model-a,model-b'; re-read when it changes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--audit-log", help="write one JSON line per request (key id, model, route, status, tokens, latency, wake) "
+                            "to this file, or - for standard output"
+    )  # fmt: skip
+    parser.add_argument("--audit-bodies", action="store_true",
+                        help="with --audit-log, also each request's body (it holds what users wrote)")  # fmt: skip
     parser.add_argument("--cors-origin", action="append", default=[], help="allow this browser origin (repeatable)")
     parser.add_argument(
         "--max-body-mb", type=float, default=LIMITS.max_body_bytes / MiB,
@@ -325,12 +405,36 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument(
         "--upstream-token-file", help="send this file's token to every predictor (they refuse requests without it)"
     )
+    gateway.add_argument(
+        "--api-key-secrets", nargs="?", const="", metavar="SELECTOR",
+        help="also take API keys from the Secrets with this label (default "
+             "serving.universal-runtime.dev/api-key=true), one key each, reloaded as they change; needs list and "
+             "watch on secrets in that namespace",
+    )  # fmt: skip
+    gateway.add_argument(
+        "--api-key-secrets-namespace",
+        help="where those Secrets are (default: the gateway's own namespace, its ServiceAccount's)",
+    )
     gateway.set_defaults(handler=_gateway)
 
     ps = sub.add_parser("ps", help="list the models a running gateway serves")
     ps.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the gateway (default %(default)s)")
     ps.add_argument("--api-key", help="an API key, if the gateway requires one")
     ps.set_defaults(handler=_ps)
+
+    keys = sub.add_parser("keys", help="manage a gateway's API keys file")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    create = keys_sub.add_parser("create", help="add a key to a YAML keys file, hashed; print its secret once")
+    create.add_argument("--file", required=True, help="the keys file (made if missing)")
+    create.add_argument("--id", required=True, help="the key's id, shown in logs, metrics and usage")
+    create.add_argument("--owner", help="who it belongs to (a team)")
+    create.add_argument("--models", help="the models (and adapters) it may use, comma-separated (default: all)")
+    create.add_argument("--requests-per-minute", type=int)
+    create.add_argument("--input-tokens-per-minute", type=int)
+    create.add_argument("--output-tokens-per-minute", type=int)
+    create.add_argument("--concurrent-requests", type=int)
+    create.add_argument("--admin", action="store_true", help="may read every key's usage")
+    create.set_defaults(handler=_keys_create)
 
     operator_cli.register(sub)
     return parser

@@ -38,6 +38,9 @@ from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
+from universal_gateway.key_secrets import KeySecrets
+from universal_gateway.kube_watch import describe as _describe
+from universal_gateway.kube_watch import expired, retry_delay
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import PredictorReporter
 from universal_operator import kserve
@@ -67,8 +70,6 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 #: A failed stop is retried after 5 s, 10 s, 20 s... at most every 5 minutes.
 STOP_RETRY_FIRST_S = 5.0
 STOP_RETRY_MAX_S = 300.0
-#: A failed list or watch is retried at once, then after 1 s, 2 s... at most every 30 s.
-WATCH_RETRY_MAX_S = 30.0
 
 
 ENDPOINT_SLICES_HINT = (
@@ -245,12 +246,6 @@ class _WatchHealth:
     error: str | None = None
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiError):  # its str() is the message alone; the code says more to an operator
-        return f"{exc.status.code} {exc.status.reason}: {exc.status.message}"
-    return str(exc) or type(exc).__name__
-
-
 class KubernetesBackends(Backends):
     """UniversalModels in the cluster as the gateway's backends."""
 
@@ -262,8 +257,11 @@ class KubernetesBackends(Backends):
         reap_interval: float = 1.0,
         watch_timeout: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        key_secrets: KeySecrets | None = None,
     ) -> None:
         self._namespaces = list(namespaces) or ["*"]
+        #: API keys from labelled Secrets (``--api-key-secrets``): watched while the backends run; part of readiness.
+        self.key_secrets = key_secrets
         self._client = client
         self._all: dict[Key, ClusterModel] = {}
         self._models: dict[str, ClusterModel] = {}  # served name -> the model serving it
@@ -288,6 +286,8 @@ class KubernetesBackends(Backends):
         for namespace in self._namespaces:
             self._tasks.append(asyncio.create_task(self._watch(namespace), name=f"watch-{namespace}"))
         self._tasks.append(asyncio.create_task(self._reap_idle(), name="standard-mode-ttl"))
+        if self.key_secrets is not None:
+            await self.key_secrets.start()
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -296,6 +296,8 @@ class KubernetesBackends(Backends):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._reporter.close()
+        if self.key_secrets is not None:
+            await self.key_secrets.close()
         if self._http is not None:
             await self._http.close()
         if self._client is not None:
@@ -306,6 +308,8 @@ class KubernetesBackends(Backends):
         await asyncio.wait_for(self._synced.wait(), within)
 
     def readiness(self) -> str | None:
+        if self.key_secrets is not None and (reason := self.key_secrets.readiness()) is not None:
+            return reason
         for namespace, health in self._health.items():
             where = "all namespaces" if namespace == "*" else f"namespace {namespace!r}"
             if not health.listed:
@@ -345,12 +349,8 @@ class KubernetesBackends(Backends):
                 raise
             except Exception as exc:  # a dropped watch: list and resume, as any controller does
                 health.error = _describe(exc)
-                # 410: the resourceVersion left the server's window, which is routine; list again at once. It comes as
-                # the HTTP status, or (from the watch cache: Kubernetes storage/cacher/cacher.go newErrWatcher) as an
-                # ERROR event mid-stream, which lightkube raises with the Status it carried and no response.
-                status = getattr(getattr(exc, "status", None), "code", None)
-                gone = 410 in (getattr(getattr(exc, "response", None), "status_code", None), status)
-                delay = min(WATCH_RETRY_MAX_S, 2.0 ** (failures - 1)) if failures and not gone else 0.0
+                gone = expired(exc)
+                delay = 0.0 if gone else retry_delay(failures)
                 failures = 0 if gone else failures + 1
                 logger.log(logging.INFO if gone else logging.WARNING,
                            "watching UniversalModels in %s failed (%s); retrying", namespace, health.error)  # fmt: skip

@@ -4,6 +4,8 @@ while a model wakes."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -39,32 +41,111 @@ class GatewayLimits:
 
 
 class ModelGate:
-    """Per-model concurrency with a bounded queue."""
+    """Per-model concurrency with a bounded queue, shared fairly between API keys.
 
-    def __init__(self, concurrency: int, queue: int) -> None:
-        self._semaphore = asyncio.Semaphore(concurrency)
-        self._waiting = 0
+    When the model is saturated (its ``max_concurrency_per_model`` requests running), a freed place goes to the
+    queued request of the key that has been served least: a virtual token counter per key (Sheng et al., "Fairness
+    in Serving Large Language Models", OSDI 2024), counting one per request let through and then the tokens its
+    answer used (:meth:`charge`: input tokens, output tokens twice, as that paper weighs decoding). A key that starts
+    queueing is lifted to the least counter among the keys already queued (or the last one served), so that a key
+    idle for an hour does not bank an hour of priority. Within one key, first come first served. With one key (or
+    none) this is the plain FIFO queue it was.
+    """
+
+    #: What an output token counts against an input token.
+    OUTPUT_WEIGHT = 2.0
+
+    def __init__(self, concurrency: int, queue: int, *, fair: bool = True) -> None:
+        self._free = concurrency
         self._queue = queue
+        #: False: first come first served across keys too (what the bench compares the fair order with).
+        self.fair = fair
+        self._arrivals = itertools.count()
+        self._waiting: dict[str, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        self._queued = 0
+        #: Service each key has had (requests let through, tokens used): who goes first when places are scarce.
+        self.counters: dict[str, float] = {}
+        self._last_served = 0.0
 
-    async def __aenter__(self) -> None:
-        if self._semaphore.locked():
-            if self._waiting >= self._queue:
-                raise APIError(
-                    "Too many requests are queued for this model; retry shortly.",
-                    status_code=429,
-                    code="rate_limit_exceeded",
-                    retry_after=1,
-                )
-            self._waiting += 1
-            try:
-                await self._semaphore.acquire()
-            finally:
-                self._waiting -= 1
-        else:
-            await self._semaphore.acquire()
+    def slot(self, who: str = "-") -> _Slot:
+        """``async with gate.slot(key_id):`` a place for one request of ``who``."""
+        return _Slot(self, who)
+
+    async def __aenter__(self) -> None:  # a request without a key
+        await self.acquire("-")
 
     async def __aexit__(self, *exc: object) -> None:
-        self._semaphore.release()
+        self.release()
+
+    async def acquire(self, who: str) -> None:
+        if self._free > 0 and not self._queued:
+            self._free -= 1
+            self._served(who)
+            return
+        if self._queued >= self._queue:
+            raise APIError(
+                "Too many requests are queued for this model; retry shortly.",
+                status_code=429,
+                code="rate_limit_exceeded",
+                retry_after=1,
+            )
+        if not self._waiting.get(who):  # it starts queueing: no credit banked while it was away
+            queued = [self.counters.get(k, 0.0) for k in self._waiting]
+            floor = min(queued) if queued else self._last_served
+            self.counters[who] = max(self.counters.get(who, 0.0), floor)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(who, collections.deque()).append((next(self._arrivals), turn))
+        self._queued += 1
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # given the place just as it left: pass it on
+                self.release()
+            else:
+                queue = self._waiting[who]
+                queue.remove(next(entry for entry in queue if entry[1] is turn))
+                self._queued -= 1
+                if not queue:
+                    del self._waiting[who]
+            raise
+
+    def release(self) -> None:
+        while self._queued:
+            if self.fair:
+                who = min(self._waiting, key=lambda k: self.counters.get(k, 0.0))
+            else:
+                who = min(self._waiting, key=lambda k: self._waiting[k][0][0])
+            _, turn = self._waiting[who].popleft()
+            self._queued -= 1
+            if not self._waiting[who]:
+                del self._waiting[who]
+            if not turn.done():
+                self._served(who)
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    def _served(self, who: str) -> None:
+        self.counters[who] = self.counters.get(who, 0.0) + 1.0
+        self._last_served = self.counters[who]
+
+    def charge(self, who: str, input_tokens: int, output_tokens: int) -> None:
+        """Count the tokens a request of ``who`` used toward its key's share."""
+        if input_tokens or output_tokens:
+            self.counters[who] = self.counters.get(who, 0.0) + input_tokens + self.OUTPUT_WEIGHT * output_tokens
+
+
+class _Slot:
+    __slots__ = ("_gate", "_who")
+
+    def __init__(self, gate: ModelGate, who: str) -> None:
+        self._gate, self._who = gate, who
+
+    async def __aenter__(self) -> None:
+        await self._gate.acquire(self._who)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._gate.release()
 
 
 class WakeWaits:

@@ -139,6 +139,11 @@ class LocalModel:
     #: While it starts: Starting (the process, its imports: nothing listens yet), then Loading (its server
     #: answers, not ready: the model is loading). None otherwise.
     step: str | None = None
+    #: The resident memory of its predictor (the process and its children), measured once ready and then every
+    #: few seconds while it runs; kept after it stops, as the estimate for its next start.
+    footprint_bytes: int | None = None
+    #: Times it was stopped to make room under ``--memory-budget-mb``.
+    evictions: int = 0
     policy: ServingPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -170,9 +175,13 @@ class LocalSupervisor(Backends):
         fetch: Callable[[Manifest], str] | None = None,
         clock: Clock = SYSTEM_CLOCK,
         standby: bool = True,
+        memory_budget_mb: float | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
+        #: The memory the running predictors may hold together (None: no bound); see :meth:`_make_room`.
+        self.memory_budget = int(memory_budget_mb * MiB) if memory_budget_mb else None
+        self._measured_at = 0.0
         self._models = {m.model.served_name: LocalModel(m, stats=UsageStats(clock=clock)) for m in manifests}
         # Loopback is shared by every user of this machine: the predictors also want this run's token.
         self._token = self.upstream_token = secrets.token_urlsafe(32)
@@ -298,6 +307,11 @@ class LocalSupervisor(Backends):
         except Exception as exc:  # an offline hub, a missing path: this model fails, the rest serve
             self._fail(model, f"cannot fetch {model.manifest.model.spec.source.uri}: {exc}")
             return
+        try:
+            await self._make_room(model)
+        except Unavailable as exc:
+            model.state, model.message = ModelState.IDLE, exc.message
+            raise
         model.port = free_port()
         state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -351,8 +365,75 @@ class LocalSupervisor(Backends):
         model.last_load_seconds = time.monotonic() - started
         self._step(model, None)
         model.running_backend = await self._running_backend(model)
+        model.footprint_bytes = tree_rss(process.pid) or model.footprint_bytes
         model.state, model.message = ModelState.READY, "Serving."
         logger.info("%s is ready (%.1fs)", model.name, model.last_load_seconds)
+
+    def _footprint(self, model: LocalModel) -> int:
+        """What ``model``'s predictor holds, or will when it starts: as measured (now, or at its last run), else
+        its weights on disk plus :data:`PROCESS_BASELINE_BYTES`."""
+        if model.footprint_bytes is not None:
+            return model.footprint_bytes
+        return weights_bytes(model.source_path) + PROCESS_BASELINE_BYTES
+
+    async def _make_room(self, model: LocalModel, *, growing: bool = False) -> None:
+        """Under ``--memory-budget-mb``: stop the least recently used idle models until ``model`` fits beside the
+        running ones (``growing``: ``model`` runs already and grew). A model with requests in flight, one kept by a
+        warm window or ``minReplicas``, and one starting are never stopped; when they alone leave no room: 503 with
+        ``Retry-After``, naming them. Each stopped model says why in its card and counts an eviction."""
+        budget = self.memory_budget
+        if budget is None:
+            return
+        need = 0 if growing else self._footprint(model)
+        if need > budget:
+            raise Unavailable(
+                f"The model {model.name!r} needs about {need / MiB:.0f} MiB, more than serve's whole memory budget "
+                f"({budget / MiB:.0f} MiB, --memory-budget-mb); raise the budget.",
+                code="memory_budget", retry_after=60,
+            )  # fmt: skip
+        running = [m for m in self._models.values() if m.running() and m is not model]
+        used = sum(self._footprint(m) for m in running) + (self._footprint(model) if growing else 0)
+        wall = self._clock.now()
+        evictable = sorted(
+            (m for m in running if m.state is ModelState.READY and m.stats.in_flight == 0 and not m.policy.always_on
+             and not m.policy.warm(wall) and (m.starting is None or m.starting.done())),
+            key=lambda m: m.stats.last_used_monotonic or 0.0,
+        )  # fmt: skip
+        for victim in evictable:
+            if used + need <= budget:
+                return
+            freed = self._footprint(victim)
+            await self._stop(victim, reason=f"evicted to make room for {model.name} under the memory budget")
+            victim.evictions += 1
+            victim.message = (
+                f"Evicted: {model.name!r} needed room under serve's memory budget ({budget / MiB:.0f} MiB); "
+                "the next request starts it."
+            )
+            used -= freed
+        if used + need > budget and not growing:
+            busy = ", ".join(sorted(m.name for m in running)) or "none"
+            raise Unavailable(
+                f"The model {model.name!r} needs about {need / MiB:.0f} MiB and the models running ({busy}) hold "
+                f"{used / MiB:.0f} MiB of serve's {budget / MiB:.0f} MiB memory budget with requests in flight; "
+                "retry shortly.",
+                code="memory_budget", retry_after=5,
+            )  # fmt: skip
+
+    async def _measure(self) -> None:
+        """Every :data:`MEASURE_EVERY_S`: the running predictors' memory, and room made if they grew past the
+        budget (a model's KV cache, a batch's activations)."""
+        now = time.monotonic()
+        if now - self._measured_at < MEASURE_EVERY_S:
+            return
+        self._measured_at = now
+        for model in list(self._models.values()):
+            if model.running() and model.process is not None and model.state is ModelState.READY:
+                model.footprint_bytes = tree_rss(model.process.pid) or model.footprint_bytes
+        if self.memory_budget is not None:
+            running = [m for m in self._models.values() if m.running() and m.state is ModelState.READY]
+            if sum(self._footprint(m) for m in running) > self.memory_budget and running:
+                newest = max(running, key=lambda m: m.stats.last_used_monotonic or 0.0)
+                await self._make_room(newest, growing=True)
 
     def _step(self, model: LocalModel, step: str | None) -> None:
         model.step = step
@@ -471,6 +552,7 @@ class LocalSupervisor(Backends):
         while True:
             await asyncio.sleep(self._reap_interval)
             await self._reread_adapters()
+            await self._measure()
             now = self._clock.monotonic()
             wall = self._clock.now()
             for model in self._models.values():
@@ -510,10 +592,60 @@ class LocalSupervisor(Backends):
                 "starts": model.starts,
                 "idle_timeout": model.policy.idle_timeout_text,
                 "started_in_standby": model.from_standby,
+                **({"memory_mb": round(model.footprint_bytes / MiB)} if model.footprint_bytes else {}),
+                **({"evictions": model.evictions} if self.memory_budget is not None else {}),
                 **({"step": model.step} if model.step and model.state is ModelState.LOADING else {}),
                 **({"max_held_requests": model.policy.max_held} if model.policy.max_held else {}),
             },
         )
+
+
+MiB = 2**20
+#: What a predictor process holds before its weights (Python, torch or its engine's libraries, the server), for a
+#: model never measured: the weights come on top. Measured: an embedding predictor with all-MiniLM-L6-v2 (90 MB
+#: of weights) holds about 450 MB.
+PROCESS_BASELINE_BYTES = 350 * MiB
+#: How often the running predictors' memory is measured.
+MEASURE_EVERY_S = 5.0
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".onnx", ".pt", ".pth", ".ckpt", ".pkl", ".joblib")
+
+
+def weights_bytes(source: str | None) -> int:
+    """The size of a model folder's (or file's) weights on disk: 0 when unknown."""
+    if not source:
+        return 0
+    path = Path(source)
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
+    except OSError:
+        return 0
+
+
+def tree_rss(pid: int) -> int | None:
+    """The resident memory of ``pid`` and every process under it (Linux's /proc); None where it cannot be read."""
+    try:
+        parents: dict[int, int] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = Path(f"/proc/{entry.name}/stat").read_text()
+                    parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        tree, frontier = {pid}, [pid]
+        while frontier:
+            parent = frontier.pop()
+            children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+            tree.update(children)
+            frontier += children
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = 0
+        for member in tree:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * page
+        return total or None
+    except OSError:
+        return None
 
 
 #: The adapters file ``serve`` writes in a model's state folder for its predictor (``--adapters-file``).
@@ -522,8 +654,12 @@ ADAPTERS_FILE = "adapters.json"
 
 def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool = False) -> Path | None:
     """The model's ``spec.adapters`` as its predictor reads them (paths resolved against the manifest's folder;
-    hf:// left to the predictor, which fetches on first use), written atomically (the predictor may be reading);
-    None when it lists none (unless ``keep_empty``: a running predictor's list emptied)."""
+    hf://, s3://, gs://, http(s):// left to the predictor, which fetches on first use), written atomically (the
+    predictor may be reading); None when it lists none (unless ``keep_empty``: a running predictor's list emptied).
+
+    ``credentialsSecret`` names a cluster's Secret, which ``serve`` has not: as for the base model's source, a
+    download here uses the environment the gateway was started with (HF_TOKEN, AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+    ``<host>-headers``: what KServe's storage code reads), so the list names no credentials."""
     adapters = manifest.model.spec.adapters
     if not adapters and not keep_empty:
         return None

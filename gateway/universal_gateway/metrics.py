@@ -39,6 +39,13 @@ class GatewayMetrics:
                                     ["model", "step"], buckets=wake_buckets, registry=r)  # fmt: skip
         self.held = Gauge("universal_gateway_held_requests", "Requests held while their model wakes.", ["model"],
                           registry=r)  # fmt: skip
+        self.keys_reload_errors = Counter("universal_gateway_api_keys_reload_errors_total",
+                                          "Changed API keys files that could not be read (the keys before kept).",
+                                          registry=r)  # fmt: skip
+        self.key_secrets_invalid = Gauge("universal_gateway_api_key_secrets_invalid",
+                                         "Labelled API key Secrets skipped: no valid key, or an id or secret another "
+                                         "key has (each named in the log and a Warning Event on it).",
+                                         registry=r)  # fmt: skip
         self.held_rejected = Counter("universal_gateway_held_rejected_total",
                                      "Requests refused (429) because their model already held maxHeldRequests.",
                                      ["model"], registry=r)  # fmt: skip

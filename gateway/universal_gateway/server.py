@@ -83,7 +83,7 @@ class Request:
     """One parsed request. ``path`` is percent-decoded; ``raw_path`` and ``query_string`` are as sent."""
 
     __slots__ = (
-        "_connection", "body", "headers", "held", "http_11", "keep_alive", "method", "on_gone", "path",
+        "_connection", "body", "caller", "headers", "held", "http_11", "keep_alive", "method", "on_gone", "path",
         "query_string", "raw_headers", "raw_path", "refusal",
     )  # fmt: skip
 
@@ -102,6 +102,8 @@ class Request:
         self.keep_alive = True
         self.http_11 = True
         self.refusal: APIError | None = None
+        #: What the application found out about the caller from the head (the gateway: its API key).
+        self.caller: object = None
         #: Called once if the client goes away before the answer is complete.
         self.on_gone: Callable[[], None] | None = None
 

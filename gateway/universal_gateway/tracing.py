@@ -88,11 +88,13 @@ def traced(handler: _Handler, operation: str, task: str) -> _Handler:
     return request_span
 
 
-def model(name: str) -> None:
-    """The model the current request names (``gen_ai.request.model``)."""
+def model(name: str, key_id: str | None = None) -> None:
+    """The model the current request names (``gen_ai.request.model``) and the id of its API key (never the key)."""
     span = CURRENT.get()
     if span is not None:
         span.attributes["gen_ai.request.model"] = name
+        if key_id is not None:
+            span.attributes["universal_runtime.key_id"] = key_id
 
 
 def auth() -> contextlib.AbstractContextManager[Any]:
@@ -175,7 +177,10 @@ class Upstream:
         if inner is not None and isinstance(inner.get("status"), str) and inner["status"] != "in_progress":
             self._finish = [inner["status"]]  # Responses API: completed, incomplete
 
-    def end(self, status: int) -> None:
+    def end(self, status: int, metered: Any = None) -> None:
+        """The span ends: ``status`` the upstream's (0: none came); ``metered``: the request's usage as the gateway's
+        ledger read it (``input_tokens``, ``output_tokens``: a stream's usage comments too), preferred when it has
+        counts."""
         span = self.span
         if not span.sampled:
             return
@@ -183,6 +188,8 @@ class Upstream:
             span.attributes["http.response.status_code"] = status
         span.error = not status or status >= 500
         usage = self._usage or {}
+        if metered is not None and (metered.input_tokens or metered.output_tokens):
+            usage = {"input_tokens": metered.input_tokens, "output_tokens": metered.output_tokens}
         for key, names in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
                            ("gen_ai.usage.output_tokens", ("completion_tokens", "output_tokens"))):  # fmt: skip
             found = next((usage[n] for n in names if isinstance(usage.get(n), int)), None)
@@ -208,7 +215,7 @@ class _NoUpstream:
     ) -> Callable[[bytes, bool], Awaitable[None]] | None:
         return observe
 
-    def end(self, status: int) -> None:
+    def end(self, status: int, metered: Any = None) -> None:
         return None
 
 

@@ -15,18 +15,23 @@ import httptools
 from yarl import URL
 
 from universal_gateway.server import Request
-from universal_predictors.config import RESPONSES_STORED_HEADER, UPSTREAM_TOKEN_HEADER
+from universal_predictors.config import (
+    IMAGES_HEADER,
+    RESPONSES_STORED_HEADER,
+    UPSTREAM_TOKEN_HEADER,
+    USAGE_COMMENTS_HEADER,
+)
 from universal_predictors.errors import APIError
 
 #: Hop-by-hop headers and ones the gateway owns; never forwarded.
 DROPPED_HEADERS = frozenset({
     "host", "connection", "keep-alive", "proxy-authorization", "te", "trailers", "transfer-encoding",
     "upgrade", "content-length", "authorization", "x-api-key", "expect", UPSTREAM_TOKEN_HEADER.lower(),
-    RESPONSES_STORED_HEADER.lower(),
+    RESPONSES_STORED_HEADER.lower(), USAGE_COMMENTS_HEADER.lower(),
 })  # fmt: skip
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).
-DROPPED_RESPONSE_HEADERS = DROPPED_HEADERS | {"server", "date"}
+DROPPED_RESPONSE_HEADERS = DROPPED_HEADERS | {"server", "date", IMAGES_HEADER.lower()}
 _DROPPED_HEADER_BYTES = frozenset(name.encode() for name in DROPPED_HEADERS)
 #: Unrelayed upstream body beyond which the upstream socket stops being read (backpressure).
 _HIGH_WATER = 256 * 1024

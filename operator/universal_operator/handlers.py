@@ -8,6 +8,8 @@ Who writes what:
 - the child InferenceService: server-side apply, one field manager, only when it drifted or is missing;
 - the model's ServiceAccount (only with spec.source.credentialsSecret): read, then server-side applied
   before the InferenceService when it drifted or is missing;
+- with spec.adapters, their list (a ConfigMap) and a copy of the Secrets they name (a Secret): read, then
+  server-side applied before the InferenceService when they drifted or are missing;
 - the parent's status: one merge patch to ``/status`` when what it says would change (all of it but
   ``predictorReport``, which the gateway writes and the operator reads for ``backend``);
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
@@ -31,10 +33,15 @@ from universal_operator.config import OperatorConfig
 from universal_operator.kube import KubeApi, api_error_code, denied_by_webhook
 from universal_operator.predictor import reported_backend
 from universal_operator.reconcile import cache as local_model
+from universal_operator.reconcile.adapter_credentials import (
+    adapter_credentials_secret_name,
+    desired_adapter_credentials_secret,
+    referenced_secrets,
+)
 from universal_operator.reconcile.adapters import desired_adapters_config_map
 from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.checks import check_servable
-from universal_operator.reconcile.drift import child_drifted, config_map_drifted, is_subset, service_account_drifted
+from universal_operator.reconcile.drift import child_drifted, data_drifted, is_subset, service_account_drifted
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
@@ -83,6 +90,8 @@ class OperatorState:
     cache_states: dict[Key, CacheState | None] = field(default_factory=dict)
     #: Deletions of caches no model uses any more, retried while KServe refuses them (a cache still in use).
     cache_deletions: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    #: The adapters' credentials Secrets each model names that were missing at its last reconcile (one Event each).
+    missing_secrets: dict[Key, frozenset[str]] = field(default_factory=dict)
 
     def pods_of(self, key: Key) -> list[dict[str, Any]]:
         return list(self.pods.get(key, {}).values())
@@ -96,6 +105,7 @@ class OperatorState:
         self.written_status.pop(key, None)
         self.latest_child.pop(key, None)
         self.cache_states.pop(key, None)
+        self.missing_secrets.pop(key, None)
 
 
 def _key(body: Mapping[str, Any]) -> Key:
@@ -219,6 +229,8 @@ async def _reconcile_model(
     if not await ensure_service_account(state, plain, model, retry):
         return None
     if not await ensure_adapters_config_map(state, plain, model, retry):
+        return None
+    if not await ensure_adapter_credentials(state, plain, model, retry):
         return None
     applied: dict[str, Any] | None = None
     if child_drifted(desired, live):
@@ -391,7 +403,7 @@ async def ensure_adapters_config_map(
             ),
         )
         return False
-    if actual is not None and not config_map_drifted(desired, actual):
+    if actual is not None and not data_drifted(desired, actual):
         return True
     try:
         await state.api.apply_config_map(desired)
@@ -399,6 +411,64 @@ async def ensure_adapters_config_map(
         await report_refused_write(state, body, model, exc, retry, "spec.adapters", "the adapters ConfigMap")
         return False
     logger.info("applied ConfigMap %s/%s: %d adapters", namespace, name, len(model.spec.adapters))
+    return True
+
+
+async def ensure_adapter_credentials(
+    state: OperatorState, body: dict[str, Any], model: UniversalModel, retry: int
+) -> bool:
+    """Copy the Secrets the model's adapters name into its own Secret (:mod:`.reconcile.adapter_credentials`): each
+    referenced Secret read afresh (every reconcile, so a rotated key follows within a repair interval), the aggregate
+    applied when it drifted. A referenced Secret that does not exist is left out and named in a Warning Event (once
+    while it stays missing); the base model serves on and the predictor fails the adapters that name it. Returns
+    False when the model cannot be served (the aggregate's name is taken), which it reports."""
+    name = adapter_credentials_secret_name(model)
+    if name is None:
+        return True
+    key = _key(body)
+    namespace = key[0]
+    referenced = referenced_secrets(model)
+    found: dict[str, dict[str, Any] | None] = {}
+    try:
+        for secret in referenced:
+            found[secret] = await state.api.get_secret(namespace, secret)
+        actual = await state.api.get_secret(namespace, name)
+    except ApiError as exc:
+        if api_error_code(exc) == 403:
+            await report_forbidden(state, body, model, exc, retry)
+        raise kopf.TemporaryError(f"reading the adapters' credentials failed: {exc}", delay=RETRY_DELAY) from exc
+    missing = frozenset(secret for secret, got in found.items() if got is None)
+    if missing and state.missing_secrets.get(key) != missing:
+        for secret in sorted(missing):
+            adapters = ", ".join(referenced[secret])
+            message = (
+                f"Secret {secret!r}, the credentialsSecret of adapter(s) {adapters}, does not exist in {namespace!r}: "
+                "those adapters fail until it does (the base model serves on); create it, or fix the name"
+            )
+            kopf.warn(cast(kopf.Body, body), reason="AdapterCredentialsMissing", message=message)
+        logger.warning("UniversalModel %s/%s: adapters' Secrets missing: %s", *key, ", ".join(sorted(missing)))
+    state.missing_secrets[key] = missing
+    desired = desired_adapter_credentials_secret(model, found)
+    assert desired is not None  # the model lists adapters
+    if actual is not None and not owned_by(actual, model):
+        await report_invalid_spec(
+            state,
+            body,
+            SpecError(
+                "spec.adapters",
+                f"the Secret {name!r} that would carry the adapters' credentials already exists in {namespace!r} and "
+                "is not owned by this UniversalModel; rename the model or remove that Secret",
+            ),
+        )
+        return False
+    if not data_drifted(desired, actual):
+        return True
+    try:
+        await state.api.apply_secret(desired)
+    except ApiError as exc:
+        await report_refused_write(state, body, model, exc, retry, "spec.adapters", "the adapter credentials Secret")
+        return False
+    logger.info("applied Secret %s/%s: copies of %d credentials Secrets", namespace, name, len(desired["data"]))
     return True
 
 

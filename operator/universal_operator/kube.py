@@ -11,7 +11,7 @@ from typing import Any
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
-from lightkube.resources.core_v1 import ConfigMap, ServiceAccount
+from lightkube.resources.core_v1 import ConfigMap, Secret, ServiceAccount
 from lightkube.types import PatchType
 
 from universal_operator import kserve
@@ -107,6 +107,22 @@ class KubeApi:
     async def apply_config_map(self, desired: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply a ConfigMap of the model's (its adapter list); returns it as stored."""
         obj = ConfigMap.from_dict(desired)
+        result: Any = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
+        return dict(result.to_dict())
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Secret as stored, or None if there is none (a Secret adapters name, or the model's own copy of them)."""
+        try:
+            result: Any = await self.client.get(Secret, name, namespace=namespace)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                return None
+            raise
+        return dict(result.to_dict())
+
+    async def apply_secret(self, desired: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply a Secret of the model's (its adapters' credentials); returns it as stored."""
+        obj = Secret.from_dict(desired)
         result: Any = await self.client.apply(obj, field_manager=FIELD_MANAGER, force=True)
         return dict(result.to_dict())
 

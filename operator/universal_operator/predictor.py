@@ -39,6 +39,7 @@ def predictor_config(
     state_dir: str | None = None,
     engine_arg_defaults: dict[Backend, dict[str, str]] | None = None,
     adapters_file: str | None = None,
+    adapter_credentials_dir: str | None = None,
 ) -> PredictorConfig:
     """The predictor's command line as a config: the one contract cluster and local runs share.
 
@@ -73,6 +74,7 @@ def predictor_config(
         http_port=http_port,
         state_dir=state_dir,
         adapters_file=adapters_file,
+        adapter_credentials_dir=adapter_credentials_dir,
     )
 
 

@@ -213,7 +213,13 @@ class AdapterSource(_Model):
                     "!has(self.revision) || self.uri.startsWith('hf://')",
                     "source.revision applies only to hf:// sources",
                     ".revision",
-                )
+                ),
+                _cel(
+                    "!self.uri.startsWith('pvc://')",
+                    "an adapter cannot come from pvc://: mounting the claim would roll the predictor; copy the "
+                    "adapter to s3://, gs://, https:// or hf://",
+                    ".uri",
+                ),
             ]
         }
     )
@@ -224,7 +230,8 @@ class AdapterSource(_Model):
         pattern=SOURCE_URI,
         description=(
             "The adapter's folder (a PEFT adapter: adapter_config.json and adapter_model.safetensors; a GGUF "
-            "LoRA file for llamacpp): hf://ORG/REPO, s3://, gs://, https://, pvc://, or a path."
+            "LoRA file for llamacpp): hf://ORG/REPO, s3://, gs://, https:// (a file or an archive), or a path in "
+            "the image. Not pvc://: mounting a claim would roll the predictor."
         ),
     )
     revision: str | None = Field(
@@ -234,12 +241,21 @@ class AdapterSource(_Model):
         default=None,
         pattern=DNS_1123_SUBDOMAIN,
         max_length=253,
-        description="A Secret in KServe's storage format, as source.credentialsSecret (for this adapter's source).",
+        description=(
+            "A Secret in KServe's storage format for this adapter's source (S3 keys and serving.kserve.io "
+            "annotations, a GCS key file, https headers, HF_TOKEN). The operator copies the Secrets adapters name "
+            "into a Secret the predictors mount, so naming a new one rolls nothing."
+        ),
     )
 
     @model_validator(mode="after")
     def _hub_reference(self) -> AdapterSource:
         _check_hub_reference(self.uri, self.revision)
+        if self.uri.startswith("pvc://"):  # the CRD's CEL rule says the same in a cluster
+            raise ValueError(
+                "an adapter cannot come from pvc://: mounting the claim would roll the predictor; copy the adapter "
+                "to s3://, gs://, https:// or hf://"
+            )
         return self
 
     @property

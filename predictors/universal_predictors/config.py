@@ -41,6 +41,11 @@ UPSTREAM_TOKEN_HEADER = "X-Universal-Runtime-Token"
 #: whole conversation already, and the answer echoes ``store`` and ``previous_response_id``. Never a client's header:
 #: the gateway drops it from what clients send.
 RESPONSES_STORED_HEADER = "X-Universal-Runtime-Responses"
+#: Sent by the gateway (any value): a generation's event stream carries its token counts as SSE comments as it goes
+#: (``universal_predictors.generation.streaming.usage_comment``), which the gateway takes out.
+USAGE_COMMENTS_HEADER = "X-Universal-Runtime-Usage"
+#: On a generation's answer: the images its chat held (the gateway's usage ledger counts them, and drops the header).
+IMAGES_HEADER = "X-Universal-Runtime-Images"
 #: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
 #: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
 #: status when it declines that model.
@@ -146,6 +151,12 @@ class PredictorConfig(BaseModel):
         "ConfigMap volume in a cluster): each is downloaded and loaded on first use. Set: the engine starts with "
         "adapters enabled (vLLM's enable_lora), even while the list is empty.",
     )
+    adapter_credentials_dir: str | None = Field(
+        default=None,
+        description="A folder of copies of the Secrets the adapters name (``<secret>.json``; the operator's "
+        "NAME-adapter-credentials Secret, mounted), read at each download. None: downloads use the process's "
+        "environment (``serve``).",
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -191,6 +202,8 @@ class PredictorConfig(BaseModel):
             args.append(f"--state-dir={self.state_dir}")
         if self.adapters_file:
             args.append(f"--adapters-file={self.adapters_file}")
+        if self.adapter_credentials_dir:
+            args.append(f"--adapter-credentials-dir={self.adapter_credentials_dir}")
         args.append(f"--http_port={self.http_port}")
         if self.http_host:
             args.append(f"--http-host={self.http_host}")
@@ -217,6 +230,7 @@ class PredictorConfig(BaseModel):
                             metavar="BACKEND:KEY=VALUE")  # fmt: skip
         parser.add_argument("--state-dir", dest="state_dir", default=None)
         parser.add_argument("--adapters-file", dest="adapters_file", default=None)
+        parser.add_argument("--adapter-credentials-dir", dest="adapter_credentials_dir", default=None)
         parser.add_argument("--http_port", type=int, default=DEFAULT_HTTP_PORT)
         parser.add_argument("--http-host", dest="http_host", default=None)
         return parser
@@ -250,6 +264,7 @@ class PredictorConfig(BaseModel):
             http_host=ns.http_host,
             state_dir=ns.state_dir,
             adapters_file=ns.adapters_file,
+            adapter_credentials_dir=ns.adapter_credentials_dir,
         )
 
     @classmethod

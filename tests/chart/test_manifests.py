@@ -64,7 +64,7 @@ EVERYTHING: dict[str, Any] = {
         "maxBodyMb": 64,
         "maxConcurrency": 8,
         "maxQueue": 100,
-        "apiKeys": {"existingSecret": "gateway-keys", "key": "keys.txt"},
+        "apiKeys": {"existingSecret": "gateway-keys", "key": "keys.txt", "secrets": {"enabled": True}},
         "service": {"type": "LoadBalancer", "port": 8080, "annotations": {"lb": "internal"}},
         "ingress": {
             "enabled": True,
@@ -185,6 +185,8 @@ def test_every_namespaced_object_lands_in_the_release_namespace_except_per_names
         kind, namespace = obj["kind"], obj["metadata"].get("namespace")
         if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert namespace is None
+        elif obj["metadata"]["name"] == f"{GATEWAY}-api-keys":  # the key Secrets' Role: the gateway's own namespace
+            assert namespace == NAMESPACE
         elif kind in ("Role", "RoleBinding", "NetworkPolicy"):  # NetworkPolicy: where the predictors run
             assert namespace in EVERYTHING["watchNamespaces"]
         else:

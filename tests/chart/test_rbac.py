@@ -19,7 +19,10 @@ from lightkube.core.exceptions import ApiError
 
 from tests.chart.rendering import GATEWAY, NAMESPACE, OPERATOR, Rendered, load_operator_config, render
 from tests.conftest import eventually, load_manifest
+from universal_gateway.auth import ApiKeys
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
+from universal_gateway.key_secrets import LABEL, SELECTOR, KeySecrets
+from universal_gateway.key_secrets import rbac_rules as key_secret_rules
 from universal_operator.config import OperatorConfig
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import InferenceService
@@ -157,6 +160,72 @@ async def test_the_gateway_under_the_charts_rbac_sees_models_in_the_namespaces_i
 
 
 # --------------------------------------------------------------------------------------------------
+# the gateway's API keys from Secrets: a Role in the release namespace, only when turned on
+
+KEY_SECRETS = f"{GATEWAY}-api-keys"
+WITH_KEY_SECRETS: dict[str, Any] = {**NAMESPACED, "gateway": {"apiKeys": {"secrets": {"enabled": True}}}}
+
+
+def test_no_secrets_are_readable_unless_api_keys_from_secrets_are_turned_on(chart: helm.Chart) -> None:
+    for values in (CLUSTER_WIDE, NAMESPACED):
+        rendered = render(chart, values)
+        assert rbac_objects(rendered, KEY_SECRETS) == []
+        grants = grants_for(rendered.objects, service_account(rendered, GATEWAY), NAMESPACE)
+        assert not allows(grants, Access("list", "", "secrets", None, NAMESPACE))
+        assert rendered.args(GATEWAY).api_key_secrets is None
+
+
+@pytest.mark.parametrize("selector", ["", "team=ml,tier"], ids=["default-label", "own-selector"])
+def test_api_keys_from_secrets_bind_key_secret_rules_in_the_release_namespace_only(
+    chart: helm.Chart, selector: str
+) -> None:
+    values = {**NAMESPACED, "gateway": {"apiKeys": {"secrets": {"enabled": True, "selector": selector}}}}
+    rendered = render(chart, values)
+    role, binding = rendered.one("Role", KEY_SECRETS), rendered.one("RoleBinding", KEY_SECRETS)
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == key_secret_rules()
+    grants = grants_for(rendered.objects, service_account(rendered, GATEWAY), NAMESPACE)
+    assert allows(grants, Access("watch", "", "secrets", None, NAMESPACE))
+    assert not allows(grants, Access("list", "", "secrets", None, "default"))  # a watched namespace's are not its
+    assert not allows(grants, Access("get", "", "secrets", None, NAMESPACE))
+    args = rendered.args(GATEWAY)
+    assert (args.api_key_secrets, args.api_key_secrets_namespace) == (selector, NAMESPACE)
+    none = render(chart, {**values, "gateway": {**values["gateway"], "rbac": {"create": False}}})
+    assert rbac_objects(none, KEY_SECRETS) == []
+
+
+async def test_the_gateway_reads_key_secrets_under_the_charts_rbac_using_every_verb_it_grants(
+    chart: helm.Chart, tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered = render(chart, WITH_KEY_SECRETS)
+    grants = grants_for(rendered.objects, service_account(rendered, GATEWAY), NAMESPACE)
+    emulator = RbacEmulator(grants=grants)
+    args = rendered.args(GATEWAY)
+    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        valid = {"apiVersion": "v1", "kind": "Secret", "data": {"secret": "c2stdGVhbS1hLTAxMjM0NTY3ODlhYmNkZWY="},
+                 "metadata": {"name": "team-a-key", "labels": {LABEL: "true"}}}  # fmt: skip
+        invalid = {**valid, "metadata": {**valid["metadata"], "name": "bad"}, "data": {"owner": "bm8="}}
+        for body in (valid, invalid):
+            await harness_create(cluster, "secrets", NAMESPACE, body)
+        keys = ApiKeys()
+        secrets = KeySecrets(keys, namespace=args.api_key_secrets_namespace, selector=args.api_key_secrets or SELECTOR)
+        backends = KubernetesBackends(args.namespace, key_secrets=secrets)
+        await backends.start()
+        try:
+            await backends.wait_synced()
+            await secrets.wait_synced()
+            assert [k.id for k in keys.keys] == ["team-a-key"]
+            await eventually(lambda: any(a.plural == "events" for a in emulator.allowed))
+            await eventually(lambda: any(a.verb == "watch" and a.plural == "secrets" for a in emulator.allowed))
+        finally:
+            await backends.close()
+    assert emulator.denied == []
+    key_grants = [g for g in grants if g.namespace == NAMESPACE]
+    assert granted_pairs(key_grants) == used_pairs([a for a in emulator.allowed if a.namespace == NAMESPACE])
+
+
+# --------------------------------------------------------------------------------------------------
 # the operator: enough and not more, under enforcement
 
 
@@ -258,13 +327,21 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
     await eventually(lambda: emulator.get_object(ISVC, "default", "private"))
     assert emulator.get_object("serviceaccounts", "default", "private-storage") is not None
 
-    # A model with LoRA adapters: their list, a ConfigMap of its own (read, then created by server-side apply).
+    # A model with LoRA adapters: their list, a ConfigMap of its own, and a copy of the Secret one names, a Secret of
+    # its own (each read, then created by server-side apply; the named Secret read, and read again at each repair).
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store-keys"}, "data": {"HF_TOKEN": "aGY="}}
+    await harness_create(cluster, "secrets", "default", secret)
     tuned = load_manifest("cluster/qwen-chat.yaml")
     tuned["metadata"]["name"] = "tuned"
-    tuned["spec"]["adapters"] = [{"name": "support", "source": {"uri": "hf://acme/support-lora"}}]
+    tuned["spec"]["adapters"] = [
+        {"name": "support", "source": {"uri": "hf://acme/support-lora", "credentialsSecret": "store-keys"}}
+    ]
     await harness_create(cluster, UM, "default", tuned)
     await eventually(lambda: emulator.get_object(ISVC, "default", "tuned"))
     assert emulator.get_object("configmaps", "default", "tuned-adapters") is not None
+    assert set(emulator.get_object("secrets", "default", "tuned-adapter-credentials")["data"]) == {  # type: ignore[index]
+        "store-keys.json"
+    }
 
     # An invalid one: SpecValid=False and a Warning Event.
     await harness_create(cluster, UM, "default", load_manifest("invalid/unknown-profile.yaml"))

@@ -296,6 +296,61 @@ def test_anomaly_fit_and_detect(client: OpenAI) -> None:
     assert flags == [False, True]
 
 
+def test_the_usage_ledger_counts_what_every_task_reported(gateway: GatewayProcess, client: OpenAI) -> None:
+    """Per model, the ledger's totals move by exactly what the answers' ``usage`` said (tokens, pages, images, rows),
+    the images a chat held included, and one request each."""
+
+    def ledger() -> dict[str, dict[str, float]]:
+        rows = httpx.get(f"{gateway.base_url}/usage", timeout=30).json()["data"]
+        totals: dict[str, dict[str, float]] = {}
+        for row in rows:
+            into = totals.setdefault(row["model"], {})
+            for name in ("requests", "input_tokens", "output_tokens", "images", "pages", "rows"):
+                into[name] = into.get(name, 0) + row[name]
+        return totals
+
+    before = ledger()
+    expected: dict[str, dict[str, int]] = {}
+
+    def expect(model: str, **counts: int) -> None:
+        into = expected.setdefault(model, {})
+        for name, value in {"requests": 1, **counts}.items():
+            into[name] = into.get(name, 0) + value
+
+    chat = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.usage is not None
+    expect(CHAT, input_tokens=chat.usage.prompt_tokens, output_tokens=chat.usage.completion_tokens)
+    picture = data_url(render_image("K2", size=(64, 48), color="navy"))
+    content = [{"type": "text", "text": "Read it"}, {"type": "image_url", "image_url": {"url": picture}}]
+    seen = client.chat.completions.create(model=VISION, max_tokens=3, temperature=0,
+                                          messages=[{"role": "user", "content": content}])  # type: ignore[misc,list-item]  # fmt: skip
+    assert seen.usage is not None
+    expect(VISION, input_tokens=seen.usage.prompt_tokens, output_tokens=seen.usage.completion_tokens, images=1)
+    embedded = client.embeddings.create(model="minilm", input=["one", "two three"])
+    expect("minilm", input_tokens=embedded.usage.prompt_tokens)
+    reranked = _post(client, "/rerank", {"model": "minilm-rerank", "query": "q", "documents": ["a", "b c"]})
+    expect("minilm-rerank", input_tokens=reranked["usage"]["prompt_tokens"])
+    _post(client, "/classify", {"model": "tiny-classifier", "texts": ["fine"]})
+    expect("tiny-classifier")
+    blank = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (64, 32), "white").save(blank, format="PNG")
+    read = _post(client, "/ocr", {"model": "ocr", "images": [base64.b64encode(blank.getvalue()).decode()] * 2})
+    expect("ocr", images=read["usage"]["images"], pages=read["usage"]["pages"])
+    rows = [[0.1 * (i % 10), 0.2 * (i % 7)] for i in range(50)]
+    _post(client, "/anomaly/fit", {"model": "anomaly", "detector": "ledger", "algorithm": "iforest", "data": rows})
+    expect("anomaly")
+    scored = _post(client, "/anomaly/score", {"model": "anomaly", "detector": "ledger", "data": rows[:7]})
+    assert scored["usage"] == {"rows": 7}
+    expect("anomaly", rows=7)
+
+    after = ledger()
+    for model, counts in expected.items():
+        moved = {name: after[model].get(name, 0) - before.get(model, {}).get(name, 0) for name in counts}
+        assert moved == counts, model
+
+
 def test_64_concurrent_streams_complete_with_their_own_content(client: OpenAI) -> None:
     prompts = [f"Story number {i} about the river" for i in range(8)]
     expected = {

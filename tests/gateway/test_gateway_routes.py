@@ -170,7 +170,7 @@ async def keyed_gateway() -> AsyncIterator[str]:
     await upstream.start_server()
     try:
         gateway = Gateway(
-            OneUpstream(str(upstream.make_url("")).rstrip("/"), "chat", Task.GENERATE), keys=ApiKeys({"k1": None})
+            OneUpstream(str(upstream.make_url("")).rstrip("/"), "chat", Task.GENERATE), keys=ApiKeys.of({"k1": None})
         )
         async with gateway.serving() as url:
             yield url

@@ -328,6 +328,11 @@ INVALID = {
         {"spec": {"adapters": [{"name": "a", "source": {"uri": "s3://b/a", "revision": "main"}}]}},
         ".spec.adapters[0].source: source.revision applies only to hf:// sources",
     ),
+    "an adapter from a pvc:// claim (mounting it would roll the predictor)": (
+        {"spec": {"adapters": [{"name": "a", "source": {"uri": "pvc://claim/a"}}]}},
+        ".spec.adapters[0].source: an adapter cannot come from pvc://: mounting the claim would roll the "
+        "predictor; copy the adapter to s3://, gs://, https:// or hf://",
+    ),
     "valueFrom with two sources": (
         {"spec": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}, "secretKeyRef": SECRET}}]}},
         ".spec.env[0].valueFrom: valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef",

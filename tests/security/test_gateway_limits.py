@@ -64,7 +64,7 @@ async def serving(limits: GatewayLimits, upstream_token: str | None = None) -> A
     await upstream.start_server()
     backends = OneUpstream(str(upstream.make_url("")).rstrip("/"), MODEL, Task.EMBED)
     backends.upstream_token = upstream_token
-    gateway = Gateway(backends, keys=ApiKeys({KEY: None}), limits=limits)
+    gateway = Gateway(backends, keys=ApiKeys.of({KEY: None}), limits=limits)
     server = await gateway.start("127.0.0.1", 0)
     served = Served(gateway, server, server.port, calls, tokens, [])
     try:

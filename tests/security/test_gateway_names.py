@@ -55,7 +55,7 @@ class TwoModels(Backends):
 
 @pytest.fixture
 async def gateway() -> AsyncIterator[httpx.AsyncClient]:
-    keys = ApiKeys({ADMIN: None, LIMITED: frozenset({PUBLIC})})
+    keys = ApiKeys.of({ADMIN: None, LIMITED: frozenset({PUBLIC})})
     async with Gateway(TwoModels(), keys=keys).serving() as url, httpx.AsyncClient(base_url=url) as client:
         yield client
 

@@ -113,6 +113,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - events: kopf posts Warning Events (InvalidSpec) on the models;
 - pods: the predictor pods (KServe's serving.kserve.io/inferenceservice label), watched for the step a
   starting predictor is at (status.step: Scheduling, Pulling image, Downloading, Loading);
+- configmaps, secrets: a model with adapters gets their list (a ConfigMap) and a copy of the Secrets they
+  name (a Secret, NAME-adapter-credentials), so that adding an adapter never changes the pod template; the
+  operator reads only the Secrets adapters name (get, never list or watch);
 - universalmodels/finalizers: the children's ownerReference sets blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) admits only
   from who may update the owner's finalizers subresource (kubernetes/kubernetes
@@ -141,6 +144,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
   resources: [configmaps]
   verbs: [get, create, patch]
 - apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch]
+- apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
 {{- end }}
@@ -153,6 +159,16 @@ it runs, where the spec says auto); with Standard-mode models it also patches In
 serving.kserve.io/stop annotation) and lists the predictor Services' EndpointSlices (the idle check
 asks every ready replica).
 */}}
+{{- /* universal_gateway.key_secrets.rbac_rules(): API keys from Secrets, in the release namespace only. */ -}}
+{{- define "universal-runtime.gateway.keySecretsRules" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
+
 {{- define "universal-runtime.gateway.rules" -}}
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels]

@@ -40,8 +40,15 @@ def adapters_file(model: UniversalModel) -> str | None:
 
 
 def adapters_json(model: UniversalModel) -> str:
-    """The list as the predictor reads it (``universal_predictors.generation.adapters.read_adapters_file``)."""
-    listed = [{"name": a.name, "uri": a.source.storage_uri} for a in model.spec.adapters]
+    """The list as the predictor reads it (``universal_predictors.generation.adapters.read_adapters_file``): each
+    adapter's URI and the Secret its credentials come from (copied into the model's own Secret, mounted at
+    ``--adapter-credentials-dir``: :mod:`.adapter_credentials`)."""
+    listed: list[dict[str, str]] = []
+    for adapter in model.spec.adapters:
+        item = {"name": adapter.name, "uri": adapter.source.storage_uri}
+        if adapter.source.credentials_secret:
+            item["credentials"] = adapter.source.credentials_secret
+        listed.append(item)
     return json.dumps({"adapters": listed}, indent=1, sort_keys=True)
 
 

@@ -119,13 +119,14 @@ def child_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> boo
     )
 
 
-def config_map_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
-    """Whether the live ConfigMap's data differs from the operator's, or it lost the labels or owner it set."""
+def data_drifted(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:
+    """Whether the live ConfigMap's (or Secret's) data differs from the operator's, or it lost the labels or owner it
+    set. No data and empty data are the same (the API server leaves an empty ``data`` out)."""
     if actual is None or actual.get("metadata", {}).get("deletionTimestamp"):
         return True
     want_meta, have_meta = desired["metadata"], actual.get("metadata", {})
     return not (
-        actual.get("data") == desired["data"]
+        (actual.get("data") or {}) == desired["data"]
         and is_subset(want_meta["labels"], have_meta.get("labels") or {})
         and is_subset(want_meta["ownerReferences"], have_meta.get("ownerReferences") or [], field="ownerReferences")
     )

@@ -17,6 +17,12 @@ from universal_operator.predictor import (
     engine_arg_defaults,
     predictor_config,
 )
+from universal_operator.reconcile.adapter_credentials import (
+    ADAPTER_CREDENTIALS_MOUNT_PATH,
+    ADAPTER_CREDENTIALS_VOLUME,
+    adapter_credentials_dir,
+    adapter_credentials_secret_name,
+)
 from universal_operator.reconcile.adapters import (
     ADAPTERS_MOUNT_PATH,
     ADAPTERS_VOLUME,
@@ -316,7 +322,10 @@ def desired_inference_service(
         "imagePullPolicy": config.images.pull_policy,
         "command": ["python", "-m", PREDICTOR_MODULE],
         "args": predictor_config(
-            model, engine_arg_defaults=engine_arg_defaults(model, config, profile), adapters_file=adapters_file(model)
+            model,
+            engine_arg_defaults=engine_arg_defaults(model, config, profile),
+            adapters_file=adapters_file(model),
+            adapter_credentials_dir=adapter_credentials_dir(model),
         ).to_args(),
         "env": _env(model, {**(COMPILE_CACHE_ENV if compile_claim else {}), **config.tracing.env}),
         "ports": [{"name": "http1", "containerPort": DEFAULT_HTTP_PORT, "protocol": "TCP"}],
@@ -348,6 +357,12 @@ def desired_inference_service(
     if adapters_map is not None:  # a ConfigMap volume: the kubelet updates it in place (reconcile/adapters.py)
         volumes.append({"name": ADAPTERS_VOLUME, "configMap": {"name": adapters_map}})
         container["volumeMounts"].append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH, "readOnly": True})
+    credentials = adapter_credentials_secret_name(model)
+    if credentials is not None:  # whole, like the list: the kubelet rewrites it in place (adapter_credentials.py)
+        volumes.append({"name": ADAPTER_CREDENTIALS_VOLUME, "secret": {"secretName": credentials}})
+        container["volumeMounts"].append(
+            {"name": ADAPTER_CREDENTIALS_VOLUME, "mountPath": ADAPTER_CREDENTIALS_MOUNT_PATH, "readOnly": True}
+        )
     if spec.resources.gpus > 0:
         shm: dict[str, Any] = {"medium": "Memory"}
         if profile is not None and profile.shm_size:

@@ -15,11 +15,21 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from universal_predictors.generation.adapter_stores import (
+    HF_TOKEN,
+    CredentialsUnavailable,
+    StoreSecret,
+    download,
+    is_remote,
+    read_store_secret,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +176,12 @@ class AdapterEntry:
 
     name: str
     uri: str
+    credentials: str | None = None  # the Secret its source's credentials come from (a cluster's)
     state: AdapterState = AdapterState.PENDING
     reason: str | None = None
     message: str | None = None
     path: Path | None = None  # its local folder, once fetched
+    credentials_stamp: tuple[int, int] | None = None  # its Secret's copy as of the last download attempt
 
     def report(self, base: str) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "served_name": f"{base}{SEPARATOR}{self.name}", "state": self.state}
@@ -178,9 +190,17 @@ class AdapterEntry:
         return out
 
 
-def read_adapters_file(path: Path) -> dict[str, str]:
-    """``{"adapters": [{"name": ..., "uri": ...}]}`` (the operator's ConfigMap key, ``serve``'s file) as name ->
-    URI; ValueError naming what is wrong. A missing file is an empty list (the volume may lag the pod)."""
+@dataclass(frozen=True)
+class ListedAdapter:
+    """One entry of the adapters file: where the adapter's files are, and the Secret that opens them."""
+
+    uri: str
+    credentials: str | None = None
+
+
+def read_adapters_file(path: Path) -> dict[str, ListedAdapter]:
+    """``{"adapters": [{"name": ..., "uri": ..., "credentials": SECRET?}]}`` (the operator's ConfigMap key, ``serve``'s
+    file) by name; ValueError naming what is wrong. A missing file is an empty list (the volume may lag the pod)."""
     if not path.exists():
         return {}
     try:
@@ -190,7 +210,7 @@ def read_adapters_file(path: Path) -> dict[str, str]:
     items = data.get("adapters") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise ValueError(f'{path}: expected {{"adapters": [{{"name": ..., "uri": ...}}]}}')
-    adapters: dict[str, str] = {}
+    adapters: dict[str, ListedAdapter] = {}
     for index, item in enumerate(items):
         name, uri = (item.get("name"), item.get("uri")) if isinstance(item, dict) else (None, None)
         if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
@@ -199,25 +219,35 @@ def read_adapters_file(path: Path) -> dict[str, str]:
             raise ValueError(f"{path}: adapters[{index}].uri must be a non-empty string")
         if name in adapters:
             raise ValueError(f"{path}: adapter {name} appears more than once")
-        adapters[name] = uri
+        credentials = item.get("credentials")
+        if credentials is not None and (not isinstance(credentials, str) or not credentials):
+            raise ValueError(f"{path}: adapters[{index}].credentials must be a Secret's name")
+        adapters[name] = ListedAdapter(uri, credentials)
     return adapters
 
 
-Fetch = Callable[[str, Path], Path]
+Fetch = Callable[[str, Path, StoreSecret | None], Path]
 
 
-def fetch_local_or_hub(uri: str, cache: Path) -> Path:
-    """A local folder for ``uri``: a path (or file://) as it is; hf://ORG/REPO[:REV] from the hub (HF_TOKEN,
-    HF_ENDPOINT honoured, as for the base model). Other schemes: NotImplementedError naming them."""
+def fetch_adapter(uri: str, cache: Path, secret: StoreSecret | None = None) -> Path:
+    """A local folder (or GGUF file) for ``uri``: a path (or file://) as it is; hf://ORG/REPO[:REV] from the hub
+    (HF_TOKEN, HF_ENDPOINT honoured, as for the base model; a Secret's HF_TOKEN for this download only); s3://, gs://,
+    http(s):// by KServe's storage code into ``cache`` (:mod:`.adapter_stores`). Other schemes: ValueError."""
     if uri.startswith("hf://"):
         from huggingface_hub import snapshot_download
 
         repo, _, revision = uri.removeprefix("hf://").partition(":")
-        return Path(snapshot_download(repo_id=repo, revision=revision or None, cache_dir=cache / "hub"))
+        token = secret.text(HF_TOKEN) if secret is not None and HF_TOKEN in secret.data else None
+        return Path(snapshot_download(repo_id=repo, revision=revision or None, cache_dir=cache / "hub", token=token))
+    if is_remote(uri):
+        target = cache / "download"
+        if target.exists():  # a previous URI's files, or a failed attempt's
+            shutil.rmtree(target)
+        return download(uri, target, secret)
     scheme, sep, _ = uri.partition("://")
     if sep and scheme != "file":
-        raise NotImplementedError(f"{scheme}:// adapter sources are not fetched by this predictor yet; use hf:// "
-                                  "or a path")  # fmt: skip
+        raise ValueError(f"{scheme}:// adapter sources are not fetched by the predictor (yet); use hf://, s3://, "
+                         "gs://, https:// or a path")  # fmt: skip
     path = Path(uri.removeprefix("file://")).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
@@ -231,7 +261,14 @@ class AdapterCatalog:
     LoRA module under its bare name, ``vllm/entrypoints/openai/serving_models.py``) when that is not the base's
     own name."""
 
-    def __init__(self, base: str, file: Path | None, cache: Path, fetch: Fetch = fetch_local_or_hub) -> None:
+    def __init__(
+        self,
+        base: str,
+        file: Path | None,
+        cache: Path,
+        credentials_dir: Path | None = None,
+        fetch: Fetch = fetch_adapter,
+    ) -> None:
         self.base = base
         self.file = file
         self.cache = cache
@@ -239,6 +276,9 @@ class AdapterCatalog:
         self._entries: dict[str, AdapterEntry] = {}
         self._stamp: tuple[int, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Where the copies of the adapters' credentials Secrets are (``--adapter-credentials-dir``); None: downloads
+        #: use this process's environment, as ``serve``'s do.
+        self.credentials_dir = credentials_dir
         self.error: str | None = None  # why the file could not be read (the last good list stays)
         self.refresh()
 
@@ -261,11 +301,11 @@ class AdapterCatalog:
             logger.error("the adapters file cannot be read, keeping the last list: %s", exc)
             return False
         self.error = None
-        before = {name: entry.uri for name, entry in self._entries.items()}
-        for name, uri in listed.items():
+        before = {name: ListedAdapter(e.uri, e.credentials) for name, e in self._entries.items()}
+        for name, item in listed.items():
             entry = self._entries.get(name)
-            if entry is None or entry.uri != uri:
-                self._entries[name] = AdapterEntry(name, uri)
+            if entry is None or (entry.uri, entry.credentials) != (item.uri, item.credentials):
+                self._entries[name] = AdapterEntry(name, item.uri, item.credentials)
         for name in set(self._entries) - set(listed):
             del self._entries[name]
         return before != listed
@@ -297,18 +337,45 @@ class AdapterCatalog:
         entry = self._entries[name]
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
+            retry = entry.state is AdapterState.FAILED and entry.reason in RETRIED_WITH_NEW_CREDENTIALS
+            if retry and self._credentials_stamp(entry) != entry.credentials_stamp:  # copied or rotated since: again
+                entry.state, entry.reason, entry.message, entry.path = AdapterState.PENDING, None, None, None
             if entry.state is AdapterState.FAILED:
                 raise AdapterMismatch(entry.message or "failed")
             if entry.path is None:
                 entry.state = AdapterState.DOWNLOADING
+                entry.credentials_stamp = self._credentials_stamp(entry)
                 try:
-                    entry.path = await asyncio.to_thread(self._fetch, entry.uri, self.cache / name)
+                    secret = self._secret(entry)
+                    entry.path = await asyncio.to_thread(self._fetch, entry.uri, self.cache / name, secret)
                     await asyncio.to_thread(read_lora_or_gguf, entry.path)
                 except Exception as exc:
-                    self.fail(name, "DownloadFailed" if not isinstance(exc, AdapterMismatch) else "Mismatch", exc)
+                    self.fail(name, _failure_reason(exc), exc)
                     raise
                 entry.state = AdapterState.READY
         return AdapterRef(name, entry.path)
+
+    def _secret(self, entry: AdapterEntry) -> StoreSecret | None:
+        """The copy of the adapter's credentials Secret; None when it names none (then: this process's
+        environment). The files are read at each download, so a rotated Secret is used once the kubelet wrote it."""
+        if entry.credentials is None:
+            return None
+        if self.credentials_dir is None:
+            raise CredentialsUnavailable(
+                f"the adapter names credentials Secret {entry.credentials!r}, but this predictor has no copies of "
+                "Secrets (--adapter-credentials-dir)"
+            )
+        return read_store_secret(self.credentials_dir, entry.credentials)
+
+    def _credentials_stamp(self, entry: AdapterEntry) -> tuple[int, int] | None:
+        """When the adapter's copy of its Secret last changed (None: none named, or no copy)."""
+        if entry.credentials is None or self.credentials_dir is None:
+            return None
+        try:
+            info = (self.credentials_dir / f"{entry.credentials}.json").stat()
+        except OSError:
+            return None
+        return info.st_mtime_ns, info.st_size
 
     def fail(self, name: str, reason: str, error: BaseException) -> None:
         """Mark ``name`` Failed with ``reason`` (the base model serves on)."""
@@ -316,6 +383,21 @@ class AdapterCatalog:
         if entry is not None:
             entry.state, entry.reason, entry.message = AdapterState.FAILED, reason, str(error).splitlines()[0]
             logger.warning("LoRA adapter %s failed (%s): %s", name, reason, entry.message)
+
+
+#: The Failed reason of an adapter whose credentials Secret the predictor has no copy of.
+CREDENTIALS_UNAVAILABLE = "CredentialsUnavailable"
+#: Failures tried again on the next request once the copy of the adapter's Secret changed (it arrived, or was
+#: rotated: the operator re-copies it, the kubelet rewrites the mounted file); the others wait for a new list.
+RETRIED_WITH_NEW_CREDENTIALS = (CREDENTIALS_UNAVAILABLE, "DownloadFailed")
+
+
+def _failure_reason(error: BaseException) -> str:
+    if isinstance(error, AdapterMismatch):
+        return "Mismatch"
+    if isinstance(error, CredentialsUnavailable):
+        return CREDENTIALS_UNAVAILABLE
+    return "DownloadFailed"
 
 
 def read_lora_or_gguf(folder: Path) -> None:

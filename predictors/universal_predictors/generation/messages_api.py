@@ -30,7 +30,7 @@ from universal_predictors.generation.chat_translation import first_error, named_
 from universal_predictors.generation.planning import Plan
 from universal_predictors.generation.protocol import ChatCompletionRequest
 from universal_predictors.generation.responses import ChatTools, chat_shape
-from universal_predictors.generation.streaming import Choice, ChoiceRunner, Delta
+from universal_predictors.generation.streaming import Choice, ChoiceRunner, Delta, wants_usage_comments
 from universal_predictors.http import CLIENT_CLOSED
 
 _IGNORE = ConfigDict(extra="ignore")
@@ -502,4 +502,5 @@ async def respond(
     def failed(error: APIError) -> list[dict[str, Any]]:
         return [anthropic_error_body(error)]
 
-    return await runner.stream(plan, render, writer.opening(), final, frame=named_event, failed=failed, done=None)
+    return await runner.stream(plan, render, writer.opening(), final, frame=named_event, failed=failed, done=None,
+                               usage_comments=wants_usage_comments(request))  # fmt: skip

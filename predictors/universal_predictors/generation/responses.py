@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from universal_predictors.generation.engine import TokenLogprob
 from universal_predictors.generation.planning import Plan
 from universal_predictors.generation.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from universal_predictors.generation.streaming import Choice, ChoiceRunner, Delta
+from universal_predictors.generation.streaming import Choice, ChoiceRunner, Delta, wants_usage_comments
 from universal_predictors.generation.tools import ParsedToolCalls, ToolCallStreamer, ToolParser
 from universal_predictors.generation.tools.constrained import ConstrainedCallStreamer, parse_constrained
 from universal_predictors.http import CLIENT_CLOSED
@@ -208,4 +208,6 @@ async def respond(
             events.append(event([], usage(plan, choices)))
         return events
 
-    return await runner.stream(plan, render, [event([entry]) for entry in shape.opening], final)
+    return await runner.stream(
+        plan, render, [event([entry]) for entry in shape.opening], final, usage_comments=wants_usage_comments(request)
+    )

@@ -22,7 +22,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from universal_predictors.config import RESPONSES_STORED_HEADER
+from universal_predictors.config import IMAGES_HEADER, RESPONSES_STORED_HEADER
 from universal_predictors.errors import APIError, InvalidRequest, Unavailable
 from universal_predictors.generation import messages_api, responses_api
 from universal_predictors.generation.adapters import SEPARATOR, AdapterCatalog, AdapterMismatch
@@ -90,7 +90,7 @@ class GenerationService:
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         plan, tools = await self._plan_chat(body)
         plan = await self.adapted(plan, body.model)
-        return await respond(self.runner, request, body, plan, chat_shape(body, plan, tools))
+        return counted(await respond(self.runner, request, body, plan, chat_shape(body, plan, tools)), body)
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Response:
         """``POST /v1/responses``: the request as a chat (:mod:`.responses_api`), answered in Responses' shapes."""
@@ -101,7 +101,7 @@ class GenerationService:
         except APIError as error:
             raise responses_api.renamed(error, origins) from None
         plan = await self.adapted(plan, body.model)
-        return await responses_api.respond(self.runner, request, body, chat, plan, tools)
+        return counted(await responses_api.respond(self.runner, request, body, chat, plan, tools), chat)
 
     async def messages(self, request: Request, body: MessagesRequest) -> Response:
         """``POST /v1/messages``: the request as a chat (:mod:`.messages_api`), answered in Anthropic's shapes."""
@@ -111,7 +111,7 @@ class GenerationService:
         except APIError as error:
             raise messages_api.renamed(error, origins) from None
         plan = await self.adapted(plan, body.model)
-        return await messages_api.respond(self.runner, request, body, chat, plan, tools)
+        return counted(await messages_api.respond(self.runner, request, body, chat, plan, tools), chat)
 
     async def adapted(self, plan: Plan, model: str | None) -> Plan:
         """``plan`` on the adapter ``model`` names (fetched and loaded first), or as it is for the base. An
@@ -121,14 +121,19 @@ class GenerationService:
         if name is None or self.adapters is None:
             return plan
         try:
-            adapter = await self.adapters.local(name)
-            await asyncio.to_thread(self.engine.load_adapter, adapter)
+            adapter = await self.adapters.local(name)  # a failed download or check: Failed by the catalog, its reason
+            try:
+                await asyncio.to_thread(self.engine.load_adapter, adapter)
+            except Unavailable:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, AdapterMismatch | FileNotFoundError | PermissionError | LookupError | OSError):
+                    logger.exception("LoRA adapter %s failed to load", name)
+                self.adapters.fail(name, "Mismatch" if isinstance(exc, AdapterMismatch) else "LoadFailed", exc)
+                raise
         except Unavailable:
             raise
-        except Exception as exc:
-            if not isinstance(exc, AdapterMismatch | FileNotFoundError | PermissionError | LookupError | OSError):
-                logger.exception("LoRA adapter %s failed to load", name)
-            self.adapters.fail(name, "Mismatch" if isinstance(exc, AdapterMismatch) else "LoadFailed", exc)
+        except Exception:
             entry = next(e for e in self.adapters.entries() if e.name == name)
             raise InvalidRequest(
                 f"The adapter {model!r} failed ({entry.reason}): {entry.message}. The base model "
@@ -188,3 +193,12 @@ class GenerationService:
         params = SamplingParams(max_tokens=min(max_tokens, self.engine.context_length - len(ids)), temperature=0.0)
         choice = await self.runner.run_choice(0, GenerationRequest(uuid.uuid4().hex, ids, params), [], ignore)
         return choice.text
+
+
+def counted(response: Response, chat: ChatCompletionRequest) -> Response:
+    """``response`` with the images its chat held in ``IMAGES_HEADER``, which the gateway's usage ledger counts (and
+    takes out): OpenAI's ``usage`` has no place for them."""
+    images = len(chat.images())
+    if images:
+        response.headers[IMAGES_HEADER] = str(images)
+    return response

@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from universal_predictors import metrics, tracing
+from universal_predictors.config import USAGE_COMMENTS_HEADER
 from universal_predictors.errors import APIError, InternalError, InvalidRequest
 from universal_predictors.generation.engine import Engine, GenerationRequest, TokenLogprob
 from universal_predictors.generation.planning import Plan
@@ -52,6 +53,8 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
+    #: Tokens the choice generated since its previous delta.
+    tokens: int = 0
 
 
 async def ignore(_: Delta) -> None:
@@ -64,6 +67,19 @@ def sse(event: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_comment(prompt_tokens: int, completion_tokens: int) -> str:
+    """Token counts so far, as the SSE comment a stream carries when the gateway asks (``USAGE_COMMENTS_HEADER``):
+    before each piece of output (so that the gateway can stop a stream before the piece its key has no tokens
+    left for), and once more with the totals before the final events. Clients ignore comments (the SSE spec's
+    lines starting with a colon); the gateway takes them out (DESIGN.md, the gateway's contract with the
+    predictors)."""
+    return f': usage {{"prompt_tokens": {prompt_tokens}, "completion_tokens": {completion_tokens}}}\n\n'
+
+
+def wants_usage_comments(request: Request) -> bool:
+    return USAGE_COMMENTS_HEADER in request.headers
 
 
 async def until_disconnect(receive: Receive) -> None:
@@ -132,6 +148,7 @@ class ChoiceRunner:
         matcher = StopMatcher(stops)
         spans = tracing.sequence_spans()  # None unless tracing is on
         started = last = time.perf_counter()
+        pending = 0  # tokens generated since the last delta
         stream = self.engine.generate(request)
         try:
             try:
@@ -147,6 +164,7 @@ class ChoiceRunner:
                         metrics.INTER_TOKEN_LATENCY.labels(self.model_name).observe(now - last)
                     last = now
                     choice.tokens += len(chunk.token_ids)
+                    pending += len(chunk.token_ids)
                     text, stopped = matcher.push(chunk.text)
                     if chunk.finish_reason is not None and not stopped:
                         text += matcher.flush()
@@ -157,7 +175,8 @@ class ChoiceRunner:
                         choice.finish_reason = "stop" if stopped else chunk.finish_reason
                         choice.stop = matcher.matched
                     if text or logprobs or choice.finish_reason:
-                        await emit(Delta(index, text, logprobs, choice.finish_reason))
+                        await emit(Delta(index, text, logprobs, choice.finish_reason, pending))
+                        pending = 0
                     if stopped:
                         break
             except ValueError as exc:  # a request the engine cannot take; with a schema, most likely the schema
@@ -243,10 +262,12 @@ class ChoiceRunner:
         frame: Callable[[dict[str, Any]], str] = sse,
         failed: Callable[[APIError], list[dict[str, Any]]] = lambda error: [error.body()],
         done: str | None = SSE_DONE,
+        usage_comments: bool = False,
     ) -> Response:
         """An SSE response: ``first`` events, one per rendered delta, ``final(choices)`` events, [DONE].
         ``frame`` writes one event (the Responses API names each: ``event:`` lines), ``failed`` gives the
-        events for an error after the 200, ``done`` is the last line (None: nothing, as Responses streams end).
+        events for an error after the 200, ``done`` is the last line (None: nothing, as Responses streams end),
+        ``usage_comments``: the token counts as comments (:data:`USAGE_COMMENTS_HEADER`).
 
         Generation runs from admission on, owned by the response: however the response ends (all sent,
         the client gone before the first token or mid-stream, the body never started), its choices are
@@ -268,12 +289,17 @@ class ChoiceRunner:
             nonlocal completed
             for event in first:
                 yield frame(event)
+            generated = 0
             while True:
                 delta = await queue.get()
                 if delta is None:
                     break
-                for rendered in render(delta):
-                    yield frame(rendered)
+                frames = "".join(frame(rendered) for rendered in render(delta))
+                if usage_comments and delta.tokens:  # in the same write: one chunk, not two
+                    generated += delta.tokens
+                    frames = usage_comment(plan.prompt_tokens, generated) + frames
+                if frames:
+                    yield frames
             try:
                 choices = work.result()
             except APIError as error:
@@ -287,6 +313,8 @@ class ChoiceRunner:
                     yield frame(event)
                 completed = True
                 return
+            if usage_comments:
+                yield usage_comment(plan.prompt_tokens, sum(c.tokens for c in choices))
             for event in final(choices):
                 yield frame(event)
             if done is not None:

@@ -456,6 +456,7 @@ class AnomalyPredictor(UniversalPredictor):
         }
         if encoded.unseen_count:
             result["unseen_categories"] = {"count": encoded.unseen_count, "examples": encoded.unseen}
+        result["usage"] = {"rows": len(data)}  # what the gateway's usage ledger counts for this task
         return result
 
 

@@ -105,7 +105,8 @@ class GeneratePredictor(UniversalPredictor):
             if not cls.capabilities.adapters:
                 raise StartupError(f"the {self.backend.value} backend does not serve LoRA adapters (--adapters-file)")
             cache = Path(tempfile.gettempdir()) / "universal-runtime-adapters" / config.model_name
-            self.adapters = AdapterCatalog(config.model_name, Path(config.adapters_file), cache)
+            credentials = Path(config.adapter_credentials_dir) if config.adapter_credentials_dir else None
+            self.adapters = AdapterCatalog(config.model_name, Path(config.adapters_file), cache, credentials)
         self.service = GenerationService(self.engine_impl, config.model_name, parser, image_args, self.adapters)
 
     def load(self) -> bool:

@@ -60,8 +60,6 @@ Deliberate simplifications (documented once, here):
   ``limit``/``continue`` are ignored
   (every list is a single page); PUT without ``metadata.resourceVersion`` is
   accepted as an unconditional update.
-* A watched object that stops matching a label selector does not produce a
-  synthetic ``DELETED`` event.
 * Requests to registered resources are served by this class directly; kmock's
   ``<<`` reactions still work for all other URLs (discovery, custom endpoints).
   Seeding via ``emulator.objects[...] = ...`` bypasses stamping and watches.

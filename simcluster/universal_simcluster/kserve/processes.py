@@ -368,8 +368,8 @@ class PredictorWorkload:
         # A Service's address outlives its pods: one port per InferenceService (Standard), or the proxy's.
         self._service_port = free_port()
         self._proxy: asyncio.Server | None = None
-        #: The running pod's configMap volumes: its local folder -> the ConfigMap (kept in sync in place).
-        self._projected: dict[Path, str] = {}
+        #: The running pod's configMap and secret volumes: its local folder -> (kind, name), kept in sync in place.
+        self._projected: dict[Path, tuple[type[ConfigMap] | type[Secret], str]] = {}
         self._tasks: list[asyncio.Task[None]] = [
             asyncio.create_task(self._work(), name=f"kserve-{self.key}"),
             asyncio.create_task(self._sync_projections(), name=f"kubelet-configmaps-{self.key}"),
@@ -564,18 +564,23 @@ class PredictorWorkload:
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"], {})
             claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-            config_map = (volume.get("configMap") or {}).get("name")
+            projected: tuple[type[ConfigMap] | type[Secret], str, bool] | None = None
+            if (source := volume.get("configMap")) is not None:
+                projected = (ConfigMap, source["name"], source.get("optional", False))
+            elif (source := volume.get("secret")) is not None:
+                projected = (Secret, source["secretName"], source.get("optional", False))
             if claim:  # a claim outlives pods: one folder per claim
                 local = self.kserve.workdir / self.key[0] / "claims" / claim / (mount.get("subPath") or "")
-            else:  # an emptyDir (or a configMap's projection) is new with each pod
+            else:  # an emptyDir (or a configMap's or secret's projection) is new with each pod
                 local = self.root / f"pod-{generation}-{self.launches}" / mount["name"]
             local.mkdir(parents=True, exist_ok=True)
-            if config_map:
+            if projected is not None:
+                kind, name, optional = projected
                 if mount.get("subPath"):
-                    raise LaunchFailed("the stand-in projects whole configMap volumes only (a subPath mount is never "
-                                       "updated by the kubelet either)")  # fmt: skip
-                await self._project(config_map, local, volume["configMap"].get("optional", False))
-                self._projected[local] = config_map
+                    raise LaunchFailed("the stand-in projects whole configMap and secret volumes only (a subPath "
+                                       "mount is never updated by the kubelet either)")  # fmt: skip
+                await self._project(kind, name, local, optional)
+                self._projected[local] = (kind, name)
             mounts[mount["mountPath"]] = local
         storage_uri = next((e.get("value") for e in container.get("env") or [] if e["name"] == "STORAGE_URI"), None)
         cached = self._cached_folder()
@@ -590,32 +595,39 @@ class PredictorWorkload:
             mounts[MODEL_MOUNT_PATH] = Path(self._storage_initializer(storage_uri, credentials))
         return mounts
 
-    async def _project(self, name: str, folder: Path, optional: bool) -> bool:
-        """Write the ConfigMap's keys as files in ``folder``, as the kubelet's configMap volume does, each replaced
-        atomically (the kubelet swaps a ``..data`` symlink; a reader never sees half a file); keys gone are
-        removed. Kubernetes v1.31 ``pkg/volume/configmap/configmap.go`` (SetUpAt: a missing ConfigMap fails the
-        mount unless ``optional``) and ``pkg/volume/util/atomic_writer.go``. True when a file changed."""
+    async def _project(self, kind: type[ConfigMap] | type[Secret], name: str, folder: Path, optional: bool) -> bool:
+        """Write the ConfigMap's (or Secret's, decoded) keys as files in ``folder``, as the kubelet's configMap and
+        secret volumes do, each replaced atomically (the kubelet swaps a ``..data`` symlink; a reader never sees
+        half a file); keys gone are removed. Kubernetes v1.31 ``pkg/volume/configmap/configmap.go`` and
+        ``pkg/volume/secret/secret.go`` (SetUpAt: a missing object fails the mount unless ``optional``; the
+        payload written by ``pkg/volume/util/atomic_writer.go``, again at each pod sync). True when a file
+        changed."""
         try:
-            found: Any = await self.kserve.client.get(ConfigMap, name, namespace=self.key[0])
+            found: Any = await self.kserve.client.get(kind, name, namespace=self.key[0])
         except ApiError as exc:
             if exc.status.code != 404 or not optional:
                 if exc.status.code == 404:
-                    raise LaunchFailed(f'FailedMount: MountVolume.SetUp failed: configmap "{name}" not found') from None
+                    what = "configmap" if kind is ConfigMap else "secret"
+                    raise LaunchFailed(f'FailedMount: MountVolume.SetUp failed: {what} "{name}" not found') from None
                 raise
             found = None
-        data: dict[str, str] = dict(found.data or {}) if found is not None else {}
+        data: dict[str, str] = {}
+        if found is not None and kind is Secret:
+            data = {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
+        elif found is not None:
+            data = dict(found.data or {})
         return await asyncio.to_thread(_write_projection, folder, data)
 
     async def _sync_projections(self) -> None:
-        """The kubelet's periodic resync of configMap volumes: a changed ConfigMap reaches a running pod's files
-        in place, without a restart (every ``config_map_sync`` seconds here; a minute or so on a real node:
-        the kubelet's sync period plus its ConfigMap cache's TTL)."""
+        """The kubelet's periodic resync of configMap and secret volumes: a changed object reaches a running pod's
+        files in place, without a restart (every ``config_map_sync`` seconds here; a minute or so on a real node:
+        the kubelet's sync period plus its object cache's TTL)."""
         while True:
             await asyncio.sleep(self.kserve.config_map_sync)
-            for folder, name in list(self._projected.items()):
+            for folder, (kind, name) in list(self._projected.items()):
                 with contextlib.suppress(ApiError, LaunchFailed, OSError):
-                    if await self._project(name, folder, optional=True):
-                        logger.info("KServe stand-in: %s/%s sees configmap %s's new data", *self.key, name)
+                    if await self._project(kind, name, folder, optional=True):
+                        logger.info("KServe stand-in: %s/%s sees %s %s's new data", *self.key, kind.__name__, name)
 
     def _from_hub(self, storage_uri: str) -> bool:
         """Whether KServe's storage code downloads ``storage_uri`` from the loopback hub (no local copy known)."""

@@ -24,6 +24,7 @@ from tests.predictors.generation.tiny_llama import write_gguf
 from tests.predictors.generation.tiny_vlm import data_url, render_image
 from tests.predictors.harness import PredictorProcess
 from universal_predictors.catalog import Backend
+from universal_predictors.config import USAGE_COMMENTS_HEADER
 
 ENGINES = [
     EngineCase(Backend.TRANSFORMERS, "transformers"),
@@ -120,6 +121,36 @@ def test_streamed_chat_equals_the_unary_answer_and_reports_usage_last(client: op
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_stream_carries_its_token_counts_as_comments_when_the_gateway_asks(predictor: PredictorProcess) -> None:
+    """With the gateway's header, a comment before each piece gives the tokens so far (over both choices) and the
+    last one the answer's usage; without it, no comment (clients never see them: the gateway takes them out)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about Oslo"}], "max_tokens": 10,
+            "temperature": 0, "n": 2, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    url = f"{predictor.openai_url}/chat/completions"
+    asked = httpx.post(url, json=body, headers={USAGE_COMMENTS_HEADER: "1"}, timeout=120).text
+    plain = httpx.post(url, json=body, timeout=120).text
+    events = [e for e in asked.split("\n\n") if e]
+    counts = [json.loads(e.removeprefix(": usage ")) for e in events if e.startswith(": usage ")]
+    assert ": usage" not in plain
+
+    def texts(stream: str) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for event in stream.split("\n\n"):
+            if event.startswith("data: {"):
+                for choice in json.loads(event.removeprefix("data: "))["choices"]:
+                    out[choice["index"]] = out.get(choice["index"], "") + (choice["delta"].get("content") or "")
+        return out
+
+    assert texts(asked) == texts(plain)  # the same answer, the comments aside
+    usage = json.loads(events[-2].removeprefix("data: "))["usage"]  # the usage chunk, before [DONE]
+    assert counts[-1] == {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]}
+    generated = [c["completion_tokens"] for c in counts]
+    assert generated == sorted(generated)
+    assert generated[-1] == 20  # two choices of 10
+    first_piece = next(i for i, e in enumerate(events) if '"content": "' in e and '"content": ""' not in e)
+    assert events[first_piece - 1].startswith(": usage ")  # the count comes before the piece it counts
 
 
 def test_completions_unary_and_streamed_agree(client: openai.OpenAI) -> None:

@@ -1,0 +1,342 @@
+"""Per-key limits: requests and tokens per minute, concurrent requests, and OpenAI's ``x-ratelimit-*`` headers.
+
+Per minute, a limit is a token bucket (as OpenAI describes its own limits): it holds up to the limit, refills
+continuously at limit/60 per second, and a request takes one from its requests bucket. Tokens are known only once
+the model has counted them, so a request is admitted while its key's token buckets are above zero, and its tokens
+are taken as they come: output tokens as they stream (a stream that would take more than is left is cut before
+the piece that would, with an error event), input tokens with the answer's usage. A unary answer may take a bucket
+below zero; the key's next requests then wait until it has refilled.
+
+Which buckets a request takes from: its key's own (``limits``, over all its requests) and its key's on that model
+(the key's ``modelLimits`` for it, else the keys file's default for the model). The headers on every answer to a
+limited key say the tighter of the two: ``x-ratelimit-{limit,remaining,reset}-requests`` and ``-tokens`` (the
+token bucket, input or output, with the least left), with ``-input-tokens``/``-output-tokens`` each. A refused
+request gets 429 in OpenAI's shape (``type`` ``requests`` or ``tokens``, code ``rate_limit_exceeded``) with
+``Retry-After`` (and ``retry-after-ms``, which the OpenAI SDKs read first).
+
+Where the levels live is :class:`Counters`: this process (:class:`MemoryCounters`, the local ``serve`` and a single
+replica) or Redis, shared by every gateway replica (:mod:`.redis_counters`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from universal_gateway.auth import ApiKeys, Key, Limits
+from universal_predictors.errors import APIError
+
+REQUESTS, INPUT, OUTPUT, CONCURRENT = "requests", "input_tokens", "output_tokens", "concurrent"
+ANONYMOUS = "-"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One per-minute limit a request draws on: ``name`` is where its level is kept."""
+
+    name: str
+    kind: str  # REQUESTS, INPUT or OUTPUT
+    limit: int
+    scope: str  # "key" or the model's name: for messages
+
+
+@dataclass
+class Level:
+    """A bucket's state after a take: what is left (may be below zero) and the seconds until it is full."""
+
+    bucket: Bucket
+    remaining: float
+    reset_s: float
+
+
+@dataclass
+class Admission:
+    """What :meth:`Counters.admit` decided: every bucket's level, and the first that refused, if any."""
+
+    levels: list[Level]
+    refused: Level | None = None
+    retry_after_s: float = 0.0
+    slots_refused: tuple[str, int] | None = None  # (scope, limit) of a concurrency limit reached
+
+
+class Counters(Protocol):
+    """Where bucket levels and concurrency counts live."""
+
+    async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
+        """Atomically: refuse if a requests bucket has less than one left, a token bucket nothing left, or a slot
+        counter is at its limit; else take one from each requests bucket and a slot from each counter."""
+        ...
+
+    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
+        """Take ``amount`` from ``bucket``; with ``all_or_nothing``, None (nothing taken) when less is left."""
+        ...
+
+    async def release(self, slots: Sequence[str]) -> None: ...
+
+
+def refill(level: float, at: float, limit: int, now: float) -> float:
+    return min(float(limit), level + max(0.0, now - at) * limit / 60.0)
+
+
+def until_full(level: float, limit: int) -> float:
+    return max(0.0, (limit - level) * 60.0 / limit)
+
+
+@dataclass
+class MemoryCounters:
+    """Levels in this process: exact, but each gateway replica has its own."""
+
+    levels: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (level, when)
+    slots: dict[str, int] = field(default_factory=dict)
+
+    def _level(self, bucket: Bucket, now: float) -> float:
+        level, at = self.levels.get(bucket.name, (float(bucket.limit), now))
+        return refill(level, at, bucket.limit, now)
+
+    async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
+        levels = [(b, self._level(b, now)) for b in buckets]
+        for bucket, level in levels:
+            need = 1.0 if bucket.kind == REQUESTS else math.ulp(0.0)
+            if level < need:
+                wait = (need - level) * 60.0 / bucket.limit
+                state = [Level(b, lv, until_full(lv, b.limit)) for b, lv in levels]
+                return Admission(state, Level(bucket, level, until_full(level, bucket.limit)), wait)
+        for name, limit in slots:
+            if self.slots.get(name, 0) >= limit:
+                state = [Level(b, lv, until_full(lv, b.limit)) for b, lv in levels]
+                return Admission(state, slots_refused=(name, limit), retry_after_s=1.0)
+        taken = []
+        for bucket, level in levels:
+            if bucket.kind == REQUESTS:
+                level -= 1.0
+            self.levels[bucket.name] = (level, now)
+            taken.append(Level(bucket, level, until_full(level, bucket.limit)))
+        for name, _ in slots:
+            self.slots[name] = self.slots.get(name, 0) + 1
+        return Admission(taken)
+
+    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
+        level = self._level(bucket, now)
+        if all_or_nothing and level < amount:
+            return None
+        level -= amount
+        self.levels[bucket.name] = (level, now)
+        return Level(bucket, level, until_full(level, bucket.limit))
+
+    async def release(self, slots: Sequence[str]) -> None:
+        for name in slots:
+            left = self.slots.get(name, 0) - 1
+            if left > 0:
+                self.slots[name] = left
+            else:
+                self.slots.pop(name, None)
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's spelling of a reset time: ``17ms``, ``1s``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+class RateLimited(APIError):
+    status_code = 429
+
+    def __init__(self, message: str, kind: str, retry_after: float, headers: list[tuple[str, str]]) -> None:
+        super().__init__(message, code="rate_limit_exceeded", retry_after=retry_after)
+        self.error_type = kind
+        self._extra = headers
+
+    def headers(self) -> dict[str, str]:
+        wait = max(1, math.ceil(self.retry_after or 1))
+        return {
+            **dict(self._extra),
+            "Retry-After": str(wait),
+            "retry-after-ms": str(math.ceil(1000 * (self.retry_after or 1))),
+        }
+
+
+def rate_headers(levels: Sequence[Level]) -> list[tuple[str, str]]:
+    """OpenAI's ``x-ratelimit-*`` headers for the buckets a request drew on: per kind of limit, the bucket with the
+    least left for its size (``tokens``: input or output, whichever)."""
+    tightest: dict[str, tuple[float, Level]] = {}
+    for level in levels:
+        share = level.remaining / level.bucket.limit
+        kind = level.bucket.kind
+        for suffix in ("requests",) if kind == REQUESTS else ("tokens", _TOKEN_SUFFIX[kind]):
+            held = tightest.get(suffix)
+            if held is None or share < held[0]:
+                tightest[suffix] = (share, level)
+    out: list[tuple[str, str]] = []
+    for suffix, (_, level) in tightest.items():
+        out += (
+            (f"x-ratelimit-limit-{suffix}", str(level.bucket.limit)),
+            (f"x-ratelimit-remaining-{suffix}", str(max(0, math.floor(level.remaining)))),
+            (f"x-ratelimit-reset-{suffix}", duration(level.reset_s)),
+        )
+    return out
+
+
+_TOKEN_SUFFIX = {INPUT: "input-tokens", OUTPUT: "output-tokens"}
+_KIND_NAMES = {
+    REQUESTS: "requests per minute",
+    INPUT: "input tokens per minute",
+    OUTPUT: "output tokens per minute",
+}
+
+
+def buckets_for(
+    key: Key | None, model: str, limits: tuple[Limits, Limits]
+) -> tuple[list[Bucket], list[tuple[str, int]]]:
+    """The buckets and concurrency counters a request by ``key`` to ``model`` draws on."""
+    who = key.id if key is not None else ANONYMOUS
+    buckets: list[Bucket] = []
+    slots: list[tuple[str, int]] = []
+    for scope, prefix, lim in (("key", f"{who}", limits[0]), (model, f"{who}|{model}", limits[1])):
+        for kind, value in (
+            (REQUESTS, lim.requests_per_minute),
+            (INPUT, lim.input_tokens_per_minute),
+            (OUTPUT, lim.output_tokens_per_minute),
+        ):
+            if value is not None:
+                buckets.append(Bucket(f"{prefix}|{kind}", kind, value, scope))
+        if lim.concurrent_requests is not None:
+            slots.append((f"{prefix}|{CONCURRENT}", lim.concurrent_requests))
+    return buckets, slots
+
+
+def _whose(key: Key | None, bucket_scope: str) -> str:
+    name = repr(key.id) if key is not None else "the gateway's callers"
+    return f"key {name}" if bucket_scope == "key" else f"key {name} on the model {bucket_scope!r}"
+
+
+#: Output tokens a stream takes from its buckets at a time and then spends as it goes (what is left given back at
+#: its end): one counter operation per this many tokens rather than per piece, which matters when the counters
+#: are in Redis. A stream near its key's budget takes what each piece needs, so the cut is still exact.
+OUTPUT_LEASE = 32
+
+
+class Ticket:
+    """One admitted request's draw on its limits: its headers, its streamed output, its final usage."""
+
+    def __init__(self, quotas: Quotas, key: Key | None, buckets: list[Bucket], slots: list[str],
+                 headers: list[tuple[str, str]]) -> None:  # fmt: skip
+        self._quotas = quotas
+        self.key = key
+        self._buckets = buckets
+        self._output_buckets = [b for b in buckets if b.kind == OUTPUT]
+        self._slots = slots
+        self.headers = headers
+        self.output_taken = 0  # output tokens spent
+        self._leased = 0  # output tokens taken from the buckets and not spent yet
+        self._closed = False
+
+    @property
+    def limits_output(self) -> bool:
+        return bool(self._output_buckets)
+
+    async def _take_output(self, amount: int) -> bool:
+        """``amount`` from every output bucket, or from none."""
+        now = self._quotas.clock()
+        taken: list[Bucket] = []
+        for bucket in self._output_buckets:
+            if await self._quotas.counters.take(bucket, amount, now, all_or_nothing=True) is None:
+                for done in taken:  # give back what the other buckets gave
+                    await self._quotas.counters.take(done, -amount, now, all_or_nothing=False)
+                return False
+            taken.append(bucket)
+        return True
+
+    async def output(self, tokens: int) -> bool:
+        """Spend ``tokens`` more streamed output tokens; False (nothing spent) when a bucket has fewer left."""
+        if tokens <= 0:
+            return True
+        if tokens > self._leased:
+            need = tokens - self._leased
+            if await self._take_output(max(need, OUTPUT_LEASE)):
+                self._leased += max(need, OUTPUT_LEASE)
+            elif await self._take_output(need):  # near the budget: exactly what this piece needs
+                self._leased += need
+            else:
+                return False
+        self._leased -= tokens
+        self.output_taken += tokens
+        return True
+
+    async def settle(self, input_tokens: int, output_tokens: int) -> None:
+        """Take the answer's input tokens, and its output tokens not yet spent as they streamed; give back the
+        rest of a lease."""
+        now = self._quotas.clock()
+        unspent = self._leased - max(0, output_tokens - self.output_taken)
+        for bucket in self._buckets:
+            if bucket.kind == INPUT and input_tokens > 0:
+                await self._quotas.counters.take(bucket, input_tokens, now, all_or_nothing=False)
+            elif bucket.kind == OUTPUT and unspent:
+                await self._quotas.counters.take(bucket, -unspent, now, all_or_nothing=False)
+        self._leased = 0
+        self.output_taken = max(self.output_taken, output_tokens)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._slots:
+                await self._quotas.counters.release(self._slots)
+
+
+class Quotas:
+    """The limits of every key, kept in ``counters``."""
+
+    def __init__(self, keys: ApiKeys, counters: Counters | None = None) -> None:
+        self.keys = keys
+        self.counters: Counters = counters if counters is not None else MemoryCounters()
+        self.clock = time.time  # wall time: Redis-kept levels are shared between machines
+        #: (key id, model) -> its buckets and counters, made once per version of the keys.
+        self._plans: dict[tuple[str | None, str], tuple[list[Bucket], list[tuple[str, int]]]] = {}
+        self._generation = -1
+
+    def _plan(self, key: Key | None, model: str) -> tuple[list[Bucket], list[tuple[str, int]]]:
+        if self._generation != self.keys.generation:
+            self._plans.clear()
+            self._generation = self.keys.generation
+        who = key.id if key is not None else None
+        plan = self._plans.get((who, model))
+        if plan is None:
+            if len(self._plans) > 100_000:  # models named by requests: bounded
+                self._plans.clear()
+            plan = self._plans[(who, model)] = buckets_for(key, model, self.keys.limits(key, model))
+        return plan
+
+    async def admit(self, key: Key | None, model: str) -> Ticket | None:
+        """The request's ticket (None: nothing limits it); :class:`RateLimited` when a limit is reached."""
+        buckets, slots = self._plan(key, model)
+        if not buckets and not slots:
+            return None
+        admission = await self.counters.admit(buckets, slots, self.clock())
+        headers = rate_headers(admission.levels)
+        if admission.refused is not None:
+            level = admission.refused
+            bucket = level.bucket
+            kind = "requests" if bucket.kind == REQUESTS else "tokens"
+            raise RateLimited(
+                f"Rate limit reached for {_whose(key, bucket.scope)} on {_KIND_NAMES[bucket.kind]}: limit "
+                f"{bucket.limit}, left {max(0, math.floor(level.remaining))}; retry in "
+                f"{math.ceil(admission.retry_after_s)} s.",
+                kind,
+                admission.retry_after_s,
+                headers,
+            )
+        if admission.slots_refused is not None:
+            name, limit = admission.slots_refused
+            scope = "key" if name.count("|") == 1 else name.split("|")[1]
+            raise RateLimited(
+                f"Too many concurrent requests for {_whose(key, scope)}: limit {limit}; retry when one has finished.",
+                "requests",
+                1.0,
+                headers,
+            )
+        return Ticket(self, key, buckets, [name for name, _ in slots], headers)

@@ -1,0 +1,235 @@
+"""What each request used, read from the predictors' answers, and the ledger of it per key, model and hour.
+
+Where the counts come from: a unary answer's ``usage`` object (generation, embeddings, rerank, OCR, documents,
+anomaly), and an event stream's usage comments, which the gateway asks the predictor for
+(``USAGE_COMMENTS_HEADER``) and takes out before the client sees the stream (:class:`StreamTap`). So the ledger
+counts what the engines counted, not an estimate.
+
+The ledger keeps, per key, model and hour: requests, input and output tokens, images, OCR/document pages, anomaly
+rows scored, and predictor seconds (from the request's send to its last byte, the wake included for the request
+that woke the model). It is exposed as Prometheus counters (``universal_gateway_usage_*_total{key_id, model}``) and
+as ``GET /v1/usage`` (:func:`usage_report`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+#: The comment line a predictor's usage comment starts with (``streaming.usage_comment``).
+USAGE_COMMENT = b": usage "
+HOUR = 3600
+
+
+@dataclass
+class Usage:
+    """What one request used (or, in the ledger, many)."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    images: int = 0
+    pages: int = 0
+    rows: int = 0
+    predictor_seconds: float = 0.0
+
+    def add(self, other: Usage) -> None:
+        for name in USAGE_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+USAGE_FIELDS = tuple(f.name for f in fields(Usage))
+
+
+def from_usage_object(usage: Any) -> Usage:
+    """A predictor's ``usage`` object (OpenAI's, the Responses and Messages APIs', or a task's own)."""
+    if not isinstance(usage, dict):
+        return Usage()
+
+    def number(*names: str) -> int:
+        for name in names:
+            value = usage.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return 0
+
+    return Usage(
+        input_tokens=number("prompt_tokens", "input_tokens"),
+        output_tokens=number("completion_tokens", "output_tokens"),
+        images=number("images"),
+        pages=number("pages"),
+        rows=number("rows"),
+    )
+
+
+def _object_at(payload: bytes, start: int) -> Any:
+    """The JSON object that starts at ``payload[start]`` (``{``), read up to its closing brace."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(payload)):
+        c = payload[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return orjson.loads(payload[start : i + 1])
+    raise ValueError("unterminated object")
+
+
+def unary_usage(payload: bytes) -> Usage:
+    """The usage a unary JSON answer reports. Read from its last ``"usage"`` key, where every predictor writes it,
+    without parsing the whole answer (an embeddings answer can be megabytes of numbers); the whole answer parsed
+    when that fails."""
+    at = payload.rfind(b'"usage"')
+    if at < 0:
+        return Usage()
+    brace = payload.find(b"{", at)
+    try:
+        if brace < 0 or payload[at + 7 : brace].strip() != b":":
+            raise ValueError("not an object")
+        return from_usage_object(_object_at(payload, brace))
+    except ValueError:
+        try:
+            document = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return Usage()
+        found = document.get("usage") if isinstance(document, dict) else None
+        if found is None and isinstance(document, dict) and isinstance(document.get("response"), dict):
+            found = document["response"].get("usage")
+        return from_usage_object(found)
+
+
+class StreamTap:
+    """Takes the usage comments out of an event stream as it is relayed, counting its tokens; ``output`` (if given)
+    is asked before each piece of output whether its key has the tokens left (False: the stream is cut there)."""
+
+    def __init__(self, output: Callable[[int], Awaitable[bool]] | None = None) -> None:
+        self._output = output
+        self._pending = b""
+        self.usage = Usage()
+
+    async def feed(self, data: bytes) -> tuple[bytes, bool]:
+        """The bytes to relay for ``data`` (whole events only; a partial one waits for its end, which is also when
+        a client would see it), and whether the stream is to be cut after them."""
+        buffer = self._pending + data if self._pending else data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buffer
+            return b"", False
+        complete, self._pending = buffer[: end + 2], buffer[end + 2 :]
+        if USAGE_COMMENT not in complete:
+            return complete, False
+        out: list[bytes] = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if not event.startswith(USAGE_COMMENT):
+                out.append(event + b"\n\n")
+                continue
+            try:
+                counts = orjson.loads(event[len(USAGE_COMMENT) :])
+                prompt, generated = int(counts["prompt_tokens"]), int(counts["completion_tokens"])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            more = generated - self.usage.output_tokens
+            if self._output is not None and more > 0 and not await self._output(more):
+                return b"".join(out), True
+            self.usage.input_tokens = prompt
+            self.usage.output_tokens = max(self.usage.output_tokens, generated)
+        return b"".join(out), False
+
+    def rest(self) -> bytes:
+        """What is left once the upstream's stream ended (an event without its blank line)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+class UsageMetrics:
+    """The ledger's Prometheus counters, by key id and model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["key_id", "model"]
+        self.counters = {
+            f.name: Counter(
+                f"universal_gateway_usage_{f.name}_total",
+                f"Usage: {f.name.replace('_', ' ')}.",
+                labels,
+                registry=registry,
+            )
+            for f in fields(Usage)
+        }
+
+        #: (key id, model) -> each counter's child: ``labels()`` takes a lock and builds a key on every call.
+        self._children: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+
+    def add(self, key_id: str, model: str, usage: Usage) -> None:
+        children = self._children.get((key_id, model))
+        if children is None:
+            children = [(name, counter.labels(key_id, model)) for name, counter in self.counters.items()]
+            self._children[(key_id, model)] = children
+        for name, child in children:
+            value = getattr(usage, name)
+            if value:
+                child.inc(value)
+
+
+class Ledger:
+    """Usage per key, model and hour, in this process (the local ``serve``, a single gateway replica)."""
+
+    def __init__(self, metrics: UsageMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.hours: dict[tuple[int, str, str], Usage] = {}
+        self.metrics = metrics
+        self.clock = clock
+
+    async def record(self, key_id: str, model: str, usage: Usage) -> None:
+        hour = int(self.clock()) // HOUR * HOUR
+        self.hours.setdefault((hour, key_id, model), Usage()).add(usage)
+        if self.metrics is not None:
+            self.metrics.add(key_id, model, usage)
+
+    async def rows(self, start: int, end: int, key_id: str | None) -> list[tuple[int, str, str, Usage]]:
+        """Hours from ``start`` to before ``end`` (epoch seconds), for one key or all."""
+        return sorted(
+            (hour, k, m, u)
+            for (hour, k, m), u in self.hours.items()
+            if start <= hour < end and (key_id is None or k == key_id)
+        )
+
+    async def close(self) -> None:
+        return None
+
+
+def usage_report(rows: Iterable[tuple[int, str, str, Usage]], as_csv: bool) -> tuple[bytes, str]:
+    """The ledger's hours as JSON (``{"object": "list", "data": [...]}``) or CSV, and the content type."""
+    records = [
+        {
+            "hour": datetime.fromtimestamp(hour, UTC).strftime("%Y-%m-%dT%H:00:00Z"),
+            "key_id": key,
+            "model": model,
+            **asdict(usage),
+        }
+        for hour, key, model, usage in rows
+    ]
+    if not as_csv:
+        return orjson.dumps({"object": "list", "data": records}), "application/json"
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=["hour", "key_id", "model", *(f.name for f in fields(Usage))])
+    writer.writeheader()
+    writer.writerows(records)
+    return out.getvalue().encode(), "text/csv; charset=utf-8"
