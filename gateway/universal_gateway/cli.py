@@ -76,7 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
         responses = _responses_store(args, state_root)
     except ValueError as exc:
         return _fail("serve", str(exc))
-    supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby)
+    supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
+                                 memory_budget_mb=args.memory_budget_mb)  # fmt: skip
     limits = _limits(args)
     gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses,
                       audit=audit)  # fmt: skip
@@ -373,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-standby", dest="standby", action="store_false",
         help="keep no predictor process waiting with its libraries imported (saves about 0.5 GB while no model "
              "wakes; each wake then imports them again, seconds for a small model)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--memory-budget-mb", type=float,
+        help="the memory the running predictors may hold together: starting a model that would go over it stops "
+             "the least recently used idle ones first (default: no bound)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 
