@@ -532,6 +532,7 @@ class Gateway:
                 stream: StreamedResponse | None = None
                 keepalive: asyncio.Task[None] | None = None
                 if held:  # held for the wake, within the model's bound (429 beyond)
+                    meter.woke_it = not self.wake_waits.held.get(name)  # the first held: its request woke it
                     self._hold(name, view)
                     if waiter is not None:  # a client that leaves while held stops waiting; the wake goes on
                         request.on_gone = _canceller(waiter)
@@ -607,7 +608,8 @@ class Gateway:
         usage.requests = 1
         usage.images = max(usage.images, meter.images)
         if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
-            usage.predictor_seconds = ended - meter.sent + (meter.wake_s or 0.0)
+            # The wake counts once, for the request that caused it; the others held with it waited for it too.
+            usage.predictor_seconds = ended - meter.sent + ((meter.wake_s or 0.0) if meter.woke_it else 0.0)
         gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
         try:
             if meter.ticket is not None:
@@ -822,7 +824,7 @@ KEYS_REREAD_S = 2.0
 class _Meter:
     """One proxied request's key, its draw on the key's limits and what it used."""
 
-    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s")
+    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s", "woke_it")
 
     def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
         self.key = key
@@ -831,6 +833,7 @@ class _Meter:
         self.usage = Usage()
         self.sent: float | None = None  # when it was sent to the predictor (monotonic)
         self.wake_s: float | None = None  # how long it waited for its model to wake
+        self.woke_it = False  # it was the request that woke its model
         self.streamed = False
         self.images = 0  # the images a chat held (the predictor's IMAGES_HEADER)
 
