@@ -76,6 +76,8 @@ class Counters(Protocol):
 
     async def release(self, slots: Sequence[str]) -> None: ...
 
+    async def close(self) -> None: ...
+
 
 def refill(level: float, at: float, limit: int, now: float) -> float:
     return min(float(limit), level + max(0.0, now - at) * limit / 60.0)
@@ -133,6 +135,9 @@ class MemoryCounters:
                 self.slots[name] = left
             else:
                 self.slots.pop(name, None)
+
+    async def close(self) -> None:
+        return None
 
 
 def duration(seconds: float) -> str:
@@ -273,6 +278,9 @@ class Quotas:
         self.keys = keys
         self.counters: Counters = counters if counters is not None else MemoryCounters()
         self.clock = time.time  # wall time: Redis-kept levels are shared between machines
+
+    async def close(self) -> None:
+        await self.counters.close()
 
     async def admit(self, key: Key | None, model: str) -> Ticket | None:
         """The request's ticket (None: nothing limits it); :class:`RateLimited` when a limit is reached."""
