@@ -148,7 +148,8 @@ def _random_calls(seed: int) -> list[tuple[str, object]]:
             slots = [("k|concurrent", 3)] if rng.random() < 0.5 else []
             calls.append(("admit", (chosen, slots, now)))
         elif kind < 0.85:
-            calls.append(("take", (rng.choice(buckets[1:]), rng.choice([-3, 1, 2, 7, 19, 40]), now, rng.random() < 0.5)))
+            amount = rng.choice([-3, 1, 2, 7, 19, 40])
+            calls.append(("take", (rng.choice(buckets[1:]), amount, now, rng.random() < 0.5)))
         else:
             calls.append(("release", now))
     return calls
