@@ -39,7 +39,15 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
-from universal_gateway.usage import Ledger, StreamTap, Usage, UsageMetrics, unary_usage, usage_report
+from universal_gateway.usage import (
+    Ledger,
+    StreamTap,
+    Usage,
+    UsageLedger,
+    UsageMetrics,
+    unary_usage,
+    usage_report,
+)
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
@@ -75,8 +83,9 @@ class Gateway:
         catalog: Catalog = CATALOG,
         responses: ResponseStore | None = None,
         quotas: Quotas | None = None,
-        ledger: Ledger | None = None,
+        ledger: UsageLedger | None = None,
         audit: AuditLog | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.backends = backends
         #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
@@ -86,12 +95,12 @@ class Gateway:
         self.wake_waits = WakeWaits()
         self.cors_origins = cors_origins or []
         self.catalog = catalog
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
         self.keys.on_reload_error = self.metrics.keys_reload_errors.inc
         #: Per-key limits, where their counts live (this process unless given Redis-kept ones).
         self.quotas = quotas or Quotas(self.keys)
         #: Usage per key, model and hour.
-        self.ledger = ledger or Ledger(UsageMetrics(self.metrics.registry))
+        self.ledger: UsageLedger = ledger or Ledger(UsageMetrics(self.metrics.registry))
         if self.ledger.metrics is None:
             self.ledger.metrics = UsageMetrics(self.metrics.registry)
         self.audit = audit
@@ -158,6 +167,7 @@ class Gateway:
             await self._server.close()
         await self.backends.close()
         await self.ledger.close()
+        await self.quotas.close()
         if self.audit is not None:
             self.audit.close()
         self._upstreams.close()
