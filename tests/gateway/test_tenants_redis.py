@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
 from tests.gateway.redis_server import RedisServer
 from tests.predictors.generation.tiny_llama import build_llama
 
-MODEL = "tiny-chat"
+MODEL, SLEEPY = "tiny-chat", "tiny-sleepy"  # SLEEPY: asleep until the concurrency test wakes it
 ADMIN, TEAM, TIGHT, SINGLE, OUTAGE = (
     "sk-admin-0123456789abcdef",
     "sk-team-0123456789abcdef",
@@ -44,6 +43,10 @@ def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "chat.yaml").write_text(
         "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
         f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
+    )
+    (folder / "sleepy.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: sleepy}\n"
+        f'spec:\n  task: generate\n  servedName: {SLEEPY}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
     )
     return folder
 
@@ -114,26 +117,17 @@ def test_the_nth_request_passes_on_either_gateway_and_the_next_is_a_429_on_both(
 
 def test_a_concurrency_limit_holds_across_both_gateways(gateways: tuple[GatewayProcess, GatewayProcess]) -> None:
     first, second = gateways
-    started = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def long_stream() -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 64, "stream": True}
-        with httpx.stream("POST", f"{first.base_url}/chat/completions", json=body, timeout=300,
-                          headers={"Authorization": f"Bearer {SINGLE}"}) as response:  # fmt: skip
-            outcome["status"] = response.status_code
-            for _ in response.iter_lines():
-                started.set()
-                time.sleep(0.05)  # a slow reader keeps the request open
-
-    thread = threading.Thread(target=long_stream)
-    thread.start()
+    outcome: dict[str, httpx.Response] = {}
+    # A request to a model asleep holds its key's place while the model wakes (seconds): a request in flight for
+    # as long as the test needs, which a stream from the tiny model (a tenth of a second) is not.
+    waking = threading.Thread(target=lambda: outcome.setdefault("first", chat(SINGLE, first, model=SLEEPY)))
+    waking.start()
     try:
-        assert started.wait(120)
+        wait_for(lambda: metric(first, f'universal_gateway_held_requests{{model="{SLEEPY}"}}') == 1, within=60)
         refused = chat(SINGLE, second)
     finally:
-        thread.join(300)
-    assert outcome["status"] == 200
+        waking.join(300)
+    assert outcome["first"].status_code == 200
     assert refused.status_code == 429
     assert "concurrent requests" in refused.json()["error"]["message"]
     assert chat(SINGLE, second).status_code == 200  # the first one finished on the other gateway: its place is free
