@@ -113,6 +113,7 @@ class RedisLedger:
                     pipe.expireat(f"{self.prefix}{hour}", expires)
                     pipe.zadd(f"{self.prefix}hours", {str(hour): hour})
                 pipe.zremrangebyscore(f"{self.prefix}hours", "-inf", f"({int(self.clock()) - self.retention_s}")
+                pipe.expire(f"{self.prefix}hours", self.retention_s)  # every key expires (maxmemory: volatile-ttl)
                 await pipe.execute()
         except STORE_ERRORS as exc:
             for row, usage in rows.items():  # back, added to what came meanwhile
