@@ -39,15 +39,7 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
-from universal_gateway.usage import (
-    Ledger,
-    StreamTap,
-    Usage,
-    UsageLedger,
-    UsageMetrics,
-    unary_usage,
-    usage_report,
-)
+from universal_gateway.usage import Ledger, StreamTap, Usage, UsageLedger, UsageMetrics, unary_usage, usage_report
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
