@@ -70,8 +70,12 @@ class Counters(Protocol):
         counter is at its limit; else take one from each requests bucket and a slot from each counter."""
         ...
 
-    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
-        """Take ``amount`` from ``bucket``; with ``all_or_nothing``, None (nothing taken) when less is left."""
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
+        """Atomically take each amount from its bucket, their levels after; with ``all_or_nothing``, None (nothing
+        taken) when a bucket has less than its amount left. (One call for all a request's buckets: one round trip
+        where the levels are kept in Redis.)"""
         ...
 
     async def release(self, slots: Sequence[str]) -> None: ...
@@ -120,13 +124,17 @@ class MemoryCounters:
             self.slots[name] = self.slots.get(name, 0) + 1
         return Admission(taken)
 
-    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
-        level = self._level(bucket, now)
-        if all_or_nothing and level < amount:
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
+        levels = [(bucket, amount, self._level(bucket, now)) for bucket, amount in takes]
+        if all_or_nothing and any(level < amount for _, amount, level in levels):
             return None
-        level -= amount
-        self.levels[bucket.name] = (level, now)
-        return Level(bucket, level, until_full(level, bucket.limit))
+        taken = []
+        for bucket, amount, level in levels:
+            self.levels[bucket.name] = (level - amount, now)
+            taken.append(Level(bucket, level - amount, until_full(level - amount, bucket.limit)))
+        return taken
 
     async def release(self, slots: Sequence[str]) -> None:
         for name in slots:
@@ -242,26 +250,21 @@ class Ticket:
         """Take ``tokens`` more streamed output tokens; False (nothing taken) when a bucket has fewer left."""
         if tokens <= 0:
             return True
-        now = self._quotas.clock()
-        taken: list[tuple[Bucket, int]] = []
-        for bucket in self._buckets:
-            if bucket.kind != OUTPUT:
-                continue
-            if await self._quotas.counters.take(bucket, tokens, now, all_or_nothing=True) is None:
-                for done, amount in taken:  # give back what the other buckets gave
-                    await self._quotas.counters.take(done, -amount, now, all_or_nothing=False)
-                return False
-            taken.append((bucket, tokens))
+        takes = [(bucket, float(tokens)) for bucket in self._buckets if bucket.kind == OUTPUT]
+        if await self._quotas.counters.take(takes, self._quotas.clock(), all_or_nothing=True) is None:
+            return False
         self.output_taken += tokens
         return True
 
     async def settle(self, input_tokens: int, output_tokens: int) -> None:
         """Take the answer's input tokens, and its output tokens not yet taken as they streamed."""
-        now = self._quotas.clock()
+        takes = []
         for bucket in self._buckets:
             amount = input_tokens if bucket.kind == INPUT else output_tokens - self.output_taken
             if bucket.kind != REQUESTS and amount > 0:
-                await self._quotas.counters.take(bucket, amount, now, all_or_nothing=False)
+                takes.append((bucket, float(amount)))
+        if takes:
+            await self._quotas.counters.take(takes, self._quotas.clock(), all_or_nothing=False)
         self.output_taken = max(self.output_taken, output_tokens)
 
     async def close(self) -> None:

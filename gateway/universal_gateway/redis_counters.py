@@ -105,16 +105,26 @@ return out
 """
 )
 
-# KEYS: the bucket. ARGV: now, limit, amount, 1 for all or nothing, the grace (s). Answers {taken, level}.
+# KEYS: the buckets. ARGV: now, 1 for all or nothing, the grace (s), then per bucket its limit and the amount.
+# Answers {1, levels after...}, or {0, levels...} when all or nothing found a bucket short (nothing taken).
 _TAKE = (
     _LUA_COMMON
     + """
-local now, limit, amount, grace = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
-local level, at = level_of(KEYS[1], limit, now)
-if ARGV[4] == '1' and level < amount then return {0, fmt(level)} end
-level = level - amount
-keep(KEYS[1], limit, level, at, grace)
-return {1, fmt(level)}
+local now, grace = tonumber(ARGV[1]), tonumber(ARGV[3])
+local limits, amounts, levels, ats, out = {}, {}, {}, {}, {1}
+for i = 1, #KEYS do
+  limits[i], amounts[i] = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  levels[i], ats[i] = level_of(KEYS[i], limits[i], now)
+  out[1 + i] = fmt(levels[i])
+  if ARGV[2] == '1' and levels[i] < amounts[i] then out[1] = 0 end
+end
+if out[1] == 0 then return out end
+for i = 1, #KEYS do
+  levels[i] = levels[i] - amounts[i]
+  keep(KEYS[i], limits[i], levels[i], ats[i], grace)
+  out[1 + i] = fmt(levels[i])
+end
+return out
 """
 )
 
@@ -205,24 +215,25 @@ class RedisCounters:
             self._renewer = asyncio.create_task(self._renew_leases())
         return Admission(levels)
 
-    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
         if not self.link.paused:
+            args: list[str | int] = [_number(now), 1 if all_or_nothing else 0, _number(IDLE_GRACE_S)]
+            for bucket, amount in takes:
+                args += [bucket.limit, _number(amount)]
             try:
-                args: list[str | int] = [
-                    _number(now),
-                    bucket.limit,
-                    _number(amount),
-                    1 if all_or_nothing else 0,
-                    _number(IDLE_GRACE_S),
-                ]
-                taken, level = await self._take(keys=[self._key(bucket.name)], args=args)
+                answer = await self._take(keys=[self._key(b.name) for b, _ in takes], args=args)
             except STORE_ERRORS as exc:
                 self.link.failed(exc, "limits are held per replica, in memory, until it answers")
             else:
-                if not int(taken):
+                if not int(answer[0]):
                     return None
-                return Level(bucket, float(level), until_full(float(level), bucket.limit))
-        return await self.local.take(bucket, amount, now, all_or_nothing=all_or_nothing)
+                return [
+                    Level(bucket, float(v), until_full(float(v), bucket.limit))
+                    for (bucket, _), v in zip(takes, answer[1:], strict=True)
+                ]
+        return await self.local.take(takes, now, all_or_nothing=all_or_nothing)
 
     async def release(self, slots: Sequence[str]) -> None:
         shared: list[tuple[str, str]] = []

@@ -66,18 +66,30 @@ async def test_a_requests_bucket_refills_at_its_limit_per_minute(make: Callable[
 async def test_a_token_bucket_admits_while_above_zero_and_may_go_below(make: Callable[..., RedisCounters]) -> None:
     counters = make()
     assert (await counters.admit([OUT], [], T0)).refused is None
-    taken = await counters.take(OUT, 25, T0, all_or_nothing=False)
-    assert taken == Level(OUT, -5.0, 75.0)
-    assert await counters.take(OUT, 1, T0, all_or_nothing=True) is None  # (nothing taken)
+    taken = await counters.take([(OUT, 25)], T0, all_or_nothing=False)
+    assert taken == [Level(OUT, -5.0, 75.0)]
+    assert await counters.take([(OUT, 1)], T0, all_or_nothing=True) is None  # (nothing taken)
     refused = await counters.admit([OUT], [], T0 + 10)  # -5 + 10 s x 20/60 = -1.67
     assert refused.refused is not None
     assert refused.refused.remaining == pytest.approx(-5 + 10 / 3)
     assert (await counters.admit([OUT], [], T0 + 16)).refused is None  # -5 + 16/3 > 0
-    emptied = await counters.take(OUT, 20, T0 + 100, all_or_nothing=True)  # full again, then exactly empty
-    assert emptied == Level(OUT, 0.0, 60.0)
+    emptied = await counters.take([(OUT, 20)], T0 + 100, all_or_nothing=True)  # full again, then exactly empty
+    assert emptied == [Level(OUT, 0.0, 60.0)]
     at_zero = await counters.admit([OUT], [], T0 + 100)
     assert at_zero.refused is not None  # a token bucket admits above zero only
     assert 0 < at_zero.retry_after_s < 1e-300
+
+
+async def test_all_or_nothing_takes_from_every_bucket_or_none(make: Callable[..., RedisCounters]) -> None:
+    counters = make()
+    model_output = Bucket("k|m|output_tokens", OUTPUT, 5, "m")
+    assert await counters.take([(OUT, 4), (model_output, 4)], T0, all_or_nothing=True) == [
+        Level(OUT, 16.0, 12.0),
+        Level(model_output, 1.0, 48.0),
+    ]
+    assert await counters.take([(OUT, 4), (model_output, 4)], T0, all_or_nothing=True) is None  # 1 left on one
+    again = await counters.take([(OUT, 1), (model_output, 1)], T0, all_or_nothing=True)
+    assert again == [Level(OUT, 15.0, 15.0), Level(model_output, 0.0, 60.0)]  # the refused take took nothing
 
 
 async def test_an_idle_bucket_expires_once_it_would_be_full_again(
@@ -85,7 +97,7 @@ async def test_an_idle_bucket_expires_once_it_would_be_full_again(
 ) -> None:
     counters = make()
     await counters.admit([REQ], [], T0)
-    await counters.take(OUT, 20, T0, all_or_nothing=False)
+    await counters.take([(OUT, 20)], T0, all_or_nothing=False)
     client = redis.Redis.from_url(redis_url)
     ttl_request = client.pttl(counters.prefix + REQ.name) / 1000
     ttl_output = client.pttl(counters.prefix + OUT.name) / 1000
@@ -148,8 +160,9 @@ def _random_calls(seed: int) -> list[tuple[str, object]]:
             slots = [("k|concurrent", 3)] if rng.random() < 0.5 else []
             calls.append(("admit", (chosen, slots, now)))
         elif kind < 0.85:
-            amount = rng.choice([-3, 1, 2, 7, 19, 40])
-            calls.append(("take", (rng.choice(buckets[1:]), amount, now, rng.random() < 0.5)))
+            chosen = rng.sample(buckets[1:], rng.randint(1, 3))
+            takes = [(bucket, rng.choice([-3, 1, 2, 7, 19, 40])) for bucket in chosen]
+            calls.append(("take", (takes, now, rng.random() < 0.5)))
         else:
             calls.append(("release", now))
     return calls
@@ -166,8 +179,8 @@ async def _run(counters: MemoryCounters | RedisCounters, calls: Sequence[tuple[s
                 held += 1
             out.append(admission)
         elif name == "take":
-            bucket, amount, now, all_or_nothing = args  # type: ignore[misc]
-            out.append(await counters.take(bucket, amount, now, all_or_nothing=all_or_nothing))
+            takes, now, all_or_nothing = args  # type: ignore[misc]
+            out.append(await counters.take(takes, now, all_or_nothing=all_or_nothing))
         elif held:
             held -= 1
             await counters.release(["k|concurrent"])
@@ -181,7 +194,7 @@ async def test_the_same_answers_as_the_memory_counters_for_any_calls(
     calls = _random_calls(seed)
     expected = await _run(MemoryCounters(), calls)
     outcomes = {type(a).__name__ + str(getattr(a, "refused", a) is None) for a in expected}
-    assert outcomes >= {"AdmissionTrue", "AdmissionFalse", "LevelFalse", "NoneTypeTrue"}  # every kind of answer
+    assert outcomes >= {"AdmissionTrue", "AdmissionFalse", "listFalse", "NoneTypeTrue"}  # every kind of answer
     got = await _run(make(slot_lease_s=3600.0), calls)  # (a lease longer than the calls' span: places never end)
     assert got == expected  # every level, refusal and wait, to the last bit
 
