@@ -39,7 +39,7 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
-from universal_gateway.usage import Ledger, StreamTap, Usage, UsageMetrics, unary_usage, usage_report
+from universal_gateway.usage import Ledger, StreamTap, Usage, UsageLedger, UsageMetrics, unary_usage, usage_report
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
@@ -75,9 +75,10 @@ class Gateway:
         catalog: Catalog = CATALOG,
         responses: ResponseStore | None = None,
         quotas: Quotas | None = None,
-        ledger: Ledger | None = None,
+        ledger: UsageLedger | None = None,
         audit: AuditLog | None = None,
         metering: bool = True,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.backends = backends
         #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
@@ -87,13 +88,13 @@ class Gateway:
         self.wake_waits = WakeWaits()
         self.cors_origins = cors_origins or []
         self.catalog = catalog
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
         self.keys.on_reload_error = self.metrics.keys_reload_errors.inc
         self.metrics.key_secrets_invalid.set_function(lambda: self.keys.invalid_secrets)
         #: Per-key limits, where their counts live (this process unless given Redis-kept ones).
         self.quotas = quotas or Quotas(self.keys)
         #: Usage per key, model and hour.
-        self.ledger = ledger or Ledger(UsageMetrics(self.metrics.registry))
+        self.ledger: UsageLedger = ledger or Ledger(UsageMetrics(self.metrics.registry))
         if self.ledger.metrics is None:
             self.ledger.metrics = UsageMetrics(self.metrics.registry)
         self.audit = audit
@@ -101,6 +102,7 @@ class Gateway:
         #: what that costs (bench/gateway.py).
         self.metering = metering
         self._keys_watch: asyncio.Task[None] | None = None
+        self._accounting: set[asyncio.Task[None]] = set()  # the requests' accounting, after their answers
         backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
         backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
         self._models: dict[str, tuple[ModelGate, ModelSeries]] = {}
@@ -163,7 +165,10 @@ class Gateway:
         if self._server is not None:
             await self._server.close()
         await self.backends.close()
+        if self._accounting:
+            await asyncio.wait(set(self._accounting))
         await self.ledger.close()
+        await self.quotas.close()
         if self.audit is not None:
             self.audit.close()
         self._upstreams.close()
@@ -598,7 +603,13 @@ class Gateway:
             series.count(status)
             ended = time.monotonic()
             series.latency.observe(ended - started)
-            await self._account(request, meter, requested, status, started, ended, body, gate)
+            # After the answer, not before it: a unary answer is returned from here and written after; accounting
+            # (the limits' and the ledger's writes, in Redis a round trip or two) must not delay it.
+            accounting = asyncio.create_task(
+                self._account(request, meter, requested, status, started, ended, body, gate)
+            )
+            self._accounting.add(accounting)
+            accounting.add_done_callback(self._accounting.discard)
 
     async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
                        ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip
