@@ -40,7 +40,7 @@ from universal_gateway.responses_store import (
 from universal_gateway.routing import PREFIXES, Params, Router, TaskRoute, body_model, query_model, task_routes
 from universal_gateway.server import Headers, HttpServer, Request, Response, StreamedResponse
 from universal_gateway.upstream import DROPPED_RESPONSE_HEADERS, Unreachable, UpstreamError, UpstreamPool
-from universal_gateway.usage import Ledger, StreamTap, Usage, UsageMetrics, unary_usage, usage_report
+from universal_gateway.usage import Ledger, StreamTap, Usage, UsageLedger, UsageMetrics, unary_usage, usage_report
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
@@ -76,9 +76,10 @@ class Gateway:
         catalog: Catalog = CATALOG,
         responses: ResponseStore | None = None,
         quotas: Quotas | None = None,
-        ledger: Ledger | None = None,
+        ledger: UsageLedger | None = None,
         audit: AuditLog | None = None,
         metering: bool = True,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.backends = backends
         #: Where /v1/responses records live (None: nothing is stored, previous_response_id is refused).
@@ -88,13 +89,13 @@ class Gateway:
         self.wake_waits = WakeWaits()
         self.cors_origins = cors_origins or []
         self.catalog = catalog
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
         self.keys.on_reload_error = self.metrics.keys_reload_errors.inc
         self.metrics.key_secrets_invalid.set_function(lambda: self.keys.invalid_secrets)
         #: Per-key limits, where their counts live (this process unless given Redis-kept ones).
         self.quotas = quotas or Quotas(self.keys)
         #: Usage per key, model and hour.
-        self.ledger = ledger or Ledger(UsageMetrics(self.metrics.registry))
+        self.ledger: UsageLedger = ledger or Ledger(UsageMetrics(self.metrics.registry))
         if self.ledger.metrics is None:
             self.ledger.metrics = UsageMetrics(self.metrics.registry)
         self.audit = audit
@@ -102,6 +103,7 @@ class Gateway:
         #: what that costs (bench/gateway.py).
         self.metering = metering
         self._keys_watch: asyncio.Task[None] | None = None
+        self._accounting: set[asyncio.Task[None]] = set()  # the requests' accounting, after their answers
         backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
         backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
         self._models: dict[str, tuple[ModelGate, ModelSeries]] = {}
@@ -165,7 +167,10 @@ class Gateway:
         if self._server is not None:
             await self._server.close()
         await self.backends.close()
+        if self._accounting:
+            await asyncio.wait(set(self._accounting))
         await self.ledger.close()
+        await self.quotas.close()
         if self.audit is not None:
             self.audit.close()
         self._upstreams.close()
@@ -536,6 +541,7 @@ class Gateway:
                 stream: StreamedResponse | None = None
                 keepalive: asyncio.Task[None] | None = None
                 if held:  # held for the wake, within the model's bound (429 beyond)
+                    meter.woke_it = not self.wake_waits.held.get(name)  # the first held: its request woke it
                     self._hold(name, view)
                     if waiter is not None:  # a client that leaves while held stops waiting; the wake goes on
                         request.on_gone = _canceller(waiter)
@@ -603,7 +609,13 @@ class Gateway:
             series.count(status)
             ended = time.monotonic()
             series.latency.observe(ended - started)
-            await self._account(request, meter, requested, status, started, ended, body, gate)
+            # After the answer, not before it: a unary answer is returned from here and written after; accounting
+            # (the limits' and the ledger's writes, in Redis a round trip or two) must not delay it.
+            accounting = asyncio.create_task(
+                self._account(request, meter, requested, status, started, ended, body, gate)
+            )
+            self._accounting.add(accounting)
+            accounting.add_done_callback(self._accounting.discard)
 
     async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
                        ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip
@@ -613,7 +625,8 @@ class Gateway:
         usage.requests = 1
         usage.images = max(usage.images, meter.images)
         if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
-            usage.predictor_seconds = ended - meter.sent + (meter.wake_s or 0.0)
+            # The wake counts once, for the request that caused it; the others held with it waited for it too.
+            usage.predictor_seconds = ended - meter.sent + ((meter.wake_s or 0.0) if meter.woke_it else 0.0)
         gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
         try:
             if meter.ticket is not None:
@@ -832,7 +845,7 @@ KEYS_REREAD_S = 2.0
 class _Meter:
     """One proxied request's key, its draw on the key's limits and what it used."""
 
-    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s")
+    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s", "woke_it")
 
     def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
         self.key = key
@@ -841,6 +854,7 @@ class _Meter:
         self.usage = Usage()
         self.sent: float | None = None  # when it was sent to the predictor (monotonic)
         self.wake_s: float | None = None  # how long it waited for its model to wake
+        self.woke_it = False  # it was the request that woke its model
         self.streamed = False
         self.images = 0  # the images a chat held (the predictor's IMAGES_HEADER)
 

@@ -26,7 +26,11 @@ from universal_operator import cli as operator_cli
 if TYPE_CHECKING:
     from universal_gateway.app import Gateway
     from universal_gateway.audit import AuditLog
+    from universal_gateway.auth import ApiKeys
+    from universal_gateway.metrics import GatewayMetrics
+    from universal_gateway.quotas import Quotas
     from universal_gateway.responses_store import ResponseStore
+    from universal_gateway.usage import UsageLedger
 
 PROG = "universal-runtime"
 DEFAULT_PORT = 8000
@@ -35,6 +39,8 @@ LIMITS = GatewayLimits()
 DEFAULT_LOCAL_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "local"
 #: The response store's spec when --responses-store is not given (a redis:// URL with its password, from a Secret).
 RESPONSES_STORE_ENV = "UNIVERSAL_RUNTIME_RESPONSES_STORE"
+#: Where the limits' counters and the usage ledger live when --limits-store is not given.
+LIMITS_STORE_ENV = "UNIVERSAL_RUNTIME_LIMITS_STORE"
 
 
 def _fail(subcommand: str, message: str) -> int:
@@ -57,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     from universal_gateway.auth import ApiKeys, KeysError
     from universal_gateway.local import LocalSupervisor
     from universal_gateway.manifests import ManifestError, load_manifests
+    from universal_gateway.metrics import GatewayMetrics
 
     paths = [Path(p) for p in args.paths] or [DEFAULT_LOCAL_EXAMPLES]
     try:
@@ -78,10 +85,16 @@ def _serve(args: argparse.Namespace) -> int:
         responses = _responses_store(args, state_root)
     except ValueError as exc:
         return _fail("serve", str(exc))
-    supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby)
+    supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
+                                 memory_budget_mb=args.memory_budget_mb)  # fmt: skip
     limits = _limits(args)
+    metrics = GatewayMetrics()
+    try:
+        quotas, ledger = _tenant_stores(args, keys, metrics, _responses_spec(args, state_root))
+    except ValueError as exc:
+        return _fail("serve", str(exc))
     gateway = Gateway(supervisor, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses,
-                      audit=audit)  # fmt: skip
+                      audit=audit, quotas=quotas, ledger=ledger, metrics=metrics)  # fmt: skip
     names = ", ".join(m.model.served_name for m in manifests)
     print(f"serving {len(manifests)} models on http://{args.host}:{args.port}/v1 ({names})", flush=True)
 
@@ -92,6 +105,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from universal_gateway.app import Gateway
     from universal_gateway.auth import ApiKeys, KeysError
     from universal_gateway.cluster import KubernetesBackends
+    from universal_gateway.metrics import GatewayMetrics
 
     try:
         keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
@@ -123,8 +137,13 @@ def _gateway(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("gateway", str(exc))
     limits = _limits(args)
+    metrics = GatewayMetrics()
+    try:
+        quotas, ledger = _tenant_stores(args, keys, metrics, _responses_spec(args, None))
+    except ValueError as exc:
+        return _fail("gateway", str(exc))
     gateway = Gateway(backends, keys=keys, limits=limits, cors_origins=args.cors_origin, responses=responses,
-                      audit=audit)  # fmt: skip
+                      audit=audit, quotas=quotas, ledger=ledger, metrics=metrics)  # fmt: skip
     return _run_gateway(gateway, args, "gateway")
 
 
@@ -198,11 +217,15 @@ def duration_s(text: str) -> float:
     return seconds
 
 
+def _responses_spec(args: argparse.Namespace, state_root: Path | None) -> str:
+    return args.responses_store or os.environ.get(RESPONSES_STORE_ENV) or ("sqlite" if state_root else "off")
+
+
 def _responses_store(args: argparse.Namespace, state_root: Path | None) -> ResponseStore | None:
     """The /v1/responses store the options name (``--responses-store``, ``--responses-retention``)."""
     from universal_gateway.responses_store import open_store
 
-    spec = args.responses_store or os.environ.get(RESPONSES_STORE_ENV) or ("sqlite" if state_root else "off")
+    spec = _responses_spec(args, state_root)
     try:
         retention = duration_s(args.responses_retention)
     except ValueError as exc:
@@ -211,6 +234,38 @@ def _responses_store(args: argparse.Namespace, state_root: Path | None) -> Respo
     if store is not None:
         logging.getLogger(__name__).info("stored responses: %s, kept %s", store.describe(), args.responses_retention)
     return store
+
+
+def _tenant_stores(
+    args: argparse.Namespace, keys: ApiKeys, metrics: GatewayMetrics, responses_spec: str
+) -> tuple[Quotas | None, UsageLedger | None]:
+    """Where the limits' counters and the usage ledger live (``--limits-store``, ``--usage-retention``): this
+    process (None, None: the gateway's own), or a Redis every replica shares, by default the response store's."""
+    from universal_gateway.redis_link import is_redis_url
+
+    spec = (
+        args.limits_store
+        or os.environ.get(LIMITS_STORE_ENV)
+        or (responses_spec if is_redis_url(responses_spec) else "memory")
+    )
+    try:
+        retention = duration_s(args.usage_retention)
+    except ValueError as exc:
+        raise ValueError(f"--usage-retention: {exc} (give e.g. 400d, 12h or seconds)") from None
+    if spec == "memory":
+        return None, None
+    if not is_redis_url(spec):
+        raise ValueError(f"--limits-store {spec!r}: give memory or a redis:// URL")
+    from universal_gateway.quotas import Quotas
+    from universal_gateway.redis_counters import RedisCounters
+    from universal_gateway.redis_ledger import RedisLedger
+
+    counters = RedisCounters(spec, on_error=metrics.store_errors.labels("limits").inc)
+    ledger = RedisLedger(spec, retention_s=retention, on_error=metrics.store_errors.labels("usage").inc,
+                         on_dropped=metrics.usage_dropped.inc)  # fmt: skip
+    logging.getLogger(__name__).info("limits and usage ledger: %s (usage kept %s)", counters.link.describe(),
+                                     args.usage_retention)  # fmt: skip
+    return Quotas(keys, counters), ledger
 
 
 def _limits(args: argparse.Namespace) -> GatewayLimits:
@@ -325,6 +380,17 @@ def _add_gateway_options(parser: argparse.ArgumentParser, host: str) -> None:
         "--responses-retention", default="30d",
         help="how long a stored response is kept: 30d, 12h, 90m or seconds (default %(default)s, as OpenAI)",
     )  # fmt: skip
+    parser.add_argument(
+        "--limits-store",
+        help="where the per-key limits' counters and the usage ledger live: memory (each gateway process its own) "
+             "or a redis:// URL (every gateway replica sharing them; if it cannot be reached, each replica holds the "
+             "limits in memory and buffers usage meanwhile). Default: the "
+             f"{LIMITS_STORE_ENV} environment variable, else the --responses-store's Redis if it is one, else memory",
+    )  # fmt: skip
+    parser.add_argument(
+        "--usage-retention", default="400d",
+        help="how long the usage ledger's hours are kept in Redis: 400d, 12h or seconds (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -394,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-standby", dest="standby", action="store_false",
         help="keep no predictor process waiting with its libraries imported (saves about 0.5 GB while no model "
              "wakes; each wake then imports them again, seconds for a small model)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--memory-budget-mb", type=float,
+        help="the memory the running predictors may hold together: starting a model that would go over it stops "
+             "the least recently used idle ones first (default: no bound)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

@@ -46,6 +46,13 @@ class GatewayMetrics:
                                          "Labelled API key Secrets skipped: no valid key, or an id or secret another "
                                          "key has (each named in the log and a Warning Event on it).",
                                          registry=r)  # fmt: skip
+        self.store_errors = Counter("universal_gateway_limits_store_errors_total",
+                                    "Calls to the Redis that keeps the limits and the usage ledger for every replica "
+                                    "that failed, by use (limits: kept in this replica's memory meanwhile; usage: "
+                                    "buffered here until written).", ["use"], registry=r)  # fmt: skip
+        self.usage_dropped = Counter("universal_gateway_usage_records_dropped_total",
+                                     "Usage records lost: Redis could not be reached and the buffer was full, or the "
+                                     "gateway stopped before it could write them.", registry=r)  # fmt: skip
         self.held_rejected = Counter("universal_gateway_held_rejected_total",
                                      "Requests refused (429) because their model already held maxHeldRequests.",
                                      ["model"], registry=r)  # fmt: skip

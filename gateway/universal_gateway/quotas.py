@@ -70,11 +70,17 @@ class Counters(Protocol):
         counter is at its limit; else take one from each requests bucket and a slot from each counter."""
         ...
 
-    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
-        """Take ``amount`` from ``bucket``; with ``all_or_nothing``, None (nothing taken) when less is left."""
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
+        """Atomically take each amount from its bucket, their levels after; with ``all_or_nothing``, None (nothing
+        taken) when a bucket has less than its amount left. (One call for all a request's buckets: one round trip
+        where the levels are kept in Redis.)"""
         ...
 
     async def release(self, slots: Sequence[str]) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 def refill(level: float, at: float, limit: int, now: float) -> float:
@@ -118,13 +124,18 @@ class MemoryCounters:
             self.slots[name] = self.slots.get(name, 0) + 1
         return Admission(taken)
 
-    async def take(self, bucket: Bucket, amount: float, now: float, *, all_or_nothing: bool) -> Level | None:
-        level = self._level(bucket, now)
-        if all_or_nothing and level < amount:
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
+        levels = [(bucket, amount, self._level(bucket, now)) for bucket, amount in takes]
+        if all_or_nothing and any(level < amount for _, amount, level in levels):
             return None
-        level -= amount
-        self.levels[bucket.name] = (level, now)
-        return Level(bucket, level, until_full(level, bucket.limit))
+        taken = []
+        for bucket, amount, level in levels:
+            after = min(float(bucket.limit), level - amount)  # a give-back (amount < 0) never fills past the limit
+            self.levels[bucket.name] = (after, now)
+            taken.append(Level(bucket, after, until_full(after, bucket.limit)))
+        return taken
 
     async def release(self, slots: Sequence[str]) -> None:
         for name in slots:
@@ -133,6 +144,9 @@ class MemoryCounters:
                 self.slots[name] = left
             else:
                 self.slots.pop(name, None)
+
+    async def close(self) -> None:
+        return None
 
 
 def duration(seconds: float) -> str:
@@ -241,16 +255,9 @@ class Ticket:
         return bool(self._output_buckets)
 
     async def _take_output(self, amount: int) -> bool:
-        """``amount`` from every output bucket, or from none."""
-        now = self._quotas.clock()
-        taken: list[Bucket] = []
-        for bucket in self._output_buckets:
-            if await self._quotas.counters.take(bucket, amount, now, all_or_nothing=True) is None:
-                for done in taken:  # give back what the other buckets gave
-                    await self._quotas.counters.take(done, -amount, now, all_or_nothing=False)
-                return False
-            taken.append(bucket)
-        return True
+        """``amount`` from every output bucket, or from none (one counters call)."""
+        takes = [(bucket, float(amount)) for bucket in self._output_buckets]
+        return await self._quotas.counters.take(takes, self._quotas.clock(), all_or_nothing=True) is not None
 
     async def output(self, tokens: int) -> bool:
         """Spend ``tokens`` more streamed output tokens; False (nothing spent) when a bucket has fewer left."""
@@ -270,14 +277,16 @@ class Ticket:
 
     async def settle(self, input_tokens: int, output_tokens: int) -> None:
         """Take the answer's input tokens, and its output tokens not yet spent as they streamed; give back the
-        rest of a lease."""
-        now = self._quotas.clock()
+        rest of a lease (one counters call)."""
         unspent = self._leased - max(0, output_tokens - self.output_taken)
+        takes = []
         for bucket in self._buckets:
             if bucket.kind == INPUT and input_tokens > 0:
-                await self._quotas.counters.take(bucket, input_tokens, now, all_or_nothing=False)
+                takes.append((bucket, float(input_tokens)))
             elif bucket.kind == OUTPUT and unspent:
-                await self._quotas.counters.take(bucket, -unspent, now, all_or_nothing=False)
+                takes.append((bucket, float(-unspent)))
+        if takes:
+            await self._quotas.counters.take(takes, self._quotas.clock(), all_or_nothing=False)
         self._leased = 0
         self.output_taken = max(self.output_taken, output_tokens)
 
@@ -310,6 +319,9 @@ class Quotas:
                 self._plans.clear()
             plan = self._plans[(who, model)] = buckets_for(key, model, self.keys.limits(key, model))
         return plan
+
+    async def close(self) -> None:
+        await self.counters.close()
 
     async def admit(self, key: Key | None, model: str) -> Ticket | None:
         """The request's ticket (None: nothing limits it); :class:`RateLimited` when a limit is reached."""

@@ -8,7 +8,8 @@ counts what the engines counted, not an estimate.
 The ledger keeps, per key, model and hour: requests, input and output tokens, images, OCR/document pages, anomaly
 rows scored, and predictor seconds (from the request's send to its last byte, the wake included for the request
 that woke the model). It is exposed as Prometheus counters (``universal_gateway_usage_*_total{key_id, model}``) and
-as ``GET /v1/usage`` (:func:`usage_report`).
+as ``GET /v1/usage`` (:func:`usage_report`). Where the hours are kept is a :class:`UsageLedger`: this process
+(:class:`Ledger`) or Redis, shared by every gateway replica (:mod:`.redis_ledger`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter
@@ -187,6 +188,21 @@ class UsageMetrics:
             value = getattr(usage, name)
             if value:
                 child.inc(value)
+
+
+class UsageLedger(Protocol):
+    """Where the ledger's hours are kept."""
+
+    #: Its Prometheus counters (the gateway gives its own when None): each process counts what it served.
+    metrics: UsageMetrics | None
+
+    async def record(self, key_id: str, model: str, usage: Usage) -> None: ...
+
+    async def rows(self, start: int, end: int, key_id: str | None) -> list[tuple[int, str, str, Usage]]:
+        """Hours from ``start`` to before ``end`` (epoch seconds), for one key or all, in order."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 class Ledger:

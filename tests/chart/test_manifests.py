@@ -590,6 +590,8 @@ def test_no_response_store_by_default_and_the_retention_reaches_the_gateway(char
     args = rendered.args(GATEWAY)
     assert args.responses_retention == "30d"
     assert args.responses_store is None  # the cluster gateway's default: off, unless the environment names one
+    assert args.limits_store is None  # memory, unless the environment names a Redis (the response store's)
+    assert args.usage_retention == "400d"
 
 
 def test_a_deployed_redis_is_the_gateways_store_and_only_the_gateway_reaches_it(chart: helm.Chart) -> None:
@@ -614,6 +616,20 @@ def test_a_deployed_redis_is_the_gateways_store_and_only_the_gateway_reaches_it(
     [rule] = policy["spec"]["ingress"]
     gateway_labels = rendered.one("Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
     assert rule["from"][0]["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+
+
+def test_the_gateway_s_redis_is_named_in_gateway_redis_or_where_it_was(chart: helm.Chart) -> None:
+    name = f"{RELEASE}-universal-runtime-redis"
+    new = render(chart, {"gateway": {"redis": {"deploy": True, "maxMemoryMb": 64}, "usage": {"retention": "90d"}}})
+    earlier = render(chart, {"gateway": {"responses": {"redis": {"deploy": True, "maxMemoryMb": 64}}}})
+    for rendered in (new, earlier):
+        [env] = rendered.container(GATEWAY)["env"]  # the response store's, which the limits and the ledger use too
+        assert env == {"name": "UNIVERSAL_RUNTIME_RESPONSES_STORE", "value": f"redis://{name}.{NAMESPACE}.svc:6379/0"}
+        assert "64mb" in rendered.one("Deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert new.args(GATEWAY).usage_retention == "90d"
+    both = {"redis": {"existingSecret": "new", "key": "url"}, "responses": {"redis": {"existingSecret": "old"}}}
+    [env] = render(chart, {"gateway": both}).container(GATEWAY)["env"]
+    assert env["valueFrom"] == {"secretKeyRef": {"name": "old", "key": "url"}}  # the earlier keys win where given
 
 
 def test_an_existing_redis_comes_from_its_secret_and_wins_over_deploy(chart: helm.Chart) -> None:

@@ -400,3 +400,45 @@ async def test_requests_held_for_a_wake_are_bounded_and_a_client_that_leaves_fre
         # Awake: nothing is held, the bound does not apply.
         awake = await asyncio.gather(*(http.post("/embeddings", json=body, timeout=60) for _ in range(5)))
         assert [a.status_code for a in awake] == [200] * 5
+
+
+async def test_a_memory_budget_evicts_the_least_recently_used_idle_model(tmp_path: Path) -> None:
+    """``serve --memory-budget-mb``: starting a model that would go over the budget stops the least recently used
+    idle one first (its card says why and counts it); a model bigger than the whole budget is a 503 naming it."""
+    folder = tmp_path / "manifests"
+    for name in ("one", "two"):
+        embed_manifest(folder, name=name, served=f"embed-{name}")
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
+                                 standby=False)  # fmt: skip
+    async with (
+        Gateway(supervisor).serving() as url,
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+
+        async def cards() -> dict[str, dict[str, Any]]:
+            return {m.id: m.model_dump() for m in (await client.models.list()).data}
+
+        await client.embeddings.create(model="embed-one", input="first")
+        measured = (await cards())["embed-one"]["memory_mb"]
+        assert 150 < measured < 4000  # a real predictor's resident memory, as /proc reports it
+        supervisor.memory_budget = int(measured * 1.5 * 2**20)  # room for one model, not two
+
+        await client.embeddings.create(model="embed-two", input="second")
+        now = await cards()
+        assert now["embed-two"]["state"] == "ready"
+        assert now["embed-one"]["state"] == "idle"
+        assert now["embed-one"]["message"].startswith("Evicted: 'embed-two' needed room")
+        assert now["embed-one"]["evictions"] == 1
+
+        await client.embeddings.create(model="embed-one", input="back")  # now embed-two is the least recently used
+        now = await cards()
+        assert (now["embed-one"]["state"], now["embed-two"]["state"]) == ("ready", "idle")
+        assert now["embed-two"]["evictions"] == 1
+
+        supervisor.memory_budget = int(measured / 2 * 2**20)  # smaller than one model
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(f"{url}/v1/embeddings", json={"model": "embed-two", "input": "x"})
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["code"] == "memory_budget"
+        assert "more than serve's whole memory budget" in error["message"]

@@ -6,11 +6,6 @@ a cluster's gateway share one. Records belong to the API key that made them."""
 from __future__ import annotations
 
 import hashlib
-import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +14,6 @@ import pytest
 
 from tests.gateway.harness import GatewayProcess, running_gateway
 from tests.predictors.generation.tiny_llama import build_llama
-from tests.predictors.harness import free_port
 
 MODEL = "tiny-chat"
 KEYS = ("key-alice", "key-bob")
@@ -116,33 +110,6 @@ def test_stored_responses_chain_and_survive_a_gateway_restart(manifests: Path, k
         raw = httpx.delete(f"{gateway.base_url}/responses/{kept.id}", headers={"Authorization": f"Bearer {KEYS[0]}"})
         assert raw.status_code == 404
         assert raw.json()["error"]["code"] == "response_not_found"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server (Debian's package, installed by `make system-deps`) on a free port."""
-    server = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = free_port()
-    folder = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise AssertionError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def test_two_gateways_share_stored_responses_through_one_redis(

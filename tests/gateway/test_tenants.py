@@ -160,17 +160,19 @@ def test_a_stream_that_runs_out_of_output_tokens_ends_with_an_error_event(gatewa
 
 
 def test_concurrent_requests_over_a_key_s_limit_on_a_model_are_refused(gateway: GatewayProcess) -> None:
+    # A long greedy answer (the tiny model never says EOS on this prompt: checked first) keeps the first request
+    # running for seconds, whatever the client reads.
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 160, "temperature": 0}
+    assert chat(TEAM, gateway, **long).json()["usage"]["completion_tokens"] == 160
     started = threading.Event()
     outcome: dict[str, Any] = {}
 
     def long_stream() -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 64, "stream": True}
-        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, timeout=300,
+        with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json={**long, "stream": True}, timeout=300,
                           headers={"Authorization": f"Bearer {SINGLE}"}) as response:  # fmt: skip
             outcome["status"] = response.status_code
             for _ in response.iter_lines():
                 started.set()
-                time.sleep(0.05)  # a slow reader keeps the request open
 
     thread = threading.Thread(target=long_stream)
     thread.start()

@@ -185,3 +185,9 @@ asks every ready replica).
   verbs: [list]
 {{- end }}
 {{- end }}
+
+{{- /* The gateway's Redis: gateway.redis, the earlier gateway.responses.redis keys winning where given. */ -}}
+{{- define "universal-runtime.gatewayRedis" -}}
+{{- $legacy := deepCopy (.Values.gateway.responses.redis | default dict) -}}
+{{- toYaml (mergeOverwrite (deepCopy .Values.gateway.redis) $legacy) -}}
+{{- end }}

@@ -1,0 +1,280 @@
+"""Per-key limits kept in Redis, so that they hold across every gateway replica (:class:`RedisCounters`).
+
+The same buckets and concurrency counters as :class:`~universal_gateway.quotas.MemoryCounters`, with the same
+arithmetic, each call one Lua script (run by its SHA, ``EVALSHA``, the script sent again only when Redis lost it):
+Redis runs a script alone, so an admission reads and takes every bucket and slot of a request at once, whichever
+replica asks.
+
+- **A bucket** is a hash ``{level, at}`` (the level after the last take, and when). A missing one is full; each
+  write sets its expiry to the time it takes to fill again plus :data:`IDLE_GRACE_S`, so an idle key's buckets
+  vanish (found again full, as they would be).
+- **The clock** is the caller's (the ``now`` each call is given, the gateway's wall clock), not Redis's ``TIME``:
+  so the counters keep the one contract the memory ones have (and tests drive them with chosen times). Replicas'
+  clocks differ by milliseconds under NTP; a bucket's ``at`` never goes back (a replica behind refills nothing
+  until it catches up), so the refills a bucket ever gets add up to at most its real age plus the largest clock
+  difference: a clock that is off by *d* grants at most *d* x limit/60 more in the bucket's whole life, not on
+  every request.
+- **A concurrency counter** is a sorted set of leases, one member per request, scored by when the lease ends. An
+  admission first drops the ended ones, then counts. A replica renews its requests' leases every third of
+  :data:`SLOT_LEASE_S` while they run; a replica that dies mid-request renews nothing, and its places come free
+  within :data:`SLOT_LEASE_S`. (A fixed longest lifetime instead would have to outlast the longest stream, minutes,
+  and a dead replica would hold a place that long.)
+
+**When Redis cannot be reached: open, onto this replica's own counters.** A call that fails is counted in
+``universal_gateway_limits_store_errors_total{use="limits"}`` and logged (at most once a minute,
+:class:`~universal_gateway.redis_link.RedisLink`), and until Redis answers each replica keeps the limits in its
+own memory (:class:`MemoryCounters`, full buckets to start): a key then gets at most its limit per replica,
+never unlimited. Why not closed: the limits exist to share models fairly and to bound what a team spends, and the
+ledger (:mod:`.redis_ledger`) still counts every request, so a few minutes at up to N times a limit cost little;
+refusing every limited request would turn an outage of a cache into an outage of inference for every team. Keys
+without limits never touch Redis for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from universal_gateway.quotas import REQUESTS, Admission, Bucket, Level, MemoryCounters, until_full
+from universal_gateway.redis_link import PREFIX, STORE_ERRORS, RedisLink
+
+#: How long a concurrency place is held without its replica renewing it (seconds).
+SLOT_LEASE_S = 30.0
+#: How long a bucket is kept past the time it would be full again (seconds).
+IDLE_GRACE_S = 120.0
+
+# Numbers cross between Lua and Python as strings written with 17 significant digits, which a double survives
+# exactly (a Lua number returned as such would be truncated to an integer).
+_LUA_COMMON = """
+local function fmt(x) return string.format('%.17g', x) end
+local function level_of(key, limit, now)
+  local kept = redis.call('HMGET', key, 'level', 'at')
+  local level, at = limit, now
+  if kept[1] then level = tonumber(kept[1]); at = tonumber(kept[2]) end
+  return math.min(limit, level + math.max(0, now - at) * limit / 60.0), math.max(at, now)
+end
+local function keep(key, limit, level, at, grace)
+  redis.call('HSET', key, 'level', fmt(level), 'at', fmt(at))
+  redis.call('PEXPIRE', key, math.ceil((math.max(0, (limit - level) * 60.0 / limit) + grace) * 1000))
+end
+"""
+
+# KEYS: the buckets, then the concurrency counters. ARGV: now, the number of buckets, the request's member, the
+# lease (s), the grace (s), then per bucket its limit and 1 for a requests bucket, then per counter its limit.
+# Answers {0, 0, levels...} (admitted, levels after the take), {1, i, levels...} (bucket i refused) or
+# {2, j, levels...} (counter j full), the levels as they were in the refusals.
+_ADMIT = (
+    _LUA_COMMON
+    + """
+local now, nb, member, lease, grace = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]),
+  tonumber(ARGV[5])
+local limits, requests, levels, ats, out = {}, {}, {}, {}, {0, 0}
+for i = 1, nb do
+  limits[i] = tonumber(ARGV[4 + 2 * i])
+  requests[i] = ARGV[5 + 2 * i] == '1'
+  levels[i], ats[i] = level_of(KEYS[i], limits[i], now)
+  out[2 + i] = fmt(levels[i])
+end
+for i = 1, nb do
+  if (requests[i] and levels[i] < 1) or ((not requests[i]) and levels[i] <= 0) then
+    out[1], out[2] = 1, i
+    return out
+  end
+end
+for j = nb + 1, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[j], '-inf', now)
+  if redis.call('ZCARD', KEYS[j]) >= tonumber(ARGV[5 + 2 * nb + j - nb]) then
+    out[1], out[2] = 2, j - nb
+    return out
+  end
+end
+for i = 1, nb do
+  if requests[i] then levels[i] = levels[i] - 1 end
+  keep(KEYS[i], limits[i], levels[i], ats[i], grace)
+  out[2 + i] = fmt(levels[i])
+end
+for j = nb + 1, #KEYS do
+  redis.call('ZADD', KEYS[j], now + lease, member)
+  redis.call('PEXPIRE', KEYS[j], math.ceil(lease * 1000))
+end
+return out
+"""
+)
+
+# KEYS: the buckets. ARGV: now, 1 for all or nothing, the grace (s), then per bucket its limit and the amount.
+# Answers {1, levels after...}, or {0, levels...} when all or nothing found a bucket short (nothing taken).
+_TAKE = (
+    _LUA_COMMON
+    + """
+local now, grace = tonumber(ARGV[1]), tonumber(ARGV[3])
+local limits, amounts, levels, ats, out = {}, {}, {}, {}, {1}
+for i = 1, #KEYS do
+  limits[i], amounts[i] = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  levels[i], ats[i] = level_of(KEYS[i], limits[i], now)
+  out[1 + i] = fmt(levels[i])
+  if ARGV[2] == '1' and levels[i] < amounts[i] then out[1] = 0 end
+end
+if out[1] == 0 then return out end
+for i = 1, #KEYS do
+  levels[i] = math.min(limits[i], levels[i] - amounts[i])  -- a give-back never fills past the limit
+  keep(KEYS[i], limits[i], levels[i], ats[i], grace)
+  out[1 + i] = fmt(levels[i])
+end
+return out
+"""
+)
+
+# KEYS: the counters. ARGV: the lease's new end, the lease (s), then per counter how many members follow, then the
+# members. Leases that ended are not brought back (XX: only members still there).
+_RENEW = """
+local ends, lease, at = ARGV[1], tonumber(ARGV[2]), 3 + #KEYS
+for j = 1, #KEYS do
+  for m = 1, tonumber(ARGV[2 + j]) do
+    redis.call('ZADD', KEYS[j], 'XX', ends, ARGV[at])
+    at = at + 1
+  end
+  redis.call('PEXPIRE', KEYS[j], math.ceil(lease * 1000))
+end
+return 0
+"""
+
+
+def _number(x: float) -> str:
+    return repr(float(x))  # the shortest text a double is read back from exactly
+
+
+class RedisCounters:
+    """Bucket levels and concurrency places in Redis, shared by every gateway replica that names the same one."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        on_error: Callable[[], None] | None = None,
+        prefix: str = PREFIX,
+        slot_lease_s: float = SLOT_LEASE_S,
+        clock: Callable[[], float] = time.time,
+        link: RedisLink | None = None,
+    ) -> None:
+        self.link = link or RedisLink(url, "the limits' counters", on_error=on_error)
+        self.prefix = f"{prefix}limits:"
+        self.slot_lease_s = slot_lease_s
+        self.clock = clock  # for lease renewals: the same wall clock the gateway passes as ``now``
+        client = self.link.client
+        self._admit = client.register_script(_ADMIT)
+        self._take = client.register_script(_TAKE)
+        self._renew = client.register_script(_RENEW)
+        #: While Redis cannot be reached: this replica's own.
+        self.local = MemoryCounters()
+        self._replica = uuid.uuid4().hex[:12]
+        self._requests = 0
+        self._leases: dict[str, list[str]] = {}  # counter name -> this replica's members in it
+        self._local_slots: dict[str, int] = {}  # counter name -> places this replica took in ``local``
+        self._renewer: asyncio.Task[None] | None = None
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
+        if not self.link.paused:
+            try:
+                return await self._admit_shared(buckets, slots, now)
+            except STORE_ERRORS as exc:
+                self.link.failed(exc, "limits are held per replica, in memory, until it answers")
+        admission = await self.local.admit(buckets, slots, now)
+        if admission.refused is None and admission.slots_refused is None:
+            for name, _ in slots:
+                self._local_slots[name] = self._local_slots.get(name, 0) + 1
+        return admission
+
+    async def _admit_shared(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]],
+                            now: float) -> Admission:  # fmt: skip
+        self._requests += 1
+        member = f"{self._replica}:{self._requests}"
+        args: list[str | int] = [_number(now), len(buckets), member, _number(self.slot_lease_s), _number(IDLE_GRACE_S)]
+        for bucket in buckets:
+            args += [bucket.limit, 1 if bucket.kind == REQUESTS else 0]
+        args += [limit for _, limit in slots]
+        keys = [self._key(b.name) for b in buckets] + [self._key(name) for name, _ in slots]
+        answer = await self._admit(keys=keys, args=args)
+        outcome, which = int(answer[0]), int(answer[1])
+        levels = [Level(b, float(v), until_full(float(v), b.limit)) for b, v in zip(buckets, answer[2:], strict=True)]
+        if outcome == 1:
+            refused = levels[which - 1]
+            need = 1.0 if refused.bucket.kind == REQUESTS else math.ulp(0.0)  # as MemoryCounters: any above zero
+            return Admission(levels, refused, (need - refused.remaining) * 60.0 / refused.bucket.limit)
+        if outcome == 2:
+            return Admission(levels, slots_refused=slots[which - 1], retry_after_s=1.0)
+        for name, _ in slots:
+            self._leases.setdefault(name, []).append(member)
+        if slots and self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_leases())
+        return Admission(levels)
+
+    async def take(
+        self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
+    ) -> list[Level] | None:
+        if not self.link.paused:
+            args: list[str | int] = [_number(now), 1 if all_or_nothing else 0, _number(IDLE_GRACE_S)]
+            for bucket, amount in takes:
+                args += [bucket.limit, _number(amount)]
+            try:
+                answer = await self._take(keys=[self._key(b.name) for b, _ in takes], args=args)
+            except STORE_ERRORS as exc:
+                self.link.failed(exc, "limits are held per replica, in memory, until it answers")
+            else:
+                if not int(answer[0]):
+                    return None
+                return [
+                    Level(bucket, float(v), until_full(float(v), bucket.limit))
+                    for (bucket, _), v in zip(takes, answer[1:], strict=True)
+                ]
+        return await self.local.take(takes, now, all_or_nothing=all_or_nothing)
+
+    async def release(self, slots: Sequence[str]) -> None:
+        shared: list[tuple[str, str]] = []
+        local: list[str] = []
+        for name in slots:
+            members = self._leases.get(name)
+            if members:
+                shared.append((name, members.pop()))  # any of this replica's: its places are alike
+                if not members:
+                    del self._leases[name]
+            elif self._local_slots.get(name):
+                self._local_slots[name] -= 1
+                local.append(name)
+        await self.local.release(local)
+        if shared and not self.link.paused:
+            try:
+                async with self.link.client.pipeline(transaction=False) as pipe:
+                    for name, member in shared:
+                        pipe.zrem(self._key(name), member)
+                    await pipe.execute()
+            except STORE_ERRORS as exc:  # its lease ends within SLOT_LEASE_S: the place comes free then
+                self.link.failed(exc, "a concurrency place comes free when its lease ends")
+
+    async def _renew_leases(self) -> None:
+        """Every third of the lease: the leases of this replica's requests in flight, renewed."""
+        while True:
+            await asyncio.sleep(self.slot_lease_s / 3)
+            held = {name: list(members) for name, members in self._leases.items() if members}
+            if not held or self.link.paused:
+                continue
+            args: list[str | int] = [_number(self.clock() + self.slot_lease_s), _number(self.slot_lease_s)]
+            args += [len(members) for members in held.values()]
+            args += [member for members in held.values() for member in members]
+            try:
+                await self._renew(keys=[self._key(name) for name in held], args=args)
+            except STORE_ERRORS as exc:
+                self.link.failed(exc, "leases of requests in flight are renewed when it answers")
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        await self.link.close()
