@@ -156,7 +156,8 @@ class Upstream:
         lines = (self._carry + data).split(b"\n")
         self._carry = lines.pop()[-65536:]
         for line in lines:
-            if line.startswith(b"data: {") and (b'"usage"' in line or b'_reason"' in line):
+            # Only the events that carry usage or a finish reason (a string: every chunk has "finish_reason": null).
+            if line.startswith(b"data: {") and (b'"usage"' in line or b'_reason": "' in line or b'_reason":"' in line):
                 with contextlib.suppress(orjson.JSONDecodeError):
                     self._read(orjson.loads(line[6:]))
 
