@@ -53,6 +53,9 @@ __all__ = [
 #: What the upstream's head leaves out when tracing is on: the client's trace context, which ours replaces.
 REPLACED_HEADERS = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
+#: What marks an event worth parsing: usage, or a finish reason that is a string (JSON with or without spaces).
+_MARKERS = (b'"usage"', b'_reason": "', b'_reason":"')
+
 _Handler = Callable[["Request", Any], Awaitable["Response | StreamedResponse"]]
 
 
@@ -152,12 +155,16 @@ class Upstream:
             await self._observe(data, unary)
 
     def _events(self, data: bytes) -> None:
-        """The ``data:`` lines of server-sent events (a line may span chunks) that carry usage or a finish reason."""
-        lines = (self._carry + data).split(b"\n")
+        """The ``data:`` lines of server-sent events (a line may span chunks) that carry usage or a finish reason (a
+        string: every chunk has ``"finish_reason": null``); a chunk without either is only searched, not split."""
+        joined = self._carry + data
+        if not any(marker in joined for marker in _MARKERS):
+            self._carry = joined[joined.rfind(b"\n") + 1 :][-65536:]
+            return
+        lines = joined.split(b"\n")
         self._carry = lines.pop()[-65536:]
         for line in lines:
-            # Only the events that carry usage or a finish reason (a string: every chunk has "finish_reason": null).
-            if line.startswith(b"data: {") and (b'"usage"' in line or b'_reason": "' in line or b'_reason":"' in line):
+            if line.startswith(b"data: {") and any(marker in line for marker in _MARKERS):
                 with contextlib.suppress(orjson.JSONDecodeError):
                     self._read(orjson.loads(line[6:]))
 

@@ -19,8 +19,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from tests.gateway.harness import running_gateway, wait_for
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
+from universal_gateway.tracing import Upstream
 from universal_predictors import tracing as shared
 from universal_predictors.tracing import (
+    CLIENT,
     SERVER,
     Remote,
     Sampler,
@@ -255,6 +257,33 @@ def test_spans_encode_as_otlp_protobuf_decodes_them(monkeypatch: pytest.MonkeyPa
     assert (values["i"].int_value, values["n"].int_value, values["f"].double_value) == (2**40, -1, 0.25)
     assert [v.string_value for v in values["l"].array_value.values] == ["stop", "length"]
     assert "none" not in values
+
+
+async def test_a_streams_usage_and_finish_reason_are_read_however_its_chunks_fall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Collect:
+        def add(self, span: bytes) -> None:
+            pass
+
+    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    stream = (
+        b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+        b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    )
+    for size in (1, 5, 13, 64, len(stream)):
+        root = tracing.start("gateway.request", SERVER)
+        upstream = Upstream(tracing.start("upstream", CLIENT, root), root)
+        observe = upstream.observing(None)
+        assert observe is not None
+        for at in range(0, len(stream), size):
+            await observe(stream[at : at + size], False)
+        upstream.end(200)
+        assert root.attributes["gen_ai.usage.input_tokens"] == 3, size
+        assert root.attributes["gen_ai.usage.output_tokens"] == 2, size
+        assert root.attributes["gen_ai.response.finish_reasons"] == ["length"], size
 
 
 def test_off_the_gateway_imports_no_sdk_and_its_hooks_are_the_handlers_themselves() -> None:
