@@ -18,8 +18,9 @@
    predictor does: one with none of it (no keys, metering off: the anchor), one with a YAML keys file whose key
    has every kind of limit (high enough never to refuse), the ledger and an audit log file. Unary and streamed
    requests at c=32, rounds interleaved; p50/p99 added, and the gateway's CPU per request (from /proc), which
-   other load barely moves. Also in front of the embedding predictor (``--layout split``). Goal (issue 28, with
-   tracing): <= 0.3 ms p50 and <= 1 ms p99 added at c=32.
+   other load barely moves. Also in front of the embedding predictor (``--layout split``). A third gateway has all
+   of it and every request traced too (``OTEL_TRACES_EXPORTER=otlp``, to a sink). Goal (issue 28, with tracing):
+   <= 0.3 ms p50 and <= 1 ms p99 added at c=32.
    Measured 2026-12-04 (2 cores shared with other work): CPU added per request +42 to +46 us unary, +71 us
    streamed (16 events with their usage comments; 196 vs 125 us); with the gateway saturated by the trivial
    upstream (gateway, upstream and load generator on 2 cores, so every added microsecond queues 32 deep) p50
