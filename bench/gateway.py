@@ -56,11 +56,14 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -210,7 +213,8 @@ async def relay(upstream: str, port: int) -> None:
         await server.serve_forever()
 
 
-def bench_gateway(upstream: str, tenants: Path | None = None, fairness: str | None = None) -> Gateway:
+def bench_gateway(upstream: str, tenants: Path | None = None, fairness: str | None = None,
+                  redis_url: str | None = None) -> Gateway:  # fmt: skip
     """The gateway as the bench serves it: an embed model and a (streamed) chat model on ``upstream``; with
     ``tenants`` (a folder with keys.yaml), keys with limits, the ledger and an audit log there, else neither."""
     backends = StaticBackends({MODEL: (upstream, Task.EMBED), CHAT_MODEL: (upstream, Task.GENERATE)})
@@ -230,7 +234,18 @@ def bench_gateway(upstream: str, tenants: Path | None = None, fairness: str | No
     from universal_gateway.audit import AuditLog
     from universal_gateway.auth import ApiKeys
 
-    return Gateway(backends, keys=ApiKeys.load(tenants / "keys.yaml", env=""), audit=AuditLog(str(tenants / "audit")))
+    keys = ApiKeys.load(tenants / "keys.yaml", env="")
+    audit = AuditLog(str(tenants / f"audit-{os.getpid()}"))
+    if redis_url is None:
+        return Gateway(backends, keys=keys, audit=audit)
+    from universal_gateway.metrics import GatewayMetrics
+    from universal_gateway.quotas import Quotas
+    from universal_gateway.redis_counters import RedisCounters
+    from universal_gateway.redis_ledger import RedisLedger
+
+    metrics = GatewayMetrics()
+    return Gateway(backends, keys=keys, audit=audit, metrics=metrics, quotas=Quotas(keys, RedisCounters(redis_url)),
+                   ledger=RedisLedger(redis_url))  # fmt: skip
 
 
 TENANT_KEY = "sk-bench-0123456789abcdef"
@@ -709,48 +724,83 @@ async def trivial(requests: int) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def redis_server(folder: Path) -> Iterator[str | None]:
+    """A redis-server on a free port (Debian's package, as the tests use), or None where it is not installed."""
+    server = shutil.which("redis-server")
+    if server is None:
+        yield None
+        return
+    port = free_port()
+    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--dir", str(folder)], stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait()
+
+
 async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> list[str]:
-    """Keys with limits, the ledger and the audit log on, against a gateway with none of it (see the docstring); in
-    front of the trivial upstream (the gateway saturated: the worst case), or of ``predictor`` (embeddings)."""
+    """Keys with limits, the ledger and the audit log on, kept in this process and in Redis, against a gateway with
+    none of it (see the docstring); in front of the trivial upstream (the gateway saturated: the worst case), or of
+    ``predictor`` (embeddings)."""
     folder = tenants_folder(tmp)
     lines = []
-    async with contextlib.AsyncExitStack() as stack:
-        if predictor is None:
-            upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
-        else:
-            upstream_url = predictor
-        plain_url, plain_pid = await stack.enter_async_context(server_process("--serve-gateway", upstream_url))
-        tenant_url, tenant_pid = await stack.enter_async_context(
-            server_process("--serve-gateway", upstream_url, "--tenants", str(folder))
-        )
-        shapes: list[tuple[str, str, dict[str, Any]]] = [("unary", "/v1/embeddings", BODY)]
-        if predictor is None:
-            shapes.append(("streamed", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [], "stream": True}))
-        for label, path, body in shapes:
-            label = f"{label}, {'trivial upstream' if predictor is None else 'the embedding predictor'}"
-            off: list[float] = []
-            on: list[float] = []
-            cpu = {"off": 0.0, "on": 0.0}
-            halves: tuple[list[float], list[float]] = ([], [])
-            for round_ in range(ROUNDS):
-                sides = [("off", plain_url, None, plain_pid), ("on", tenant_url, TENANT_KEY, tenant_pid)]
-                for side, url, key, pid in sides if round_ % 2 == 0 else reversed(sides):
-                    before = cpu_seconds(pid)
-                    _, latencies = await load(f"{url}{path}", requests // ROUNDS, 32, body, key)
-                    cpu[side] += cpu_seconds(pid) - before
-                    (off if side == "off" else on).extend(latencies)
-                    if side == "off":
-                        halves[round_ % 2].extend(latencies)
-            per_request = {side: seconds / (requests // ROUNDS * ROUNDS) * 1e6 for side, seconds in cpu.items()}
-            added = (pct(on, 50) - pct(off, 50), pct(on, 99) - pct(off, 99))
-            noise = (pct(halves[1], 50) - pct(halves[0], 50), pct(halves[1], 99) - pct(halves[0], 99))
-            lines.append(
-                f"gateway_tenants {label} c=32: keys+limits+ledger+audit log add p50 {added[0]:+.3f} ms, p99 "
-                f"{added[1]:+.3f} ms (off: p50 {pct(off, 50):.2f} ms, p99 {pct(off, 99):.2f} ms; goal <= 0.3 ms p50, "
-                f"<= 1 ms p99 added); gateway CPU per request {per_request['on']:.0f} us vs "
-                f"{per_request['off']:.0f} us ({per_request['on'] - per_request['off']:+.0f} us); noise, off vs off: "
-                f"p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms"
-            )
+    with contextlib.ExitStack() as sync:
+        redis_url = sync.enter_context(redis_server(folder))
+        async with contextlib.AsyncExitStack() as stack:
+            if predictor is None:
+                upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
+            else:
+                upstream_url = predictor
+            sides: list[tuple[str, str, str | None, int]] = []
+            for side, extra in (("off", ()), ("on", ("--tenants", str(folder))),
+                                ("on, Redis", ("--tenants", str(folder), "--redis", redis_url or ""))):  # fmt: skip
+                if side == "on, Redis" and redis_url is None:
+                    continue
+                url, pid = await stack.enter_async_context(server_process("--serve-gateway", upstream_url, *extra))
+                sides.append((side, url, None if side == "off" else TENANT_KEY, pid))
+            shapes: list[tuple[str, str, dict[str, Any]]] = [("unary", "/v1/embeddings", BODY)]
+            if predictor is None:
+                shapes.append(
+                    ("streamed", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [], "stream": True})
+                )
+            for label, path, body in shapes:
+                label = f"{label}, {'trivial upstream' if predictor is None else 'the embedding predictor'}"
+                latency: dict[str, list[float]] = {side: [] for side, *_ in sides}
+                cpu = {side: 0.0 for side, *_ in sides}
+                halves: tuple[list[float], list[float]] = ([], [])
+                for round_ in range(ROUNDS):
+                    for side, url, key, pid in sides if round_ % 2 == 0 else list(reversed(sides)):
+                        before = cpu_seconds(pid)
+                        _, latencies = await load(f"{url}{path}", requests // ROUNDS, 32, body, key)
+                        cpu[side] += cpu_seconds(pid) - before
+                        latency[side] += latencies
+                        if side == "off":
+                            halves[round_ % 2].extend(latencies)
+                count = requests // ROUNDS * ROUNDS
+                off = latency["off"]
+                noise = (pct(halves[1], 50) - pct(halves[0], 50), pct(halves[1], 99) - pct(halves[0], 99))
+                for side, *_ in sides[1:]:
+                    on = latency[side]
+                    added_cpu = (cpu[side] - cpu["off"]) / count * 1e6
+                    lines.append(
+                        f"gateway_tenants {label} c=32, keys+limits+ledger+audit log ({side}): add p50 "
+                        f"{pct(on, 50) - pct(off, 50):+.3f} ms, p99 {pct(on, 99) - pct(off, 99):+.3f} ms (off: p50 "
+                        f"{pct(off, 50):.2f} ms, p99 {pct(off, 99):.2f} ms; goal <= 0.3 ms p50, <= 1 ms p99 added); "
+                        f"gateway CPU per request {cpu[side] / count * 1e6:.0f} us vs {cpu['off'] / count * 1e6:.0f} "
+                        f"us ({added_cpu:+.0f} us); noise, off vs off: p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms"
+                    )
     return lines
 
 
@@ -916,6 +966,7 @@ def main() -> None:
     parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--tenants", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--fairness", choices=["fair", "fifo"], help=argparse.SUPPRESS)
+    parser.add_argument("--redis", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_relay:
@@ -923,7 +974,8 @@ def main() -> None:
         loop.run_until_complete(relay(args.serve_relay, args.port))
         return
     if args.serve_gateway:
-        gateway = bench_gateway(args.serve_gateway, Path(args.tenants) if args.tenants else None, args.fairness)
+        gateway = bench_gateway(args.serve_gateway, Path(args.tenants) if args.tenants else None, args.fairness,
+                                args.redis)  # fmt: skip
 
         async def run_gateway() -> None:
             await gateway.start("127.0.0.1", args.port)
