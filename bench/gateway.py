@@ -20,11 +20,14 @@
    requests at c=32, rounds interleaved; p50/p99 added, and the gateway's CPU per request (from /proc), which
    other load barely moves. Also in front of the embedding predictor (``--layout split``). Goal (issue 28, with
    tracing): <= 0.3 ms p50 and <= 1 ms p99 added at c=32.
-   Measured 2026-12-04 (2 cores shared with other work): CPU added per request +42 to +46 us unary, +71 us
-   streamed (16 events with their usage comments; 196 vs 125 us); with the gateway saturated by the trivial
-   upstream (gateway, upstream and load generator on 2 cores, so every added microsecond queues 32 deep) p50
-   +0.71 ms unary and +0.91 ms streamed: the 0.3 ms goal is not met there; in front of the embedding predictor
-   +1.0 ms p50 against an A/A spread of 12 ms, so not resolved by this machine.
+   A third gateway keeps the limits and the ledger in a local redis-server (where installed).
+   Measured 2026-12-04 (2 cores shared with other work, a CI run among it): CPU added per request, in memory,
+   +42 to +46 us unary and +71 to +92 us streamed (16 events with their usage comments); with Redis +342 us
+   unary (three round trips: admit, settle, release; the ledger written every half second). Latency, with the
+   gateway saturated by the trivial upstream (gateway, upstream and load generator on 2 cores, so every added
+   microsecond queues 32 deep): p50 +0.7 to +0.9 ms in memory when the machine was otherwise quiet; the 0.3 ms goal
+   is not met there. In front of the embedding predictor +1.0 ms p50 against an A/A spread of 12 ms: not
+   resolved by this machine.
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
    4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
