@@ -10,6 +10,10 @@ hours, so a report reads only the hours that have rows. Everything expires ``ret
 The Prometheus counters (``universal_gateway_usage_*_total``) stay in each process: every replica exports what it
 served, and a sum over replicas (``sum by (key_id, model)``) is the cluster's.
 
+Records are added up in this process and written every :data:`WRITE_EVERY_S` (and before a report is read, and
+at close), one pipelined transaction for all the rows (hour, key, model) that moved: a Redis round trip per request
+would cost more than the request's own proxying (measured: 0.6 ms of the gateway's CPU per request).
+
 **When Redis cannot be reached, nothing is lost silently.** A record that cannot be written is kept in this
 process, added to its hour's row, and written when Redis answers again (tried every few seconds, and before a
 report is read); rows add up, so the buffer grows with keys x models x hours, not with requests, and is bounded at
@@ -36,6 +40,8 @@ from universal_predictors.errors import Unavailable
 
 #: How long an hour's rows are kept by default (seconds).
 DEFAULT_USAGE_RETENTION_S = 400 * 24 * 3600
+#: How often the rows recorded since the last write are written (seconds).
+WRITE_EVERY_S = 0.5
 #: Rows (hour, key, model) kept in memory at most while Redis cannot be reached.
 MAX_PENDING_ROWS = 10_000
 _FLOATS = frozenset({"predictor_seconds"})
@@ -73,6 +79,7 @@ class RedisLedger:
         #: Rows not yet written (Redis could not be reached), by (hour, key id, model).
         self.pending: dict[tuple[int, str, str], Usage] = {}
         self._retry: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
 
     async def record(self, key_id: str, model: str, usage: Usage) -> None:
         if self.metrics is not None:
@@ -86,6 +93,12 @@ class RedisLedger:
                 return
             kept = self.pending[row] = Usage()
         kept.add(usage)
+        retrying = self._retry is not None and not self._retry.done()  # (a retry after a failure writes them too)
+        if not retrying and (self._writer is None or self._writer.done()):
+            self._writer = asyncio.create_task(self._write_soon())
+
+    async def _write_soon(self) -> None:
+        await asyncio.sleep(WRITE_EVERY_S)
         await self._flush()
 
     async def _flush(self, *, force: bool = False) -> bool:
@@ -171,10 +184,11 @@ class RedisLedger:
 
     async def close(self) -> None:
         """Write what is pending (once more, if Redis answers), then disconnect."""
-        if self._retry is not None:
-            self._retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retry
+        for task in (self._retry, self._writer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if not await self._flush(force=True):
             logger.error("%s: %d usage row(s) could not be written before the gateway stopped: lost",
                          self.link.describe(), len(self.pending))  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
 from tests.gateway.redis_server import RedisServer
 from tests.predictors.generation.tiny_llama import build_llama
+from universal_gateway.redis_ledger import WRITE_EVERY_S
 
 MODEL, SLEEPY = "tiny-chat", "tiny-sleepy"  # SLEEPY: asleep until the concurrency test wakes it
 ADMIN, TEAM, TIGHT, SINGLE, OUTAGE = (
@@ -156,6 +158,7 @@ def test_usage_on_either_gateway_is_both_gateways_answers_usage(
         expected["requests"] += 1
         expected["input_tokens"] += answer.json()["usage"]["prompt_tokens"]
         expected["output_tokens"] += answer.json()["usage"]["completion_tokens"]
+    time.sleep(WRITE_EVERY_S + 0.5)  # each gateway writes what it recorded every half second
     for gateway in (first, second):
         after = usage_totals(gateway, "team-a")
         assert {k: after[k] - before[k] for k in expected} == expected
