@@ -780,8 +780,6 @@ class Gateway:
             except (TimeoutError, UpstreamError):
                 error = APIError(f"The model {name!r} failed mid-stream.", status_code=502, code="upstream_error")
                 await response.write(_error_frame(self._shaped(request, error)))
-            if tap is not None and meter is not None:
-                meter.usage = tap.usage
             await response.end()
             return response
         finally:
@@ -863,9 +861,13 @@ class _Meter:
         return self.ticket.headers if self.ticket is not None else []
 
     def tap(self) -> StreamTap:
+        """The event stream's usage reader, whose counts are this request's as they come: a client that leaves
+        mid-stream (or before the stream's last bytes) is still billed what it was sent."""
         self.streamed = True
         ticket = self.ticket
-        return StreamTap(ticket.output if ticket is not None and ticket.limits_output else None)
+        tap = StreamTap(ticket.output if ticket is not None and ticket.limits_output else None)
+        self.usage = tap.usage
+        return tap
 
     def spent(self, model: str) -> APIError:
         who = repr(self.key_id) if self.key is not None else "the gateway's callers"
