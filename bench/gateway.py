@@ -137,9 +137,14 @@ TRIVIAL_ANSWER = json.dumps({"object": "list", "data": [], "model": MODEL}).enco
 TRIVIAL_EVENT = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"token"}}]}\n\n'
 
 
-def trivial_app() -> web.Application:
+def trivial_app(delay_s: float = 0.0) -> web.Application:
+    """``delay_s``: how long its unary answer takes (a model's time), so that the gateway in front is not the
+    bottleneck and what it adds to a request shows as latency, not as queueing."""
+
     async def handler(request: web.Request) -> web.Response:
         await request.read()
+        if delay_s:
+            await asyncio.sleep(delay_s)
         return web.Response(body=TRIVIAL_ANSWER, content_type="application/json")
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -269,6 +274,9 @@ def bench_gateway(upstream: str, tenants: Path | None = None, fairness: str | No
 TENANT_KEY = "sk-bench-0123456789abcdef"
 HEAVY_KEY, LIGHT_KEY = "sk-heavy-0123456789abcdef", "sk-light-0123456789abcdef"
 SLOW_S = 0.01  # the trivial upstream's /completions: a model busy this long per request
+#: The tenants part's upstream that answers in this long (seconds): at c=32 the gateway is then far from saturated
+#: on 2 cores, so what it adds shows as latency, not as 32 requests queueing for its CPU.
+DELAYED_S = 0.05
 
 
 def tenants_folder(tmp: Path) -> Path:
@@ -768,7 +776,7 @@ def redis_server(folder: Path) -> Iterator[str | None]:
         process.wait()
 
 
-async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> list[str]:
+async def tenants(requests: int, tmp: Path, predictor: str | None = None, delay_s: float = 0.0) -> list[str]:
     """Keys with limits, the ledger and the audit log on, kept in this process and in Redis, against a gateway with
     none of it (see the docstring); in front of the trivial upstream (the gateway saturated: the worst case), or of
     ``predictor`` (embeddings)."""
@@ -778,7 +786,8 @@ async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> lis
         redis_url = sync.enter_context(redis_server(folder))
         async with contextlib.AsyncExitStack() as stack:
             if predictor is None:
-                upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial"))
+                delay = ("--delay", str(delay_s)) if delay_s else ()
+                upstream_url, _ = await stack.enter_async_context(server_process("--serve-trivial", *delay))
             else:
                 upstream_url = predictor
             sink_url = upstream_url  # where the traced gateway's spans go (a trivial upstream answers OTLP too)
@@ -797,12 +806,13 @@ async def tenants(requests: int, tmp: Path, predictor: str | None = None) -> lis
                 )
                 sides.append((side, url, None if side == "off" else TENANT_KEY, pid))
             shapes: list[tuple[str, str, dict[str, Any]]] = [("unary", "/v1/embeddings", BODY)]
-            if predictor is None:
+            if predictor is None and not delay_s:
                 shapes.append(
                     ("streamed", "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [], "stream": True})
                 )
             for label, path, body in shapes:
-                label = f"{label}, {'trivial upstream' if predictor is None else 'the embedding predictor'}"
+                where = f"an upstream taking {delay_s * 1000:.0f} ms" if delay_s else "trivial upstream"
+                label = f"{label}, {where if predictor is None else 'the embedding predictor'}"
                 latency: dict[str, list[float]] = {side: [] for side, *_ in sides}
                 cpu = {side: 0.0 for side, *_ in sides}
                 halves: tuple[list[float], list[float]] = ([], [])
@@ -1041,6 +1051,8 @@ async def main_async(requests: int, layouts: list[str], parts: set[str]) -> None
         if "cold" in parts:
             print(await cold_start(tmp), flush=True)
         if "tenants" in parts:
+            for line in await tenants(requests, tmp / "delayed", delay_s=DELAYED_S):
+                print(line, flush=True)
             for line in await tenants(requests * 2, tmp):
                 print(line, flush=True)
         if "fairness" in parts:
@@ -1081,6 +1093,7 @@ def main() -> None:
     parser.add_argument("--serve-gateway", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--serve-library", nargs=2, metavar=("SERVER", "UPSTREAM"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-trivial", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", metavar="UPSTREAM", help=argparse.SUPPRESS)
     parser.add_argument("--tenants", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--fairness", choices=["fair", "fifo"], help=argparse.SUPPRESS)
@@ -1113,7 +1126,7 @@ def main() -> None:
     if args.serve_trivial:
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
-        web.run_app(trivial_app(), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
+        web.run_app(trivial_app(args.delay), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
         return
     parts = set(PARTS) if args.part == "all" else {args.part}
     if len(os.sched_getaffinity(0)) < 2 and args.layout != "shared" and "overhead" in parts:
