@@ -92,6 +92,10 @@ def s3_store(bucket: str = "adapters") -> Iterator[S3Store]:
         endpoint = f"http://{host}:{port}"
         admin = {"endpoint_url": endpoint, "region_name": REGION, "aws_access_key_id": "admin",
                  "aws_secret_access_key": "admin"}  # fmt: skip
+        # moto's state and its auth setting are the process's, not the server's: an earlier store in this test run
+        # left its user behind and every request checked. Start clean and unchecked (moto_api reset, reset-auth).
+        requests.post(f"{endpoint}/moto-api/reset", timeout=10).raise_for_status()
+        requests.post(f"{endpoint}/moto-api/reset-auth", data=b"inf", timeout=10).raise_for_status()
         iam = boto3.client("iam", **admin)
         iam.create_user(UserName="adapters")
         iam.put_user_policy(UserName="adapters", PolicyName="s3", PolicyDocument=json.dumps(S3_POLICY))

@@ -25,6 +25,7 @@ import yaml
 
 from tests.gateway.harness import GatewayProcess, running_gateway
 from tests.predictors.generation.tiny_llama import build_llama
+from universal_gateway.audit import FLUSH_S
 
 MODEL = "tiny-chat"
 ADMIN, TEAM, TIGHT, STREAMER, SINGLE = (
@@ -81,6 +82,12 @@ def gateway(manifests: Path, keys_file: Path, tmp_path_factory: pytest.TempPathF
 
 def client(gateway: GatewayProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0, timeout=300)
+
+
+def audit_count(gateway: GatewayProcess) -> int:
+    """How many audit lines the requests so far wrote (the log is written every FLUSH_S: waited for)."""
+    time.sleep(FLUSH_S + 0.3)
+    return len(audit_lines(gateway))
 
 
 def audit_lines(gateway: GatewayProcess) -> list[dict[str, Any]]:
@@ -142,7 +149,7 @@ def test_a_stream_that_runs_out_of_output_tokens_ends_with_an_error_event(gatewa
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
 
-    seen = len(audit_lines(gateway))
+    seen = audit_count(gateway)
     with pytest.raises(openai.APIError, match="output tokens per minute of key 'streamer' ran out"):
         read_stream()
     assert pieces
@@ -250,7 +257,7 @@ def ledger_totals(gateway: GatewayProcess, key_id: str) -> dict[str, float]:
 
 def test_every_request_has_one_audit_line_without_secrets_or_bodies(gateway: GatewayProcess) -> None:
     marker = "a sentence only the audited request holds"
-    seen = len(audit_lines(gateway))
+    seen = audit_count(gateway)
     answer = chat(TEAM, gateway, messages=[{"role": "user", "content": marker}])
     assert answer.status_code == 200
     line = audited(gateway, "team-a", seen)
