@@ -160,3 +160,13 @@ class OneUpstream(Backends):
     async def lease(self, name: str) -> AsyncIterator[str]:
         async with counted(self.stats):
             yield self.url
+
+
+def write_chat_manifest(folder: Path, name: str, served: str, source: Path) -> Path:
+    """A UniversalModel of a generate model on transformers (the tests' tiny Llama) in ``folder``."""
+    path = folder / f"{name}.yaml"
+    path.write_text(
+        f"apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {{name: {name}}}\n"
+        f'spec:\n  task: generate\n  servedName: {served}\n  backend: transformers\n  source: {{uri: "{source}"}}\n'
+    )
+    return path

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.harness import GatewayProcess, running_gateway
+from tests.gateway.harness import GatewayProcess, running_gateway, write_chat_manifest
 from tests.predictors.generation.tiny_llama import build_llama
 
 MODEL = "tiny-chat"
@@ -23,10 +23,7 @@ KEYS = ("key-alice", "key-bob")
 def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
     llama = build_llama(tmp_path_factory.mktemp("models") / "llama")
     folder = tmp_path_factory.mktemp("manifests")
-    (folder / "chat.yaml").write_text(
-        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
-        f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
-    )
+    write_chat_manifest(folder, "chat", MODEL, llama)
     return folder
 
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.harness import GatewayProcess, running_gateway
+from tests.gateway.harness import GatewayProcess, running_gateway, write_chat_manifest
 from tests.predictors.generation.tiny_llama import build_llama
 from universal_gateway.audit import FLUSH_S
 
@@ -58,10 +58,7 @@ def keys_document() -> dict[str, Any]:
 def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
     llama = build_llama(tmp_path_factory.mktemp("models") / "llama")
     folder = tmp_path_factory.mktemp("manifests")
-    (folder / "chat.yaml").write_text(
-        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
-        f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
-    )
+    write_chat_manifest(folder, "chat", MODEL, llama)
     return folder
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.harness import GatewayProcess, running_gateway, wait_for
+from tests.gateway.harness import GatewayProcess, running_gateway, wait_for, write_chat_manifest
 from tests.gateway.redis_server import RedisServer
 from tests.predictors.generation.tiny_llama import build_llama
 from universal_gateway.redis_ledger import WRITE_EVERY_S
@@ -42,14 +42,8 @@ def sha(secret: str) -> str:
 def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
     llama = build_llama(tmp_path_factory.mktemp("models") / "llama")
     folder = tmp_path_factory.mktemp("manifests")
-    (folder / "chat.yaml").write_text(
-        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
-        f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
-    )
-    (folder / "sleepy.yaml").write_text(
-        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: sleepy}\n"
-        f'spec:\n  task: generate\n  servedName: {SLEEPY}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
-    )
+    write_chat_manifest(folder, "chat", MODEL, llama)
+    write_chat_manifest(folder, "sleepy", SLEEPY, llama)
     return folder
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 
-from tests.gateway.harness import running_gateway, wait_for
+from tests.gateway.harness import running_gateway, wait_for, write_chat_manifest
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
 from universal_gateway.tracing import Upstream
@@ -43,10 +43,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 def manifests(tmp_path_factory: pytest.TempPathFactory) -> Path:
     llama = build_llama(tmp_path_factory.mktemp("models") / "llama")
     folder = tmp_path_factory.mktemp("manifests")
-    (folder / "chat.yaml").write_text(
-        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\nmetadata: {name: chat}\n"
-        f'spec:\n  task: generate\n  servedName: {MODEL}\n  backend: transformers\n  source: {{uri: "{llama}"}}\n'
-    )
+    write_chat_manifest(folder, "chat", MODEL, llama)
     return folder
 
 
