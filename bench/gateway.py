@@ -1087,9 +1087,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument(
         "--layout",
-        choices=["split", "shared", "both"],
+        choices=["split", "shared", "both", "none"],
         default="both",
-        help="split: the predictor on a core of its own (as in a cluster); shared: all processes on all cores",
+        help="split: the predictor on a core of its own (as in a cluster); shared: all processes on all cores; "
+        "none: skip the parts' runs in front of the embedding predictor",
     )
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all", help="run one part (see above)")
     parser.add_argument("--rounds", type=int, default=6, help="libraries: alternating rounds per comparison")
@@ -1136,7 +1137,7 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2 and args.layout != "shared" and "overhead" in parts:
         parser.error("--layout split needs at least 2 CPUs")
     if parts - {"libraries"}:
-        layouts = ["split", "shared"] if args.layout == "both" else [args.layout]
+        layouts = {"both": ["split", "shared"], "none": []}.get(args.layout, [args.layout])
         asyncio.run(main_async(args.requests, layouts, parts))
     if "libraries" in parts:
         # On the gateway's loop: the client side measures clients as the gateway would run them.

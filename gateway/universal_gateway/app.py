@@ -630,8 +630,7 @@ class Gateway:
         gate.charge(meter.key_id, usage.input_tokens, usage.output_tokens)  # toward its key's fair share
         try:
             if meter.ticket is not None:
-                await meter.ticket.settle(usage.input_tokens, usage.output_tokens)
-                await meter.ticket.close()
+                await meter.ticket.finish(usage.input_tokens, usage.output_tokens)
             if self.metering:
                 await self.ledger.record(meter.key_id, model, usage)
         except Exception:  # the answer is out: a failing ledger or counter store must not turn it into an error

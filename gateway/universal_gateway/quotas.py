@@ -80,6 +80,11 @@ class Counters(Protocol):
 
     async def release(self, slots: Sequence[str]) -> None: ...
 
+    async def finish(self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float) -> None:
+        """A request's end: take each amount (a give-back when negative; never all or nothing) and release its
+        places, in one call (one round trip where they are kept in Redis)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -144,6 +149,11 @@ class MemoryCounters:
                 self.slots[name] = left
             else:
                 self.slots.pop(name, None)
+
+    async def finish(self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float) -> None:
+        if takes:
+            await self.take(takes, now, all_or_nothing=False)
+        await self.release(slots)
 
     async def close(self) -> None:
         return None
@@ -275,9 +285,12 @@ class Ticket:
         self.output_taken += tokens
         return True
 
-    async def settle(self, input_tokens: int, output_tokens: int) -> None:
-        """Take the answer's input tokens, and its output tokens not yet spent as they streamed; give back the
-        rest of a lease (one counters call)."""
+    async def finish(self, input_tokens: int, output_tokens: int) -> None:
+        """The request's end: take the answer's input tokens and its output tokens not yet spent as they streamed,
+        give back the rest of a lease, and free its concurrency places: one counters call, made once."""
+        if self._closed:
+            return
+        self._closed = True
         unspent = self._leased - max(0, output_tokens - self.output_taken)
         takes = []
         for bucket in self._buckets:
@@ -285,16 +298,10 @@ class Ticket:
                 takes.append((bucket, float(input_tokens)))
             elif bucket.kind == OUTPUT and unspent:
                 takes.append((bucket, float(-unspent)))
-        if takes:
-            await self._quotas.counters.take(takes, self._quotas.clock(), all_or_nothing=False)
         self._leased = 0
         self.output_taken = max(self.output_taken, output_tokens)
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._slots:
-                await self._quotas.counters.release(self._slots)
+        if takes or self._slots:
+            await self._quotas.counters.finish(takes, self._slots, self._quotas.clock())
 
 
 class Quotas:

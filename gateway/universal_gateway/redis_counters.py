@@ -1,9 +1,9 @@
 """Per-key limits kept in Redis, so that they hold across every gateway replica (:class:`RedisCounters`).
 
 The same buckets and concurrency counters as :class:`~universal_gateway.quotas.MemoryCounters`, with the same
-arithmetic, each call one Lua script (run by its SHA, ``EVALSHA``, the script sent again only when Redis lost it):
-Redis runs a script alone, so an admission reads and takes every bucket and slot of a request at once, whichever
-replica asks.
+arithmetic, each call one Lua script (run by its SHA, ``EVALSHA``, the script sent again only when Redis lost it),
+on one pipelined connection (:mod:`.redis_pipe`): Redis runs a script alone, so an admission reads and takes every
+bucket and slot of a request at once, whichever replica asks.
 
 - **A bucket** is a hash ``{level, at}`` (the level after the last take, and when). A missing one is full; each
   write sets its expiry to the time it takes to fill again plus :data:`IDLE_GRACE_S`, so an idle key's buckets
@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 from universal_gateway.quotas import REQUESTS, Admission, Bucket, Level, MemoryCounters, until_full
 from universal_gateway.redis_link import PREFIX, STORE_ERRORS, RedisLink
+from universal_gateway.redis_pipe import Script
 
 #: How long a concurrency place is held without its replica renewing it (seconds).
 SLOT_LEASE_S = 30.0
@@ -128,6 +129,24 @@ return out
 """
 )
 
+# A request's end. KEYS: the buckets, then the counters. ARGV: now, the grace (s), the number of buckets, per bucket
+# its limit and the amount (a give-back when negative), then per counter the member to remove. Answers 0.
+_FINISH = (
+    _LUA_COMMON
+    + """
+local now, grace, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, nb do
+  local limit, amount = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  local level, at = level_of(KEYS[i], limit, now)
+  keep(KEYS[i], limit, math.min(limit, level - amount), at, grace)
+end
+for j = nb + 1, #KEYS do
+  redis.call('ZREM', KEYS[j], ARGV[3 + 2 * nb + j - nb])
+end
+return 0
+"""
+)
+
 # KEYS: the counters. ARGV: the lease's new end, the lease (s), then per counter how many members follow, then the
 # members. Leases that ended are not brought back (XX: only members still there).
 _RENEW = """
@@ -164,10 +183,7 @@ class RedisCounters:
         self.prefix = f"{prefix}limits:"
         self.slot_lease_s = slot_lease_s
         self.clock = clock  # for lease renewals: the same wall clock the gateway passes as ``now``
-        client = self.link.client
-        self._admit = client.register_script(_ADMIT)
-        self._take = client.register_script(_TAKE)
-        self._renew = client.register_script(_RENEW)
+        self._admit, self._take, self._renew, self._finish = map(Script, (_ADMIT, _TAKE, _RENEW, _FINISH))
         #: While Redis cannot be reached: this replica's own.
         self.local = MemoryCounters()
         self._replica = uuid.uuid4().hex[:12]
@@ -200,7 +216,7 @@ class RedisCounters:
             args += [bucket.limit, 1 if bucket.kind == REQUESTS else 0]
         args += [limit for _, limit in slots]
         keys = [self._key(b.name) for b in buckets] + [self._key(name) for name, _ in slots]
-        answer = await self._admit(keys=keys, args=args)
+        answer = await self.link.run(self._admit, keys, args)
         outcome, which = int(answer[0]), int(answer[1])
         levels = [Level(b, float(v), until_full(float(v), b.limit)) for b, v in zip(buckets, answer[2:], strict=True)]
         if outcome == 1:
@@ -223,7 +239,7 @@ class RedisCounters:
             for bucket, amount in takes:
                 args += [bucket.limit, _number(amount)]
             try:
-                answer = await self._take(keys=[self._key(b.name) for b, _ in takes], args=args)
+                answer = await self.link.run(self._take, [self._key(b.name) for b, _ in takes], args)
             except STORE_ERRORS as exc:
                 self.link.failed(exc, "limits are held per replica, in memory, until it answers")
             else:
@@ -235,27 +251,50 @@ class RedisCounters:
                 ]
         return await self.local.take(takes, now, all_or_nothing=all_or_nothing)
 
-    async def release(self, slots: Sequence[str]) -> None:
+    def _give_up_places(self, slots: Sequence[str]) -> list[tuple[str, str]]:
+        """This replica's members to remove for ``slots`` (any of its own in each: its places are alike); the
+        places taken in ``local`` while Redis was away are released there."""
         shared: list[tuple[str, str]] = []
         local: list[str] = []
         for name in slots:
             members = self._leases.get(name)
             if members:
-                shared.append((name, members.pop()))  # any of this replica's: its places are alike
+                shared.append((name, members.pop()))
                 if not members:
                     del self._leases[name]
             elif self._local_slots.get(name):
                 self._local_slots[name] -= 1
                 local.append(name)
-        await self.local.release(local)
-        if shared and not self.link.paused:
-            try:
-                async with self.link.client.pipeline(transaction=False) as pipe:
-                    for name, member in shared:
-                        pipe.zrem(self._key(name), member)
-                    await pipe.execute()
-            except STORE_ERRORS as exc:  # its lease ends within SLOT_LEASE_S: the place comes free then
-                self.link.failed(exc, "a concurrency place comes free when its lease ends")
+        for name in local:  # MemoryCounters.release, without an await
+            left = self.local.slots.get(name, 0) - 1
+            if left > 0:
+                self.local.slots[name] = left
+            else:
+                self.local.slots.pop(name, None)
+        return shared
+
+    async def release(self, slots: Sequence[str]) -> None:
+        await self.finish([], slots, self.clock())
+
+    async def finish(self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float) -> None:
+        shared = self._give_up_places(slots)
+        if not takes and not shared:
+            return
+        if self.link.paused:
+            if takes:
+                await self.local.take(takes, now, all_or_nothing=False)
+            return
+        args: list[str | int] = [_number(now), _number(IDLE_GRACE_S), len(takes)]
+        for bucket, amount in takes:
+            args += [bucket.limit, _number(amount)]
+        args += [member for _, member in shared]
+        keys = [self._key(b.name) for b, _ in takes] + [self._key(name) for name, _ in shared]
+        try:
+            await self.link.run(self._finish, keys, args)
+        except STORE_ERRORS as exc:  # a place held comes free when its lease ends, within SLOT_LEASE_S
+            self.link.failed(exc, "limits are held per replica, in memory, until it answers")
+            if takes:
+                await self.local.take(takes, now, all_or_nothing=False)
 
     async def _renew_leases(self) -> None:
         """Every third of the lease: the leases of this replica's requests in flight, renewed."""
@@ -268,7 +307,7 @@ class RedisCounters:
             args += [len(members) for members in held.values()]
             args += [member for members in held.values() for member in members]
             try:
-                await self._renew(keys=[self._key(name) for name in held], args=args)
+                await self.link.run(self._renew, [self._key(name) for name in held], args)
             except STORE_ERRORS as exc:
                 self.link.failed(exc, "leases of requests in flight are renewed when it answers")
 

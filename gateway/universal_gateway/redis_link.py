@@ -18,7 +18,9 @@ from urllib.parse import urlsplit
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
+
+from universal_gateway.redis_pipe import PipelinedRedis, Reply, Script, pipelined
 
 #: What a failing call raises: redis-py's errors, and the socket's own.
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
@@ -53,6 +55,8 @@ class RedisLink:
         self.client = redis.asyncio.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
+        #: The calls a request waits on go through one pipelined connection (:mod:`.redis_pipe` says why).
+        self.pipe = PipelinedRedis(url, timeout_s=timeout_s) if pipelined(url) else None
         self.on_error = on_error
         self.pause_s = pause_s
         self.log_every_s = log_every_s
@@ -86,6 +90,17 @@ class RedisLink:
             return f"Redis at {parts.path}"
         return f"Redis at {parts.hostname}:{parts.port or 6379}"  # never the password
 
+    async def run(self, script: Script, keys: list[str], args: list[str | int]) -> Reply:
+        """``script`` on ``keys`` with ``args``: on the pipelined connection where there is one."""
+        if self.pipe is not None:
+            return await self.pipe.run(script, keys, args)
+        try:
+            return await self.client.evalsha(script.sha.decode(), len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(script.text.decode(), len(keys), *keys, *args)
+
     async def close(self) -> None:
+        if self.pipe is not None:
+            await self.pipe.close()
         with contextlib.suppress(*STORE_ERRORS):
             await self.client.aclose()

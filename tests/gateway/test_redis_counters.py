@@ -120,6 +120,10 @@ async def test_concurrency_places_are_shared_and_freed(make: Callable[..., Redis
     assert (await first.admit([], slot, T0)).slots_refused == ("k|concurrent", 2)
     await second.release(["k|concurrent"])
     assert (await first.admit([], slot, T0)).slots_refused is None
+    # A request's end frees its place and settles its tokens in the same call.
+    await first.finish([(OUT, 5.0)], ["k|concurrent"], T0)
+    assert (await second.admit([], slot, T0)).slots_refused is None
+    assert await second.take([(OUT, 0.0)], T0, all_or_nothing=False) == [Level(OUT, 15.0, 15.0)]
 
 
 async def test_a_dead_replica_s_places_come_free_when_their_leases_end(make: Callable[..., RedisCounters]) -> None:
@@ -163,8 +167,11 @@ def _random_calls(seed: int) -> list[tuple[str, object]]:
             chosen = rng.sample(buckets[1:], rng.randint(1, 3))
             takes = [(bucket, rng.choice([-3, 1, 2, 7, 19, 40])) for bucket in chosen]
             calls.append(("take", (takes, now, rng.random() < 0.5)))
-        else:
+        elif kind < 0.92:
             calls.append(("release", now))
+        else:  # a request's end: its give-backs and input tokens, and its place, in one call
+            chosen = rng.sample(buckets[1:], rng.randint(0, 3))
+            calls.append(("finish", ([(bucket, rng.choice([-5, -1, 3, 12])) for bucket in chosen], now)))
     return calls
 
 
@@ -181,6 +188,10 @@ async def _run(counters: MemoryCounters | RedisCounters, calls: Sequence[tuple[s
         elif name == "take":
             takes, now, all_or_nothing = args  # type: ignore[misc]
             out.append(await counters.take(takes, now, all_or_nothing=all_or_nothing))
+        elif name == "finish":
+            takes, now = args  # type: ignore[misc]
+            await counters.finish(takes, ["k|concurrent"] if held else [], now)
+            held = max(0, held - 1)
         elif held:
             held -= 1
             await counters.release(["k|concurrent"])
