@@ -102,10 +102,14 @@ class PipelinedRedis:
         try:
             await asyncio.wait_for(self._open(), self.timeout_s)
         except BaseException as exc:
-            self._drop(ConnectionError(f"could not connect to Redis: {exc}"))
-            self._connecting.set_exception(ConnectionError(f"could not connect to Redis: {exc}"))
+            reason = f"{exc}" or type(exc).__name__  # (a timeout's text is empty)
+            error = exc if isinstance(exc, ResponseError) else ConnectionError(f"could not connect to Redis: {reason}")
+            self._drop(error)
+            self._connecting.set_exception(error)
             self._connecting.exception()  # (retrieved: no "never retrieved" warning when nobody else waited)
-            raise
+            if error is exc or not isinstance(exc, Exception):  # a refused login; a cancel
+                raise
+            raise error from exc
         else:
             self._connecting.set_result(None)
         finally:
