@@ -1,0 +1,109 @@
+"""A tiny random-weight Whisper for the transcribe tests, built offline and saved with ``save_pretrained``.
+
+No model hub is reachable, so the tokenizer is a byte-level BPE trained here on a few sentences, with
+Whisper's special tokens after it in Whisper's order (``<|endoftext|>``, ``<|startoftranscript|>``, the
+language tokens, the task tokens, ``<|notimestamps|>``) and the 1501 timestamp tokens ``<|0.00|>`` ..
+``<|30.00|>`` last, as the real vocabulary has them (the tokenizer finds timestamps as the ids after its
+last special token). The generation config carries what ``WhisperForConditionalGeneration.generate``
+reads: the language and task token maps, the timestamp token, the suppressed tokens. Weights are random
+with a fixed seed; the model's output is gibberish, but it is the same gibberish in-process and served,
+which is what the tests compare.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import (
+    GenerationConfig,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+    WhisperProcessor,
+    WhisperTokenizerFast,
+)
+
+LANGUAGES = ["en", "de", "fr", "es"]
+TASKS = ["translate", "transcribe"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world this is a test of speech recognition",
+    "meeting notes voice memo call me back tomorrow",
+    "one two three four five six seven eight nine ten",
+]
+MAX_TARGET_POSITIONS = 96
+
+
+def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
+    """Write a tiny Whisper (model, tokenizer, feature extractor, generation config) to ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
+    bpe.save_model(str(path))
+    specials = [
+        "<|endoftext|>",
+        "<|startoftranscript|>",
+        *(f"<|{code}|>" for code in LANGUAGES),
+        *(f"<|{task}|>" for task in TASKS),
+        "<|startoflm|>",
+        "<|startofprev|>",
+        "<|nospeech|>",
+        "<|notimestamps|>",
+    ]
+    vocab = json.loads((path / "vocab.json").read_text())
+    lines = (path / "merges.txt").read_text().splitlines()
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#")]
+    tokenizer = WhisperTokenizerFast(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    tokenizer.add_tokens([f"<|{i * 0.02:.2f}|>" for i in range(1501)])
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in specials}
+    vocab_size = len(tokenizer)
+
+    torch.manual_seed(seed)
+    config = WhisperConfig(
+        vocab_size=vocab_size,
+        num_mel_bins=80,
+        d_model=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=1500,
+        max_target_positions=MAX_TARGET_POSITIONS,
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|endoftext|>"],
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+    )
+    model = WhisperForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        max_length=MAX_TARGET_POSITIONS,
+        is_multilingual=True,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
+        task_to_id={task: ids[f"<|{task}|>"] for task in TASKS},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        begin_suppress_tokens=[ids["<|endoftext|>"]],
+        suppress_tokens=[],
+        max_initial_timestamp_index=50,
+        return_timestamps=False,
+    )
+    model.save_pretrained(path)
+    processor = WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tokenizer)
+    processor.save_pretrained(path)
+    return path
