@@ -36,6 +36,7 @@ class Task(StrEnum):
     OCR = "ocr"
     DOCUMENT = "document"
     ANOMALY = "anomaly"
+    TRANSCRIBE = "transcribe"
 
 
 class Backend(StrEnum):
@@ -432,6 +433,36 @@ CATALOG = Catalog(
                     handler="delete_detector_route",
                     summary="Delete a fitted detector",
                     model_from=(ModelFrom.QUERY,),
+                ),
+            ),
+        ),
+        # OpenAI's audio API: multipart uploads only (its SDK sends nothing else), errors in OpenAI's shape.
+        TaskEntry(
+            name=Task.TRANSCRIBE,
+            summary="speech to text (Whisper-family): OpenAI's audio transcriptions and translations, streaming",
+            backends=(Backend.TRANSFORMERS,),
+            extra="transcribe",
+            predictor=f"{_TASKS}.transcribe:TranscribePredictor",
+            routes=(
+                Route(
+                    method="POST",
+                    path="audio/transcriptions",
+                    upstream="/openai/v1/audio/transcriptions",
+                    operation="audio_transcriptions",
+                    summary="OpenAI audio transcriptions",
+                    model_from=(ModelFrom.FORM,),
+                    request=f"{_TASKS}.transcribe:TranscriptionRequest",
+                    handler="transcriptions",
+                ),
+                Route(
+                    method="POST",
+                    path="audio/translations",
+                    upstream="/openai/v1/audio/translations",
+                    operation="audio_translations",
+                    summary="OpenAI audio translations (to English)",
+                    model_from=(ModelFrom.FORM,),
+                    request=f"{_TASKS}.transcribe:TranslationRequest",
+                    handler="translations",
                 ),
             ),
         ),

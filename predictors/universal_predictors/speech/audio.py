@@ -1,0 +1,177 @@
+"""Uploaded audio to 16 kHz mono samples, with every limit checked before the step it protects.
+
+PyAV (FFmpeg's demuxers and decoders, bundled in its wheels) reads WAV, FLAC, MP3, OGG (Vorbis, Opus), M4A/MP4
+(AAC, ALAC) and WebM/Matroska; soundfile (libsndfile) would leave out M4A and WebM, which browsers' recorders and
+phones send. The container is chosen from the file's first bytes, never from its name, and only these demuxers
+are opened: FFmpeg's others include playlists (HLS, concat) that would open further files or URLs.
+
+Order of checks: the size in bytes (``max_audio_bytes``); the container's header, read without decoding, for the
+channels (``max_audio_channels``) and the duration it declares (``max_audio_seconds``); then decoding, which stops
+as soon as the samples pass ``max_audio_seconds`` whatever the header said (a header that lies short, or none).
+A header that lies long is taken at its word: over the limit is a 413 before any frame is decoded. Every client
+mistake is an :class:`InvalidRequest` (400) naming the field, every limit a :class:`RequestTooLarge` (413) naming
+the limit's engine argument and its value.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from universal_predictors.errors import InvalidRequest, RequestTooLarge
+
+#: The rate Whisper-family feature extractors take.
+SAMPLE_RATE = 16_000
+#: Sample rates a real recording has at most (FFmpeg would take more, and resample a lie at length).
+MAX_SOURCE_RATE = 384_000
+FORMATS = "WAV, FLAC, MP3, OGG/Opus, M4A or WebM"
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What one uploaded file may be."""
+
+    max_audio_bytes: int
+    max_audio_seconds: float
+    max_audio_channels: int
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Decoded audio: float32 samples in [-1, 1] at :data:`SAMPLE_RATE`, mono; the container it came in."""
+
+    samples: np.ndarray
+    container: str
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / SAMPLE_RATE
+
+
+def sniff_container(data: bytes) -> str | None:
+    """FFmpeg's demuxer for ``data`` by its magic bytes, or None when it is none of :data:`FORMATS`."""
+    head = data[:12]
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[4:8] == b"ftyp":
+        return "mov"  # FFmpeg's MP4/M4A demuxer (mov,mp4,m4a,3gp,3g2,mj2)
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"  # WebM is Matroska
+    if head[:3] == b"ID3":
+        return "mp3"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0:
+        # ADTS AAC has layer bits 00 where every MPEG audio layer (MP3's is 01) has others.
+        return "aac" if head[1] & 0x06 == 0 else "mp3"
+    return None
+
+
+def _declared_seconds(container: object, stream: object) -> float | None:
+    """The duration the header declares, if it declares one (``stream.duration`` in its time base, else the
+    container's, in microseconds)."""
+    duration = getattr(stream, "duration", None)
+    time_base = getattr(stream, "time_base", None)
+    if duration is not None and time_base is not None:
+        return float(duration * Fraction(time_base))
+    total = getattr(container, "duration", None)
+    return total / 1_000_000 if total is not None else None
+
+
+def wav_declared_seconds(data: bytes) -> tuple[float, int] | None:
+    """What a WAV's header declares: (seconds, bytes of samples), from its ``fmt `` and ``data`` chunks; None when
+    it does not say (a streaming writer's 0 or 0xFFFFFFFF size). FFmpeg clamps a ``data`` size past the end of the
+    file to what is there; this reads the size as written, so a header that lies is seen as one."""
+    position, byte_rate = 12, 0
+    while position + 8 <= len(data):
+        chunk, size = data[position : position + 4], int.from_bytes(data[position + 4 : position + 8], "little")
+        if chunk == b"fmt " and position + 16 <= len(data):
+            byte_rate = int.from_bytes(data[position + 16 : position + 20], "little")
+        elif chunk == b"data":
+            if size in (0, 0xFFFFFFFF) or byte_rate <= 0:
+                return None
+            return size / byte_rate, size
+        position += 8 + size + (size & 1)
+    return None
+
+
+def decode_audio(data: bytes, field: str, limits: AudioLimits) -> Audio:
+    """``data`` (an uploaded file) as 16 kHz mono float32 samples, within ``limits`` (module docstring)."""
+    import av
+
+    if len(data) > limits.max_audio_bytes:
+        raise RequestTooLarge(
+            f"{field}: the file is {len(data)} bytes; the limit max_audio_bytes is {limits.max_audio_bytes}",
+            param=field,
+            code="file_too_large",
+        )
+    if not data:
+        raise InvalidRequest(f"{field}: the file is empty", param=field, code="invalid_audio")
+    kind = sniff_container(data)
+    if kind is None:
+        raise InvalidRequest(f"{field}: not an audio file this server reads; send {FORMATS}", param=field,
+                             code="unsupported_audio_format")  # fmt: skip
+
+    def damaged(why: str) -> InvalidRequest:
+        return InvalidRequest(f"{field}: the {kind} file cannot be decoded ({why}); is it complete?", param=field,
+                              code="invalid_audio")  # fmt: skip
+
+    if kind == "wav" and (header := wav_declared_seconds(data)) is not None:
+        seconds, size = header
+        if seconds > limits.max_audio_seconds:
+            raise _too_long(field, f"its header says {seconds:.1f} seconds", limits)
+        if size > len(data):
+            raise damaged(f"its header declares {size} bytes of samples and the file is {len(data)} bytes")
+    try:
+        container = av.open(io.BytesIO(data), mode="r", format=kind)
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise damaged(_reason(exc)) from None
+    with container:
+        if not container.streams.audio:
+            raise damaged("it holds no audio stream")
+        stream = container.streams.audio[0]
+        channels = stream.codec_context.channels
+        if channels > limits.max_audio_channels:
+            raise RequestTooLarge(f"{field}: the audio has {channels} channels; the limit max_audio_channels is "
+                                  f"{limits.max_audio_channels}", param=field, code="too_many_channels")  # fmt: skip
+        rate = stream.codec_context.sample_rate or 0
+        if not 0 < rate <= MAX_SOURCE_RATE:
+            raise damaged(f"a sample rate of {rate} Hz")
+        declared = _declared_seconds(container, stream)
+        if declared is not None and declared > limits.max_audio_seconds:
+            raise _too_long(field, f"its header says {declared:.1f} seconds", limits)
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+        most = int(limits.max_audio_seconds * SAMPLE_RATE)
+        chunks: list[np.ndarray] = []
+        total = 0
+        try:
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    chunk = out.to_ndarray().reshape(-1)
+                    total += len(chunk)
+                    if total > most:
+                        raise _too_long(field, f"it decodes to more than {limits.max_audio_seconds:g} seconds", limits)
+                    chunks.append(chunk)
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+        except av.FFmpegError as exc:
+            raise damaged(_reason(exc)) from None
+    samples = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
+    if not len(samples):
+        raise damaged("no audio frames in it")
+    return Audio(np.clip(samples, -1.0, 1.0), kind)
+
+
+def _reason(exc: Exception) -> str:
+    """FFmpeg's words for a failure (``Invalid data found when processing input``), without its errno."""
+    return str(getattr(exc, "strerror", None) or type(exc).__name__)
+
+
+def _too_long(field: str, why: str, limits: AudioLimits) -> RequestTooLarge:
+    return RequestTooLarge(f"{field}: the audio is too long ({why}); the limit max_audio_seconds is "
+                           f"{limits.max_audio_seconds:g}", param=field, code="audio_too_long")  # fmt: skip

@@ -1,0 +1,206 @@
+"""Whisper-family speech to text on transformers: ``WhisperForConditionalGeneration.generate`` over batches.
+
+Audio of concurrent requests is batched (:class:`~universal_predictors.batching.MicroBatcher` hands
+:meth:`WhisperEngine.transcribe_batch` a batch), and each batch is split into groups that one ``generate`` call
+can serve: the same task, language, prompt and temperature, and either all short (at most 30 s: one window,
+features padded to 3000 frames as the feature extractor pads them) or all long. Long audio goes through
+transformers' own sequential long-form decoding: 30 s windows, each starting at the last timestamp the previous
+one predicted, with an attention mask telling each item's length, so an item decodes the same alone or batched.
+Timestamps are always predicted; the segments and their times are ``generate``'s (``return_segments``).
+
+A request that names no language has it detected once on its first 30 s (``detect_language``), then decodes as
+if it had named it: the groups stay homogeneous, and the response can say which language it was.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.speech.audio import SAMPLE_RATE
+
+#: One Whisper window: 30 s, 3000 mel frames.
+WINDOW_SECONDS = 30
+WINDOW_FRAMES = 3000
+
+SpeechTask = Literal["transcribe", "translate"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request's audio and how to decode it."""
+
+    samples: np.ndarray
+    task: SpeechTask
+    language: str | None
+    prompt_ids: tuple[int, ...] | None
+    temperature: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of speech between two predicted timestamps, in seconds from the start of the audio."""
+
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+
+    @property
+    def compression_ratio(self) -> float:
+        """Text bytes over their zlib size (openai-whisper's repetition measure); 0 for no text."""
+        data = self.text.encode()
+        return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """What one job decoded to."""
+
+    language: str
+    segments: list[Segment]
+    seconds: float
+
+    @property
+    def text(self) -> str:
+        return "".join(segment.text for segment in self.segments).strip()
+
+
+class WhisperEngine:
+    """One Whisper-family checkpoint (model, feature extractor, tokenizer, generation config) on one device."""
+
+    def __init__(self, source: str, device: str, dtype: Any) -> None:
+        from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+        self.processor = WhisperProcessor.from_pretrained(source, local_files_only=True)
+        model = WhisperForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=dtype)
+        self.model = model.to(device).eval()
+        self.device = device
+        self.dtype = dtype
+        config = self.model.generation_config
+        lang_to_id: dict[str, int] = dict(getattr(config, "lang_to_id", None) or {})
+        self.multilingual = bool(getattr(config, "is_multilingual", False)) and bool(lang_to_id)
+        #: Language codes (``en``) the checkpoint knows, and back from their token ids.
+        self.languages = sorted(token.strip("<|>") for token in lang_to_id)
+        self._language_of = {token_id: token.strip("<|>") for token, token_id in lang_to_id.items()}
+        #: The longest prompt: generate refuses a prompt over half the decoder's positions.
+        self.max_prompt_tokens = self.model.config.max_target_positions // 2 - 1
+        rate = self.processor.feature_extractor.sampling_rate
+        if rate != SAMPLE_RATE:
+            raise ValueError(f"the feature extractor takes {rate} Hz audio; this engine resamples to {SAMPLE_RATE} Hz")
+
+    # -- on the request path (cheap, validating) ------------------------------------------------------------
+
+    def check_language(self, language: str | None, task: SpeechTask) -> str | None:
+        """``language`` as the checkpoint knows it; a 400 naming the ones it knows."""
+        if not self.multilingual:
+            if task == "translate":
+                raise InvalidRequest("This model is English-only: it cannot translate; use a multilingual "
+                                     "Whisper checkpoint.", param="model", code="unsupported_task")  # fmt: skip
+            if language not in (None, "en"):
+                raise InvalidRequest(f"language: this model is English-only; {language!r} is not available",
+                                     param="language", code="unsupported_language")  # fmt: skip
+            return None
+        if language is not None and language not in self.languages:
+            raise InvalidRequest(f"language: {language!r} is not one of the model's languages "
+                                 f"({', '.join(self.languages)})", param="language",
+                                 code="unsupported_language")  # fmt: skip
+        return language
+
+    def prompt_ids(self, prompt: str | None) -> tuple[int, ...] | None:
+        """The prompt as the decoder's previous-text tokens; a 400 over :attr:`max_prompt_tokens`."""
+        if not prompt:
+            return None
+        ids = self.processor.tokenizer.get_prompt_ids(prompt)
+        if len(ids) - 1 > self.max_prompt_tokens:  # the leading <|startofprev|> is not counted by generate
+            raise InvalidRequest(f"prompt: {len(ids) - 1} tokens; this model takes at most {self.max_prompt_tokens}",
+                                 param="prompt", code="prompt_too_long")  # fmt: skip
+        return tuple(int(i) for i in ids)
+
+    # -- on the engine thread ------------------------------------------------------------------------------
+
+    def features(self, samples: np.ndarray) -> tuple[Any, bool]:
+        """Log-mel features of one job, and whether it is long-form (over one window)."""
+        extract = self.processor.feature_extractor
+        if len(samples) > WINDOW_SECONDS * SAMPLE_RATE:
+            features = extract(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt", truncation=False,
+                               padding="longest", return_attention_mask=True)  # fmt: skip
+            return features.input_features, True
+        return extract(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features, False
+
+    def transcribe_batch(self, jobs: Sequence[Job]) -> list[Transcript]:
+        """Every job decoded, in order; one ``generate`` call per group of jobs that can share it."""
+        import torch
+
+        features = [self.features(job.samples) for job in jobs]
+        languages = self._languages(jobs, [f for f, _ in features])
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for index, job in enumerate(jobs):
+            key = (features[index][1], job.task, languages[index], job.prompt_ids, job.temperature)
+            groups.setdefault(key, []).append(index)
+        out: list[Transcript | None] = [None] * len(jobs)
+        with torch.inference_mode():
+            for (long_form, task, language, prompt_ids, temperature), members in groups.items():
+                batch = [features[i][0] for i in members]
+                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature)
+                for index, found in zip(members, segments, strict=True):
+                    out[index] = Transcript(languages[index] or "en", found, len(jobs[index].samples) / SAMPLE_RATE)
+        return [transcript for transcript in out if transcript is not None]
+
+    def _languages(self, jobs: Sequence[Job], features: list[Any]) -> list[str | None]:
+        """Each job's language: the one it names, else the one detected on its first window."""
+        import torch
+
+        languages: list[str | None] = [job.language for job in jobs]
+        unknown = [i for i, job in enumerate(jobs) if job.language is None]
+        if not self.multilingual or not unknown:
+            return languages
+        first = torch.cat([features[i][:, :, :WINDOW_FRAMES] for i in unknown])
+        if first.shape[-1] < WINDOW_FRAMES:
+            first = torch.nn.functional.pad(first, (0, WINDOW_FRAMES - first.shape[-1]))
+        with torch.inference_mode():
+            found = self.model.detect_language(input_features=first.to(self.device, self.dtype))
+        for i, token_id in zip(unknown, found.view(-1).tolist(), strict=True):
+            languages[i] = self._language_of[int(token_id)]
+        return languages
+
+    def _generate(self, batch: list[Any], long_form: bool, task: SpeechTask, language: str | None,
+                  prompt_ids: tuple[int, ...] | None, temperature: float) -> list[list[Segment]]:  # fmt: skip
+        import torch
+
+        frames = [f.shape[-1] for f in batch]
+        width = max(frames)
+        input_features = torch.cat([torch.nn.functional.pad(f, (0, width - f.shape[-1])) for f in batch])
+        kwargs: dict[str, Any] = {"return_timestamps": True, "return_segments": True}
+        if long_form:
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, length in enumerate(frames):
+                mask[row, :length] = 1
+            kwargs["attention_mask"] = mask.to(self.device)
+        if self.multilingual:
+            kwargs["task"] = task
+            kwargs["language"] = language
+        if prompt_ids is not None:
+            kwargs["prompt_ids"] = torch.tensor(prompt_ids, device=self.device)
+        if temperature > 0:
+            kwargs["do_sample"] = True
+            kwargs["temperature"] = temperature
+        output = self.model.generate(input_features.to(self.device, self.dtype), **kwargs)
+        return [self._segments(found) for found in output["segments"]]
+
+    def _segments(self, found: list[dict[str, Any]]) -> list[Segment]:
+        tokenizer = self.processor.tokenizer
+        segments = []
+        for number, segment in enumerate(found):
+            tokens = [int(t) for t in segment["tokens"].tolist()]
+            start, end = float(segment["start"]), float(segment["end"])
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            segments.append(Segment(number, int(start * 100), round(start, 2), round(end, 2), text, tokens))
+        return segments

@@ -1,0 +1,247 @@
+"""``task: transcribe``: OpenAI's ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` over Whisper.
+
+Requests are ``multipart/form-data`` as the OpenAI SDK sends them: the audio in the ``file`` part, and the
+fields ``model``, ``language``, ``prompt``, ``temperature``, ``response_format`` (``json``, ``text``, ``srt``,
+``vtt``, ``verbose_json``), ``timestamp_granularities[]`` and, for transcriptions, ``stream``. The file is decoded
+on a worker thread within the limits of :class:`TranscribeEngineArgs` (:mod:`universal_predictors.speech.audio`);
+the decoding runs on the engine thread, audio of concurrent requests batched
+(:mod:`universal_predictors.speech.whisper`).
+
+``stream=true`` answers with server-sent events, ``transcript.text.delta`` per segment and one
+``transcript.text.done`` with the whole text. The deltas come once the request's audio is decoded (a batch's
+``generate`` returns all segments at once): the events have OpenAI's shapes, not yet its pacing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from universal_predictors.base import UniversalPredictor
+from universal_predictors.batching import BatchPolicy, MicroBatcher
+from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.devices import detect_device, dtype_for
+from universal_predictors.errors import InvalidRequest
+from universal_predictors.http import FormPart, is_multipart_form, parse_form, validation_error
+from universal_predictors.speech.audio import AudioLimits, decode_audio
+from universal_predictors.speech.captions import srt, vtt
+from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
+
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+
+
+class TranscribeEngineArgs(BaseModel):
+    """Engine arguments of the transcribe predictor (``--engine-arg key=value``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=8, ge=1, le=256, description="Requests' audio per generate call at most.")
+    max_wait_ms: float = Field(default=10.0, ge=0, le=1000, description="How long a batch waits for company.")
+    max_audio_bytes: int = Field(default=25 * 2**20, ge=1024, description="Bytes of one uploaded file.")
+    max_audio_seconds: float = Field(default=3600.0, gt=0, le=86400, description="Duration of one file.")
+    max_audio_channels: int = Field(default=8, ge=1, le=64, description="Channels of one file (mixed to mono).")
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def limits(self) -> AudioLimits:
+        return AudioLimits(self.max_audio_bytes, self.max_audio_seconds, self.max_audio_channels)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The form around the file: the file's limit and 1 MiB for the other fields and the part headers."""
+        return self.max_audio_bytes + 2**20
+
+
+class TranslationRequest(BaseModel):
+    """``POST /v1/audio/translations``' form fields (the audio is the ``file`` part): speech to English text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(default=None, description="Text the decoder takes as what came before.")
+    response_format: ResponseFormat = "json"
+    temperature: float = Field(default=0.0, ge=0, le=1, description="0 decodes greedily; above, it samples.")
+
+
+class TranscriptionRequest(TranslationRequest):
+    """``POST /v1/audio/transcriptions``' form fields (the audio is the ``file`` part)."""
+
+    language: str | None = Field(default=None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code; else detected.")
+    stream: bool = False
+    timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
+        default=None, description="verbose_json only: segment times always; word times not on this backend yet."
+    )
+
+
+class SpeechBody(BaseModel):
+    """What a route's method takes: the validated fields, the file's bytes, and which route it came in."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    task: SpeechTask
+    fields: TranscriptionRequest
+    audio: bytes
+
+
+#: Form fields sent with ``[]`` by the OpenAI SDK (arrays), read as lists.
+_LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities", "include[]": "include"}
+
+
+def form_body(parts: list[FormPart], task: SpeechTask) -> tuple[str | None, SpeechBody]:
+    """The model and body of an upload; a 400 names a missing or doubled file, or a field that is wrong."""
+    options: dict[str, Any] = {}
+    files = [part for part in parts if part.name == "file"]
+    for part in parts:
+        if part.name == "file":
+            if not part.is_file:
+                raise InvalidRequest("file: send the audio as a file part (a filename in its Content-Disposition)",
+                                     param="file")  # fmt: skip
+            continue
+        if part.is_file:
+            raise InvalidRequest(f"{part.name}: only the field 'file' takes a file", param=part.name)
+        if part.name in _LIST_FIELDS:
+            options.setdefault(_LIST_FIELDS[part.name], []).append(part.text())
+        elif part.name in options:
+            raise InvalidRequest(f"{part.name}: the form field is given more than once", param=part.name)
+        else:
+            options[part.name] = part.text()
+    if not files:
+        raise InvalidRequest("file: the form has no 'file' part with the audio", param="file")
+    if len(files) > 1:
+        raise InvalidRequest("file: send one audio file per request", param="file")
+    if "include" in options:
+        raise InvalidRequest("include[]: logprobs are not available on this backend", param="include[]")
+    model = TranscriptionRequest if task == "transcribe" else TranslationRequest
+    try:
+        checked = model.model_validate(options)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    fields = TranscriptionRequest.model_validate(checked.model_dump())
+    if fields.timestamp_granularities and fields.response_format != "verbose_json":
+        raise InvalidRequest("timestamp_granularities[]: only response_format verbose_json has timestamps",
+                             param="timestamp_granularities[]")  # fmt: skip
+    if fields.timestamp_granularities and "word" in fields.timestamp_granularities:
+        raise InvalidRequest("timestamp_granularities[]: word timestamps are not available on this backend yet; "
+                             "ask for segment", param="timestamp_granularities[]")  # fmt: skip
+    return fields.model, SpeechBody(task=task, fields=fields, audio=files[0].data)
+
+
+def language_name(code: str) -> str:
+    """``en`` as ``english``, the way OpenAI's verbose responses name languages (Whisper's own table)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return str(LANGUAGES.get(code, code))
+
+
+class TranscribePredictor(UniversalPredictor):
+    """One Whisper-family model; the audio of concurrent requests shares ``generate`` calls."""
+
+    task = Task.TRANSCRIBE
+    EngineArgs = TranscribeEngineArgs
+
+    def load(self) -> bool:
+        args: TranscribeEngineArgs = self.engine_args
+        device = detect_device(args.device)
+        self.whisper = WhisperEngine(self.config.source, device, dtype_for(device, args.dtype))
+        self.limits = args.limits()
+        self.batcher: MicroBatcher[Job, Transcript] = MicroBatcher(
+            self.whisper.transcribe_batch,
+            model_name=self.name,
+            policy=BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms),
+            cost=lambda job: len(job.samples),  # similar lengths together: long-form items decode as long as the longest
+        )
+        self.backend = Backend.TRANSFORMERS
+        return True
+
+    def unload(self) -> None:
+        if hasattr(self, "whisper"):
+            del self.whisper
+
+    def describe(self) -> dict[str, Any]:
+        if not hasattr(self, "whisper"):
+            return {}
+        args: TranscribeEngineArgs = self.engine_args
+        return {
+            "languages": self.whisper.languages,
+            "multilingual": self.whisper.multilingual,
+            "limits": {
+                "max_audio_bytes": args.max_audio_bytes,
+                "max_audio_seconds": args.max_audio_seconds,
+                "max_audio_channels": args.max_audio_channels,
+            },
+        }
+
+    # A client that leaves stops its request: decoding, its audio queued for a batch.
+    stop_on_disconnect = True
+
+    async def read_request(self, route: Route, request: Request) -> tuple[str | None, SpeechBody]:
+        if not is_multipart_form(request):
+            raise InvalidRequest(
+                f"{route.upstream} takes a multipart/form-data upload (the audio in the field 'file'), as the OpenAI "
+                "SDK sends it", code="unsupported_media_type",
+            )  # fmt: skip
+        task: SpeechTask = "translate" if route.handler == "translations" else "transcribe"
+        return form_body(await parse_form(request, self.engine_args.max_body_bytes), task)
+
+    async def transcriptions(self, body: SpeechBody, request: Request | None = None) -> Response:
+        return await self._answer(body)
+
+    async def translations(self, body: SpeechBody, request: Request | None = None) -> Response:
+        return await self._answer(body)
+
+    async def _answer(self, body: SpeechBody) -> Response:
+        fields = body.fields
+        language = self.whisper.check_language(fields.language, body.task)
+        prompt_ids = self.whisper.prompt_ids(fields.prompt)
+        audio = await asyncio.to_thread(decode_audio, body.audio, "file", self.limits)
+        job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature)
+        if fields.stream:
+            return StreamingResponse(self._events(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return self._response(await self.batcher.submit(job), body.task, fields.response_format, fields.temperature)
+
+    async def _events(self, job: Job) -> AsyncIterator[bytes]:
+        transcript = await self.batcher.submit(job)
+        for segment in transcript.segments:
+            if segment.text:
+                yield _event({"type": "transcript.text.delta", "delta": segment.text})
+        yield _event({"type": "transcript.text.done", "text": transcript.text})
+
+    def _response(self, transcript: Transcript, task: SpeechTask, response_format: ResponseFormat,
+                  temperature: float) -> Response:  # fmt: skip
+        usage = {"type": "duration", "seconds": math.ceil(transcript.seconds)}
+        if response_format == "text":
+            return PlainTextResponse(transcript.text + "\n")
+        if response_format == "srt":
+            return PlainTextResponse(srt(transcript.segments))
+        if response_format == "vtt":
+            return PlainTextResponse(vtt(transcript.segments), media_type="text/vtt")
+        if response_format == "json":
+            return _json({"text": transcript.text, "usage": usage})
+        segments = [
+            {
+                "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
+                "temperature": temperature, "avg_logprob": None, "compression_ratio": round(s.compression_ratio, 4),
+                "no_speech_prob": None,
+            }
+            for s in transcript.segments
+        ]  # fmt: skip
+        return _json({
+            "task": task, "language": language_name(transcript.language), "duration": round(transcript.seconds, 3),
+            "text": transcript.text, "segments": segments, "usage": usage,
+        })  # fmt: skip
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
