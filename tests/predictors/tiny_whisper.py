@@ -23,7 +23,7 @@ from transformers import (
     WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
     WhisperProcessor,
-    WhisperTokenizerFast,
+    WhisperTokenizer,
 )
 
 LANGUAGES = ["en", "de", "fr", "es"]
@@ -56,7 +56,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     vocab = json.loads((path / "vocab.json").read_text())
     lines = (path / "merges.txt").read_text().splitlines()
     merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#")]
-    tokenizer = WhisperTokenizerFast(
+    tokenizer = WhisperTokenizer(
         vocab=vocab,
         merges=merges,
         unk_token="<|endoftext|>",
@@ -65,7 +65,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     )
     tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
     tokenizer.add_tokens([f"<|{i * 0.02:.2f}|>" for i in range(1501)])
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in specials}
+    ids: dict[str, int] = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in specials}  # type: ignore[arg-type]
     vocab_size = len(tokenizer)
 
     torch.manual_seed(seed)
@@ -86,8 +86,8 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
         eos_token_id=ids["<|endoftext|>"],
         decoder_start_token_id=ids["<|startoftranscript|>"],
     )
-    model = WhisperForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
+    model = WhisperForConditionalGeneration(config).eval()  # type: ignore[no-untyped-call]
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         decoder_start_token_id=ids["<|startoftranscript|>"],
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|endoftext|>"],
@@ -104,6 +104,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
         return_timestamps=False,
     )
     model.save_pretrained(path)
-    processor = WhisperProcessor(WhisperFeatureExtractor(feature_size=80), tokenizer)
+    extractor = WhisperFeatureExtractor(feature_size=80)  # type: ignore[no-untyped-call]
+    processor = WhisperProcessor(extractor, tokenizer)  # type: ignore[no-untyped-call]
     processor.save_pretrained(path)
     return path

@@ -62,15 +62,17 @@ class Segment:
 
 @dataclass(frozen=True)
 class Transcript:
-    """What one job decoded to."""
+    """What one job decoded to. ``texts[i]``: the text of segments 0..i decoded together (a character's bytes
+    may span two segments, so the whole is decoded as one, as transformers' pipeline does)."""
 
     language: str
     segments: list[Segment]
     seconds: float
+    texts: list[str]
 
     @property
     def text(self) -> str:
-        return "".join(segment.text for segment in self.segments).strip()
+        return self.texts[-1].strip() if self.texts else ""
 
 
 class WhisperEngine:
@@ -80,7 +82,7 @@ class WhisperEngine:
         from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
         self.processor = WhisperProcessor.from_pretrained(source, local_files_only=True)
-        model = WhisperForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=dtype)
+        model: Any = WhisperForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=dtype)
         self.model = model.to(device).eval()
         self.device = device
         self.dtype = dtype
@@ -151,7 +153,8 @@ class WhisperEngine:
                 batch = [features[i][0] for i in members]
                 segments = self._generate(batch, long_form, task, language, prompt_ids, temperature)
                 for index, found in zip(members, segments, strict=True):
-                    out[index] = Transcript(languages[index] or "en", found, len(jobs[index].samples) / SAMPLE_RATE)
+                    seconds = len(jobs[index].samples) / SAMPLE_RATE
+                    out[index] = Transcript(languages[index] or "en", found, seconds, self._running_texts(found))
         return [transcript for transcript in out if transcript is not None]
 
     def _languages(self, jobs: Sequence[Job], features: list[Any]) -> list[str | None]:
@@ -194,6 +197,15 @@ class WhisperEngine:
             kwargs["temperature"] = temperature
         output = self.model.generate(input_features.to(self.device, self.dtype), **kwargs)
         return [self._segments(found) for found in output["segments"]]
+
+    def _running_texts(self, segments: list[Segment]) -> list[str]:
+        decode = self.processor.tokenizer.decode
+        tokens: list[int] = []
+        texts = []
+        for segment in segments:
+            tokens += segment.tokens
+            texts.append(decode(tokens, skip_special_tokens=True))
+        return texts
 
     def _segments(self, found: list[dict[str, Any]]) -> list[Segment]:
         tokenizer = self.processor.tokenizer

@@ -155,7 +155,8 @@ class TranscribePredictor(UniversalPredictor):
             self.whisper.transcribe_batch,
             model_name=self.name,
             policy=BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms),
-            cost=lambda job: len(job.samples),  # similar lengths together: long-form items decode as long as the longest
+            # Similar lengths together: a long-form batch decodes for as long as its longest item.
+            cost=lambda job: len(job.samples),
         )
         self.backend = Backend.TRANSFORMERS
         return True
@@ -209,9 +210,16 @@ class TranscribePredictor(UniversalPredictor):
 
     async def _events(self, job: Job) -> AsyncIterator[bytes]:
         transcript = await self.batcher.submit(job)
-        for segment in transcript.segments:
-            if segment.text:
-                yield _event({"type": "transcript.text.delta", "delta": segment.text})
+        sent = ""
+        for running in transcript.texts:
+            # A delta once the text so far only grew. Held back: trailing spaces (the done text is stripped) and a
+            # trailing U+FFFD (a character whose other bytes the next segment may bring).
+            running = running.strip().rstrip("\ufffd")
+            if running.startswith(sent) and len(running) > len(sent):
+                yield _event({"type": "transcript.text.delta", "delta": running[len(sent) :]})
+                sent = running
+        if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
+            yield _event({"type": "transcript.text.delta", "delta": transcript.text[len(sent) :]})
         yield _event({"type": "transcript.text.done", "text": transcript.text})
 
     def _response(self, transcript: Transcript, task: SpeechTask, response_format: ResponseFormat,

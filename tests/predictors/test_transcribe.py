@@ -1,0 +1,335 @@
+"""``task: transcribe``: a tiny random Whisper served by ``universal-runtime serve``, called with the real ``openai``
+SDK, against transformers' own ``generate`` run in-process on the same samples.
+
+Speech comes from espeak-ng (:mod:`tests.predictors.speech_samples`); the model is built offline
+(:mod:`tests.predictors.tiny_whisper`). Its words are gibberish, but the same gibberish in-process and served:
+tokens and timestamps are compared exactly, for one short clip, a long-form recording (two and a half windows) and
+concurrent requests batched together.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from tests.gateway.harness import GatewayProcess, running_gateway
+from tests.predictors.speech_samples import RATE, encoded, espeak, long_speech, read_wav, wav_bytes
+from tests.predictors.tiny_whisper import build_tiny_whisper
+from universal_predictors.errors import InvalidRequest, RequestTooLarge
+from universal_predictors.speech.audio import AudioLimits, decode_audio
+from universal_predictors.speech.captions import srt, vtt
+from universal_predictors.speech.whisper import Segment
+
+SERVED = "tiny-whisper"
+MAX_SECONDS = 120
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What transformers' ``generate`` decodes in-process: each segment's (tokens, start, end), and the text."""
+
+    segments: list[tuple[list[int], float, float]]
+    text: str
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_whisper(tmp_path_factory.mktemp("whisper") / "tiny-whisper")
+
+
+@cache
+def _in_process(model_dir: str) -> tuple[Any, Any]:
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    return WhisperProcessor.from_pretrained(model_dir), WhisperForConditionalGeneration.from_pretrained(model_dir)
+
+
+def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", task: str = "transcribe") -> Reference:
+    """transformers' own Whisper decoding, as its documentation writes it (long-form: untruncated features, an
+    attention mask)."""
+    import torch
+
+    processor, model = _in_process(str(model_dir))
+    kwargs: dict[str, Any] = {}
+    if len(samples) > 30 * RATE:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest",
+                           return_attention_mask=True)  # fmt: skip
+        kwargs["attention_mask"] = inputs.attention_mask
+    else:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(inputs.input_features, return_timestamps=True, return_segments=True, language=language,
+                             task=task, **kwargs)  # fmt: skip
+    segments = [
+        ([int(t) for t in s["tokens"].tolist()], round(float(s["start"]), 2), round(float(s["end"]), 2))
+        for s in out["segments"][0]
+    ]
+    text = processor.batch_decode(out["sequences"], skip_special_tokens=True)[0].strip()
+    return Reference(segments, text)
+
+
+@pytest.fixture(scope="module")
+def short_wav() -> bytes:
+    return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
+
+
+@pytest.fixture(scope="module")
+def long_wav() -> bytes:
+    return wav_bytes(long_speech(75))
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iterator[GatewayProcess]:
+    folder = tmp_path_factory.mktemp("manifests")
+    (folder / "whisper.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
+        f"metadata: {{name: whisper}}\nspec:\n  task: transcribe\n  servedName: {SERVED}\n"
+        f'  source: {{uri: "{whisper_dir}"}}\n'
+        f'  engineArgs: {{max_audio_seconds: "{MAX_SECONDS}", max_wait_ms: "50"}}\n'
+    )
+    with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=gateway.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+def verbose(client: OpenAI, data: bytes, name: str = "speech.wav", **fields: Any) -> dict[str, Any]:
+    answer = client.audio.transcriptions.create(model=SERVED, file=(name, data), response_format="verbose_json",
+                                                **fields)  # fmt: skip
+    dumped: dict[str, Any] = answer.model_dump()
+    return dumped
+
+
+def served_segments(answer: dict[str, Any]) -> list[tuple[list[int], float, float]]:
+    return [(s["tokens"], s["start"], s["end"]) for s in answer["segments"]]
+
+
+# -- equal to transformers in-process --------------------------------------------------------------------------------
+
+
+def test_a_short_clip_decodes_to_generates_tokens_and_timestamps(client: OpenAI, whisper_dir: Path,
+                                                                 short_wav: bytes) -> None:  # fmt: skip
+    expected = reference(whisper_dir, read_wav(short_wav))
+    answer = verbose(client, short_wav, language="en")
+    assert expected.segments, "the tiny model predicts at least one timestamped segment"
+    assert served_segments(answer) == expected.segments
+    assert answer["text"] == expected.text
+    assert answer["language"] == "english"
+    assert answer["task"] == "transcribe"
+    assert answer["duration"] == pytest.approx(len(read_wav(short_wav)) / RATE, abs=1e-3)
+    assert [s["id"] for s in answer["segments"]] == list(range(len(expected.segments)))
+
+
+def test_a_long_recording_is_decoded_window_by_window_as_generate_does(client: OpenAI, whisper_dir: Path,
+                                                                       long_wav: bytes) -> None:  # fmt: skip
+    expected = reference(whisper_dir, read_wav(long_wav))
+    answer = verbose(client, long_wav, language="en")
+    assert served_segments(answer) == expected.segments
+    assert answer["text"] == expected.text
+    assert max(end for _, _, end in expected.segments) > 30, "the recording is decoded past its first window"
+
+
+def test_concurrent_requests_batched_together_each_get_their_own_transcript(
+    client: OpenAI, whisper_dir: Path, short_wav: bytes, long_wav: bytes
+) -> None:
+    clips = [
+        short_wav,
+        wav_bytes(espeak("call me back tomorrow")),
+        long_wav,
+        wav_bytes(espeak("one two three four five")),
+        wav_bytes(long_speech(45)),
+    ]
+    expected = [reference(whisper_dir, read_wav(clip)).segments for clip in clips]
+    with concurrent.futures.ThreadPoolExecutor(len(clips)) as pool:
+        answers = list(pool.map(lambda clip: verbose(client, clip, language="en"), clips))
+    assert [served_segments(answer) for answer in answers] == expected
+
+
+def test_translation_decodes_with_the_translate_task(client: OpenAI, whisper_dir: Path, short_wav: bytes) -> None:
+    answer = client.audio.translations.create(model=SERVED, file=("note.wav", short_wav),
+                                              response_format="verbose_json").model_dump()  # fmt: skip
+    # The language the model detects on the clip is what the translation starts from.
+    detected = answer["language"]
+    codes = {"english": "en", "german": "de", "french": "fr", "spanish": "es"}
+    expected = reference(whisper_dir, read_wav(short_wav), language=codes[detected], task="translate")
+    assert answer["task"] == "translate"
+    assert served_segments(answer) == expected.segments
+
+
+# -- every response format through the SDK ---------------------------------------------------------------------------
+
+
+def test_every_response_format_says_the_same_transcript(client: OpenAI, short_wav: bytes) -> None:
+    full = verbose(client, short_wav, language="en")
+    segments = [Segment(s["id"], s["seek"], s["start"], s["end"], s["text"], s["tokens"]) for s in full["segments"]]
+    create = client.audio.transcriptions.create
+    as_json = create(model=SERVED, file=("a.wav", short_wav), language="en")
+    as_text = create(model=SERVED, file=("a.wav", short_wav), language="en", response_format="text")
+    as_srt = create(model=SERVED, file=("a.wav", short_wav), language="en", response_format="srt")
+    as_vtt = create(model=SERVED, file=("a.wav", short_wav), language="en", response_format="vtt")
+    assert as_json.text == full["text"]
+    assert as_json.model_dump()["usage"] == {"type": "duration", "seconds": 3}
+    assert as_text == full["text"] + "\n"
+    assert as_srt == srt(segments)
+    assert as_srt.startswith(f"1\n00:00:{segments[0].start:06.3f}".replace(".", ",") + " --> ")
+    assert as_vtt == vtt(segments)
+    assert as_vtt.startswith("WEBVTT\n\n00:00:")
+
+
+def test_a_stream_sends_deltas_that_add_up_to_the_done_text(client: OpenAI, short_wav: bytes, long_wav: bytes) -> None:
+    for clip in (short_wav, long_wav):
+        unary = client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en")
+        events = list(client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en",
+                                                         stream=True))  # fmt: skip
+        *deltas, done = events
+        assert {event.type for event in deltas} == {"transcript.text.delta"}
+        assert done.type == "transcript.text.done"
+        assert done.text == unary.text
+        assert "".join(getattr(event, "delta", "") for event in deltas) == unary.text
+
+
+def test_the_model_card_lists_languages_and_limits(gateway: GatewayProcess, client: OpenAI,
+                                                   short_wav: bytes) -> None:  # fmt: skip
+    client.audio.transcriptions.create(model=SERVED, file=("a.wav", short_wav))  # wakes the predictor
+    card = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
+    [model] = [m for m in card if m["id"] == SERVED]
+    assert model["task"] == "transcribe"
+
+
+# -- hostile and wrong files: 400/413 in OpenAI's shape --------------------------------------------------------------
+
+
+def post(gateway: GatewayProcess, data: bytes, name: str = "speech.wav", **fields: str) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/audio/transcriptions", files={"file": (name, data)},
+                      data={"model": SERVED, **fields}, timeout=120)  # fmt: skip
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
+def test_the_extension_is_not_trusted_the_bytes_are(client: OpenAI, short_wav: bytes) -> None:
+    samples = np.frombuffer(short_wav[44:], dtype="<i2")
+    flac = encoded(samples, "flac", "flac")
+    as_wav = verbose(client, short_wav, language="en")
+    as_flac_named_mp3 = verbose(client, flac, name="speech.mp3", language="en")
+    assert served_segments(as_flac_named_mp3) == served_segments(as_wav)  # FLAC is lossless: the same samples
+
+
+def test_a_text_file_named_wav_is_a_400_naming_the_formats(gateway: GatewayProcess) -> None:
+    response = post(gateway, b"these are not the samples you are looking for\n" * 20)
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "file"
+    assert error_of(response)["code"] == "unsupported_audio_format"
+    assert "WAV, FLAC, MP3, OGG/Opus, M4A or WebM" in error_of(response)["message"]
+
+
+@pytest.mark.parametrize("keep", [20, 44, 2000])
+def test_a_truncated_wav_is_a_400(gateway: GatewayProcess, short_wav: bytes, keep: int) -> None:
+    response = post(gateway, short_wav[:keep])
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "file"
+    assert error_of(response)["code"] == "invalid_audio"
+
+
+def test_truncated_compressed_files_are_a_400(gateway: GatewayProcess, short_wav: bytes) -> None:
+    samples = np.frombuffer(short_wav[44:], dtype="<i2")
+    for container, codec in (("ipod", "aac"), ("ogg", "libopus"), ("flac", "flac")):
+        data = encoded(samples, container, codec, 48_000 if codec == "libopus" else RATE)
+        response = post(gateway, data[:60])
+        assert response.status_code == 400, (container, response.text)
+        assert error_of(response)["param"] == "file"
+
+
+def test_a_wav_header_claiming_hours_is_a_413_before_decoding(gateway: GatewayProcess, short_wav: bytes) -> None:
+    lying = short_wav[:40] + struct.pack("<I", 0xFFFFFF00) + short_wav[44:]
+    response = post(gateway, lying)
+    assert response.status_code == 413, response.text
+    assert error_of(response)["code"] == "audio_too_long"
+    assert f"the limit max_audio_seconds is {MAX_SECONDS}" in error_of(response)["message"]
+
+
+def test_audio_over_the_duration_limit_is_a_413(gateway: GatewayProcess) -> None:
+    response = post(gateway, wav_bytes(np.zeros((MAX_SECONDS + 5) * RATE, dtype=np.int16)))
+    assert response.status_code == 413
+    assert "max_audio_seconds" in error_of(response)["message"]
+
+
+def test_a_form_without_a_file_or_with_a_bad_field_is_a_400(gateway: GatewayProcess, short_wav: bytes) -> None:
+    no_file = httpx.post(f"{gateway.url}/v1/audio/transcriptions", files={"note": (None, "x")},
+                         data={"model": SERVED}, timeout=30)  # fmt: skip
+    bad_format = post(gateway, short_wav, response_format="docx")
+    bad_language = post(gateway, short_wav, language="xx")
+    words = post(gateway, short_wav, response_format="verbose_json", **{"timestamp_granularities[]": "word"})
+    assert (no_file.status_code, error_of(no_file)["param"]) == (400, "file")
+    assert (bad_format.status_code, error_of(bad_format)["param"]) == (400, "response_format")
+    assert (bad_language.status_code, error_of(bad_language)["param"]) == (400, "language")
+    assert "de, en, es, fr" in error_of(bad_language)["message"]
+    assert (words.status_code, error_of(words)["param"]) == (400, "timestamp_granularities[]")
+
+
+def test_the_gateway_routes_the_upload_by_its_model_field(gateway: GatewayProcess, short_wav: bytes) -> None:
+    response = httpx.post(f"{gateway.url}/v1/audio/transcriptions", files={"file": ("a.wav", short_wav)},
+                          data={"model": "no-such-model"}, timeout=30)  # fmt: skip
+    assert response.status_code == 404
+    assert error_of(response)["param"] == "model"
+
+
+# -- decoding, in-process ---------------------------------------------------------------------------------------------
+
+LIMITS = AudioLimits(max_audio_bytes=2**20, max_audio_seconds=10, max_audio_channels=2)
+
+
+@pytest.mark.parametrize(
+    ("container", "codec", "rate"),
+    [("wav", "pcm_s16le", RATE), ("flac", "flac", RATE), ("mp3", "libmp3lame", RATE), ("ogg", "libopus", 48_000),
+     ("ipod", "aac", RATE), ("webm", "libopus", 48_000)],
+)  # fmt: skip
+def test_every_container_decodes_to_16khz_mono_of_its_length(container: str, codec: str, rate: int) -> None:
+    samples = espeak("testing one two")
+    audio = decode_audio(encoded(samples, container, codec, rate), "file", LIMITS)
+    # Lossy codecs add a priming delay or pad the last frame: tens of milliseconds, never a different clip.
+    assert abs(audio.seconds - len(samples) / RATE) < 0.1
+    assert audio.samples.dtype == np.float32
+    assert audio.samples.ndim == 1
+
+
+def test_the_limits_are_checked_before_decoding_and_name_themselves() -> None:
+    samples = espeak("testing one two")
+    stereo = np.repeat(samples, 3)  # three interleaved channels
+    with pytest.raises(RequestTooLarge, match="the limit max_audio_channels is 2"):
+        decode_audio(wav_bytes(stereo, channels=3), "file", LIMITS)
+    with pytest.raises(RequestTooLarge, match="the limit max_audio_bytes is 1048576"):
+        decode_audio(wav_bytes(np.zeros(2**20, dtype=np.int16)), "file", LIMITS)
+    long_flac = encoded(np.zeros(12 * RATE, dtype=np.int16), "flac", "flac")
+    with pytest.raises(RequestTooLarge, match=r"its header says 12.0 seconds\); the limit max_audio_seconds is 10"):
+        decode_audio(long_flac, "file", LIMITS)
+    with pytest.raises(InvalidRequest, match="the file is empty"):
+        decode_audio(b"", "file", LIMITS)
+
+
+def test_a_stream_without_a_declared_length_stops_decoding_at_the_limit() -> None:
+    # An MP3 without a Xing header declares no duration that FFmpeg trusts: decoding counts and stops.
+    long_mp3 = encoded(np.zeros(12 * RATE, dtype=np.int16), "mp3", "libmp3lame")
+    with pytest.raises(RequestTooLarge, match="max_audio_seconds is 10"):
+        decode_audio(long_mp3, "file", LIMITS)
+
+
+def test_captions_are_numbered_cues_with_their_clock_times() -> None:
+    segments = [Segment(0, 0, 0.0, 2.5, " Hello.", [1]), Segment(1, 250, 2.5, 3661.25, " Bye.", [2])]
+    assert srt(segments) == "1\n00:00:00,000 --> 00:00:02,500\nHello.\n\n2\n00:00:02,500 --> 01:01:01,250\nBye.\n\n"
+    assert vtt(segments) == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello.\n\n00:00:02.500 --> 01:01:01.250\nBye.\n\n"
