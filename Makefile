@@ -58,12 +58,14 @@ lock-upgrade: venv
 lock-check:
 	$(PYTHON) .ci/lock.py check
 
-# System programs the tests drive for real (tesseract, nginx, redis-server), shellcheck, and what llama-cpp-python's
-# source build needs (a C++ compiler, cmake, ninja) (Debian packages; needs root, as on CI). All of them here, before `make test` starts its
+# System programs the tests drive for real (tesseract, espeak-ng's speech, nginx, redis-server), shellcheck, and what
+# llama-cpp-python's source build needs (a C++ compiler, cmake, ninja) (Debian packages; needs root, as on CI). All of
+# them here, before `make test` starts its
 # background steps: two apt-get runs at once would fight over dpkg's lock.
 system-deps:
 	@command -v c++ >/dev/null 2>&1 && command -v cmake >/dev/null 2>&1 && command -v ninja >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq build-essential cmake ninja-build; }
 	@command -v tesseract >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tesseract-ocr tesseract-ocr-eng; }
+	@command -v espeak-ng >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq espeak-ng; }
 	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck; }
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { apt-get update -qq && apt-get install -y -qq nginx-light; }
 	@command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || { apt-get update -qq && apt-get install -y -qq redis-server; }
