@@ -119,7 +119,7 @@ def backend_rule_admits(schema: dict[str, Any], task: str, backend: str) -> bool
 def test_the_crd_takes_the_new_task_in_its_enum_and_description() -> None:
     task = spec_schema(custom_resource_definition(EXTENDED))["properties"]["task"]
     assert task["enum"] == [*(t.value for t in Task), "translate"]
-    assert task["description"].endswith("ocr, document, anomaly or translate.")
+    assert task["description"].endswith("ocr, document, anomaly, transcribe or translate.")
     assert "translate" not in spec_schema(custom_resource_definition())["properties"]["task"]["enum"]
 
 
@@ -131,7 +131,7 @@ def test_the_crds_backend_rule_admits_the_new_tasks_backends_only(backend: str, 
 def test_the_crds_backend_message_names_the_new_tasks_backends_and_the_old_tasks_keep_theirs() -> None:
     schema = spec_schema(custom_resource_definition(EXTENDED))
     [rule] = [v for v in schema["x-kubernetes-validations"] if v.get("fieldPath") == ".backend"]
-    assert "rerank, classify, ner, document and translate take transformers" in rule["message"]
+    assert "rerank, classify, ner, document, transcribe and translate take transformers" in rule["message"]
     assert backend_rule_admits(schema, "ocr", "tesseract")
     assert not backend_rule_admits(schema, "ocr", "transformers")
 

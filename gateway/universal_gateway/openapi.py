@@ -62,6 +62,15 @@ def _json_body(route: Route, names: list[str], schemas: RequestSchemas) -> dict[
 _FILE = {"type": "string", "contentMediaType": "application/octet-stream", "description": "An uploaded file."}
 
 
+def _upload_body(route: Route, names: list[str], schemas: RequestSchemas) -> dict[str, Any]:
+    """A route that takes uploads only (OpenAI's audio API): the ``file``, and its request model's fields as form
+    fields."""
+    schema = _json_body(route, names, schemas)
+    schema["properties"] = {"file": _FILE, **schema["properties"]}
+    schema["required"] = ["model", "file", *schema["required"][1:]]
+    return schema
+
+
 def _form_body(names: list[str]) -> dict[str, Any]:
     return {
         "type": "object",
@@ -92,8 +101,10 @@ def _operation(route: Route, task: str, names: list[str], schemas: RequestSchema
         content: dict[str, Any] = {}
         if ModelFrom.JSON in route.model_from:
             content["application/json"] = {"schema": _json_body(route, names, schemas)}
-        if ModelFrom.FORM in route.model_from:
+        if ModelFrom.FORM in route.model_from and ModelFrom.JSON in route.model_from:
             content["multipart/form-data"] = {"schema": _form_body(names)}
+        elif ModelFrom.FORM in route.model_from:
+            content["multipart/form-data"] = {"schema": _upload_body(route, names, schemas)}
         operation["requestBody"] = {"required": True, "content": content}
         return operation
     parameters = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in route.params]

@@ -16,7 +16,7 @@ from universal_gateway.app import Gateway
 from universal_gateway.backends import ModelState, ModelView
 from universal_gateway.openapi import openapi_document
 from universal_predictors.anomaly.algorithms import ALGORITHMS, AlgorithmName
-from universal_predictors.catalog import CATALOG, Task
+from universal_predictors.catalog import CATALOG, ModelFrom, Task
 
 VIEWS = [ModelView(name=f"{t.value}-model", task=t, backend="auto", state=ModelState.IDLE) for t in Task]
 DOCUMENT = openapi_document(VIEWS)
@@ -61,7 +61,8 @@ def test_anomaly_fit_lists_every_algorithm() -> None:
 def test_model_is_required_and_lists_the_served_names_of_the_routes_task() -> None:
     for entry, route in CATALOG.routes():
         if route.method == "POST":
-            schema = body(f"/v1/{route.path}")
+            json_body = ModelFrom.JSON in route.model_from
+            schema = body(f"/v1/{route.path}", "application/json" if json_body else "multipart/form-data")
             assert schema["required"][0] == "model"
             assert schema["properties"]["model"]["enum"] == [f"{entry.name}-model"]
 
@@ -70,6 +71,15 @@ def test_ocr_takes_a_multipart_upload_and_json() -> None:
     content = DOCUMENT["paths"]["/v1/ocr"]["post"]["requestBody"]["content"]
     assert set(content) == {"application/json", "multipart/form-data"}
     assert content["multipart/form-data"]["schema"]["required"] == ["model"]
+
+
+def test_the_audio_routes_take_an_upload_only_with_the_file_and_the_request_models_fields() -> None:
+    content = DOCUMENT["paths"]["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]
+    assert set(content) == {"multipart/form-data"}
+    schema = content["multipart/form-data"]["schema"]
+    assert schema["required"] == ["model", "file"]
+    assert schema["properties"]["response_format"]["enum"] == ["json", "text", "srt", "verbose_json", "vtt"]
+    assert "language" not in body("/v1/audio/translations", "multipart/form-data")["properties"]
 
 
 def test_the_detector_routes_take_the_name_in_the_path_and_the_model_in_the_query() -> None:
