@@ -29,7 +29,7 @@ def quick_start_snippet() -> str:
 
 def test_serve_with_no_arguments_serves_the_local_examples_and_the_readme_snippet_runs(tmp_path: Path) -> None:
     assert sorted(p.name for p in DEFAULT_LOCAL_EXAMPLES.glob("*.yaml")) == [
-        "anomaly.yaml", "layoutlmv3-funsd.yaml", "minilm.yaml", "ocr.yaml", "qwen-chat.yaml",
+        "anomaly.yaml", "layoutlmv3-funsd.yaml", "minilm.yaml", "ocr.yaml", "qwen-chat.yaml", "whisper-tiny.yaml",
     ]  # fmt: skip
     with running_gateway([], tmp_path) as gateway:  # no paths: what `make serve` runs
         snippet = quick_start_snippet()
@@ -41,7 +41,7 @@ def test_serve_with_no_arguments_serves_the_local_examples_and_the_readme_snippe
         assert lines[0] == "384"  # as the README's comment says
         served = eval(lines[1])  # the list the snippet printed
         assert sorted(served) == sorted(
-            ["all-minilm-l6-v2", "ocr", "anomaly", "qwen2.5-0.5b-instruct", "layoutlmv3-funsd"]
+            ["all-minilm-l6-v2", "ocr", "anomaly", "qwen2.5-0.5b-instruct", "layoutlmv3-funsd", "whisper-tiny"]
         ), served
         # The hub-only models, offline: a 503 naming the model, its source and why; listed as failed with that reason.
         for model, route, body in (
@@ -54,6 +54,11 @@ def test_serve_with_no_arguments_serves_the_local_examples_and_the_readme_snippe
             assert error["code"] == "model_failed"
             assert f"The model {model!r} is not available: cannot fetch hf://" in error["message"]
             assert "HF_HUB_OFFLINE" in error["message"]  # what to change, in the hub library's words
+        # Whisper takes uploads only: routed by the form's model field, to the same 503.
+        upload = httpx.post(f"{gateway.base_url}/audio/transcriptions", data={"model": "whisper-tiny"},
+                            files={"file": ("note.wav", b"RIFF")}, timeout=300)  # fmt: skip
+        assert upload.status_code == 503, upload.text
+        assert "The model 'whisper-tiny' is not available: cannot fetch hf://" in upload.json()["error"]["message"]
         cards = {m["id"]: m for m in httpx.get(f"{gateway.base_url}/models", timeout=30).json()["data"]}
         assert cards["qwen2.5-0.5b-instruct"]["state"] == "failed"
         # The rest answer: OCR reads a rendered word, the anomaly service lists its detectors.
