@@ -28,7 +28,7 @@ from tests.predictors.tiny_whisper import build_tiny_whisper
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.speech.audio import AudioLimits, decode_audio
 from universal_predictors.speech.captions import srt, vtt
-from universal_predictors.speech.whisper import Segment
+from universal_predictors.speech.whisper import Job, Segment, WhisperEngine
 
 SERVED = "tiny-whisper"
 MAX_SECONDS = 120
@@ -54,13 +54,16 @@ def _in_process(model_dir: str) -> tuple[Any, Any]:
     return WhisperProcessor.from_pretrained(model_dir), WhisperForConditionalGeneration.from_pretrained(model_dir)
 
 
-def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", task: str = "transcribe") -> Reference:
+def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", task: str = "transcribe",
+              prompt: str | None = None) -> Reference:  # fmt: skip
     """transformers' own Whisper decoding, as its documentation writes it (long-form: untruncated features, an
     attention mask)."""
     import torch
 
     processor, model = _in_process(str(model_dir))
     kwargs: dict[str, Any] = {}
+    if prompt is not None:
+        kwargs["prompt_ids"] = torch.tensor(processor.get_prompt_ids(prompt))
     if len(samples) > 30 * RATE:
         inputs = processor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest",
                            return_attention_mask=True)  # fmt: skip
@@ -168,6 +171,36 @@ def test_translation_decodes_with_the_translate_task(client: OpenAI, whisper_dir
     expected = reference(whisper_dir, read_wav(short_wav), language=codes[detected], task="translate")
     assert answer["task"] == "translate"
     assert served_segments(answer) == expected.segments
+
+
+def test_a_mixed_batch_decodes_each_job_as_it_decodes_alone(whisper_dir: Path, short_wav: bytes,
+                                                            long_wav: bytes) -> None:  # fmt: skip
+    """Short and long audio, two languages, both tasks, a prompt and a detected language in one batch: the engine
+    splits it into the generate calls that can be shared, and each job comes out as it does alone."""
+    import torch
+
+    engine = WhisperEngine(str(whisper_dir), "cpu", torch.float32)
+    short, long = read_wav(short_wav), read_wav(long_wav)
+    prompt = engine.prompt_ids("the meeting notes")
+    jobs = [
+        Job(short, "transcribe", "en", None, 0.0),
+        Job(long, "transcribe", "en", None, 0.0),
+        Job(short[: 3 * RATE // 2], "transcribe", "en", None, 0.0),
+        Job(short, "transcribe", "de", None, 0.0),
+        Job(short, "translate", "fr", None, 0.0),
+        Job(short, "transcribe", "en", prompt, 0.0),
+        Job(long[: 45 * RATE], "transcribe", None, None, 0.0),
+    ]
+    together = engine.transcribe_batch(jobs)
+    alone = [engine.transcribe_batch([job])[0] for job in jobs]
+    assert together == alone
+    assert [(s.tokens, s.start, s.end) for s in together[5].segments] == reference(
+        whisper_dir, short, prompt="the meeting notes"
+    ).segments
+    assert [(s.tokens, s.start, s.end) for s in together[4].segments] == reference(
+        whisper_dir, short, language="fr", task="translate"
+    ).segments
+    assert together[6].language in engine.languages
 
 
 # -- every response format through the SDK ---------------------------------------------------------------------------
