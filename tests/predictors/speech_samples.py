@@ -68,11 +68,23 @@ def long_speech(seconds: float) -> np.ndarray:
     return np.concatenate(pieces)[: int(seconds * RATE)]
 
 
-def encoded(samples: np.ndarray, container: str, codec: str, rate: int = RATE) -> bytes:
-    """``samples`` (int16, 16 kHz mono) encoded with PyAV into ``container`` with ``codec``."""
+class _LiveSink:
+    """A write-only file: a muxer cannot seek back to write the duration, as a browser's MediaRecorder cannot."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: bytes) -> int:
+        self.data += chunk
+        return len(chunk)
+
+
+def encoded(samples: np.ndarray, container: str, codec: str, rate: int = RATE, *, live: bool = False) -> bytes:
+    """``samples`` (int16, 16 kHz mono) encoded with PyAV into ``container`` with ``codec``; ``live``: written as a
+    stream (no duration in the header)."""
     import av
 
-    out = io.BytesIO()
+    out: Any = _LiveSink() if live else io.BytesIO()
     with av.open(out, mode="w", format=container) as writer:
         stream: Any = writer.add_stream(codec, rate=rate, layout="mono")
         frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
@@ -85,7 +97,7 @@ def encoded(samples: np.ndarray, container: str, codec: str, rate: int = RATE) -
                 writer.mux(packet)
         for packet in stream.encode(None):
             writer.mux(packet)
-    return out.getvalue()
+    return bytes(out.data) if live else out.getvalue()
 
 
 def write(path: Path, data: bytes) -> Path:
