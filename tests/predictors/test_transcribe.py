@@ -28,7 +28,7 @@ from tests.predictors.tiny_whisper import build_tiny_whisper
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.speech.audio import AudioLimits, decode_audio
 from universal_predictors.speech.captions import srt, vtt
-from universal_predictors.speech.whisper import Job, Segment, WhisperEngine
+from universal_predictors.speech.whisper import Job, Segment, WhisperEngine, long_form_features
 
 SERVED = "tiny-whisper"
 MAX_SECONDS = 120
@@ -363,6 +363,17 @@ def test_a_recording_without_a_declared_length_stops_decoding_at_the_limit() -> 
         decode_audio(live, "file", LIMITS)
     short = decode_audio(encoded(espeak("hello"), "webm", "libopus", 48_000, live=True), "file", LIMITS)
     assert 0.3 < short.seconds < 2
+
+
+@pytest.mark.parametrize("frames_per_step", [3000, 1000, 7])
+def test_long_form_features_equal_the_extractors_to_the_bit(whisper_dir: Path, frames_per_step: int) -> None:
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(whisper_dir)
+    samples = (np.random.default_rng(0).standard_normal(65 * RATE + 77) * 0.1).astype(np.float32)
+    expected = extractor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest")
+    assert torch.equal(long_form_features(samples, extractor, frames_per_step), expected.input_features)
 
 
 def test_captions_are_numbered_cues_with_their_clock_times() -> None:

@@ -162,9 +162,10 @@ def decode_audio(data: bytes, field: str, limits: AudioLimits) -> Audio:
         except av.FFmpegError as exc:
             raise damaged(_reason(exc)) from None
     samples = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
+    del chunks
     if not len(samples):
         raise damaged("no audio frames in it")
-    return Audio(np.clip(samples, -1.0, 1.0), kind)
+    return Audio(np.clip(samples, -1.0, 1.0, out=samples), kind)
 
 
 def _reason(exc: Exception) -> str:

