@@ -365,7 +365,7 @@ def test_a_recording_without_a_declared_length_stops_decoding_at_the_limit() -> 
     assert 0.3 < short.seconds < 2
 
 
-@pytest.mark.parametrize("frames_per_step", [3000, 1000, 7])
+@pytest.mark.parametrize("frames_per_step", [3000, 1000])
 def test_long_form_features_equal_the_extractors_to_the_bit(whisper_dir: Path, frames_per_step: int) -> None:
     import torch
     from transformers import WhisperFeatureExtractor
