@@ -284,7 +284,7 @@ async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator
         await eventually(all_ready, within=30)
     await client.close()
     tasks = {c["metadata"]["labels"]["serving.universal-runtime.dev/task"] for c in cluster.emulator.list_objects(ISVC)}
-    assert tasks == {"generate", "embed", "rerank", "classify", "ner", "ocr", "document", "anomaly"}
+    assert tasks == {"generate", "embed", "rerank", "classify", "ner", "ocr", "document", "anomaly", "transcribe"}
     standard = _child(cluster, "anomaly")
     assert standard is not None
     assert standard["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
