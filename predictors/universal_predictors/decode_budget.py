@@ -63,14 +63,15 @@ class DecodeBudget:
             self._pool = None
 
     @contextlib.asynccontextmanager
-    async def reserve(self, nbytes: int, field: str) -> AsyncIterator[None]:
-        """Hold ``nbytes`` of the budget for the block (waiting in line for them)."""
+    async def reserve(self, nbytes: int, field: str, inputs: str = "images") -> AsyncIterator[None]:
+        """Hold ``nbytes`` of the budget for the block (waiting in line for them); ``inputs`` names what is decoded,
+        in the errors."""
         nbytes = max(0, nbytes)
         if nbytes > self.total:
             raise RequestTooLarge(
-                f"{field}: decoding and reading these images needs about {nbytes // 2**20} MiB, more than this "
+                f"{field}: decoding and reading these {inputs} needs about {nbytes // 2**20} MiB, more than this "
                 f"model's whole decode budget ({self.total // 2**20} MiB, the engine argument {self.arg}); send "
-                "smaller or fewer images per request, or raise it",
+                f"smaller or fewer {inputs} per request, or raise it",
                 param=field,
                 code="decode_budget_exceeded",
             )
@@ -87,7 +88,7 @@ class DecodeBudget:
                     self._waiters.remove(entry)
                 self._grant()
                 raise Unavailable(
-                    f"{field}: the model is decoding other requests' images up to its decode budget "
+                    f"{field}: the model is decoding other requests' {inputs} up to its decode budget "
                     f"({self.total // 2**20} MiB, {self.arg}) and this request waited {self.wait_s:g} s for its "
                     "share; retry shortly",
                     code="decode_budget_busy",

@@ -31,7 +31,9 @@ from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, Segment, WhisperEngine, long_form_features
 
 SERVED = "tiny-whisper"
-MAX_SECONDS = 120
+MAX_SECONDS = 200
+#: Room for the concurrency test's audio at once (192 KB a second: 75 s + 45 s + the short clips), not for 150 s.
+DECODE_BUDGET_MB = 24
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iter
         "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
         f"metadata: {{name: whisper}}\nspec:\n  task: transcribe\n  servedName: {SERVED}\n"
         f'  source: {{uri: "{whisper_dir}"}}\n'
-        f'  engineArgs: {{max_audio_seconds: "{MAX_SECONDS}", max_wait_ms: "50"}}\n'
+        f'  engineArgs: {{max_audio_seconds: "{MAX_SECONDS}", max_wait_ms: "50", '
+        f'decode_budget_mb: "{DECODE_BUDGET_MB}"}}\n'
     )
     with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
         yield running
@@ -301,6 +304,15 @@ def test_audio_over_the_duration_limit_is_a_413(gateway: GatewayProcess) -> None
     response = post(gateway, wav_bytes(np.zeros((MAX_SECONDS + 5) * RATE, dtype=np.int16)))
     assert response.status_code == 413
     assert "max_audio_seconds" in error_of(response)["message"]
+
+
+def test_audio_over_the_memory_budget_is_a_413_naming_it(gateway: GatewayProcess) -> None:
+    response = post(gateway, wav_bytes(np.zeros(150 * RATE, dtype=np.int16)))
+    assert response.status_code == 413, response.text
+    assert error_of(response)["code"] == "decode_budget_exceeded"
+    assert (
+        f"decode budget ({DECODE_BUDGET_MB} MiB, the engine argument decode_budget_mb)" in error_of(response)["message"]
+    )
 
 
 def test_a_form_without_a_file_or_with_a_bad_field_is_a_400(gateway: GatewayProcess, short_wav: bytes) -> None:

@@ -14,7 +14,6 @@ the decoding runs on the engine thread, audio of concurrent requests batched
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
@@ -27,10 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from universal_predictors.base import UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.devices import detect_device, dtype_for
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import FormPart, is_multipart_form, parse_form, validation_error
-from universal_predictors.speech.audio import AudioLimits, decode_audio
+from universal_predictors.speech.audio import BYTES_PER_AUDIO_SECOND, AudioLimits, declared_seconds, decode_audio
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
 
@@ -47,6 +47,11 @@ class TranscribeEngineArgs(BaseModel):
     max_audio_bytes: int = Field(default=25 * 2**20, ge=1024, description="Bytes of one uploaded file.")
     max_audio_seconds: float = Field(default=3600.0, gt=0, le=86400, description="Duration of one file.")
     max_audio_channels: int = Field(default=8, ge=1, le=64, description="Channels of one file (mixed to mono).")
+    decode_budget_mb: int = Field(
+        default=2048, ge=16, le=1024 * 1024,
+        description="Memory the audio of concurrent requests may hold (samples and features), in MiB.",
+    )  # fmt: skip
+    decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
     device: str = "auto"
     dtype: str = "auto"
 
@@ -151,6 +156,8 @@ class TranscribePredictor(UniversalPredictor):
         device = detect_device(args.device)
         self.whisper = WhisperEngine(self.config.source, device, dtype_for(device, args.dtype))
         self.limits = args.limits()
+        largest = int(args.max_audio_seconds * BYTES_PER_AUDIO_SECOND)
+        self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s, largest_bytes=largest)
         self.batcher: MicroBatcher[Job, Transcript] = MicroBatcher(
             self.whisper.transcribe_batch,
             model_name=self.name,
@@ -164,6 +171,7 @@ class TranscribePredictor(UniversalPredictor):
     def unload(self) -> None:
         if hasattr(self, "whisper"):
             del self.whisper
+            self.decode_budget.close()
 
     def describe(self) -> dict[str, Any]:
         if not hasattr(self, "whisper"):
@@ -176,6 +184,7 @@ class TranscribePredictor(UniversalPredictor):
                 "max_audio_bytes": args.max_audio_bytes,
                 "max_audio_seconds": args.max_audio_seconds,
                 "max_audio_channels": args.max_audio_channels,
+                "decode_budget_mb": args.decode_budget_mb,
             },
         }
 
@@ -201,26 +210,19 @@ class TranscribePredictor(UniversalPredictor):
         fields = body.fields
         language = self.whisper.check_language(fields.language, body.task)
         prompt_ids = self.whisper.prompt_ids(fields.prompt)
-        audio = await asyncio.to_thread(decode_audio, body.audio, "file", self.limits)
-        job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature)
+        # What the header declares (every header check done), else the limit: reserved before anything is decoded,
+        # held until the transcript is done (the samples and features live that long).
+        declared = await self.decode_budget.run(declared_seconds, body.audio, "file", self.limits)
+        seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
+        async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
+            audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
+            job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature)
+            del audio
+            transcript = await self.batcher.submit(job)
         if fields.stream:
-            return StreamingResponse(self._events(job), media_type="text/event-stream",
+            return StreamingResponse(_events(transcript), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return self._response(await self.batcher.submit(job), body.task, fields.response_format, fields.temperature)
-
-    async def _events(self, job: Job) -> AsyncIterator[bytes]:
-        transcript = await self.batcher.submit(job)
-        sent = ""
-        for running in transcript.texts:
-            # A delta once the text so far only grew. Held back: trailing spaces (the done text is stripped) and a
-            # trailing U+FFFD (a character whose other bytes the next segment may bring).
-            running = running.strip().rstrip("\ufffd")
-            if running.startswith(sent) and len(running) > len(sent):
-                yield _event({"type": "transcript.text.delta", "delta": running[len(sent) :]})
-                sent = running
-        if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
-            yield _event({"type": "transcript.text.delta", "delta": transcript.text[len(sent) :]})
-        yield _event({"type": "transcript.text.done", "text": transcript.text})
+        return self._response(transcript, body.task, fields.response_format, fields.temperature)
 
     def _response(self, transcript: Transcript, task: SpeechTask, response_format: ResponseFormat,
                   temperature: float) -> Response:  # fmt: skip
@@ -249,6 +251,21 @@ class TranscribePredictor(UniversalPredictor):
 
 def _json(payload: dict[str, Any]) -> Response:
     return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
+
+
+async def _events(transcript: Transcript) -> AsyncIterator[bytes]:
+    """The transcript as OpenAI's transcription events: deltas that add up to the text, then the text."""
+    sent = ""
+    for running in transcript.texts:
+        # A delta once the text so far only grew. Held back: trailing spaces (the done text is stripped) and a
+        # trailing U+FFFD (a character whose other bytes the next segment may bring).
+        running = running.strip().rstrip("\ufffd")
+        if running.startswith(sent) and len(running) > len(sent):
+            yield _event({"type": "transcript.text.delta", "delta": running[len(sent) :]})
+            sent = running
+    if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
+        yield _event({"type": "transcript.text.delta", "delta": transcript.text[len(sent) :]})
+    yield _event({"type": "transcript.text.done", "text": transcript.text})
 
 
 def _event(payload: dict[str, Any]) -> bytes:
