@@ -226,6 +226,12 @@ def test_every_response_format_says_the_same_transcript(client: OpenAI, short_wa
     assert as_vtt.startswith("WEBVTT\n\n00:00:")
 
 
+def test_sampling_and_segment_granularity_are_taken(client: OpenAI, short_wav: bytes) -> None:
+    sampled = verbose(client, short_wav, language="en", temperature=0.7, timestamp_granularities=["segment"])
+    assert {segment["temperature"] for segment in sampled["segments"]} == {0.7}
+    assert sampled["text"] == sampled["text"].strip()
+
+
 def test_a_stream_sends_deltas_that_add_up_to_the_done_text(client: OpenAI, short_wav: bytes, long_wav: bytes) -> None:
     for clip in (short_wav, long_wav):
         unary = client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en")
