@@ -131,7 +131,8 @@ def test_the_crds_backend_rule_admits_the_new_tasks_backends_only(backend: str, 
 def test_the_crds_backend_message_names_the_new_tasks_backends_and_the_old_tasks_keep_theirs() -> None:
     schema = spec_schema(custom_resource_definition(EXTENDED))
     [rule] = [v for v in schema["x-kubernetes-validations"] if v.get("fieldPath") == ".backend"]
-    assert "rerank, classify, ner, document, transcribe and translate take transformers" in rule["message"]
+    assert "rerank, classify, ner, document and translate take transformers" in rule["message"]
+    assert "transcribe takes transformers or faster-whisper" in rule["message"]
     assert backend_rule_admits(schema, "ocr", "tesseract")
     assert not backend_rule_admits(schema, "ocr", "transformers")
 

@@ -153,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from universal_predictors.devices import allocated_gpus, gpus_left_unused
 
-    # Generate checks with the engine it resolves (tasks/generate.py); every other task here, before loading.
-    unused = None if config.task is Task.GENERATE else gpus_left_unused(config.task, config.backend, allocated_gpus())
+    # Generate and transcribe check with the engine they resolve (tasks/generate.py, tasks/transcribe.py); every other
+    # task here, before loading.
+    resolves_itself = config.task in (Task.GENERATE, Task.TRANSCRIBE)
+    unused = None if resolves_itself else gpus_left_unused(config.task, config.backend, allocated_gpus())
     if unused is not None:
         print(f"{PROG}: error: {unused}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ class Backend(StrEnum):
     RAPIDOCR = "rapidocr"
     TESSERACT = "tesseract"
     PYOD = "pyod"
+    FASTER_WHISPER = "faster-whisper"
 
 
 class ModelFrom(StrEnum):
@@ -440,7 +441,7 @@ CATALOG = Catalog(
         TaskEntry(
             name=Task.TRANSCRIBE,
             summary="speech to text (Whisper-family): OpenAI's audio transcriptions and translations, streaming",
-            backends=(Backend.TRANSFORMERS,),
+            backends=(Backend.TRANSFORMERS, Backend.FASTER_WHISPER),
             extra="transcribe",
             predictor=f"{_TASKS}.transcribe:TranscribePredictor",
             routes=(

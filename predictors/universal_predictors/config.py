@@ -80,7 +80,8 @@ def resolve_backend(task: Task, backend: Backend, source: str, file_pattern: str
     A GGUF source runs on llama.cpp; otherwise the task's first engine in the catalog (transformers for
     the neural tasks, RapidOCR for OCR: its models ship with the package, PyOD for anomaly detection).
     Generation on a GPU stays ``auto``: only the predictor can see whether vLLM is importable and
-    supports the architecture.
+    supports the architecture; so does speech to text, whose engine follows the files the predictor finds (a
+    CTranslate2 directory runs on faster-whisper).
     """
     if backend is not Backend.AUTO:
         return backend
@@ -88,6 +89,8 @@ def resolve_backend(task: Task, backend: Backend, source: str, file_pattern: str
     if task in FILE_PATTERN_TASKS and is_gguf(source, file_pattern) and Backend.LLAMACPP in backends:
         return Backend.LLAMACPP
     if Backend.VLLM in backends and gpus > 0:
+        return Backend.AUTO
+    if Backend.FASTER_WHISPER in backends:
         return Backend.AUTO
     return backends[0]
 

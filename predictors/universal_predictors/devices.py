@@ -126,6 +126,8 @@ def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
                 "as the predictor-cuda image does"
             )
         return None
+    if backend is Backend.FASTER_WHISPER:
+        return _ctranslate2_gpu_problem(given)
     if backend not in (Backend.TRANSFORMERS, Backend.VLLM):
         return None
     import torch
@@ -144,6 +146,25 @@ def gpu_unusable_reason(backend: Backend, gpus: int) -> str | None:
             f"{given} but torch {torch.__version__} (CUDA {torch.version.cuda or torch.version.hip}) sees no GPU: "
             "the container got no GPU device (check the node's NVIDIA container runtime, the profile's "
             "runtimeClassName, and CUDA_VISIBLE_DEVICES)"
+        )
+    return None
+
+
+#: The CUDA release CTranslate2 4.x's Linux wheels are built for (its README: CUDA 12 and cuDNN 9).
+CTRANSLATE2_CUDA = "12.0"
+
+
+def _ctranslate2_gpu_problem(given: str) -> str | None:
+    """Why CTranslate2 (faster-whisper) cannot use the pod's GPUs, or None."""
+    problem = driver_problem(CTRANSLATE2_CUDA)
+    if problem is not None:
+        return f"{given} but {problem}"
+    import ctranslate2
+
+    if ctranslate2.get_cuda_device_count() == 0:
+        return (
+            f"{given} but CTranslate2 {ctranslate2.__version__} sees no CUDA device: a build without CUDA, or the "
+            "CUDA 12 and cuDNN 9 libraries it loads are missing (the predictor-cuda image has them)"
         )
     return None
 

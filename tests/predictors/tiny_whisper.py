@@ -8,6 +8,10 @@ last special token). The generation config carries what ``WhisperForConditionalG
 reads: the language and task token maps, the timestamp token, the suppressed tokens. Weights are random
 with a fixed seed; the model's output is gibberish, but it is the same gibberish in-process and served,
 which is what the tests compare.
+
+:func:`build_tiny_ct2_whisper` converts such a model with CTranslate2's own converter, for the faster-whisper
+backend (with Whisper's 448 decoder positions: faster-whisper decodes up to 448 tokens a window, as every real
+Whisper has).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ CORPUS = [
 MAX_TARGET_POSITIONS = 96
 
 
-def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int = MAX_TARGET_POSITIONS) -> Path:
     """Write a tiny Whisper (model, tokenizer, feature extractor, generation config) to ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     bpe = ByteLevelBPETokenizer()
@@ -80,7 +84,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
         encoder_ffn_dim=128,
         decoder_ffn_dim=128,
         max_source_positions=1500,
-        max_target_positions=MAX_TARGET_POSITIONS,
+        max_target_positions=max_target_positions,
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|endoftext|>"],
@@ -92,7 +96,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|endoftext|>"],
         pad_token_id=ids["<|endoftext|>"],
-        max_length=MAX_TARGET_POSITIONS,
+        max_length=max_target_positions,
         is_multilingual=True,
         lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
         task_to_id={task: ids[f"<|{task}|>"] for task in TASKS},
@@ -108,3 +112,14 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     processor = WhisperProcessor(extractor, tokenizer)  # type: ignore[no-untyped-call]
     processor.save_pretrained(path)
     return path
+
+
+def build_tiny_ct2_whisper(path: Path, *, seed: int = 0) -> Path:
+    """A tiny Whisper built as :func:`build_tiny_whisper` does (under ``path/transformers``), converted with
+    ``ctranslate2.converters.TransformersConverter`` to ``path/ctranslate2`` (``model.bin``, CTranslate2's
+    ``config.json``, the vocabulary, and the tokenizer.json faster-whisper reads). Returns the converted folder."""
+    import ctranslate2
+
+    source = build_tiny_whisper(path / "transformers", seed=seed, max_target_positions=448)
+    converter = ctranslate2.converters.TransformersConverter(str(source), copy_files=["tokenizer.json"])
+    return Path(converter.convert(str(path / "ctranslate2"), force=True))

@@ -40,6 +40,18 @@ class Job:
     language: str | None
     prompt_ids: tuple[int, ...] | None
     temperature: float
+    #: Word timestamps asked for (an engine that has them: faster-whisper's cross-attention alignment).
+    words: bool = False
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word and its time, in seconds from the start of the audio."""
+
+    word: str
+    start: float
+    end: float
+    probability: float
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,10 @@ class Segment:
     end: float
     text: str
     tokens: list[int]
+    #: What the engine reports beside the tokens (None where it does not: transformers' generate).
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
+    words: tuple[Word, ...] = ()
 
     @property
     def compression_ratio(self) -> float:
@@ -73,6 +89,23 @@ class Transcript:
     @property
     def text(self) -> str:
         return self.texts[-1].strip() if self.texts else ""
+
+
+def checked_language(language: str | None, task: SpeechTask, multilingual: bool,
+                     languages: Sequence[str]) -> str | None:  # fmt: skip
+    """``language`` as a checkpoint knows it; a 400 naming the ones it knows (English-only: no translation)."""
+    if not multilingual:
+        if task == "translate":
+            raise InvalidRequest("This model is English-only: it cannot translate; use a multilingual "
+                                 "Whisper checkpoint.", param="model", code="unsupported_task")  # fmt: skip
+        if language not in (None, "en"):
+            raise InvalidRequest(f"language: this model is English-only; {language!r} is not available",
+                                 param="language", code="unsupported_language")  # fmt: skip
+        return None
+    if language is not None and language not in languages:
+        raise InvalidRequest(f"language: {language!r} is not one of the model's languages "
+                             f"({', '.join(languages)})", param="language", code="unsupported_language")  # fmt: skip
+    return language
 
 
 def long_form_features(samples: np.ndarray, extractor: Any, frames_per_step: int = WINDOW_FRAMES) -> Any:
@@ -132,19 +165,7 @@ class WhisperEngine:
 
     def check_language(self, language: str | None, task: SpeechTask) -> str | None:
         """``language`` as the checkpoint knows it; a 400 naming the ones it knows."""
-        if not self.multilingual:
-            if task == "translate":
-                raise InvalidRequest("This model is English-only: it cannot translate; use a multilingual "
-                                     "Whisper checkpoint.", param="model", code="unsupported_task")  # fmt: skip
-            if language not in (None, "en"):
-                raise InvalidRequest(f"language: this model is English-only; {language!r} is not available",
-                                     param="language", code="unsupported_language")  # fmt: skip
-            return None
-        if language is not None and language not in self.languages:
-            raise InvalidRequest(f"language: {language!r} is not one of the model's languages "
-                                 f"({', '.join(self.languages)})", param="language",
-                                 code="unsupported_language")  # fmt: skip
-        return language
+        return checked_language(language, task, self.multilingual, self.languages)
 
     def prompt_ids(self, prompt: str | None) -> tuple[int, ...] | None:
         """The prompt as the decoder's previous-text tokens; a 400 over :attr:`max_prompt_tokens`."""

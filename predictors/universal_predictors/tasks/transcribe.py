@@ -5,7 +5,8 @@ fields ``model``, ``language``, ``prompt``, ``temperature``, ``response_format``
 ``vtt``, ``verbose_json``), ``timestamp_granularities[]`` and, for transcriptions, ``stream``. The file is decoded
 on a worker thread within the limits of :class:`TranscribeEngineArgs` (:mod:`universal_predictors.speech.audio`);
 the decoding runs on the engine thread, audio of concurrent requests batched
-(:mod:`universal_predictors.speech.whisper`).
+(:mod:`universal_predictors.speech.whisper` on transformers, :mod:`universal_predictors.speech.whisper_ct2` on
+faster-whisper; ``auto`` picks faster-whisper for a directory CTranslate2's converter wrote, transformers otherwise).
 
 ``stream=true`` answers with server-sent events, ``transcript.text.delta`` per segment and one
 ``transcript.text.done`` with the whole text. The deltas come once the request's audio is decoded (a batch's
@@ -17,22 +18,24 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from universal_predictors.base import UniversalPredictor
+from universal_predictors.base import StartupError, UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.catalog import Backend, Route, Task
+from universal_predictors.config import PredictorConfig
 from universal_predictors.decode_budget import DecodeBudget
-from universal_predictors.devices import detect_device, dtype_for
+from universal_predictors.devices import allocated_gpus, detect_device, dtype_for, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import FormPart, is_multipart_form, parse_form, validation_error
 from universal_predictors.speech.audio import BYTES_PER_AUDIO_SECOND, AudioLimits, declared_seconds, decode_audio
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
+from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine, is_ctranslate2_whisper
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 
@@ -53,7 +56,21 @@ class TranscribeEngineArgs(BaseModel):
     )  # fmt: skip
     decode_wait_s: float = Field(default=30.0, gt=0, le=3600, description="Longest a request waits for its share.")
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = Field(
+        default="auto", description="transformers: the torch dtype (auto: fp32 on CPU, bf16/fp16 on GPU)."
+    )
+    compute_type: str = Field(
+        default="auto", description="faster-whisper: CTranslate2's compute type (auto: int8 on CPU, float16 on GPU)."
+    )
+    beam_size: int = Field(default=5, ge=1, le=16, description="faster-whisper: beams per window (1: greedy).")
+    num_workers: int = Field(
+        default=2, ge=1, le=16, description="faster-whisper: model replicas decoding requests side by side."
+    )
+    cpu_threads: int = Field(default=0, ge=0, le=256, description="faster-whisper: threads per replica (0: its own).")
+
+    #: Arguments only one backend reads: given to the other, the predictor refuses to start.
+    FASTER_WHISPER_ONLY: ClassVar[tuple[str, ...]] = ("compute_type", "beam_size", "num_workers", "cpu_threads")
+    TRANSFORMERS_ONLY: ClassVar[tuple[str, ...]] = ("dtype",)
 
     def limits(self) -> AudioLimits:
         return AudioLimits(self.max_audio_bytes, self.max_audio_seconds, self.max_audio_channels)
@@ -81,7 +98,7 @@ class TranscriptionRequest(TranslationRequest):
     language: str | None = Field(default=None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code; else detected.")
     stream: bool = False
     timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
-        default=None, description="verbose_json only: segment times always; word times not on this backend yet."
+        default=None, description="verbose_json only: segment times always; word times on faster-whisper."
     )
 
 
@@ -99,8 +116,11 @@ class SpeechBody(BaseModel):
 _LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities", "include[]": "include"}
 
 
-def form_body(parts: list[FormPart], task: SpeechTask) -> tuple[str | None, SpeechBody]:
-    """The model and body of an upload; a 400 names a missing or doubled file, or a field that is wrong."""
+def form_body(
+    parts: list[FormPart], task: SpeechTask, *, word_timestamps: bool = False
+) -> tuple[str | None, SpeechBody]:
+    """The model and body of an upload; a 400 names a missing or doubled file, or a field that is wrong
+    (``word_timestamps``: whether the backend has them)."""
     options: dict[str, Any] = {}
     files = [part for part in parts if part.name == "file"]
     for part in parts:
@@ -132,10 +152,19 @@ def form_body(parts: list[FormPart], task: SpeechTask) -> tuple[str | None, Spee
     if fields.timestamp_granularities and fields.response_format != "verbose_json":
         raise InvalidRequest("timestamp_granularities[]: only response_format verbose_json has timestamps",
                              param="timestamp_granularities[]")  # fmt: skip
-    if fields.timestamp_granularities and "word" in fields.timestamp_granularities:
-        raise InvalidRequest("timestamp_granularities[]: word timestamps are not available on this backend yet; "
-                             "ask for segment", param="timestamp_granularities[]")  # fmt: skip
+    if fields.timestamp_granularities and "word" in fields.timestamp_granularities and not word_timestamps:
+        raise InvalidRequest("timestamp_granularities[]: word timestamps are not available on the transformers "
+                             "backend; ask for segment, or serve a CTranslate2 model (backend faster-whisper)",
+                             param="timestamp_granularities[]")  # fmt: skip
     return fields.model, SpeechBody(task=task, fields=fields, audio=files[0].data)
+
+
+def speech_backend(backend: Backend, source: str) -> Backend:
+    """The engine ``auto`` means here: faster-whisper for a directory CTranslate2's converter wrote, else
+    transformers; an explicit backend passes through."""
+    if backend is not Backend.AUTO:
+        return backend
+    return Backend.FASTER_WHISPER if is_ctranslate2_whisper(source) else Backend.TRANSFORMERS
 
 
 def language_name(code: str) -> str:
@@ -151,10 +180,52 @@ class TranscribePredictor(UniversalPredictor):
     task = Task.TRANSCRIBE
     EngineArgs = TranscribeEngineArgs
 
+    whisper: WhisperEngine | FasterWhisperEngine
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__(config)
+        self.backend = speech_backend(config.backend, config.source)
+        # Before loading, as every task does: GPUs given that the engine cannot use stop the start, named.
+        unusable = gpu_unusable_reason(self.backend, allocated_gpus())
+        if unusable is not None:
+            raise StartupError(unusable)
+        given = set(config.engine_args_for(self.backend))
+        other = TranscribeEngineArgs.TRANSFORMERS_ONLY if self.backend is Backend.FASTER_WHISPER else \
+            TranscribeEngineArgs.FASTER_WHISPER_ONLY  # fmt: skip
+        wrong = sorted(given & set(other))
+        if wrong:
+            raise StartupError(f"engine arg {wrong[0]!r} is not read by the {self.backend.value} backend of task "
+                               f"transcribe (the other backend's)")  # fmt: skip
+        if self.backend is Backend.FASTER_WHISPER:
+            self.device, self.compute_type = self._ctranslate2_device(self.engine_args)
+
+    @staticmethod
+    def _ctranslate2_device(args: TranscribeEngineArgs) -> tuple[str, str]:
+        """CTranslate2's device and compute type; a GPU asked for and absent stops the start, as every task's."""
+        from universal_predictors.speech.whisper_ct2 import ctranslate2_cuda_devices, default_compute_type
+
+        cuda = ctranslate2_cuda_devices()
+        device = args.device if args.device != "auto" else ("cuda" if cuda else "cpu")
+        if device.startswith("cuda") and cuda == 0:
+            raise StartupError(f"engine arg device={args.device!r}: CTranslate2 sees no CUDA device (no GPU, or a "
+                               "build without CUDA); use device=cpu or give the model a GPU")  # fmt: skip
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise StartupError(f"engine arg device={args.device!r}: faster-whisper runs on cpu or cuda[:N]")
+        return device, args.compute_type if args.compute_type != "auto" else default_compute_type(device)
+
     def load(self) -> bool:
         args: TranscribeEngineArgs = self.engine_args
-        device = detect_device(args.device)
-        self.whisper = WhisperEngine(self.config.source, device, dtype_for(device, args.dtype))
+        if self.backend is Backend.FASTER_WHISPER:
+            from universal_predictors.speech.whisper_ct2 import DecodeOptions
+
+            device, _, index = self.device.partition(":")
+            self.whisper = FasterWhisperEngine(
+                self.config.source, device, self.compute_type, device_index=int(index or 0),
+                cpu_threads=args.cpu_threads, num_workers=args.num_workers, options=DecodeOptions(args.beam_size),
+            )  # fmt: skip
+        else:
+            device = detect_device(args.device)
+            self.whisper = WhisperEngine(self.config.source, device, dtype_for(device, args.dtype))
         self.limits = args.limits()
         largest = int(args.max_audio_seconds * BYTES_PER_AUDIO_SECOND)
         self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s, largest_bytes=largest)
@@ -165,11 +236,16 @@ class TranscribePredictor(UniversalPredictor):
             # Similar lengths together: a long-form batch decodes for as long as its longest item.
             cost=lambda job: len(job.samples),
         )
-        self.backend = Backend.TRANSFORMERS
         return True
+
+    @property
+    def word_timestamps(self) -> bool:
+        return self.backend is Backend.FASTER_WHISPER
 
     def unload(self) -> None:
         if hasattr(self, "whisper"):
+            if isinstance(self.whisper, FasterWhisperEngine):
+                self.whisper.close()
             del self.whisper
             self.decode_budget.close()
 
@@ -177,7 +253,7 @@ class TranscribePredictor(UniversalPredictor):
         if not hasattr(self, "whisper"):
             return {}
         args: TranscribeEngineArgs = self.engine_args
-        return {
+        described: dict[str, Any] = {
             "languages": self.whisper.languages,
             "multilingual": self.whisper.multilingual,
             "limits": {
@@ -186,7 +262,12 @@ class TranscribePredictor(UniversalPredictor):
                 "max_audio_channels": args.max_audio_channels,
                 "decode_budget_mb": args.decode_budget_mb,
             },
+            "word_timestamps": self.word_timestamps,
         }
+        if isinstance(self.whisper, FasterWhisperEngine):
+            described["compute_type"] = self.whisper.compute_type
+            described["device"] = self.whisper.device
+        return described
 
     # A client that leaves stops its request: decoding, its audio queued for a batch.
     stop_on_disconnect = True
@@ -198,7 +279,8 @@ class TranscribePredictor(UniversalPredictor):
                 "SDK sends it", code="unsupported_media_type",
             )  # fmt: skip
         task: SpeechTask = "translate" if route.handler == "translations" else "transcribe"
-        return form_body(await parse_form(request, self.engine_args.max_body_bytes), task)
+        parts = await parse_form(request, self.engine_args.max_body_bytes)
+        return form_body(parts, task, word_timestamps=self.word_timestamps)
 
     async def transcriptions(self, body: SpeechBody, request: Request | None = None) -> Response:
         return await self._answer(body)
@@ -216,16 +298,17 @@ class TranscribePredictor(UniversalPredictor):
         seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
         async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
             audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
-            job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature)
+            words = "word" in (fields.timestamp_granularities or ())
+            job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words)
             del audio
             transcript = await self.batcher.submit(job)
         if fields.stream:
             return StreamingResponse(_events(transcript), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return self._response(transcript, body.task, fields.response_format, fields.temperature)
+        return self._response(transcript, body.task, fields.response_format, fields.temperature, job.words)
 
     def _response(self, transcript: Transcript, task: SpeechTask, response_format: ResponseFormat,
-                  temperature: float) -> Response:  # fmt: skip
+                  temperature: float, words: bool = False) -> Response:  # fmt: skip
         usage = {"type": "duration", "seconds": math.ceil(transcript.seconds)}
         if response_format == "text":
             return PlainTextResponse(transcript.text + "\n")
@@ -238,15 +321,22 @@ class TranscribePredictor(UniversalPredictor):
         segments = [
             {
                 "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
-                "temperature": temperature, "avg_logprob": None, "compression_ratio": round(s.compression_ratio, 4),
-                "no_speech_prob": None,
+                "temperature": temperature, "avg_logprob": s.avg_logprob,
+                "compression_ratio": round(s.compression_ratio, 4), "no_speech_prob": s.no_speech_prob,
             }
             for s in transcript.segments
         ]  # fmt: skip
-        return _json({
+        payload: dict[str, Any] = {
             "task": task, "language": language_name(transcript.language), "duration": round(transcript.seconds, 3),
-            "text": transcript.text, "segments": segments, "usage": usage,
-        })  # fmt: skip
+            "text": transcript.text, "segments": segments,
+        }  # fmt: skip
+        if words:
+            # OpenAI's TranscriptionWord: the word without the space the tokenizer puts before it.
+            payload["words"] = [
+                {"word": w.word.strip(), "start": w.start, "end": w.end} for s in transcript.segments for w in s.words
+            ]
+        payload["usage"] = usage
+        return _json(payload)
 
 
 def _json(payload: dict[str, Any]) -> Response:

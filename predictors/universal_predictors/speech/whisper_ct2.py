@@ -1,0 +1,148 @@
+"""Whisper-family speech to text on CTranslate2, through faster-whisper's ``WhisperModel.transcribe``.
+
+The audio path is the transformers backend's (:mod:`universal_predictors.speech.audio`: PyAV, the limits, the decode
+budget); only the model differs. Each job is one ``WhisperModel.transcribe`` call on the decoded samples, with the
+library's own sequential decoding (30 s windows, conditioning on the previous window's text, timestamps always),
+so a served transcript is what faster-whisper gives in-process for the same samples and options.
+
+Across requests: faster-whisper's ``BatchedInferencePipeline`` batches the voice-activity chunks of one file under
+one tokenizer and one set of options; it takes no second file, and what it returns differs from
+``WhisperModel.transcribe`` (no temperature fallback, no previous-text prompt, chunks cut by its VAD). So the jobs
+of a batch run side by side instead: ``num_workers`` CTranslate2 replicas (its ``inter_threads``), one Python
+thread each (CTranslate2 releases the GIL while it computes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from universal_predictors.speech.whisper import Job, Segment, SpeechTask, Transcript, Word, checked_language
+
+#: faster-whisper's decoding budget per window (``WhisperModel.max_length``): every Whisper has 448 positions.
+MAX_LENGTH = 448
+#: The spec name CTranslate2's converters write at the head of a Whisper's ``model.bin``.
+_CT2_WHISPER_SPEC = b"WhisperSpec"
+
+
+def is_ctranslate2_whisper(source: str) -> bool:
+    """Whether ``source`` is a directory as CTranslate2's converter writes a Whisper: ``model.bin`` whose header
+    names ``WhisperSpec`` (a uint32 format version, a uint16 length, the spec's name), beside a ``config.json``
+    that is CTranslate2's (``alignment_heads``, ``lang_ids``), not a transformers config (``model_type``)."""
+    folder = Path(source)
+    weights, config = folder / "model.bin", folder / "config.json"
+    if not (weights.is_file() and config.is_file()):
+        return False
+    with weights.open("rb") as handle:
+        head = handle.read(6 + 64)
+    length = int.from_bytes(head[4:6], "little") if len(head) >= 6 else 0
+    if head[6 : 6 + length].rstrip(b"\0") != _CT2_WHISPER_SPEC:
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" not in data
+
+
+def ctranslate2_cuda_devices() -> int:
+    """CUDA devices CTranslate2 can use (0 on a CPU build or a machine without one)."""
+    import ctranslate2
+
+    return int(ctranslate2.get_cuda_device_count())
+
+
+def default_compute_type(device: str) -> str:
+    """int8 on CPUs (CTranslate2's quantised kernels), float16 on GPUs."""
+    return "float16" if device.startswith("cuda") else "int8"
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """faster-whisper's options that are the server's, not the request's."""
+
+    beam_size: int = 5
+
+
+class FasterWhisperEngine:
+    """One CTranslate2 Whisper directory on one device; the same request-path checks as the transformers engine."""
+
+    def __init__(self, source: str, device: str, compute_type: str, *, device_index: int = 0, cpu_threads: int = 0,
+                 num_workers: int = 1, options: DecodeOptions | None = None) -> None:  # fmt: skip
+        from faster_whisper import WhisperModel
+
+        self.model = WhisperModel(source, device=device, device_index=device_index, compute_type=compute_type,
+                                  cpu_threads=cpu_threads, num_workers=num_workers, local_files_only=True)  # fmt: skip
+        self.device = device
+        self.compute_type = compute_type
+        self.options = options or DecodeOptions()
+        self.multilingual = bool(self.model.model.is_multilingual)
+        tokenizer = self.model.hf_tokenizer
+        #: The codes faster-whisper knows whose language token this checkpoint's vocabulary has.
+        self.languages = sorted(
+            code for code in self.model.supported_languages if tokenizer.token_to_id(f"<|{code}|>") is not None
+        )
+        #: The longest prompt: faster-whisper keeps the last ``max_length // 2 - 1`` tokens of a longer one.
+        self.max_prompt_tokens = MAX_LENGTH // 2 - 1
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="ct2-whisper")
+
+    # -- on the request path (cheap, validating) ------------------------------------------------------------
+
+    def check_language(self, language: str | None, task: SpeechTask) -> str | None:
+        return checked_language(language, task, self.multilingual, self.languages)
+
+    def prompt_ids(self, prompt: str | None) -> tuple[int, ...] | None:
+        """The prompt's tokens as faster-whisper encodes an ``initial_prompt`` (a space, the stripped text)."""
+        if not prompt:
+            return None
+        from universal_predictors.errors import InvalidRequest
+
+        ids = self.model.hf_tokenizer.encode(" " + prompt.strip(), add_special_tokens=False).ids
+        if len(ids) > self.max_prompt_tokens:
+            raise InvalidRequest(f"prompt: {len(ids)} tokens; this model takes at most {self.max_prompt_tokens}",
+                                 param="prompt", code="prompt_too_long")  # fmt: skip
+        return tuple(int(i) for i in ids)
+
+    # -- on the engine thread ------------------------------------------------------------------------------
+
+    def transcribe_batch(self, jobs: Sequence[Job]) -> list[Transcript]:
+        """Every job decoded, in order, up to ``num_workers`` at once."""
+        return list(self._pool.map(self.transcribe, jobs))
+
+    def transcribe(self, job: Job) -> Transcript:
+        found, info = self.model.transcribe(job.samples, **self.transcribe_kwargs(job))
+        segments: list[Segment] = []
+        texts: list[str] = []
+        running = ""
+        for number, s in enumerate(found):
+            # Times to the millisecond (sums of 20 ms steps carry float noise: 51.120000000000005).
+            words = tuple(Word(w.word, _ms(w.start), _ms(w.end), float(w.probability)) for w in s.words or ())
+            segments.append(Segment(number, s.seek, _ms(s.start), _ms(s.end), s.text, list(s.tokens),
+                                    avg_logprob=float(s.avg_logprob), no_speech_prob=float(s.no_speech_prob),
+                                    words=words))  # fmt: skip
+            running += s.text
+            texts.append(running)
+        return Transcript(info.language, segments, info.duration, texts)
+
+    def transcribe_kwargs(self, job: Job) -> dict[str, Any]:
+        """``WhisperModel.transcribe``'s arguments for ``job`` (the benchmark and the tests call it with these)."""
+        return {
+            "language": job.language,
+            "task": job.task,
+            "beam_size": self.options.beam_size,
+            "temperature": job.temperature,
+            "initial_prompt": list(job.prompt_ids) if job.prompt_ids else None,
+            "word_timestamps": job.words,
+            "vad_filter": False,
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ms(seconds: float) -> float:
+    return round(float(seconds), 3)

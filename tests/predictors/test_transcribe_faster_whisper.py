@@ -1,0 +1,217 @@
+"""``task: transcribe`` on faster-whisper: a tiny random Whisper converted with CTranslate2's own converter, served by
+``universal-runtime serve`` (backend ``auto``, which must pick faster-whisper for it), called with the real ``openai``
+SDK, against faster-whisper's own ``WhisperModel.transcribe`` run in-process on the same samples.
+
+The model's words are gibberish, but the same gibberish in-process and served: tokens, texts, segment and word
+timestamps are compared exactly. The audio path (PyAV, limits, budget) is the transformers backend's, tested in
+``test_transcribe.py``; here only what the engine changes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from tests.gateway.harness import GatewayProcess, running_gateway
+from tests.predictors.speech_samples import espeak, long_speech, read_wav, wav_bytes
+from tests.predictors.tiny_whisper import build_tiny_ct2_whisper
+from universal_predictors.catalog import Backend
+from universal_predictors.config import PredictorConfig
+from universal_predictors.speech.whisper_ct2 import is_ctranslate2_whisper
+
+pytest.importorskip("faster_whisper")
+
+SERVED = "tiny-faster-whisper"
+BEAM_SIZE = 5
+
+
+@pytest.fixture(scope="module")
+def ct2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_ct2_whisper(tmp_path_factory.mktemp("ct2-whisper"))
+
+
+@cache
+def _in_process(model_dir: str) -> Any:
+    from faster_whisper import WhisperModel
+
+    return WhisperModel(model_dir, device="cpu", compute_type="int8")
+
+
+def reference(model_dir: Path, samples: np.ndarray, **options: Any) -> tuple[list[dict[str, Any]], str, Any]:
+    """faster-whisper's own transcription, as its README writes it, with the options the server passes."""
+    model = _in_process(str(model_dir))
+    options = {"beam_size": BEAM_SIZE, "temperature": 0.0, "vad_filter": False, **options}
+    found, info = model.transcribe(samples, **options)
+    segments = []
+    text = ""
+    for s in found:
+        text += s.text
+        segments.append({
+            "tokens": list(s.tokens), "start": round(s.start, 3), "end": round(s.end, 3), "text": s.text,
+            "words": [(w.word.strip(), round(w.start, 3), round(w.end, 3)) for w in s.words or ()],
+        })  # fmt: skip
+    return segments, text.strip(), info
+
+
+@pytest.fixture(scope="module")
+def short_wav() -> bytes:
+    return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
+
+
+@pytest.fixture(scope="module")
+def long_wav() -> bytes:
+    return wav_bytes(long_speech(75))
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, ct2_dir: Path) -> Iterator[GatewayProcess]:
+    folder = tmp_path_factory.mktemp("manifests")
+    (folder / "whisper.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
+        f"metadata: {{name: fwhisper}}\nspec:\n  task: transcribe\n  servedName: {SERVED}\n"
+        f'  source: {{uri: "{ct2_dir}"}}\n'
+        '  engineArgs: {max_audio_seconds: "200", max_wait_ms: "50", num_workers: "2"}\n'
+    )
+    with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=gateway.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+def verbose(client: OpenAI, data: bytes, **fields: Any) -> dict[str, Any]:
+    answer = client.audio.transcriptions.create(model=SERVED, file=("speech.wav", data), response_format="verbose_json",
+                                                **fields)  # fmt: skip
+    dumped: dict[str, Any] = answer.model_dump()
+    return dumped
+
+
+def served(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: s[k] for k in ("tokens", "start", "end", "text")} for s in answer["segments"]]
+
+
+def without_words(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in s.items() if k != "words"} for s in segments]
+
+
+# -- the backend auto picks ------------------------------------------------------------------------------------------
+
+
+def test_auto_picks_faster_whisper_for_a_ctranslate2_directory_only(ct2_dir: Path) -> None:
+    from universal_predictors.tasks.transcribe import speech_backend
+
+    transformers_dir = ct2_dir.parent / "transformers"
+    assert is_ctranslate2_whisper(str(ct2_dir))
+    assert not is_ctranslate2_whisper(str(transformers_dir))  # a transformers config.json, no model.bin
+    assert speech_backend(Backend.AUTO, str(ct2_dir)) is Backend.FASTER_WHISPER
+    assert speech_backend(Backend.AUTO, str(transformers_dir)) is Backend.TRANSFORMERS
+    assert speech_backend(Backend.TRANSFORMERS, str(ct2_dir)) is Backend.TRANSFORMERS
+
+
+def test_a_model_bin_of_another_architecture_is_not_taken_for_whisper(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.bin").write_bytes(b"\x06\x00\x00\x00\x0c\x00TransformerS\x00")
+    assert not is_ctranslate2_whisper(str(tmp_path))
+
+
+def test_engine_args_of_the_other_backend_stop_the_start(ct2_dir: Path) -> None:
+    from universal_predictors.base import StartupError
+    from universal_predictors.tasks.transcribe import TranscribePredictor
+
+    config = PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir), engine_args={"dtype": "float16"})
+    with pytest.raises(StartupError, match="'dtype' is not read by the faster-whisper backend"):
+        TranscribePredictor(config)
+    config = PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir), engine_args={"device": "cuda"})
+    with pytest.raises(StartupError, match="CTranslate2 sees no CUDA device"):
+        TranscribePredictor(config)
+    chosen = TranscribePredictor(PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir)))
+    assert (chosen.backend, chosen.device, chosen.compute_type) == (Backend.FASTER_WHISPER, "cpu", "int8")
+
+
+# -- equal to faster-whisper in-process --------------------------------------------------------------------------
+
+
+def test_a_short_clip_decodes_to_faster_whispers_segments_and_timestamps(client: OpenAI, ct2_dir: Path,
+                                                                         short_wav: bytes) -> None:  # fmt: skip
+    segments, text, _ = reference(ct2_dir, read_wav(short_wav), language="en")
+    answer = verbose(client, short_wav, language="en")
+    assert segments, "the tiny model predicts at least one segment"
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+    assert answer["language"] == "english"
+    assert answer["words"] is None  # not asked for
+    assert all(s["avg_logprob"] is not None and s["no_speech_prob"] is not None for s in answer["segments"])
+
+
+def test_a_long_recording_decodes_window_by_window_as_faster_whisper_does(client: OpenAI, ct2_dir: Path,
+                                                                          long_wav: bytes) -> None:  # fmt: skip
+    segments, text, _ = reference(ct2_dir, read_wav(long_wav), language="en")
+    answer = verbose(client, long_wav, language="en")
+    assert max(s["end"] for s in segments) > 30, "more than one window"
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+
+
+def test_word_timestamps_are_faster_whispers_in_verbose_json(client: OpenAI, ct2_dir: Path,
+                                                             short_wav: bytes) -> None:  # fmt: skip
+    segments, text, _ = reference(ct2_dir, read_wav(short_wav), language="en", word_timestamps=True)
+    answer = verbose(client, short_wav, language="en", timestamp_granularities=["word", "segment"])
+    expected_words = [word for s in segments for word in s["words"]]
+    assert expected_words, "the tiny model's words are aligned"
+    assert [(w["word"], w["start"], w["end"]) for w in answer["words"]] == expected_words
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+
+
+def test_a_prompt_and_detected_language_are_as_in_process(client: OpenAI, ct2_dir: Path, short_wav: bytes) -> None:
+    segments, text, info = reference(ct2_dir, read_wav(short_wav), initial_prompt="meeting notes")
+    answer = verbose(client, short_wav, prompt="meeting notes")
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+    assert info.language == "en"
+    assert answer["language"] == "english"
+
+
+def test_concurrent_requests_each_get_their_own_transcript(client: OpenAI, ct2_dir: Path, short_wav: bytes) -> None:
+    clips = [wav_bytes(espeak(text)) for text in ("one two three", "call me back tomorrow", "the lazy dog")]
+    clips.append(short_wav)
+    expected = [reference(ct2_dir, read_wav(clip), language="en")[1] for clip in clips]
+    with concurrent.futures.ThreadPoolExecutor(len(clips)) as pool:
+        answers = list(pool.map(lambda clip: client.audio.transcriptions.create(
+            model=SERVED, file=("a.wav", clip), language="en").text, clips))  # fmt: skip
+    assert answers == expected
+
+
+# -- through the SDK: formats and streaming --------------------------------------------------------------------------
+
+
+def test_json_text_and_a_stream_say_the_same_transcript(client: OpenAI, short_wav: bytes, long_wav: bytes) -> None:
+    for clip in (short_wav, long_wav):
+        unary = client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en")
+        text = client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en",
+                                                  response_format="text")  # fmt: skip
+        assert str(text).strip() == unary.text
+        *deltas, done = list(client.audio.transcriptions.create(model=SERVED, file=("a.wav", clip), language="en",
+                                                                stream=True))  # fmt: skip
+        assert {event.type for event in deltas} == {"transcript.text.delta"}
+        assert done.type == "transcript.text.done"
+        assert done.text == unary.text
+        assert "".join(getattr(event, "delta", "") for event in deltas) == unary.text
+
+
+def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, client: OpenAI,
+                                                    short_wav: bytes) -> None:  # fmt: skip
+    client.audio.transcriptions.create(model=SERVED, file=("a.wav", short_wav))
+    card = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
+    [model] = [m for m in card if m["id"] == SERVED]
+    assert model["task"] == "transcribe"
