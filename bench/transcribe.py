@@ -1,0 +1,178 @@
+"""Speech to text: real-time factor (audio seconds per wall second) through the predictor's
+``POST /openai/v1/audio/transcriptions``, on each backend, against each engine's own in-process transcribe.
+
+The same WAV clips (espeak-ng speech: short voice notes and one long-form recording) go through:
+
+- the anchors, in this process, one clip after another: faster-whisper's ``WhisperModel.transcribe`` on the
+  CTranslate2 conversion, and transformers' ``WhisperForConditionalGeneration.generate`` (timestamps, long-form with
+  an attention mask, as its documentation writes it) on the same weights;
+- a real predictor process per backend (``python -m universal_predictors --task transcribe``), one clip per
+  multipart request over loopback HTTP, at concurrency 1 and 4: the upload, PyAV's decoding, the limits and the
+  batching included.
+
+Decoding is greedy everywhere (``--beam-size 1``, transformers' default) so the engines do the same work.
+
+No model hub is reachable here: the model is a tiny random-weight Whisper built offline
+(``tests.predictors.tiny_whisper``) and converted with CTranslate2's converter, so the engines' own compute is
+small and the ratios measure the serving overhead (HTTP, multipart, decoding, queueing) on a tiny model, not a
+real Whisper's throughput. Goal (issue 30): at concurrency 1, >= 0.9x of the faster in-process engine; at
+concurrency 4, ahead of both.
+
+    python bench/transcribe.py
+    python bench/transcribe.py --rounds 5 --beam-size 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.predictors.harness import running_predictor  # noqa: E402
+from tests.predictors.speech_samples import RATE, espeak, long_speech, read_wav, wav_bytes  # noqa: E402
+from tests.predictors.tiny_whisper import build_tiny_ct2_whisper  # noqa: E402
+from universal_predictors.catalog import Backend, Task  # noqa: E402
+from universal_predictors.config import PredictorConfig  # noqa: E402
+
+SENTENCES = [
+    "hello world, this is a voice note about the meeting",
+    "please call me back tomorrow morning",
+    "the quick brown fox jumps over the lazy dog",
+    "one two three four five six seven eight nine ten",
+    "we will talk again next week about the budget",
+    "the train leaves at half past six from platform two",
+    "remember to buy milk and bread on the way home",
+]
+
+
+def clips() -> list[bytes]:
+    return [wav_bytes(espeak(text)) for text in SENTENCES] + [wav_bytes(long_speech(45))]
+
+
+def in_process_pass(transcribe: Callable[[np.ndarray], Any], audio: list[np.ndarray]) -> float:
+    started = time.perf_counter()
+    for samples in audio:
+        transcribe(samples)
+    return sum(len(a) for a in audio) / RATE / (time.perf_counter() - started)
+
+
+def predictor_pass(client: httpx.Client, wavs: list[bytes], seconds: float, concurrency: int) -> float:
+    def one(wav: bytes) -> None:
+        client.post("/openai/v1/audio/transcriptions", files={"file": ("a.wav", wav)},
+                    data={"language": "en"}).raise_for_status()  # fmt: skip
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, wavs))
+    return seconds / (time.perf_counter() - started)
+
+
+def faster_whisper_anchor(model_dir: Path, beam_size: int) -> Callable[[np.ndarray], Any]:
+    from faster_whisper import WhisperModel
+
+    model = WhisperModel(str(model_dir), device="cpu", compute_type="int8")
+
+    def transcribe(samples: np.ndarray) -> Any:
+        found, _ = model.transcribe(samples, language="en", beam_size=beam_size, temperature=0.0, vad_filter=False)
+        return list(found)  # a generator: the decoding happens as it is read
+
+    return transcribe
+
+
+def transformers_anchor(model_dir: Path) -> Callable[[np.ndarray], Any]:
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
+
+    def transcribe(samples: np.ndarray) -> Any:
+        kwargs: dict[str, Any] = {}
+        if len(samples) > 30 * RATE:
+            inputs = processor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest",
+                               return_attention_mask=True)  # fmt: skip
+            kwargs["attention_mask"] = inputs.attention_mask
+        else:
+            inputs = processor(samples, sampling_rate=RATE, return_tensors="pt")
+        with torch.inference_mode():
+            return model.generate(inputs.input_features, return_timestamps=True, language="en", task="transcribe",
+                                  **kwargs)  # fmt: skip
+
+    return transcribe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved passes over the clips per method")
+    parser.add_argument("--beam-size", type=int, default=1, help="faster-whisper's beams (transformers: greedy)")
+    args = parser.parse_args()
+
+    wavs = clips()
+    audio = [read_wav(wav) for wav in wavs]
+    seconds = sum(len(a) for a in audio) / RATE
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, CPU"
+    print(f"transcribe bench: {len(wavs)} clips, {seconds:.1f} s of audio, {args.rounds} interleaved passes per "
+          f"method (median), {machine}")  # fmt: skip
+    print("model: a tiny random-weight Whisper (d_model 64, one layer each side) built offline and its CTranslate2 "
+          "conversion; no real Whisper is reachable here (no model hub), so each ratio is of serving overhead on a "
+          "tiny model, not of a real model's throughput")  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        ct2_dir = build_tiny_ct2_whisper(Path(scratch) / "model")
+        hf_dir = ct2_dir.parent / "transformers"
+        anchors = {
+            "faster-whisper": faster_whisper_anchor(ct2_dir, args.beam_size),
+            "transformers": transformers_anchor(hf_dir),
+        }
+        sources = {"faster-whisper": ct2_dir, "transformers": hf_dir}
+        rates: dict[str, list[float]] = {}
+        for name, transcribe in anchors.items():
+            in_process_pass(transcribe, audio[:2])  # warm-up
+            rates[f"anchor {name}"] = []
+        for backend in (Backend.FASTER_WHISPER, Backend.TRANSFORMERS):
+            engine_args = {"max_wait_ms": "10", "max_audio_seconds": "120"}
+            if backend is Backend.FASTER_WHISPER:
+                engine_args["beam_size"] = str(args.beam_size)
+            config = PredictorConfig(model_name=f"bench-{backend.value}", task=Task.TRANSCRIBE, backend=backend,
+                                     source=str(sources[backend.value]), engine_args=engine_args)  # fmt: skip
+            with (
+                running_predictor(config, Path(scratch) / "logs") as predictor,
+                httpx.Client(base_url=predictor.url, timeout=600) as client,
+            ):
+                predictor_pass(client, wavs[:2], 1.0, 1)  # warm-up
+                for label in ("c1", "c4"):
+                    rates[f"{backend.value} {label}"] = []
+                # Interleaved with the anchors, so load from anything else on the machine falls on all alike.
+                for _ in range(args.rounds):
+                    for name, transcribe in anchors.items():
+                        rates[f"anchor {name}"].append(in_process_pass(transcribe, audio))
+                    rates[f"{backend.value} c1"].append(predictor_pass(client, wavs, seconds, 1))
+                    rates[f"{backend.value} c4"].append(predictor_pass(client, wavs, seconds, 4))
+    median = {key: statistics.median(values) for key, values in rates.items()}
+    fw, tf = median["anchor faster-whisper"], median["anchor transformers"]
+    faster_name, faster = max((("faster-whisper", fw), ("transformers", tf)), key=lambda pair: pair[1])
+    print(f"anchors in-process: faster-whisper {fw:.1f}x real time, transformers {tf:.1f}x real time")
+    for backend in ("faster-whisper", "transformers"):
+        c1, c4 = median[f"{backend} c1"], median[f"{backend} c4"]
+        print(f"transcribe: predictor {backend} {c1:.1f}x real time (concurrency 1) vs in-process {faster_name} "
+              f"{faster:.1f}x: {c1 / faster:.2f}x (goal >= 0.9x)", flush=True)  # fmt: skip
+        print(f"transcribe: predictor {backend} {c4:.1f}x real time (concurrency 4) vs in-process faster-whisper "
+              f"{fw:.1f}x: {c4 / fw:.2f}x, transformers {tf:.1f}x: {c4 / tf:.2f}x (goal > 1x of both)",
+              flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
