@@ -71,6 +71,11 @@ class MicroBatcher(Generic[T, R]):
     def policy(self) -> BatchPolicy:
         return self._policy
 
+    @property
+    def queued(self) -> int:
+        """Items submitted and not yet taken into a batch."""
+        return self._queue.qsize() if self._queue is not None else 0
+
     def _ensure_started(self) -> asyncio.Queue[_Pending[T, R]]:
         if self._queue is None:
             self._queue = asyncio.Queue()

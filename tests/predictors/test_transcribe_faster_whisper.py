@@ -215,3 +215,16 @@ def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, cli
     card = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     [model] = [m for m in card if m["id"] == SERVED]
     assert model["task"] == "transcribe"
+
+
+def test_an_english_only_checkpoint_refuses_translation_and_other_languages(client: OpenAI, short_wav: bytes) -> None:
+    import openai
+
+    # CTranslate2 calls a checkpoint multilingual by its vocabulary's size (Whisper's 51865 and up): the tiny one is
+    # English-only to it, as to faster-whisper.
+    with pytest.raises(openai.BadRequestError) as translation:
+        client.audio.translations.create(model=SERVED, file=("a.wav", short_wav))
+    assert translation.value.code == "unsupported_task"
+    with pytest.raises(openai.BadRequestError) as german:
+        client.audio.transcriptions.create(model=SERVED, file=("a.wav", short_wav), language="de")
+    assert german.value.code == "unsupported_language"

@@ -15,9 +15,10 @@ faster-whisper; ``auto`` picks faster-whisper for a directory CTranslate2's conv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ClassVar, Literal
 
 from fastapi import Request
@@ -227,6 +228,8 @@ class TranscribePredictor(UniversalPredictor):
             device = detect_device(args.device)
             self.whisper = WhisperEngine(self.config.source, device, dtype_for(device, args.dtype))
         self.limits = args.limits()
+        #: Requests between their arrival and their job's submission (reading the header, decoding the audio).
+        self.decoding = 0
         largest = int(args.max_audio_seconds * BYTES_PER_AUDIO_SECOND)
         self.decode_budget = DecodeBudget(args.decode_budget_mb * 2**20, args.decode_wait_s, largest_bytes=largest)
         self.batcher: MicroBatcher[Job, Transcript] = MicroBatcher(
@@ -235,6 +238,9 @@ class TranscribePredictor(UniversalPredictor):
             policy=BatchPolicy(max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms),
             # Similar lengths together: a long-form batch decodes for as long as its longest item.
             cost=lambda job: len(job.samples),
+            # A batch waits for company only while other requests' audio is being decoded: a lone request (the
+            # batch in hand, none queued, none decoding) starts at once instead of after max_wait_ms.
+            expected=lambda: self.decoding + self.batcher.queued + 1,
         )
         return True
 
@@ -294,18 +300,39 @@ class TranscribePredictor(UniversalPredictor):
         prompt_ids = self.whisper.prompt_ids(fields.prompt)
         # What the header declares (every header check done), else the limit: reserved before anything is decoded,
         # held until the transcript is done (the samples and features live that long).
-        declared = await self.decode_budget.run(declared_seconds, body.audio, "file", self.limits)
-        seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
-        async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
-            audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
-            words = "word" in (fields.timestamp_granularities or ())
-            job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words)
-            del audio
-            transcript = await self.batcher.submit(job)
+        with self._arriving() as arrived:
+            declared = await self.decode_budget.run(declared_seconds, body.audio, "file", self.limits)
+            seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
+            async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
+                audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
+                words = "word" in (fields.timestamp_granularities or ())
+                job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words)
+                del audio
+                arrived()
+                transcript = await self.batcher.submit(job)
         if fields.stream:
             return StreamingResponse(_events(transcript), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         return self._response(transcript, body.task, fields.response_format, fields.temperature, job.words)
+
+    @contextlib.contextmanager
+    def _arriving(self) -> Iterator[Callable[[], None]]:
+        """Counts a request in :attr:`decoding` until the callable it yields is called (its job about to be
+        submitted) or it ends; the batcher is told either way."""
+        self.decoding += 1
+        counted = True
+
+        def arrived() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.decoding -= 1
+                self.batcher.notify()
+
+        try:
+            yield arrived
+        finally:
+            arrived()
 
     def _response(self, transcript: Transcript, task: SpeechTask, response_format: ResponseFormat,
                   temperature: float, words: bool = False) -> Response:  # fmt: skip
