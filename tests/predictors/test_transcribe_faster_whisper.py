@@ -217,6 +217,7 @@ def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, cli
     assert model["task"] == "transcribe"
 
 
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks audio.translations deprecated
 def test_an_english_only_checkpoint_refuses_translation_and_other_languages(client: OpenAI, short_wav: bytes) -> None:
     import openai
 
