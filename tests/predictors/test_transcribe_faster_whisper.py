@@ -215,6 +215,7 @@ def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, cli
     card = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     [model] = [m for m in card if m["id"] == SERVED]
     assert model["task"] == "transcribe"
+    assert model["backend"] == "faster-whisper"  # what auto chose, as the running predictor reports it
 
 
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks audio.translations deprecated
