@@ -27,8 +27,6 @@ from universal_predictors.catalog import Backend
 from universal_predictors.config import PredictorConfig
 from universal_predictors.speech.whisper_ct2 import is_ctranslate2_whisper
 
-pytest.importorskip("faster_whisper")
-
 SERVED = "tiny-faster-whisper"
 BEAM_SIZE = 5
 
@@ -230,3 +228,23 @@ def test_an_english_only_checkpoint_refuses_translation_and_other_languages(clie
     with pytest.raises(openai.BadRequestError) as german:
         client.audio.transcriptions.create(model=SERVED, file=("a.wav", short_wav), language="de")
     assert german.value.code == "unsupported_language"
+
+
+def test_a_gpu_given_where_ctranslate2_has_none_stops_the_start_naming_why(ct2_dir: Path) -> None:
+    from universal_predictors.base import StartupError
+    from universal_predictors.config import GPUS_ENV
+    from universal_predictors.devices import gpu_unusable_reason
+    from universal_predictors.speech.whisper_ct2 import ctranslate2_cuda_devices
+    from universal_predictors.tasks.transcribe import TranscribePredictor
+
+    if ctranslate2_cuda_devices() > 0:
+        pytest.skip("CTranslate2 sees a GPU here: the refusal this test reads cannot happen")
+    reason = gpu_unusable_reason(Backend.FASTER_WHISPER, 1)
+    assert reason is not None
+    assert f"{GPUS_ENV}=1" in reason
+    assert "\n" not in reason
+    config = PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(GPUS_ENV, "1")
+        with pytest.raises(StartupError, match=GPUS_ENV):
+            TranscribePredictor(config)
