@@ -132,6 +132,10 @@ def test_engine_args_of_the_other_backend_stop_the_start(ct2_dir: Path) -> None:
     config = PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir), engine_args={"device": "cuda"})
     with pytest.raises(StartupError, match="CTranslate2 sees no CUDA device"):
         TranscribePredictor(config)
+    transformers_dir = str(ct2_dir.parent / "transformers")
+    config = PredictorConfig(model_name="w", task="transcribe", source=transformers_dir, engine_args={"beam_size": "2"})
+    with pytest.raises(StartupError, match="'beam_size' is not read by the transformers backend"):
+        TranscribePredictor(config)
     chosen = TranscribePredictor(PredictorConfig(model_name="w", task="transcribe", source=str(ct2_dir)))
     assert (chosen.backend, chosen.device, chosen.compute_type) == (Backend.FASTER_WHISPER, "cpu", "int8")
 
