@@ -115,7 +115,7 @@ def default_state_root() -> Path:
     return Path(base) / "universal-runtime"
 
 
-@dataclass
+@dataclass(eq=False)  # one per process's life: told apart by identity (a retiring one beside its successor)
 class LocalModel:
     """One model's process and bookkeeping."""
 
@@ -599,7 +599,10 @@ class LocalSupervisor(Backends):
         while True:
             await asyncio.sleep(self._reap_interval)
             if self._watch is not None:
-                await self._rescan()
+                try:
+                    await self._rescan()
+                except Exception:  # the TTL unload and the other members go on; the next change is tried again
+                    logger.exception("applying the changed manifests failed")
             else:
                 await self._reread_adapters()
             await self._measure()
