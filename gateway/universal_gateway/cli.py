@@ -88,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("serve", str(exc))
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
                                  memory_budget_mb=args.memory_budget_mb, watch=paths,
-                                 member_memory_limit_mb=args.member_memory_limit_mb)  # fmt: skip
+                                 member_memory_limit_mb=args.member_memory_limit_mb,
+                                 cache_dir=Path(args.cache_dir or state_root / "models"))  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -478,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the memory each predictor may hold when its spec.resources.memory names none; over it, that "
              "predictor alone is killed and restarts on its next request (a cgroup where this process may make one, "
              "else an address-space limit of 4 times it; default: no limit)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--cache-dir",
+        help="where models with s3://, gs:// or https:// sources are downloaded (by KServe's storage code, with the "
+             "AWS_*, GOOGLE_APPLICATION_CREDENTIALS and <host>-headers of this environment) and kept for their next "
+             "start (default: STATE_DIR/models)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

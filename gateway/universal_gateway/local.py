@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from universal_predictors.config import (
     resolve_source,
 )
 from universal_predictors.errors import Unavailable
+from universal_predictors.generation.adapter_stores import DownloadFailed, download, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +196,7 @@ class LocalSupervisor(Backends):
         watch: list[Path] | None = None,
         rescan_interval: float = RESCAN_EVERY_S,
         member_memory_limit_mb: float | None = None,
+        cache_dir: Path | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
@@ -220,7 +223,7 @@ class LocalSupervisor(Backends):
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
-        self._fetch = fetch or fetch_source
+        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # A waiting predictor per library family, for the next model of that family to wake
@@ -874,9 +877,12 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
     return target
 
 
-def fetch_source(manifest: Manifest) -> str:
-    """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded."""
+def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
+    """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded,
+    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`)."""
     source = manifest.model.spec.source
+    if is_remote(source.uri):
+        return fetch_remote(source.uri, cache_dir or default_state_root() / "models")
     if source.scheme == "hf":
         return _download_hf(source.uri, source.revision, source.file, source.projector_file)
     if source.scheme == "package":
@@ -889,7 +895,37 @@ def fetch_source(manifest: Manifest) -> str:
         if not path.exists() and manifest.model.spec.task.value != "anomaly":
             raise FileNotFoundError(f"{path} does not exist")
         return str(path)
-    raise ValueError(f"{source.scheme}:// sources are served in a cluster; locally use a path, file:// or hf://")
+    raise ValueError(
+        f"{source.scheme}:// sources are served in a cluster; here use a path, file://, hf://, s3://, gs:// or https://"
+    )
+
+
+#: Written beside a finished download in the cache: the path KServe's storage code gave (a download cut short
+#: leaves none, and is fetched again).
+_FETCHED = ".fetched"
+
+
+def fetch_remote(uri: str, cache_dir: Path) -> str:
+    """``uri`` (s3://, gs://, http(s)://) into ``cache_dir`` once, with KServe's storage code (``kserve_storage``, as
+    a cluster's storage initializer and the adapters' downloads run it, in a subprocess:
+    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are this process's environment
+    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, ``<host>-headers``: what that code reads), as for a single model run
+    by ``serve``; in a pool's pod that environment is the pod's. Later starts find it in the cache."""
+    import hashlib
+
+    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    folder = cache_dir / f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', uri.rstrip('/').rsplit('/', 1)[-1])[:60]}"
+    done = folder.with_name(folder.name + _FETCHED)
+    if done.exists():
+        fetched = done.read_text().strip()
+        if Path(fetched).exists():
+            return fetched
+    try:
+        path = download(uri, folder, None)
+    except DownloadFailed as exc:
+        raise RuntimeError(str(exc)) from None
+    done.write_text(str(path))
+    return str(path)
 
 
 def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:

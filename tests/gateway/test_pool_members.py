@@ -220,3 +220,37 @@ async def test_a_crashed_or_over_limit_member_leaves_the_others_serving(tmp_path
             assert greedy["reason"] == "Crashed", greedy
         assert _pid(supervisor, "steady") == steady
         assert len((await client.embeddings.create(model="steady", input="and still")).data[0].embedding) == 384
+
+
+def test_an_https_source_is_fetched_once_into_the_cache_by_kserves_storage_code(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from universal_gateway.local import fetch_remote
+
+    served = tmp_path / "site"
+    served.mkdir()
+    (served / "weights.bin").write_bytes(b"w" * 1000)
+    requests: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(served), **kwargs)  # type: ignore[arg-type]
+
+        def log_message(self, format: str, *args: object) -> None:
+            requests.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}/weights.bin"
+        first = fetch_remote(uri, tmp_path / "cache")
+        assert Path(first).is_relative_to(tmp_path / "cache")
+        assert (Path(first) / "weights.bin" if Path(first).is_dir() else Path(first)).read_bytes() == b"w" * 1000
+        assert fetch_remote(uri, tmp_path / "cache") == first
+        assert requests == ["/weights.bin"]  # the second start found it in the cache
+
+        with pytest.raises(RuntimeError, match="could not fetch"):
+            fetch_remote(f"http://127.0.0.1:{server.server_address[1]}/missing.bin", tmp_path / "cache")
+    finally:
+        server.shutdown()
