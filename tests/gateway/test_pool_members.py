@@ -254,3 +254,17 @@ def test_an_https_source_is_fetched_once_into_the_cache_by_kserves_storage_code(
             fetch_remote(f"http://127.0.0.1:{server.server_address[1]}/missing.bin", tmp_path / "cache")
     finally:
         server.shutdown()
+
+
+def test_serve_starts_on_an_empty_members_folder_and_serves_what_arrives(tmp_path: Path) -> None:
+    from tests.gateway.harness import running_gateway, wait_for
+
+    folder = ConfigMapFolder(tmp_path / "members")
+    folder.publish({})
+    with running_gateway([folder.root], tmp_path / "gw") as gateway:
+        assert gateway.models() == {}
+        folder.publish({"late.yaml": member("late")})
+        wait_for(lambda: "late" in gateway.models(), within=30)
+        answer = httpx.post(f"{gateway.base_url}/embeddings", json={"model": "late", "input": "hi"}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert "member late added" in gateway.log()
