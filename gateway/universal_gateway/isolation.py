@@ -19,8 +19,10 @@ Three ways, tried in this order by :meth:`MemoryLimits.detect`:
   not a resident bound.
 
 A limit is applied by the supervisor to the started process (its pid into the group, or ``prlimit`` on it), so
-the same code serves a freshly started predictor and a standby that took a model; the few pages the process
-touched before that stay charged where they were.
+the same code serves a freshly started predictor and a standby that took a model. What the process held before
+stays charged where it was under cgroup v2 (charges never move there): for a standby, the libraries it imported
+(about 250 MB with torch) count against the pool, not the member. cgroup v1 moves them with the process
+(``memory.move_charge_at_immigrate``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class MemoryLimits:
         group.mkdir(exist_ok=True)
         limit_file = "memory.max" if self.kind == "cgroup-v2" else "memory.limit_in_bytes"
         (group / limit_file).write_text(str(limit_bytes))
+        if self.kind == "cgroup-v1":
+            with contextlib.suppress(OSError):  # anonymous and file pages follow the process (bits 0 and 1)
+                (group / "memory.move_charge_at_immigrate").write_text("3")
         if self.kind == "cgroup-v2" and (group / "memory.swap.max").exists():
             (group / "memory.swap.max").write_text("0")  # over its limit it is killed, not swapped out
         (group / "cgroup.procs").write_text(str(pid))
