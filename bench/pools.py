@@ -25,6 +25,17 @@ of its own load time. Nothing here is asserted. The pool today runs one predicto
 one member's crash or OOM kill takes no other down), so its memory is the anchor's plus the gateway and the
 standby: the first line says what that design saves, which is nothing; see docs and the report of issue 29 for
 what reaching 5x takes (members sharing a process, or forked from a standby sharing its pages copy-on-write).
+
+Measured 2026-12-04, ``--models 20 --rounds 5`` (50 do not fit: about 0.5 GB per member on each side, 24 GB
+here, shared with other work; 2 cores, load average about 3.5 from other work meanwhile, so the latencies are
+noisy and the memory is not): memory with all 20 loaded, pool 10.27 GiB RSS sum (PSS 7.16) against 8.41 GiB (PSS
+5.94) for a process per model, 0.82x "less" (the gateway and two standby processes on top of the same 20
+predictors); warm p50 18.2 ms through serve's gateway against 12.9 ms to each predictor directly, 1.41x (embed
+21.2/17.7, classify 15.2/11.0, ner 14.8/11.8, ocr 208.8/68.9, anomaly 17.6/9.5); an evicted member back in 3.7 s
+(embed), 6.5 s (classify), 6.2 s (ner), 1.8 s (ocr), 3.3 s (anomaly) against its own process's load of 5.9, 4.8,
+5.4, 1.6, 2.6 s: 0.63x to 1.37x, within the 1.5x goal. With 5 members: 2.95 GiB against 2.13 GiB (0.72x).
+In one process (torch and transformers imported: 248 MB), each further all-MiniLM-L6-v2 instance added 42 MB,
+each tiny BERT 0.1 MB, each RapidOCR 32 MB, against about 430 MB for each in a process of its own.
 """
 
 from __future__ import annotations
