@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -116,6 +118,34 @@ def test_memory_quantities(text: str, expected: int) -> None:
 def test_a_memory_quantity_that_is_not_one_says_so() -> None:
     with pytest.raises(ValueError, match="not a memory quantity"):
         memory_bytes("lots")
+
+
+def test_rlimit_as_bounds_a_member_s_address_space_at_its_multiple(tmp_path: Path) -> None:
+    from universal_gateway.isolation import VIRTUAL_PER_RESIDENT
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        MemoryLimits("rlimit-as").apply("m", child.pid, 256 * 2**20)
+        limits = Path(f"/proc/{child.pid}/limits").read_text()
+        line = next(row for row in limits.splitlines() if row.startswith("Max address space"))
+        assert line.split()[3:5] == [str(256 * 2**20 * VIRTUAL_PER_RESIDENT)] * 2
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_cgroup_member_group_holds_the_process() -> None:
+    limits = MemoryLimits.detect()
+    if not limits.kind.startswith("cgroup"):
+        pytest.skip(f"no writable cgroup here (member limits by {limits.kind})")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        limits.apply("probe.member", child.pid, 300 * 2**20)
+        assert "member-probe.member" in Path(f"/proc/{child.pid}/cgroup").read_text()
+    finally:
+        child.kill()
+        child.wait()
+    limits.release("probe.member")
 
 
 # -- real predictors -----------------------------------------------------------------------------------------
