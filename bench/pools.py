@@ -163,6 +163,8 @@ class Side:
     warm_by_task: dict[str, list[float]] = field(default_factory=dict)
     rss: int = 0
     pss: int = 0
+    #: The pool's warm requests sent to its member predictors directly (no gateway), rounds interleaved.
+    direct: Side | None = None
     #: Each member's own process (the anchor only: the pool's members share serve's tree).
     member_rss: dict[str, int] = field(default_factory=dict)
 
@@ -196,15 +198,40 @@ def serve(folder: Path, work: Path, *extra: str) -> Iterator[tuple[str, subproce
         log.close()
 
 
-def warm_rounds(client: httpx.Client, targets: dict[str, str], rounds: int, image: str, side: Side,
-                gateway: bool) -> None:  # fmt: skip
-    for _ in range(rounds):
-        for name, base in targets.items():
-            task = name.rsplit("-", 1)[0]
-            via_gateway, direct, body = request(task, name, image, first=False)
-            elapsed = timed_post(client, base + (via_gateway if gateway else direct), body)
-            side.warm.append(elapsed)
-            side.warm_by_task.setdefault(task, []).append(elapsed)
+def warm_round(client: httpx.Client, targets: dict[str, str], image: str, side: Side, *, gateway: bool,
+               headers: dict[str, dict[str, str]] | None = None) -> None:  # fmt: skip
+    """One warm request to each member: through a gateway (its /v1 paths) or to each predictor directly."""
+    for name, base in targets.items():
+        task = name.rsplit("-", 1)[0]
+        via_gateway, direct, body = request(task, name, image, first=False)
+        started = time.perf_counter()
+        response = client.post(base + (via_gateway if gateway else direct), json=body,
+                               headers=(headers or {}).get(name))  # fmt: skip
+        elapsed = time.perf_counter() - started
+        if response.status_code != 200:
+            raise RuntimeError(f"{name}: {response.status_code} {response.text[:300]}")
+        side.warm.append(elapsed)
+        side.warm_by_task.setdefault(task, []).append(elapsed)
+
+
+def member_predictors(serve_pid: int, names: list[str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """Each pool member's predictor address and the token serve gave it (read from /proc, as root may): for
+    requests to the members directly, beside the same requests through serve's gateway."""
+    from tests.gateway.harness import command_line, predictor_pid
+    from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
+
+    targets, headers = {}, {}
+    for name in names:
+        pid = predictor_pid(serve_pid, name)
+        if pid is None:
+            raise RuntimeError(f"no predictor process for {name}")
+        port = next(a.split("=", 1)[1] for a in command_line(pid) if a.startswith("--http_port="))
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+        )
+        targets[name] = f"http://{LOOPBACK}:{port}"
+        headers[name] = {UPSTREAM_TOKEN_HEADER: environ[UPSTREAM_TOKEN_ENV]}
+    return targets, headers
 
 
 def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: str) -> Side:
@@ -215,7 +242,11 @@ def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: st
             side.loads[name] = timed_post(client, url + via_gateway, body)
             print(f"  pool: {name} woke in {side.loads[name]:.1f}s", flush=True)
         side.rss, side.pss = tree_rss(process.pid) or 0, pss(process.pid)
-        warm_rounds(client, dict.fromkeys(names, url), rounds, image, side, gateway=True)
+        side.direct = Side()
+        targets, headers = member_predictors(process.pid, names)
+        for _ in range(rounds):
+            warm_round(client, dict.fromkeys(names, url), image, side, gateway=True)
+            warm_round(client, targets, image, side.direct, gateway=False, headers=headers)
     return side
 
 
@@ -254,7 +285,8 @@ def anchor_side(manifests: list[Manifest], work: Path, rounds: int, image: str) 
                 side.member_rss[name] = tree_rss(process.pid) or 0
                 side.rss += side.member_rss[name]
                 side.pss += pss(process.pid)
-            warm_rounds(client, targets, rounds, image, side, gateway=False)
+            for _ in range(rounds):
+                warm_round(client, targets, image, side, gateway=False)
     finally:
         for process in processes.values():
             process.send_signal(signal.SIGTERM)
@@ -324,6 +356,10 @@ def main() -> None:
     for task in tasks:
         print(f"  {task}: {p50_ms(pool.warm_by_task.get(task, [])):.1f} ms vs "
               f"{p50_ms(anchor.warm_by_task.get(task, [])):.1f} ms")  # fmt: skip
+    assert pool.direct is not None
+    direct = p50_ms(pool.direct.warm) / p50_ms(anchor.warm)
+    print(f"warm p50, the pool's member predictors directly (no gateway): {p50_ms(pool.direct.warm):.1f} ms vs "
+          f"{p50_ms(anchor.warm):.1f} ms: {direct:.2f}x")  # fmt: skip
     for task in tasks:
         name = f"{task}-evict"
         own = statistics.median(v for k, v in anchor.loads.items() if k.startswith(f"{task}-"))
