@@ -69,7 +69,7 @@ def _own_cgroup(root: Path) -> tuple[str, Path] | None:
             v1 = path
         elif controllers == "":
             v2 = path
-    if v2 is not None and "memory" in _read(root / "cgroup.controllers").split():
+    if v2 is not None and "memory" in _read(root / v2.lstrip("/") / "cgroup.controllers").split():
         return "v2", root / v2.lstrip("/")
     if v1 is not None and (root / "memory").is_dir():
         return "v1", root / "memory" / v1.lstrip("/")
@@ -125,7 +125,8 @@ class MemoryLimits:
         return self._group / (_MEMBER_PREFIX + re.sub(r"[^A-Za-z0-9_.-]+", "_", name))
 
     def apply(self, name: str, pid: int, limit_bytes: int) -> None:
-        """Bound member ``name``'s process ``pid`` (and what it starts) to ``limit_bytes``; OSError if refused."""
+        """Bound member ``name``'s process ``pid`` (and what it starts) to ``limit_bytes``; OSError (or ValueError:
+        an address-space limit above this process's own hard limit) if refused."""
         if self._group is None:
             virtual = limit_bytes * VIRTUAL_PER_RESIDENT
             resource.prlimit(pid, resource.RLIMIT_AS, (virtual, virtual))

@@ -660,9 +660,9 @@ class LocalSupervisor(Backends):
         key = f"{model.name}.{pid}"
         try:
             self._limits.apply(key, pid, limit)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             logger.warning("%s: cannot apply its %s (%s); it runs without", model.name, self._limit_text(model),
-                           exc.strerror or exc)  # fmt: skip
+                           getattr(exc, "strerror", None) or exc)  # fmt: skip
             return
         model.limit_key = key
 
