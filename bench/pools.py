@@ -36,6 +36,13 @@ predictors); warm p50 18.2 ms through serve's gateway against 12.9 ms to each pr
 5.4, 1.6, 2.6 s: 0.63x to 1.37x, within the 1.5x goal. With 5 members: 2.95 GiB against 2.13 GiB (0.72x).
 In one process (torch and transformers imported: 248 MB), each further all-MiniLM-L6-v2 instance added 42 MB,
 each tiny BERT 0.1 MB, each RapidOCR 32 MB, against about 430 MB for each in a process of its own.
+Again with ``--models 10 --rounds 10``: 5.38 GiB against 4.22 GiB (0.78x), warm p50 23.8 against 15.3 ms (1.56x),
+evicted members back in 0.33x to 1.50x of their own load. The OCR members are the outlier in every run (208.8 and
+339.5 ms against 68.9 and 63.6): measured alone, an OCR member that a ``light`` standby took answers in 145 ms
+p50 through the gateway, one started fresh (``--no-standby``) in 48 ms; ``OMP_WAIT_POLICY=PASSIVE`` or
+``OMP_NUM_THREADS=1`` did not change it. The requests straight to the pool's members (beside the gateway's) are
+sent only when serve's processes show the predictors' token in their environment (fresh predictors; a standby is
+handed it on its stdin).
 """
 
 from __future__ import annotations
