@@ -182,7 +182,7 @@ def render_crd_yaml() -> str:
 POOL_PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Where the pool is."},
     {"name": "Members", "type": "integer", "jsonPath": ".status.memberCount", "description": "UniversalModels in it."},
-    {"name": "Used-MB", "type": "integer", "jsonPath": ".status.memoryUsedMb", "description": "Loaded members' memory."},
+    {"name": "Used-MB", "type": "integer", "jsonPath": ".status.memoryUsedMb", "description": "Loaded memory."},
     {"name": "Budget", "type": "string", "jsonPath": ".spec.memoryBudget", "description": "The loaded members' bound."},
     {
         "name": "Ready",

@@ -15,12 +15,13 @@ from lightkube.resources.core_v1 import ConfigMap, Secret, ServiceAccount
 from lightkube.types import PatchType
 
 from universal_operator import kserve
-from universal_operator.spec import GROUP, KIND, PLURAL, VERSION
+from universal_operator.spec import GROUP, KIND, PLURAL, POOL_KIND, POOL_PLURAL, VERSION
 
 FIELD_MANAGER = "universal-runtime-operator"
 
 InferenceService = create_namespaced_resource(kserve.GROUP, kserve.VERSION, kserve.KIND, kserve.PLURAL)
 UniversalModelResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+UniversalModelPoolResource = create_namespaced_resource(GROUP, VERSION, POOL_KIND, POOL_PLURAL)
 LocalModelCache = create_global_resource(kserve.GROUP, kserve.CACHE_VERSION, kserve.CACHE_KIND, kserve.CACHE_PLURAL)
 
 
@@ -144,6 +145,16 @@ class KubeApi:
         """Merge-patch the UniversalModel's status subresource (None values remove keys)."""
         await self.client.patch(
             UniversalModelResource.Status,
+            name,
+            {"status": status},
+            namespace=namespace,
+            patch_type=PatchType.MERGE,
+        )
+
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the UniversalModelPool's status subresource (None values remove keys)."""
+        await self.client.patch(
+            UniversalModelPoolResource.Status,
             name,
             {"status": status},
             namespace=namespace,

@@ -642,6 +642,12 @@ POOL_GPUS_MESSAGE = (
     "a pooled model cannot ask for several GPUs: the pool's members share its pod (the UniversalModelPool's "
     "resources.gpus); remove spec.pool to give the model its own predictor"
 )
+#: A transition rule: a model joining or leaving a pool would leave an InferenceService behind or start one.
+POOL_FIXED_RULE = "has(self.pool) == has(oldSelf.pool) && (!has(self.pool) || self.pool == oldSelf.pool)"
+POOL_FIXED_MESSAGE = (
+    "spec.pool cannot change after the model is created (its own InferenceService, or its place in a pool, would be "
+    "left behind); delete and re-create the model"
+)
 POOL_ADAPTERS_RULE = "!has(self.pool) || !has(self.adapters) || size(self.adapters) == 0"
 POOL_ADAPTERS_MESSAGE = (
     "a pooled model cannot list adapters: adapters reach a model's own predictor through its own ConfigMap; "
@@ -664,6 +670,7 @@ class UniversalModelSpec(_Model):
                 _cel(POOL_VLLM_RULE, POOL_VLLM_MESSAGE, ".pool"),
                 _cel(POOL_GPUS_RULE, POOL_GPUS_MESSAGE, ".pool"),
                 _cel(POOL_ADAPTERS_RULE, POOL_ADAPTERS_MESSAGE, ".pool"),
+                _cel(POOL_FIXED_RULE, POOL_FIXED_MESSAGE, ".pool"),
             ]
         }
     )

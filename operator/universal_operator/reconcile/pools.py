@@ -36,7 +36,7 @@ from universal_operator.reconcile.labels import (
     LABEL_PART_OF,
     MANAGED_BY,
 )
-from universal_operator.reconcile.render import CACHE_DIR, desired_inference_service
+from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.status import _conditions, status_from_inference_service
 from universal_operator.spec import (
     POOL_SUFFIX,
