@@ -18,7 +18,7 @@ from universal_operator.config import OperatorConfig
 from universal_operator.crd import pool_custom_resource_definition, render_pool_crd_yaml
 from universal_operator.handlers import OperatorState
 from universal_operator.reconcile.pools import check_pool, desired_pool_inference_service
-from universal_operator.spec import SpecError, UniversalModelPool, parse_model, parse_pool
+from universal_operator.spec import SpecError, parse_model, parse_pool
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 from universal_simcluster.kserve.standin import ready_status
 
@@ -100,7 +100,8 @@ POOL_INVALID = {
 def test_an_unhostable_pool_fails_exactly_its_cel_rule_and_pydantic_agrees(spec: dict[str, Any], failure: str) -> None:
     body = {"metadata": {"name": "small"}, "spec": spec}
     failures = _pool_cel_failures(body)
-    assert len(failures) == 1 and failures[0].startswith(failure), failures
+    assert len(failures) == 1, failures
+    assert failures[0].startswith(failure)
     with pytest.raises(SpecError):
         parse_pool(body)
 
@@ -123,7 +124,8 @@ def test_the_example_pool_and_members_pass_cel_and_pydantic() -> None:
     documents = list(yaml.safe_load_all(POOL_EXAMPLE.read_text()))
     pools = [d for d in documents if d["kind"] == "UniversalModelPool"]
     members = [d for d in documents if d["kind"] == "UniversalModel"]
-    assert len(pools) == 1 and len(members) >= 2
+    assert len(pools) == 1
+    assert len(members) >= 2
     assert _pool_cel_failures(pools[0]) == []
     parse_pool(pools[0])
     assert {parse_model(m).spec.pool for m in members} == {pools[0]["metadata"]["name"]}
@@ -223,8 +225,10 @@ async def test_a_pool_renders_one_inference_service_and_its_members_reach_it_thr
 
     # Pooled models get no InferenceService of their own; their status names the pool.
     pooled = await eventually(lambda: _condition(_status(cluster, UM, "minilm"), "Pooled"))
-    assert pooled["status"] == "True" and "small" in pooled["message"]
-    assert _get(cluster, ISVC, "minilm") is None and _get(cluster, ISVC, "sentiment") is None
+    assert pooled["status"] == "True"
+    assert "small" in pooled["message"]
+    assert _get(cluster, ISVC, "minilm") is None
+    assert _get(cluster, ISVC, "sentiment") is None
 
     # A third member: the ConfigMap changes, the InferenceService is not written (no new revision, no restart).
     cluster.emulator.reset_writes()
@@ -253,11 +257,14 @@ async def test_pool_and_member_status_follow_the_inference_service_and_the_gatew
     pool = await eventually(lambda: _status(cluster, POOLS, "small") if _status(cluster, POOLS, "small").get(
         "phase") == "Ready" else None)  # fmt: skip
     assert pool["address"] == "http://small-pool-predictor.default.svc.cluster.local"
-    assert pool["memoryBudgetMb"] == 3072 and pool["loaded"] == [] and pool["inferenceService"] == "small-pool"
+    assert pool["memoryBudgetMb"] == 3072
+    assert pool["loaded"] == []
+    assert pool["inferenceService"] == "small-pool"
     # The gateway routes a member to the pool's address (with the member's own name in "model").
     minilm = await eventually(lambda: _status(cluster, UM, "minilm") if _status(cluster, UM, "minilm").get(
         "phase") == "Ready" else None)  # fmt: skip
-    assert minilm["address"] == pool["address"] and minilm["servedName"] == "minilm"
+    assert minilm["address"] == pool["address"]
+    assert minilm["servedName"] == "minilm"
     assert _condition(minilm, "Ready")["status"] == "True"
 
     # The gateway reports the member's card from the pool's /openai/v1/models: loaded, 120 MiB.
