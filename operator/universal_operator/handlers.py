@@ -115,9 +115,11 @@ class OperatorState:
     #: Pools: the status last written, and their InferenceServices as last seen (by the pool's key).
     written_pool_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
     pool_children: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    #: kopf's live indexes of every UniversalModelPool and UniversalModel (kept from the first handler call that
-    #: passes them: kopf fills an index before any handler runs, and the object stays the same, updated in place).
-    pool_index: Mapping[Key, Any] | None = None
+    #: Every UniversalModelPool as last seen (its event handler). Not a kopf index: kopf holds every handler back
+    #: until each index has listed its resource, so an index over a CRD not installed yet would stall every model.
+    pools: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: kopf's live index of every UniversalModel (kept from the first handler call that passes it: the object stays
+    #: the same, updated in place).
     model_index: Mapping[Key, Any] | None = None
 
     def pods_of(self, key: Key) -> list[dict[str, Any]]:
@@ -194,16 +196,14 @@ async def reconcile_model(
     reason: str = "reconcile",
     retry: int = 0,
     models: Mapping[Key, Any] | None = None,
-    pools: Mapping[Key, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Make the child match the spec and the status match the child. Returns the applied child if any.
 
     ``retry`` is kopf's count of earlier failed attempts (it sets the back-off while RBAC refuses us).
     ``models``: kopf's index of every UniversalModel (the users a shared cache is made for).
-    ``pools``: kopf's index of every UniversalModelPool (a model with spec.pool is served by one, not by a child).
     """
     async with state.reconciling.setdefault(_key(body), asyncio.Lock()):
-        return await _reconcile_model(state, body, children, reason=reason, retry=retry, models=models, pools=pools)
+        return await _reconcile_model(state, body, children, reason=reason, retry=retry, models=models)
 
 
 async def _reconcile_model(
@@ -214,14 +214,13 @@ async def _reconcile_model(
     reason: str,
     retry: int,
     models: Mapping[Key, Any] | None,
-    pools: Mapping[Key, Any] | None = None,
 ) -> dict[str, Any] | None:
     key = _key(body)
     plain = _plain(body)
     try:
         model = parse_model(plain)
         if model.spec.pool is not None:
-            await reconcile_member(state, plain, model, pools)
+            await reconcile_member(state, plain, model)
             return None
         check_servable(model, state.config)
     except SpecError as error:
@@ -561,8 +560,6 @@ def _index_value(index: Mapping[Key, Any] | None, key: Key) -> dict[str, Any] | 
 def _remember(kw: Mapping[str, Any]) -> Mapping[Key, Any] | None:
     """Keep kopf's live indexes in the state (for calls that come without them); returns the models index."""
     state: OperatorState = kw["memo"]["state"]
-    if kw.get("pools") is not None:
-        state.pool_index = kw["pools"]
     if kw.get("models") is not None:
         state.model_index = kw["models"]
     return cast("Mapping[Key, Any] | None", kw.get("models"))
@@ -624,9 +621,15 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     def models(**kw: Any) -> dict[Key, dict[str, Any]]:
         return {_key(kw["body"]): _plain(kw["body"])}
 
-    @kopf.index(*ump, registry=registry, id="pools")
-    def pools(**kw: Any) -> dict[Key, dict[str, Any]]:
-        return {_key(kw["body"]): _plain(kw["body"])}
+    @kopf.on.event(*ump, registry=registry, id="follow-pools")
+    async def on_pool_event(**kw: Any) -> None:
+        state: OperatorState = kw["memo"]["state"]
+        if kw["event"]["type"] == "DELETED":
+            state.pools.pop(_key(kw["body"]), None)
+            state.pool_children.pop(_key(kw["body"]), None)
+            state.written_pool_status.pop(_key(kw["body"]), None)
+        else:
+            state.pools[_key(kw["body"])] = _plain(kw["body"])
 
     @kopf.on.resume(*ump, registry=registry, id="pool-on-resume")
     @kopf.on.create(*ump, registry=registry, id="pool-on-create")
@@ -934,9 +937,18 @@ async def follow_predictor_report(
     await reconcile_model(state, body, children, reason="the predictor reported its backend", models=models)
 
 
-def _pool_of(state: OperatorState, namespace: str, name: str) -> UniversalModelPool | None:
-    body = _index_value(state.pool_index, (namespace, name))
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+async def _pool_of(state: OperatorState, namespace: str, name: str) -> UniversalModelPool | None:
+    """The pool as last seen, else as the API server has it (the pools' watch may not have listed it yet)."""
+    body = state.pools.get((namespace, name))
+    if body is None:
+        try:
+            body = await state.api.get_pool(namespace, name)
+        except ApiError as exc:
+            raise kopf.TemporaryError(f"reading the UniversalModelPool failed: {exc}", delay=RETRY_DELAY) from exc
+        if body is None:
+            return None
+        state.pools[(namespace, name)] = body
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
     try:
         return parse_pool(body)
@@ -971,15 +983,11 @@ def _pool_status_changed(current: dict[str, Any] | None, new: dict[str, Any]) ->
     return any(_strip_none(current.get(key)) != _strip_none(value) for key, value in new.items())
 
 
-async def reconcile_member(
-    state: OperatorState, body: dict[str, Any], model: UniversalModel, pools: Mapping[Key, Any] | None = None
-) -> None:
+async def reconcile_member(state: OperatorState, body: dict[str, Any], model: UniversalModel) -> None:
     """A model with spec.pool: no child of its own; its status says where its pool is (``Pooled``), and its pool's
     members ConfigMap lists it (the pool is reconciled)."""
-    if pools is not None:
-        state.pool_index = pools
     key = _key(body)
-    pool = _pool_of(state, key[0], str(model.spec.pool))
+    pool = await _pool_of(state, key[0], str(model.spec.pool))
     status = member_status(model, pool, state.clock())
     async with state.lock(key):
         known = state.written_status.get(key, _plain(body.get("status") or {}))
@@ -994,7 +1002,7 @@ async def reconcile_member(
             if pool is None:
                 kopf.warn(cast(kopf.Body, body), reason="PoolMissing", message=str(status["message"]))
     if pool is not None:
-        pool_body = _index_value(state.pool_index, (key[0], pool.metadata.name))
+        pool_body = state.pools.get((key[0], pool.metadata.name))
         if pool_body is not None:
             await reconcile_pool(state, pool_body, reason=f"member {key[1]} changed")
 
@@ -1101,7 +1109,7 @@ async def follow_pool_child_event(state: OperatorState, event_type: str, child: 
     """A pool's InferenceService changed: its status into the pool's (and the members'); recreated if deleted."""
     meta = child.get("metadata") or {}
     key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_POOL)))
-    body = _index_value(state.pool_index, key)
+    body = state.pools.get(key)
     if body is None or not _owned_by(child, body) or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
     if event_type == "DELETED":
@@ -1117,8 +1125,8 @@ async def follow_member_event(state: OperatorState, event_type: str, body: Mappi
     plain = _plain(body)
     namespace = str((plain.get("metadata") or {}).get("namespace") or "default")
     named = ((plain.get("spec") or {}).get("pool")) if isinstance(plain.get("spec"), dict) else None
-    for key in list(state.pool_index or {}):
-        pool_body = _index_value(state.pool_index, key)
+    for key in list(state.pools):
+        pool_body = state.pools.get(key)
         if pool_body is None or key[0] != namespace:
             continue
         listed = [m.get("name") for m in ((pool_body.get("status") or {}).get("members") or [])]

@@ -151,6 +151,16 @@ class KubeApi:
             patch_type=PatchType.MERGE,
         )
 
+    async def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The UniversalModelPool as stored, or None if there is none (or its CRD is not installed: also a 404)."""
+        try:
+            result: Any = await self.client.get(UniversalModelPoolResource, name, namespace=namespace)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                return None
+            raise
+        return dict(result.to_dict())
+
     async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the UniversalModelPool's status subresource (None values remove keys)."""
         await self.client.patch(
