@@ -143,8 +143,8 @@ def test_the_pools_inference_service_runs_the_supervisor_over_the_mounted_member
     predictor = isvc["spec"]["predictor"]
     [container] = predictor["containers"]
     assert container["command"] == ["universal-runtime"]
-    assert container["args"] == ["serve", "/etc/universal-runtime/pool", "--host", "0.0.0.0", "--port", "8080",
-                                 "--memory-budget-mb", "3072"]  # fmt: skip
+    assert container["args"] == ["serve", "/etc/universal-runtime/pool", "--host=0.0.0.0", "--port=8080",
+                                 "--memory-budget-mb=3072"]  # fmt: skip
     assert {"name": "pool-members", "configMap": {"name": "small-pool-members"}} in predictor["volumes"]
     assert {"name": "pool-members", "mountPath": "/etc/universal-runtime/pool", "readOnly": True} in container[
         "volumeMounts"

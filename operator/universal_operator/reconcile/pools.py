@@ -131,10 +131,10 @@ def pool_labels(pool: UniversalModelPool) -> dict[str, str]:
 
 def supervisor_args(pool: UniversalModelPool) -> list[str]:
     """``universal-runtime serve`` over the members' folder, on the port KServe routes to."""
-    args = ["serve", MEMBERS_MOUNT_PATH, "--host", "0.0.0.0", "--port", str(DEFAULT_HTTP_PORT)]
+    args = ["serve", MEMBERS_MOUNT_PATH, "--host=0.0.0.0", f"--port={DEFAULT_HTTP_PORT}"]
     budget = memory_budget_mb(pool)
     if budget is not None:
-        args += ["--memory-budget-mb", str(budget)]
+        args.append(f"--memory-budget-mb={budget}")
     return args
 
 
