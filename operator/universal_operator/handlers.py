@@ -625,9 +625,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     async def on_pool_event(**kw: Any) -> None:
         state: OperatorState = kw["memo"]["state"]
         if kw["event"]["type"] == "DELETED":
-            state.pools.pop(_key(kw["body"]), None)
-            state.pool_children.pop(_key(kw["body"]), None)
-            state.written_pool_status.pop(_key(kw["body"]), None)
+            await forget_pool(state, _key(kw["body"]))
         else:
             state.pools[_key(kw["body"])] = _plain(kw["body"])
 
@@ -1103,6 +1101,18 @@ async def _report_invalid_pool(state: OperatorState, body: dict[str, Any], error
             state.written_pool_status[key] = status
             kopf.warn(cast(kopf.Body, body), reason="InvalidSpec", message=str(error))
     logger.warning("UniversalModelPool %s/%s has an invalid spec: %s", key[0], key[1], error)
+
+
+async def forget_pool(state: OperatorState, key: Key) -> None:
+    """The pool is gone (its InferenceService and ConfigMap with it, by garbage collection): its members say so."""
+    state.pools.pop(key, None)
+    state.pool_children.pop(key, None)
+    state.written_pool_status.pop(key, None)
+    for model in _all_models(state):
+        if model.spec.pool == key[1] and model.metadata.namespace == key[0] and not model.metadata.deleting:
+            body = _index_value(state.model_index, (key[0], model.metadata.name))
+            if body is not None:
+                await reconcile_member(state, body, model)
 
 
 async def follow_pool_child_event(state: OperatorState, event_type: str, child: Mapping[str, Any]) -> None:

@@ -298,3 +298,8 @@ async def test_a_member_of_a_missing_pool_says_so_with_a_condition_and_an_event(
     await _apply(cluster, tmp_path, yaml.safe_load(POOL))
     await eventually(lambda: _condition(_status(cluster, UM, "orphan"), "Pooled").get("status") == "True")
     await eventually(lambda: "orphan.yaml" in _members(cluster))
+
+    # The pool goes: the member says so again.
+    result = await cluster.kubectl("delete", "ump", "small", "--wait=false")
+    assert result.returncode == 0, result.stderr
+    await eventually(lambda: _condition(_status(cluster, UM, "orphan"), "Pooled").get("reason") == "PoolMissing")
