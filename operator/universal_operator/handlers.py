@@ -986,7 +986,7 @@ async def reconcile_member(state: OperatorState, body: dict[str, Any], model: Un
     members ConfigMap lists it (the pool is reconciled)."""
     key = _key(body)
     pool = await _pool_of(state, key[0], str(model.spec.pool))
-    status = member_status(model, pool, state.clock())
+    status = member_status(model, pool, state.clock(), state.config)
     async with state.lock(key):
         known = state.written_status.get(key, _plain(body.get("status") or {}))
         if _pool_status_changed(known, status):
@@ -1079,7 +1079,7 @@ async def _write_pool_status(state: OperatorState, key: Key, body: dict[str, Any
         member_body = _index_value(state.model_index, member_key)
         if member_body is None:
             continue
-        new = member_status(model, pool, state.clock())
+        new = member_status(model, pool, state.clock(), state.config)
         async with state.lock(member_key):
             current = state.written_status.get(member_key, member_body.get("status") or {})
             if _pool_status_changed(current, new):

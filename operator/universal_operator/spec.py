@@ -642,6 +642,11 @@ POOL_GPUS_MESSAGE = (
     "a pooled model cannot ask for several GPUs: the pool's members share its pod (the UniversalModelPool's "
     "resources.gpus); remove spec.pool to give the model its own predictor"
 )
+POOL_MODE_RULE = "!has(self.pool) || self.scaling.mode == 'Knative'"
+POOL_MODE_MESSAGE = (
+    "a pooled model cannot use scaling.mode Standard: the pool scales as a whole (Knative) and unloads its idle "
+    "members itself after their idleTimeout; remove spec.pool or scaling.mode"
+)
 #: A transition rule: a model joining or leaving a pool would leave an InferenceService behind or start one.
 POOL_FIXED_RULE = "has(self.pool) == has(oldSelf.pool) && (!has(self.pool) || self.pool == oldSelf.pool)"
 POOL_FIXED_MESSAGE = (
@@ -670,6 +675,7 @@ class UniversalModelSpec(_Model):
                 _cel(POOL_VLLM_RULE, POOL_VLLM_MESSAGE, ".pool"),
                 _cel(POOL_GPUS_RULE, POOL_GPUS_MESSAGE, ".pool"),
                 _cel(POOL_ADAPTERS_RULE, POOL_ADAPTERS_MESSAGE, ".pool"),
+                _cel(POOL_MODE_RULE, POOL_MODE_MESSAGE, ".pool"),
                 _cel(POOL_FIXED_RULE, POOL_FIXED_MESSAGE, ".pool"),
             ]
         }
@@ -830,6 +836,8 @@ class UniversalModelSpec(_Model):
             raise ValueError(POOL_GPUS_MESSAGE)
         if self.adapters:
             raise ValueError(POOL_ADAPTERS_MESSAGE)
+        if self.scaling.mode is not ScalingMode.KNATIVE:
+            raise ValueError(POOL_MODE_MESSAGE)
         return self
 
     @field_validator("env")

@@ -275,6 +275,10 @@ INVALID = {
         {"spec": {"resources": {"gpus": 2}, "pool": "small"}},
         ".spec: a pooled model cannot ask for several GPUs",
     ),
+    "a pooled model in Standard mode (the pool scales as a whole)": (
+        {"spec": {"pool": "small", "scaling": {"mode": "Standard"}}},
+        ".spec: a pooled model cannot use scaling.mode Standard",
+    ),
     "a pooled model with adapters": (
         {"spec": {"pool": "small", "adapters": [{"name": "a", "source": {"uri": "s3://b/a"}}]}},
         ".spec: a pooled model cannot list adapters",

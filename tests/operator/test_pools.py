@@ -17,7 +17,8 @@ from tests.operator.test_crd import ENV, apply_defaults
 from universal_operator.config import OperatorConfig
 from universal_operator.crd import pool_custom_resource_definition, render_pool_crd_yaml
 from universal_operator.handlers import OperatorState
-from universal_operator.reconcile.pools import check_pool, desired_pool_inference_service
+from universal_operator.reconcile.pools import check_pool, desired_pool_inference_service, stand_in
+from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.spec import SpecError, parse_model, parse_pool
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 from universal_simcluster.kserve.standin import ready_status
@@ -281,6 +282,16 @@ async def test_pool_and_member_status_follow_the_inference_service_and_the_gatew
     assert _status(cluster, UM, "minilm")["pool"]["reason"] == "MemoryBudget"
     await eventually(lambda: _status(cluster, POOLS, "small").get("loaded") == [])
     assert _status(cluster, POOLS, "small")["evictions"] == 1
+
+    # Loaded again: the reason goes.
+    card = {"state": "ready", "starts": 2, "memoryMb": 118, "evictions": 1}
+    await cluster.emulator.put_status(UM, "default", "minilm", {"predictorReport": {"pool": card}})
+    await eventually(lambda: _status(cluster, UM, "minilm").get("pool") == {"name": "small", "state": "Loaded",
+                                                                            "memoryMb": 118})  # fmt: skip
+    # The gateway waits for the member as long as the pool's KServe timeout lets a cold start take.
+    pool_object = parse_pool(_get(cluster, POOLS, "small") or {})
+    expected = request_timeout_seconds(stand_in(pool_object), operator.config)
+    assert _status(cluster, UM, "minilm")["requestTimeoutSeconds"] == expected
 
 
 async def test_a_member_of_a_missing_pool_says_so_with_a_condition_and_an_event(

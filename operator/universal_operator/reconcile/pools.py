@@ -36,7 +36,7 @@ from universal_operator.reconcile.labels import (
     LABEL_PART_OF,
     MANAGED_BY,
 )
-from universal_operator.reconcile.render import desired_inference_service
+from universal_operator.reconcile.render import desired_inference_service, request_timeout_seconds
 from universal_operator.reconcile.status import _conditions, status_from_inference_service
 from universal_operator.spec import (
     POOL_SUFFIX,
@@ -275,9 +275,12 @@ def _as_model_status(pool: UniversalModelPool) -> UniversalModelStatus:
     )
 
 
-def member_status(model: UniversalModel, pool: UniversalModelPool | None, now: datetime) -> dict[str, Any]:
+def member_status(
+    model: UniversalModel, pool: UniversalModelPool | None, now: datetime, config: OperatorConfig
+) -> dict[str, Any]:
     """A pooled member's status: where the pool is (phase, address: the gateway routes there with the member's
-    served name), condition Pooled naming the pool, and the member's state inside it."""
+    served name, and waits as long as the pool's KServe timeout allows), condition Pooled naming the pool, and the
+    member's state inside it."""
     generation = model.metadata.generation
     if pool is None or pool.status.phase is None:
         why = "does not exist" if pool is None else "has not reported yet"
@@ -302,7 +305,8 @@ def member_status(model: UniversalModel, pool: UniversalModelPool | None, now: d
         "phase": phase.value, "observedGeneration": generation, "servedName": model.served_name,
         "backend": model.spec.backend.value, "address": pool.status.address, "url": pool.status.url,
         "inferenceService": pool_service_name(pool), "message": message,
-        "pool": {k: v for k, v in pool_entry.items() if v is not None},
+        "requestTimeoutSeconds": request_timeout_seconds(stand_in(pool), config),
+        "pool": pool_entry,  # None values: a merge patch removes what no longer holds (an earlier reason)
         "conditions": pooled_conditions(model, now, ready=(ready, f"Pool{phase.value}", pool.status.message or ""),
                                         pooled=("True", "InPool", message)),
     }  # fmt: skip
