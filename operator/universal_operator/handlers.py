@@ -12,6 +12,9 @@ Who writes what:
   server-side applied before the InferenceService when they drifted or are missing;
 - the parent's status: one merge patch to ``/status`` when what it says would change (all of it but
   ``predictorReport``, which the gateway writes and the operator reads for ``backend``);
+- for a UniversalModelPool: its members' manifests (a ConfigMap, NAME-pool-members) and its one InferenceService
+  (NAME-pool), server-side applied when they drifted, and its status; a model with spec.pool gets no child, only
+  a status saying where its pool is (reconcile/pools.py);
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
   timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
 """
@@ -985,6 +988,14 @@ async def reconcile_member(state: OperatorState, body: dict[str, Any], model: Un
     """A model with spec.pool: no child of its own; its status says where its pool is (``Pooled``), and its pool's
     members ConfigMap lists it (the pool is reconciled)."""
     key = _key(body)
+    if model.spec.source.credentials_secret is not None:
+        await report_invalid_spec(state, body, SpecError(
+            "spec.source.credentialsSecret",
+            "a pool does not receive its members' credentials Secrets yet (the pool's pod fetches members itself, "
+            "without KServe's storage initializer); serve this model on its own (remove spec.pool) or use a source "
+            "that needs no credentials",
+        ))  # fmt: skip
+        return
     pool = await _pool_of(state, key[0], str(model.spec.pool))
     status = member_status(model, pool, state.clock(), state.config)
     async with state.lock(key):

@@ -310,6 +310,14 @@ async def test_a_member_of_a_missing_pool_says_so_with_a_condition_and_an_event(
     await eventually(lambda: _condition(_status(cluster, UM, "orphan"), "Pooled").get("status") == "True")
     await eventually(lambda: "orphan.yaml" in _members(cluster))
 
+    # A member whose source needs credentials: refused, naming why (the pool's pod cannot receive them yet).
+    secret = member("private")
+    secret["spec"]["source"]["credentialsSecret"] = "hub-token"
+    await _apply(cluster, tmp_path, secret)
+    valid = await eventually(lambda: _condition(_status(cluster, UM, "private"), "SpecValid"))
+    assert valid["status"] == "False"
+    assert "spec.source.credentialsSecret: a pool does not receive" in valid["message"]
+
     # The pool goes: the member says so again.
     result = await cluster.kubectl("delete", "ump", "small", "--wait=false")
     assert result.returncode == 0, result.stderr

@@ -205,7 +205,7 @@ def members_of(pool: UniversalModelPool, models: list[UniversalModel]) -> list[U
     return [
         m for m in models
         if m.spec.pool == pool.metadata.name and m.metadata.namespace == pool.metadata.namespace
-        and not m.metadata.deleting
+        and not m.metadata.deleting and m.spec.source.credentials_secret is None  # refused: handlers.reconcile_member
     ]  # fmt: skip
 
 
