@@ -289,8 +289,10 @@ def member_status(
             message += f"; create the UniversalModelPool {model.spec.pool!r} or fix spec.pool"
         return {
             "phase": Phase.PENDING.value, "observedGeneration": generation, "servedName": model.served_name,
-            "backend": model.spec.backend.value, "address": None, "inferenceService": None, "message": message,
-            "pool": {"name": model.spec.pool, "state": PoolMemberState.NOT_LOADED.value},
+            "backend": model.spec.backend.value, "address": None, "url": None, "inferenceService": None,
+            "requestTimeoutSeconds": None, "message": message,
+            "pool": {"name": model.spec.pool, "state": PoolMemberState.NOT_LOADED.value, "reason": None,
+                     "memoryMb": None},
             "conditions": pooled_conditions(model, now, ready=("False", "PoolMissing" if pool is None else
                                             "PoolPending", message), pooled=("False", "PoolMissing" if pool is None
                                             else "PoolPending", message)),
