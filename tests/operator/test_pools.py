@@ -232,6 +232,7 @@ async def test_a_pool_renders_one_inference_service_and_its_members_reach_it_thr
     assert _get(cluster, ISVC, "sentiment") is None
 
     # A third member: the ConfigMap changes, the InferenceService is not written (no new revision, no restart).
+    await eventually(lambda: _status(cluster, POOLS, "small").get("memberCount") == 2)  # settled on two first
     cluster.emulator.reset_writes()
     await _apply(cluster, tmp_path, member("bge-small"))
     await eventually(lambda: "bge-small.yaml" in _members(cluster))
