@@ -65,13 +65,14 @@ async def ask_cards(session: aiohttp.ClientSession, base_url: str, token: str | 
 
 def pool_card(cards: list[dict[str, Any]], served_name: str) -> dict[str, Any] | None:
     """A pooled model's card among its pool's (``universal-runtime serve`` lists every member: state, starts,
-    memory_mb, evictions; gateway/universal_gateway/local.py ``LocalSupervisor._view``), as
-    ``predictorReport.pool``; None when the pool does not list it (yet)."""
+    memory_mb, evictions, why it stopped, its crashes and memory limit; gateway/universal_gateway/local.py
+    ``LocalSupervisor._view``), as ``predictorReport.pool``; None when the pool does not list it (yet)."""
     card = next((c for c in cards if c.get("id") == served_name), None)
     if card is None:
         return None
     fields = {"state": "state", "starts": "starts", "memoryMb": "memory_mb", "evictions": "evictions",
-              "message": "message"}  # fmt: skip
+              "message": "message", "reason": "reason", "crashes": "crashes", "lastExit": "last_exit",
+              "memoryLimitMb": "memory_limit_mb"}  # fmt: skip
     return {key: card[name] for key, name in fields.items() if card.get(name) not in (None, "")}
 
 

@@ -949,6 +949,14 @@ class PoolCard(_Model):
     memory_mb: int | None = Field(default=None, description="The memory the model held when last measured (MiB).")
     evictions: int | None = Field(default=None, description="How often the pool unloaded it to stay in its budget.")
     message: str | None = Field(default=None, description="The pool's message about the model.")
+    reason: str | None = Field(
+        default=None,
+        description="Why it is not running: Evicted (for room in the budget), IdleTimeout, Crashed, OOMKilled or "
+        "Failed.",
+    )
+    crashes: int | None = Field(default=None, description="How often its process ended without being asked to.")
+    last_exit: str | None = Field(default=None, description="How its process last ended unasked.")
+    memory_limit_mb: int | None = Field(default=None, description="Its own memory limit inside the pool (MiB).")
 
 
 class PredictorReport(_Model):

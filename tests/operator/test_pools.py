@@ -284,6 +284,15 @@ async def test_pool_and_member_status_follow_the_inference_service_and_the_gatew
     await eventually(lambda: _status(cluster, POOLS, "small").get("loaded") == [])
     assert _status(cluster, POOLS, "small")["evictions"] == 1
 
+    # Its process killed by the OOM killer: Evicted with that reason (its next request loads it again), the exit
+    # in the message.
+    card = {"state": "idle", "starts": 1, "evictions": 1, "reason": "OOMKilled", "crashes": 1,
+            "lastExit": "killed by the OOM killer over its 150 MiB limit", "memoryLimitMb": 150}  # fmt: skip
+    await cluster.emulator.put_status(UM, "default", "minilm", {"predictorReport": {"pool": card}})
+    await eventually(lambda: _status(cluster, UM, "minilm").get("pool", {}).get("reason") == "OOMKilled")
+    assert _status(cluster, UM, "minilm")["pool"]["state"] == "Evicted"
+    assert "killed by the OOM killer over its 150 MiB limit (1 crash(es))" in _status(cluster, UM, "minilm")["message"]
+
     # Loaded again: the reason goes.
     card = {"state": "ready", "starts": 2, "memoryMb": 118, "evictions": 1}
     await cluster.emulator.put_status(UM, "default", "minilm", {"predictorReport": {"pool": card}})

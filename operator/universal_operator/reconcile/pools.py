@@ -223,10 +223,19 @@ def member_state(model: UniversalModel) -> tuple[PoolMemberState, str | None, in
     if card.state == "loading":
         return PoolMemberState.LOADING, None, memory
     if card.state == "failed":
-        return PoolMemberState.FAILED, "FailedToLoad", memory
+        return PoolMemberState.FAILED, "Crashed" if card.reason == "Failed" and card.crashes else "FailedToLoad", memory
     if not card.starts:
         return PoolMemberState.NOT_LOADED, None, None
+    # Unloaded: the runtime says why (gateway/universal_gateway/local.py); a crashed or OOM-killed member is loaded
+    # again by its next request, as an evicted one is.
+    if card.reason in _RUNTIME_REASONS:
+        return PoolMemberState.EVICTED, _RUNTIME_REASONS[card.reason], None
     return PoolMemberState.EVICTED, "MemoryBudget" if card.evictions else "IdleTimeout", None
+
+
+#: The runtime's reasons for a member it stopped, as the member's status says them.
+_RUNTIME_REASONS = {"Evicted": "MemoryBudget", "IdleTimeout": "IdleTimeout", "Crashed": "Crashed",
+                    "OOMKilled": "OOMKilled"}  # fmt: skip
 
 
 def pool_status(
@@ -302,6 +311,9 @@ def member_status(
     ready = "True" if phase is Phase.READY or phase is Phase.IDLE else "False"
     where = f"Served by pool {pool.metadata.name!r} ({pool_service_name(pool)}); {state.value} there"
     message = f"{where} ({reason})." if reason else f"{where}."
+    card = model.status.predictor_report.pool if model.status.predictor_report is not None else None
+    if reason in ("Crashed", "OOMKilled") and card is not None and card.last_exit:
+        message += f" Its process {card.last_exit} ({card.crashes or 1} crash(es)); its next request starts it again."
     pool_entry = {"name": pool.metadata.name, "state": state.value, "reason": reason, "memoryMb": memory}
     return {
         "phase": phase.value, "observedGeneration": generation, "servedName": model.served_name,
