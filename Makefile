@@ -119,11 +119,15 @@ layering: venv
 crd: venv
 	$(VENV)/bin/universal-runtime crd -o crds/universalmodels.yaml
 	cp crds/universalmodels.yaml charts/universal-runtime/files/universalmodels.yaml
+	$(VENV)/bin/universal-runtime crd --pool -o crds/universalmodelpools.yaml
+	cp crds/universalmodelpools.yaml charts/universal-runtime/files/universalmodelpools.yaml
 	$(PY) -m universal_predictors.request_schemas -o $(REQUEST_SCHEMAS)
 
 crd-check: venv
 	$(VENV)/bin/universal-runtime crd --check crds/universalmodels.yaml
 	$(VENV)/bin/universal-runtime crd --check charts/universal-runtime/files/universalmodels.yaml
+	$(VENV)/bin/universal-runtime crd --pool --check crds/universalmodelpools.yaml
+	$(VENV)/bin/universal-runtime crd --pool --check charts/universal-runtime/files/universalmodelpools.yaml
 	$(PY) -m universal_predictors.request_schemas --check $(REQUEST_SCHEMAS)
 
 # The unit tier (tests/tiers.py: the vLLM and image tests deselected, any skip a failure), under coverage.py with

@@ -37,6 +37,7 @@ from tests.conftest import TEST_OPERATOR_CONFIG, cluster_for, embedded_operator
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
 from universal_operator.config import parse_config
+from universal_operator.crd import pool_custom_resource_definition
 from universal_operator.kube import InferenceService, UniversalModelResource
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 from universal_simcluster.kserve.processes import DEFAULT_SOURCES, ProcessKServe, kserve_processes
@@ -401,7 +402,8 @@ async def simulated_cluster(
     clock = SteppedClock()
     config = parse_config(dict(operator_config))
     with pytest.MonkeyPatch.context() as env:
-        async with serve_emulator(workdir, crds=[crd], admission=cluster_for(config)) as served:
+        crds = [crd, pool_custom_resource_definition()]
+        async with serve_emulator(workdir, crds=crds, admission=cluster_for(config)) as served:
             env.setenv("KUBECONFIG", str(served.kubeconfig))
             client = AsyncClient()
             try:

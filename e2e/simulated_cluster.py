@@ -37,7 +37,7 @@ from lightkube import AsyncClient
 
 from universal_gateway.app import Gateway
 from universal_gateway.cluster import KubernetesBackends
-from universal_operator.crd import custom_resource_definition
+from universal_operator.crd import custom_resource_definition, pool_custom_resource_definition
 from universal_simcluster import admission
 from universal_simcluster.apiserver import ServedEmulator, serve_emulator
 from universal_simcluster.kserve.processes import kserve_processes
@@ -109,7 +109,8 @@ async def kserve_and_gateway(client: AsyncClient, workdir: Path, serve: bool) ->
 
 
 async def main_async(paths: list[str], once: bool, workdir: Path, serve: bool = False) -> int:
-    async with serve_emulator(workdir, crds=[custom_resource_definition()], admission=CLUSTER) as served:
+    crds = [custom_resource_definition(), pool_custom_resource_definition()]
+    async with serve_emulator(workdir, crds=crds, admission=CLUSTER) as served:
         config_file = workdir / "operator.yaml"
         config_file.write_text(DEFAULT_CONFIG)
         env = {

@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     paths = [Path(p) for p in args.paths] or [DEFAULT_LOCAL_EXAMPLES]
     try:
-        manifests = load_manifests(paths)
+        # Folders may start empty (a pool's members, filled while it runs: they are watched); files may not.
+        manifests = load_manifests(paths, allow_empty=all(p.is_dir() for p in paths))
         keys = ApiKeys.load(Path(args.api_keys_file) if args.api_keys_file else None)
         audit = _audit(args)
     except (ManifestError, OSError, KeysError) as exc:
@@ -86,7 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("serve", str(exc))
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
-                                 memory_budget_mb=args.memory_budget_mb)  # fmt: skip
+                                 memory_budget_mb=args.memory_budget_mb, watch=paths,
+                                 member_memory_limit_mb=args.member_memory_limit_mb,
+                                 cache_dir=Path(args.cache_dir or state_root / "models"))  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -453,7 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="serve UniversalModel manifests on this machine behind one OpenAI API")
-    serve.add_argument("paths", nargs="*", help=f"manifest files or folders (default: {DEFAULT_LOCAL_EXAMPLES})")
+    serve.add_argument(
+        "paths",
+        nargs="*",
+        help="manifest files or folders, watched while serving: models added, removed or edited there are "
+        f"applied one by one (default: {DEFAULT_LOCAL_EXAMPLES})",
+    )
     _add_gateway_options(serve, "127.0.0.1")
     serve.add_argument("--state-dir", help="where predictors keep state (default ~/.local/state/universal-runtime)")
     serve.add_argument(
@@ -465,6 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget-mb", type=float,
         help="the memory the running predictors may hold together: starting a model that would go over it stops "
              "the least recently used idle ones first (default: no bound)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--member-memory-limit-mb", type=float,
+        help="the memory each predictor may hold when its spec.resources.memory names none; over it, that "
+             "predictor alone is killed and restarts on its next request (a cgroup where this process may make one, "
+             "else an address-space limit of 4 times it; default: no limit)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--cache-dir",
+        help="where models with s3://, gs:// or https:// sources are downloaded (by KServe's storage code, with the "
+             "AWS_*, GOOGLE_APPLICATION_CREDENTIALS and <host>-headers of this environment) and kept for their next "
+             "start (default: STATE_DIR/models)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,8 @@ from pathlib import Path
 import aiohttp
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
-from universal_gateway.manifests import Manifest, load_manifests
+from universal_gateway.isolation import MemoryLimits, memory_bytes
+from universal_gateway.manifests import Manifest, ManifestError, files_signature, load_manifests, member_changes
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
 from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool
@@ -47,6 +49,7 @@ from universal_predictors.config import (
     resolve_source,
 )
 from universal_predictors.errors import Unavailable
+from universal_predictors.generation.adapter_stores import DownloadFailed, download, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,10 @@ CRASHES_BEFORE_FAILED = 3
 #: A failed model is tried again on a request after this long.
 FAILED_COOLDOWN_S = 30.0
 STOP_GRACE_S = 10.0
+#: How often ``serve`` looks for added, removed or edited manifests (one ``stat`` per file).
+RESCAN_EVERY_S = 2.0
+#: How long a removed or changed member's requests in flight may take before its process is stopped anyway.
+DRAIN_TIMEOUT_S = 60.0
 #: Where predictors listen: this machine only.
 LOOPBACK = "127.0.0.1"
 #: linux/prctl.h
@@ -110,7 +117,7 @@ def default_state_root() -> Path:
     return Path(base) / "universal-runtime"
 
 
-@dataclass
+@dataclass(eq=False)  # one per process's life: told apart by identity (a retiring one beside its successor)
 class LocalModel:
     """One model's process and bookkeeping."""
 
@@ -144,6 +151,16 @@ class LocalModel:
     footprint_bytes: int | None = None
     #: Times it was stopped to make room under ``--memory-budget-mb``.
     evictions: int = 0
+    #: Exits nobody asked for (a crash, the OOM killer, a kill -9), and how the latest ended.
+    crash_count: int = 0
+    last_exit: str | None = None
+    #: Why it is not running, for a pool's status: Crashed, OOMKilled, Evicted, IdleTimeout, Failed (None: running,
+    #: or never started).
+    reason: str | None = None
+    #: Its process's memory-limit group (:class:`universal_gateway.isolation.MemoryLimits`), while one is held.
+    limit_key: str | None = None
+    #: Set once a retired member (removed, or replaced by a changed manifest) has no request in flight.
+    drained: asyncio.Event | None = None
     policy: ServingPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -176,12 +193,27 @@ class LocalSupervisor(Backends):
         clock: Clock = SYSTEM_CLOCK,
         standby: bool = True,
         memory_budget_mb: float | None = None,
+        watch: list[Path] | None = None,
+        rescan_interval: float = RESCAN_EVERY_S,
+        member_memory_limit_mb: float | None = None,
+        cache_dir: Path | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
         #: The memory the running predictors may hold together (None: no bound); see :meth:`_make_room`.
         self.memory_budget = int(memory_budget_mb * MiB) if memory_budget_mb else None
         self._measured_at = 0.0
+        #: The manifest files and folders re-read while serving (a pool's members): see :meth:`_rescan`.
+        self._watch = watch
+        self._rescan_interval = rescan_interval
+        self._signature = files_signature(watch) if watch else ()
+        self._scanned_at = time.monotonic()
+        #: Members removed or replaced, draining their requests in flight before their process stops.
+        self._retiring: set[LocalModel] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        #: A member's memory limit when its ``spec.resources.memory`` names none (None: no limit).
+        self._default_limit = int(member_memory_limit_mb * MiB) if member_memory_limit_mb else None
+        self._limits: MemoryLimits | None = None
         self._models = {m.model.served_name: LocalModel(m, stats=UsageStats(clock=clock)) for m in manifests}
         # Loopback is shared by every user of this machine: the predictors also want this run's token.
         self._token = self.upstream_token = secrets.token_urlsafe(32)
@@ -191,21 +223,25 @@ class LocalSupervisor(Backends):
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
-        self._fetch = fetch or fetch_source
+        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # A waiting predictor per library family, for the next model of that family to wake
         # (universal_gateway.standby); worth its memory only for a family some model at zero can use.
-        wanted = {
-            family for m in self._models.values() if not m.policy.always_on
-            for b in possible_backends(m.manifest.model) if (family := STANDBY_FAMILIES.get(b)) is not None
-        }  # fmt: skip
+        self._standby = standby
+        wanted = self._standby_families()
         self.standbys = {
             family: StandbyPool(
                 [python, "-m", PREDICTOR_MODULE, STANDBY_FLAG, family], self._process_env,
                 enabled=standby and family in wanted, start_new_session=True, preexec_fn=die_with_parent(),
             )
             for family in sorted(set(STANDBY_FAMILIES.values()))
+        }  # fmt: skip
+
+    def _standby_families(self) -> set[str]:
+        return {
+            family for m in self._models.values() if not m.policy.always_on
+            for b in possible_backends(m.manifest.model) if (family := STANDBY_FAMILIES.get(b)) is not None
         }  # fmt: skip
 
     # -- Backends ----------------------------------------------------------------------------------
@@ -224,8 +260,13 @@ class LocalSupervisor(Backends):
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(pool.close() for pool in self.standbys.values()))
-        await asyncio.gather(*(self._stop(m, reason="gateway shutting down") for m in self._models.values()))
+        await asyncio.gather(
+            *(self._stop(m, reason="gateway shutting down") for m in [*self._models.values(), *self._retiring])
+        )
         if self._session is not None:
             await self._session.close()
 
@@ -241,10 +282,16 @@ class LocalSupervisor(Backends):
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[str]:
-        model = self._models[name]
-        async with counted(model.stats):
-            await self.ensure_ready(model)
-            yield model.url
+        model = self._models.get(name)
+        if model is None:  # removed from the manifests between the gateway's lookup and now
+            raise Unavailable(f"The model {name!r} was removed from the models served here.", code="model_not_found")
+        try:
+            async with counted(model.stats):
+                await self.ensure_ready(model)
+                yield model.url
+        finally:
+            if model.drained is not None and model.stats.in_flight == 0:
+                model.drained.set()  # a retired member's last request: its process may stop
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -335,6 +382,8 @@ class LocalSupervisor(Backends):
             preexec_fn=die_with_parent(),
         )
         model.starts += 1
+        model.reason = None
+        self._limit(model, model.process.pid)
         self.wake_steps.wake(model.name)
         logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port,
                     f", in the {family} standby process" if model.from_standby else "")  # fmt: skip
@@ -391,11 +440,13 @@ class LocalSupervisor(Backends):
                 f"({budget / MiB:.0f} MiB, --memory-budget-mb); raise the budget.",
                 code="memory_budget", retry_after=60,
             )  # fmt: skip
-        running = [m for m in self._models.values() if m.running() and m is not model]
+        # Members draining before they stop hold their memory still: counted, never evicted (they are going).
+        running = [m for m in [*self._models.values(), *self._retiring] if m.running() and m is not model]
         used = sum(self._footprint(m) for m in running) + (self._footprint(model) if growing else 0)
         wall = self._clock.now()
         evictable = sorted(
-            (m for m in running if m.state is ModelState.READY and m.stats.in_flight == 0 and not m.policy.always_on
+            (m for m in running if m not in self._retiring and m.state is ModelState.READY and m.stats.in_flight == 0
+             and not m.policy.always_on
              and not m.policy.warm(wall) and (m.starting is None or m.starting.done())),
             key=lambda m: m.stats.last_used_monotonic or 0.0,
         )  # fmt: skip
@@ -405,6 +456,7 @@ class LocalSupervisor(Backends):
             freed = self._footprint(victim)
             await self._stop(victim, reason=f"evicted to make room for {model.name} under the memory budget")
             victim.evictions += 1
+            victim.reason = "Evicted"
             victim.message = (
                 f"Evicted: {model.name!r} needed room under serve's memory budget ({budget / MiB:.0f} MiB); "
                 "the next request starts it."
@@ -456,6 +508,7 @@ class LocalSupervisor(Backends):
     def _fail(self, model: LocalModel, message: str) -> None:
         tail = " | ".join(list(model.log_tail)[-5:])
         model.state = ModelState.FAILED
+        model.reason = "Failed"
         model.message = f"{message}" + (f"; last log lines: {tail}" if tail else "")
         model.failed_at = time.monotonic()
         logger.error("%s failed: %s", model.name, model.message)
@@ -478,13 +531,21 @@ class LocalSupervisor(Backends):
             return
         model.handled_exits.add(process.pid)
         model.crashes.append(time.monotonic())
+        model.crash_count += 1
+        oom = self._limits is not None and model.limit_key is not None and self._limits.oom_kills(model.limit_key) > 0
+        self._unlimit(model)
+        if oom:
+            model.reason, model.last_exit = "OOMKilled", f"killed by the OOM killer over its {self._limit_text(model)}"
+        else:
+            model.reason = "Crashed"
+            model.last_exit = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
         recent = [t for t in model.crashes if time.monotonic() - t < CRASH_WINDOW_S]
         if len(recent) >= CRASHES_BEFORE_FAILED:
-            self._fail(model, f"the predictor exited with {code} {len(recent)} times in a row")
+            self._fail(model, f"the predictor crashed {len(recent)} times in a row, the latest {model.last_exit}")
         else:
             model.state = ModelState.IDLE
-            model.message = f"The predictor exited with {code}; the next request restarts it."
-            logger.warning("%s exited with %s; it restarts on the next request", model.name, code)
+            model.message = f"Crashed: the predictor was {model.last_exit}; the next request restarts it."
+            logger.warning("%s crashed (%s); it restarts on the next request", model.name, model.last_exit)
 
     async def _stop(self, model: LocalModel, reason: str) -> None:
         process = model.process
@@ -500,16 +561,14 @@ class LocalSupervisor(Backends):
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
+        self._unlimit(model)
         if model.state is not ModelState.FAILED:
             model.state = ModelState.IDLE
             model.message = f"Stopped ({reason}); the next request starts it."
 
     async def _reread_adapters(self) -> None:
-        """A manifest edited while serving: its models' ``spec.adapters`` change at once (their adapters files are
-        rewritten; a running predictor re-reads its own, no restart), as a cluster's ConfigMap does. Other
-        changes need ``serve`` restarted: said in the log. A running predictor started with no adapters has no
-        list to re-read: it is stopped, and the next request starts it with them (in a cluster the first adapter
-        rolls the predictor too)."""
+        """Without ``watch`` (a supervisor given manifests, not paths to watch): a manifest edited while serving has
+        its models' ``spec.adapters`` applied at once (:meth:`_update_adapters`); other changes are logged."""
         for path in {m.manifest.path for m in self._models.values()}:
             try:
                 stamp = path.stat().st_mtime_ns
@@ -530,16 +589,7 @@ class LocalSupervisor(Backends):
                     continue
                 old = model.manifest
                 if new.model.spec.adapters != old.model.spec.adapters:
-                    model.manifest = replace(old, model=old.model.model_copy(
-                        update={"spec": old.model.spec.model_copy(update={"adapters": new.model.spec.adapters})}
-                    ))  # fmt: skip
-                    state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
-                    if model.with_adapters or new.model.spec.adapters:
-                        write_adapters_file(model.manifest, state_dir, keep_empty=True)
-                    if model.running() and not model.with_adapters:
-                        await self._stop(model, reason="its first adapters were added")
-                    logger.info("%s: adapters now %s", model.name,
-                                [a.name for a in new.model.spec.adapters] or "none")  # fmt: skip
+                    await self._update_adapters(model, new)
                 if new.model.spec.model_copy(update={"adapters": []}) != old.model.spec.model_copy(
                     update={"adapters": []}
                 ):
@@ -551,7 +601,13 @@ class LocalSupervisor(Backends):
         edited manifests' adapters (:meth:`_reread_adapters`)."""
         while True:
             await asyncio.sleep(self._reap_interval)
-            await self._reread_adapters()
+            if self._watch is not None:
+                try:
+                    await self._rescan()
+                except Exception:  # the TTL unload and the other members go on; the next change is tried again
+                    logger.exception("applying the changed manifests failed")
+            else:
+                await self._reread_adapters()
             await self._measure()
             now = self._clock.monotonic()
             wall = self._clock.now()
@@ -576,6 +632,146 @@ class LocalSupervisor(Backends):
                     and (model.starting is None or model.starting.done())
                 ):
                     await self._stop(model, reason=f"idle for {policy.idle_timeout_text}")
+                    model.reason = "IdleTimeout"
+
+    # -- per-member memory limits ------------------------------------------------------------------------
+
+    def _member_limit(self, model: LocalModel) -> int | None:
+        """Its ``spec.resources.memory`` (in a cluster, a replica's limit: here the member's), else
+        ``--member-memory-limit-mb``; None: no limit."""
+        memory = model.manifest.model.spec.resources.memory
+        with contextlib.suppress(ValueError):  # an exponent form the CRD admits: the default then
+            return memory_bytes(memory) if memory else self._default_limit
+        return self._default_limit
+
+    def _limit_text(self, model: LocalModel) -> str:
+        limit = self._member_limit(model)
+        kind = self._limits.kind if self._limits is not None else "no"
+        return f"{limit / MiB:.0f} MiB memory limit ({kind})" if limit else "memory"
+
+    def _limit(self, model: LocalModel, pid: int) -> None:
+        """Hold the started process to the member's memory limit; refused by the OS: said once, served unbounded."""
+        limit = self._member_limit(model)
+        if limit is None:
+            return
+        if self._limits is None:
+            self._limits = MemoryLimits.detect()
+            logger.info("member memory limits by %s", self._limits.kind)
+        key = f"{model.name}.{pid}"
+        try:
+            self._limits.apply(key, pid, limit)
+        except (OSError, ValueError) as exc:
+            logger.warning("%s: cannot apply its %s (%s); it runs without", model.name, self._limit_text(model),
+                           getattr(exc, "strerror", None) or exc)  # fmt: skip
+            return
+        model.limit_key = key
+
+    def _unlimit(self, model: LocalModel) -> None:
+        if self._limits is not None and model.limit_key is not None:
+            self._limits.release(model.limit_key)
+        model.limit_key = None
+
+    # -- members added, removed, changed while serving -------------------------------------------------------
+
+    async def _rescan(self) -> None:
+        """Every ``rescan_interval``: when a manifest under the watched paths was added, removed or rewritten
+        (:func:`files_signature`; a mounted ConfigMap's atomic swap included), read them all again and apply the
+        difference member by member (:meth:`apply_members`); the others are not touched. A reading that fails
+        (a half-saved file, a duplicate name) is logged and the members stay as they were until the next change."""
+        assert self._watch is not None
+        now = time.monotonic()
+        if now - self._scanned_at < self._rescan_interval:
+            return
+        self._scanned_at = now
+        signature = files_signature(self._watch)
+        if signature == self._signature:
+            return
+        self._signature = signature
+        try:
+            manifests = load_manifests(self._watch, allow_empty=True)
+        except (ManifestError, OSError) as exc:
+            logger.warning("the manifests changed and cannot be read (%s); serving the members as before", exc)
+            return
+        await self.apply_members(manifests)
+
+    async def apply_members(self, manifests: list[Manifest]) -> None:
+        """Serve ``manifests`` from now on: new models are added (started on their first request, or at once when
+        kept running), removed ones leave the list at once and their process stops once their requests in flight
+        are answered, a changed one is replaced the same way (its next request starts the new one), one whose
+        ``spec.adapters`` alone changed keeps running and re-reads them. Each change is logged."""
+        new = {m.model.served_name: m for m in manifests}
+        changes = member_changes({name: m.manifest for name, m in self._models.items()}, new)
+        for name in changes.removed:
+            model = self._models.pop(name)
+            logger.info("member %s removed; its process stops after %d requests in flight", name,
+                        model.stats.in_flight)  # fmt: skip
+            self._retire(model, "removed from the manifests")
+        for name in changes.changed:
+            old = self._models[name]
+            model = self._models[name] = LocalModel(new[name], stats=UsageStats(clock=self._clock))
+            model.starts, model.crash_count, model.evictions = old.starts, old.crash_count, old.evictions
+            if old.manifest.model.spec.source == new[name].model.spec.source:
+                model.source_path, model.footprint_bytes = old.source_path, old.footprint_bytes
+            logger.info("member %s changed (%s); restarting it", name, new[name].origin)
+            self._retire(old, "its manifest changed")
+            if model.policy.always_on:
+                model.starting = asyncio.create_task(self._start(model), name=f"start-{name}")
+        for name in changes.added:
+            model = self._models[name] = LocalModel(new[name], stats=UsageStats(clock=self._clock))
+            logger.info("member %s added (%s, %s)", name, model.manifest.model.spec.task.value,
+                        new[name].origin)  # fmt: skip
+            if model.policy.always_on:
+                model.starting = asyncio.create_task(self._start(model), name=f"start-{name}")
+        for name in changes.adapters:
+            await self._update_adapters(self._models[name], new[name])
+        for name in changes.moved:
+            self._models[name].manifest = new[name]
+        if changes.added or changes.changed:
+            wanted = self._standby_families()
+            for family, pool in self.standbys.items():
+                if self._standby and family in wanted and not pool.enabled:
+                    pool.enabled = True
+                    pool.replenish()
+
+    def _retire(self, model: LocalModel, reason: str) -> None:
+        self._retiring.add(model)
+        task = asyncio.create_task(self._drain_and_stop(model, reason), name=f"retire-{model.name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _drain_and_stop(self, model: LocalModel, reason: str) -> None:
+        """Let a retired member's start and requests in flight finish (up to :data:`DRAIN_TIMEOUT_S`), then stop it."""
+        try:
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            if model.starting is not None and not model.starting.done():
+                with contextlib.suppress(Exception, TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(model.starting), DRAIN_TIMEOUT_S)
+            model.drained = asyncio.Event()
+            if model.stats.in_flight:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(model.drained.wait(), max(0.0, deadline - time.monotonic()))
+            if model.stats.in_flight:
+                logger.warning("%s: %d requests still in flight after %.0fs; stopping it anyway", model.name,
+                               model.stats.in_flight, DRAIN_TIMEOUT_S)  # fmt: skip
+            await self._stop(model, reason=reason)
+        finally:
+            self._retiring.discard(model)
+
+    async def _update_adapters(self, model: LocalModel, new: Manifest) -> None:
+        """Only ``spec.adapters`` changed: its adapters file is rewritten (a running predictor re-reads its own, no
+        restart), as a cluster's ConfigMap does. A running predictor started with no adapters has no list to
+        re-read: it is stopped, and the next request starts it with them (in a cluster the first adapter rolls the
+        predictor too)."""
+        old = model.manifest
+        model.manifest = replace(old, model=old.model.model_copy(
+            update={"spec": old.model.spec.model_copy(update={"adapters": new.model.spec.adapters})}
+        ))  # fmt: skip
+        state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
+        if model.with_adapters or new.model.spec.adapters:
+            write_adapters_file(model.manifest, state_dir, keep_empty=True)
+        if model.running() and not model.with_adapters:
+            await self._stop(model, reason="its first adapters were added")
+        logger.info("%s: adapters now %s", model.name, [a.name for a in new.model.spec.adapters] or "none")
 
     def _view(self, model: LocalModel) -> ModelView:
         return ModelView(
@@ -594,6 +790,10 @@ class LocalSupervisor(Backends):
                 "started_in_standby": model.from_standby,
                 **({"memory_mb": round(model.footprint_bytes / MiB)} if model.footprint_bytes else {}),
                 **({"evictions": model.evictions} if self.memory_budget is not None else {}),
+                "crashes": model.crash_count,
+                **({"last_exit": model.last_exit} if model.last_exit else {}),
+                **({"reason": model.reason} if model.reason and not model.running() else {}),
+                **({"memory_limit_mb": round(limit / MiB)} if (limit := self._member_limit(model)) else {}),
                 **({"step": model.step} if model.step and model.state is ModelState.LOADING else {}),
                 **({"max_held_requests": model.policy.max_held} if model.policy.max_held else {}),
             },
@@ -677,9 +877,12 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
     return target
 
 
-def fetch_source(manifest: Manifest) -> str:
-    """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded."""
+def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
+    """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded,
+    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`)."""
     source = manifest.model.spec.source
+    if is_remote(source.uri):
+        return fetch_remote(source.uri, cache_dir or default_state_root() / "models")
     if source.scheme == "hf":
         return _download_hf(source.uri, source.revision, source.file, source.projector_file)
     if source.scheme == "package":
@@ -692,7 +895,37 @@ def fetch_source(manifest: Manifest) -> str:
         if not path.exists() and manifest.model.spec.task.value != "anomaly":
             raise FileNotFoundError(f"{path} does not exist")
         return str(path)
-    raise ValueError(f"{source.scheme}:// sources are served in a cluster; locally use a path, file:// or hf://")
+    raise ValueError(
+        f"{source.scheme}:// sources are served in a cluster; here use a path, file://, hf://, s3://, gs:// or https://"
+    )
+
+
+#: Written beside a finished download in the cache: the path KServe's storage code gave (a download cut short
+#: leaves none, and is fetched again).
+_FETCHED = ".fetched"
+
+
+def fetch_remote(uri: str, cache_dir: Path) -> str:
+    """``uri`` (s3://, gs://, http(s)://) into ``cache_dir`` once, with KServe's storage code (``kserve_storage``, as
+    a cluster's storage initializer and the adapters' downloads run it, in a subprocess:
+    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are this process's environment
+    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, ``<host>-headers``: what that code reads), as for a single model run
+    by ``serve``; in a pool's pod that environment is the pod's. Later starts find it in the cache."""
+    import hashlib
+
+    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    folder = cache_dir / f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', uri.rstrip('/').rsplit('/', 1)[-1])[:60]}"
+    done = folder.with_name(folder.name + _FETCHED)
+    if done.exists():
+        fetched = done.read_text().strip()
+        if Path(fetched).exists():
+            return fetched
+    try:
+        path = download(uri, folder, None)
+    except DownloadFailed as exc:
+        raise RuntimeError(str(exc)) from None
+    done.write_text(str(path))
+    return str(path)
 
 
 def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:

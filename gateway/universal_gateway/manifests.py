@@ -70,11 +70,15 @@ def parse_documents(text: str, path: Path) -> list[Manifest]:
 
 
 def manifest_files(paths: list[Path]) -> list[Path]:
-    """Files named directly, plus every manifest file inside named folders (sorted, not recursive)."""
+    """Files named directly, plus every manifest file inside named folders (sorted, not recursive; hidden names
+    skipped: a mounted ConfigMap's ``..data`` link and ``..<timestamp>`` folders, an editor's swap files)."""
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            files += sorted(p for p in path.iterdir() if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+            files += sorted(
+                p for p in path.iterdir()
+                if p.suffix in MANIFEST_SUFFIXES and not p.name.startswith(".") and p.is_file()
+            )  # fmt: skip
         elif path.exists():
             files.append(path)
         else:
@@ -82,8 +86,9 @@ def manifest_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-def load_manifests(paths: list[Path]) -> list[Manifest]:
-    """All UniversalModels under ``paths``; served names must be unique."""
+def load_manifests(paths: list[Path], *, allow_empty: bool = False) -> list[Manifest]:
+    """All UniversalModels under ``paths``; served names must be unique; none is an error unless ``allow_empty``
+    (a pool's members folder, which may start empty and fill while it runs)."""
     manifests: list[Manifest] = []
     for file in manifest_files(paths):
         manifests += parse_documents(file.read_text(), file)
@@ -96,6 +101,63 @@ def load_manifests(paths: list[Path]) -> list[Manifest]:
                 "give one of them another spec.servedName"
             )
         seen[name] = manifest
-    if not manifests:
+    if not manifests and not allow_empty:
         raise ManifestError(f"no UniversalModel manifests found in {', '.join(str(p) for p in paths)}")
     return manifests
+
+
+def files_signature(paths: list[Path]) -> tuple[tuple[str, int, int, int], ...]:
+    """What changes when a manifest under ``paths`` is added, removed or rewritten: each file's name, inode, mtime
+    and size, through symlinks (a mounted ConfigMap's files are links into ``..data``, which the kubelet swaps
+    atomically: the link stays, its target is a new file). Cheap: one ``stat`` per file."""
+    try:
+        files = manifest_files(paths)
+    except ManifestError:  # a named folder went away: it holds no members now
+        files = [p for p in paths if p.exists()]
+    signature = []
+    for file in files:
+        try:
+            stat = file.stat()
+        except OSError:
+            continue
+        signature.append((str(file), stat.st_ino, stat.st_mtime_ns, stat.st_size))
+    return tuple(signature)
+
+
+@dataclass(frozen=True)
+class MemberChanges:
+    """What a new reading of the manifests changes, by served name."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    #: Changed beyond ``spec.adapters``: the member restarts.
+    changed: tuple[str, ...] = ()
+    #: Only ``spec.adapters`` changed: its running predictor re-reads them.
+    adapters: tuple[str, ...] = ()
+    #: The same model, from another file or document: nothing to restart.
+    moved: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed or self.adapters or self.moved)
+
+
+def member_changes(old: dict[str, Manifest], new: dict[str, Manifest]) -> MemberChanges:
+    """The difference between two readings of the members, each by served name."""
+
+    def without_adapters(manifest: Manifest) -> UniversalModel:
+        model = manifest.model
+        return model.model_copy(update={"spec": model.spec.model_copy(update={"adapters": []})})
+
+    changed, adapters, moved = [], [], []
+    for name in sorted(old.keys() & new.keys()):
+        before, after = old[name], new[name]
+        if without_adapters(before) != without_adapters(after):
+            changed.append(name)
+        elif before.model.spec.adapters != after.model.spec.adapters:
+            adapters.append(name)
+        elif (before.path, before.document) != (after.path, after.document):
+            moved.append(name)
+    return MemberChanges(
+        added=tuple(sorted(new.keys() - old.keys())), removed=tuple(sorted(old.keys() - new.keys())),
+        changed=tuple(changed), adapters=tuple(adapters), moved=tuple(moved),
+    )  # fmt: skip

@@ -63,6 +63,19 @@ async def ask_cards(session: aiohttp.ClientSession, base_url: str, token: str | 
     return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
 
 
+def pool_card(cards: list[dict[str, Any]], served_name: str) -> dict[str, Any] | None:
+    """A pooled model's card among its pool's (``universal-runtime serve`` lists every member: state, starts,
+    memory_mb, evictions, why it stopped, its crashes and memory limit; gateway/universal_gateway/local.py
+    ``LocalSupervisor._view``), as ``predictorReport.pool``; None when the pool does not list it (yet)."""
+    card = next((c for c in cards if c.get("id") == served_name), None)
+    if card is None:
+        return None
+    fields = {"state": "state", "starts": "starts", "memoryMb": "memory_mb", "evictions": "evictions",
+              "message": "message", "reason": "reason", "crashes": "crashes", "lastExit": "last_exit",
+              "memoryLimitMb": "memory_limit_mb"}  # fmt: skip
+    return {key: card[name] for key, name in fields.items() if card.get(name) not in (None, "")}
+
+
 def adapter_report(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each adapter's state as the predictor's cards say (``predictorReport.adapters``), by name."""
     out = []
@@ -121,7 +134,9 @@ class PredictorReporter:
         something to learn and no ask for it is under way or recently failed."""
         generation = generation_to_report(model)
         now = time.monotonic()
-        adapters_due = bool(model.spec.adapters) and now >= self._adapters_not_before.get(key, 0.0)
+        # Adapters and a pooled model's place in its pool change under traffic: asked again at most every
+        # ADAPTERS_EVERY_S.
+        adapters_due = bool(model.spec.adapters or model.spec.pool) and now >= self._adapters_not_before.get(key, 0.0)
         if address is None:
             return
         asking = self._asking.get(key)
@@ -151,6 +166,15 @@ class PredictorReporter:
             logger.info("could not ask %s/%s about itself (%s)", namespace, name, exc or type(exc).__name__)
             return
         report: dict[str, Any] = {}
+        if adapters_of is not None and adapters_of.spec.pool is not None:
+            card = pool_card(cards, adapters_of.served_name)
+            previous_report = adapters_of.status.predictor_report
+            in_pool = previous_report.pool if previous_report is not None else None
+            shown = in_pool.model_dump(mode="json", by_alias=True, exclude_none=True) if in_pool is not None else None
+            if card is not None and card != shown:
+                report["pool"] = card
+            adapters_of = None  # a pooled model has no adapters, and its pool's first card is another member's
+            generation = None
         backend = backend_of(cards) if generation is not None else None
         if backend is not None:
             report |= {"backend": backend.value, "generation": generation}

@@ -22,14 +22,15 @@ def _fail(subcommand: str, message: str) -> int:
 
 
 def _crd(args: argparse.Namespace) -> int:
-    from universal_operator.crd import render_crd_yaml
+    from universal_operator.crd import render_crd_yaml, render_pool_crd_yaml
 
-    text = render_crd_yaml()
+    text = render_pool_crd_yaml() if args.pool else render_crd_yaml()
     if args.check:
         path = Path(args.check)
         current = path.read_text() if path.exists() else ""
         if current != text:
-            return _fail("crd", f"{path} is out of date; regenerate it with `{PROG} crd -o {path}`")
+            pool = " --pool" if args.pool else ""
+            return _fail("crd", f"{path} is out of date; regenerate it with `{PROG} crd{pool} -o {path}`")
         return 0
     if args.output:
         Path(args.output).write_text(text)
@@ -62,6 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     crd = sub.add_parser("crd", help="print the UniversalModel CustomResourceDefinition")
     crd.add_argument("-o", "--output", help="write to this file instead of standard output")
     crd.add_argument("--check", metavar="FILE", help="exit 2 if FILE differs from the generated CRD")
+    crd.add_argument("--pool", action="store_true", help="the UniversalModelPool CRD instead of UniversalModel's")
     crd.set_defaults(handler=_crd)
 
     op = sub.add_parser("operator", help="run the operator (reconciles UniversalModels into InferenceServices)")

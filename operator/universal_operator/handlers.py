@@ -12,6 +12,9 @@ Who writes what:
   server-side applied before the InferenceService when they drifted or are missing;
 - the parent's status: one merge patch to ``/status`` when what it says would change (all of it but
   ``predictorReport``, which the gateway writes and the operator reads for ``backend``);
+- for a UniversalModelPool: its members' manifests (a ConfigMap, NAME-pool-members) and its one InferenceService
+  (NAME-pool), server-side applied when they drifted, and its status; a model with spec.pool gets no child, only
+  a status saying where its pool is (reconcile/pools.py);
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
   timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
 """
@@ -19,6 +22,7 @@ Who writes what:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +47,15 @@ from universal_operator.reconcile.cache import CacheState
 from universal_operator.reconcile.checks import check_servable
 from universal_operator.reconcile.drift import child_drifted, data_drifted, is_subset, service_account_drifted
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
+from universal_operator.reconcile.pools import (
+    LABEL_POOL,
+    desired_members_config_map,
+    desired_pool_inference_service,
+    member_status,
+    members_of,
+    pool_service_name,
+    pool_status,
+)
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
 from universal_operator.reconcile.status import (
@@ -53,7 +66,17 @@ from universal_operator.reconcile.status import (
     status_from_inference_service,
 )
 from universal_operator.reconcile.waking import POD_LABEL, compact
-from universal_operator.spec import GROUP, PLURAL, VERSION, SpecError, UniversalModel, parse_model
+from universal_operator.spec import (
+    GROUP,
+    PLURAL,
+    POOL_PLURAL,
+    VERSION,
+    SpecError,
+    UniversalModel,
+    UniversalModelPool,
+    parse_model,
+    parse_pool,
+)
 from universal_operator.warm import warm_at
 
 logger = logging.getLogger(__name__)
@@ -92,6 +115,15 @@ class OperatorState:
     cache_deletions: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     #: The adapters' credentials Secrets each model names that were missing at its last reconcile (one Event each).
     missing_secrets: dict[Key, frozenset[str]] = field(default_factory=dict)
+    #: Pools: the status last written, and their InferenceServices as last seen (by the pool's key).
+    written_pool_status: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    pool_children: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: Every UniversalModelPool as last seen (its event handler). Not a kopf index: kopf holds every handler back
+    #: until each index has listed its resource, so an index over a CRD not installed yet would stall every model.
+    pools: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    #: kopf's live index of every UniversalModel (kept from the first handler call that passes it: the object stays
+    #: the same, updated in place).
+    model_index: Mapping[Key, Any] | None = None
 
     def pods_of(self, key: Key) -> list[dict[str, Any]]:
         return list(self.pods.get(key, {}).values())
@@ -190,6 +222,9 @@ async def _reconcile_model(
     plain = _plain(body)
     try:
         model = parse_model(plain)
+        if model.spec.pool is not None:
+            await reconcile_member(state, plain, model)
+            return None
         check_servable(model, state.config)
     except SpecError as error:
         await report_invalid_spec(state, plain, error)
@@ -525,6 +560,14 @@ def _index_value(index: Mapping[Key, Any] | None, key: Key) -> dict[str, Any] | 
     return _plain(values[-1]) if values else None
 
 
+def _remember(kw: Mapping[str, Any]) -> Mapping[Key, Any] | None:
+    """Keep kopf's live indexes in the state (for calls that come without them); returns the models index."""
+    state: OperatorState = kw["memo"]["state"]
+    if kw.get("models") is not None:
+        state.model_index = kw["models"]
+    return cast("Mapping[Key, Any] | None", kw.get("models"))
+
+
 def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.OperatorRegistry:
     """Every handler, registered on a fresh registry with this configuration's settings.
 
@@ -533,6 +576,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     """
     registry = kopf.OperatorRegistry()
     um = (GROUP, VERSION, PLURAL)
+    ump = (GROUP, VERSION, POOL_PLURAL)
     isvc = (kserve.GROUP, kserve.VERSION, kserve.PLURAL)
 
     @kopf.on.login(registry=registry, id="login")
@@ -580,6 +624,32 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
     def models(**kw: Any) -> dict[Key, dict[str, Any]]:
         return {_key(kw["body"]): _plain(kw["body"])}
 
+    @kopf.on.event(*ump, registry=registry, id="follow-pools")
+    async def on_pool_event(**kw: Any) -> None:
+        state: OperatorState = kw["memo"]["state"]
+        if kw["event"]["type"] == "DELETED":
+            await forget_pool(state, _key(kw["body"]))
+        else:
+            state.pools[_key(kw["body"])] = _plain(kw["body"])
+
+    @kopf.on.resume(*ump, registry=registry, id="pool-on-resume")
+    @kopf.on.create(*ump, registry=registry, id="pool-on-create")
+    @kopf.on.update(*ump, registry=registry, id="pool-on-update")
+    @kopf.timer(*ump, registry=registry, id="pool-repair", interval=config.repair_interval_seconds)
+    async def on_pool(**kw: Any) -> None:
+        _remember(kw)
+        await reconcile_pool(kw["memo"]["state"], kw["body"], reason=str(kw.get("reason") or "reconcile"))
+
+    @kopf.on.event(*isvc, registry=registry, labels={LABEL_POOL: kopf.PRESENT}, id="follow-pool-child")
+    async def on_pool_child_event(**kw: Any) -> None:
+        _remember(kw)
+        await follow_pool_child_event(kw["memo"]["state"], kw["event"]["type"], kw["body"])
+
+    @kopf.on.event(*um, registry=registry, id="follow-pool-members")
+    async def on_member_event(**kw: Any) -> None:
+        _remember(kw)
+        await follow_member_event(kw["memo"]["state"], kw["event"]["type"], kw["body"])
+
     @kopf.on.resume(*um, registry=registry, id="apply-on-resume")
     async def on_resume(**kw: Any) -> None:
         await reconcile_model(
@@ -588,7 +658,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
             kw["children"],
             reason="operator start",
             retry=kw.get("retry", 0),
-            models=kw["models"],
+            models=_remember(kw),
         )
 
     @kopf.on.create(*um, registry=registry, id="apply-on-create")
@@ -599,7 +669,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
             kw["children"],
             reason="created",
             retry=kw.get("retry", 0),
-            models=kw["models"],
+            models=_remember(kw),
         )
 
     @kopf.on.update(*um, registry=registry, id="apply-on-update")
@@ -610,7 +680,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
             kw["children"],
             reason="spec changed",
             retry=kw.get("retry", 0),
-            models=kw["models"],
+            models=_remember(kw),
         )
 
     @kopf.timer(*um, registry=registry, id="repair-child", interval=config.repair_interval_seconds)
@@ -621,7 +691,7 @@ def build_registry(config: OperatorConfig, *, namespaced: bool = False) -> kopf.
             kw["children"],
             reason="drift repaired",
             retry=kw.get("retry", 0),
-            models=kw["models"],
+            models=_remember(kw),
         )
 
     @kopf.on.event(*isvc, registry=registry, labels=MANAGED, id="mirror-child-status")
@@ -866,6 +936,230 @@ async def follow_predictor_report(
     if report.generation != generation or model.status.backend == reported_backend(model).value:
         return
     await reconcile_model(state, body, children, reason="the predictor reported its backend", models=models)
+
+
+async def _pool_of(state: OperatorState, namespace: str, name: str) -> UniversalModelPool | None:
+    """The pool as last seen, else as the API server has it (the pools' watch may not have listed it yet)."""
+    body = state.pools.get((namespace, name))
+    if body is None:
+        try:
+            body = await state.api.get_pool(namespace, name)
+        except ApiError as exc:
+            raise kopf.TemporaryError(f"reading the UniversalModelPool failed: {exc}", delay=RETRY_DELAY) from exc
+        if body is None:
+            return None
+        state.pools[(namespace, name)] = body
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        return parse_pool(body)
+    except SpecError:
+        return None
+
+
+def _all_models(state: OperatorState) -> list[UniversalModel]:
+    found = []
+    for key in state.model_index or {}:
+        body = _index_value(state.model_index, key)
+        if body is None:
+            continue
+        try:
+            found.append(parse_model(body))
+        except SpecError:
+            continue
+    return found
+
+
+def _strip_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None and k != "lastTransitionTime"}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+def _pool_status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether a merge patch of ``new`` would change what ``current`` says (None removes; times aside)."""
+    current = current or {}
+    return any(_strip_none(current.get(key)) != _strip_none(value) for key, value in new.items())
+
+
+async def reconcile_member(state: OperatorState, body: dict[str, Any], model: UniversalModel) -> None:
+    """A model with spec.pool: no child of its own; its status says where its pool is (``Pooled``), and its pool's
+    members ConfigMap lists it (the pool is reconciled)."""
+    key = _key(body)
+    if model.spec.source.credentials_secret is not None:
+        await report_invalid_spec(state, body, SpecError(
+            "spec.source.credentialsSecret",
+            "a pool does not receive its members' credentials Secrets yet (the pool's pod fetches members itself, "
+            "without KServe's storage initializer); serve this model on its own (remove spec.pool) or use a source "
+            "that needs no credentials",
+        ))  # fmt: skip
+        return
+    pool = await _pool_of(state, key[0], str(model.spec.pool))
+    status = member_status(model, pool, state.clock(), state.config)
+    async with state.lock(key):
+        known = state.written_status.get(key, _plain(body.get("status") or {}))
+        if _pool_status_changed(known, status):
+            try:
+                await state.api.patch_model_status(key[0], key[1], status)
+            except ApiError as exc:
+                if api_error_code(exc) != 404:
+                    raise kopf.TemporaryError(f"writing the status failed: {exc}", delay=RETRY_DELAY) from exc
+                return
+            state.written_status[key] = {**known, **status}
+            if pool is None:
+                kopf.warn(cast(kopf.Body, body), reason="PoolMissing", message=str(status["message"]))
+    if pool is not None:
+        pool_body = state.pools.get((key[0], pool.metadata.name))
+        if pool_body is not None:
+            await reconcile_pool(state, pool_body, reason=f"member {key[1]} changed")
+
+
+async def reconcile_pool(state: OperatorState, body: Mapping[str, Any], *, reason: str = "reconcile") -> None:
+    """Make the pool's members ConfigMap and InferenceService match its spec and members, then its status."""
+    key = _key(body)
+    async with state.reconciling.setdefault(("pool", f"{key[0]}/{key[1]}"), asyncio.Lock()):
+        await _reconcile_pool(state, _plain(body), reason)
+
+
+async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: str) -> None:
+    key = _key(body)
+    try:
+        pool = parse_pool(body)
+        members = members_of(pool, _all_models(state))
+        desired_map = desired_members_config_map(pool, members)
+        desired = desired_pool_inference_service(pool, state.config, now=state.clock(),
+                                                 live=state.pool_children.get(key))  # fmt: skip
+    except SpecError as error:
+        await _report_invalid_pool(state, body, error)
+        return
+    namespace = key[0]
+    try:
+        actual_map = await state.api.get_config_map(namespace, desired_map["metadata"]["name"])
+        live = state.pool_children.get(key) or await state.api.get_inference_service(namespace, pool_service_name(pool))
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"reading the pool's children failed: {exc}", delay=RETRY_DELAY) from exc
+    for child in (actual_map, live):
+        if child is not None and not _owned_by(child, body):
+            kind = child.get("kind") or "object"
+            await _report_invalid_pool(state, body, SpecError(
+                "metadata.name",
+                f"the {kind} {child['metadata']['name']!r} the pool needs already exists in {namespace!r} and is not "
+                "owned by this UniversalModelPool; rename the pool or remove that object",
+            ))  # fmt: skip
+            return
+    try:
+        # The members first: a new pod must find its list; an added member changes only this ConfigMap.
+        if data_drifted(desired_map, actual_map):
+            await state.api.apply_config_map(desired_map)
+            logger.info("applied ConfigMap %s/%s: %d members", namespace, desired_map["metadata"]["name"],
+                        len(members))  # fmt: skip
+        if child_drifted(desired, live):
+            live = await state.api.apply_inference_service(desired)
+            logger.info("applied InferenceService %s/%s for pool %s (%s)", namespace, desired["metadata"]["name"],
+                        key[1], reason)  # fmt: skip
+    except ApiError as exc:
+        code = api_error_code(exc)
+        if code in (400, 422) or denied_by_webhook(exc):
+            refused = SpecError("spec", f"the pool's InferenceService was rejected: {exc}")
+            await _report_invalid_pool(state, body, refused)
+            return
+        raise kopf.TemporaryError(f"applying the pool's children failed ({code}): {exc}", delay=RETRY_DELAY) from exc
+    if live is not None:
+        state.pool_children[key] = _newer(state.pool_children.get(key), live) or live
+    await _write_pool_status(state, key, body, pool_status(pool, state.pool_children.get(key), members,
+                                                            state.clock(), state.config))  # fmt: skip
+
+
+async def _write_pool_status(state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any]) -> None:
+    known = state.written_pool_status.get(key, body.get("status") or {})
+    if not _pool_status_changed(known, status):
+        return
+    try:
+        await state.api.patch_pool_status(key[0], key[1], status)
+    except ApiError as exc:
+        if api_error_code(exc) == 404:
+            return
+        raise kopf.TemporaryError(f"writing the pool's status failed: {exc}", delay=RETRY_DELAY) from exc
+    state.written_pool_status[key] = status
+    # Members read the pool's phase and address: restate them (a member's own events do the rest).
+    pool = parse_pool({**body, "status": status})
+    for model in members_of(pool, _all_models(state)):
+        member_key = (model.metadata.namespace, model.metadata.name)
+        member_body = _index_value(state.model_index, member_key)
+        if member_body is None:
+            continue
+        new = member_status(model, pool, state.clock(), state.config)
+        async with state.lock(member_key):
+            current = state.written_status.get(member_key, member_body.get("status") or {})
+            if _pool_status_changed(current, new):
+                with contextlib.suppress(ApiError):
+                    await state.api.patch_model_status(*member_key, new)
+                    state.written_status[member_key] = {**current, **new}
+
+
+async def _report_invalid_pool(state: OperatorState, body: dict[str, Any], error: SpecError) -> None:
+    """SpecValid=False on the pool, one Warning Event naming the field; no retry (the spec must change)."""
+    key = _key(body)
+    status = status_for_invalid_spec(body, error, state.clock())
+    status.pop("servedName", None)
+    status.pop("step", None)
+    known = state.written_pool_status.get(key, body.get("status") or {})
+    if _pool_status_changed(known, status):
+        with contextlib.suppress(ApiError):
+            await state.api.patch_pool_status(key[0], key[1], status)
+            state.written_pool_status[key] = status
+            kopf.warn(cast(kopf.Body, body), reason="InvalidSpec", message=str(error))
+    logger.warning("UniversalModelPool %s/%s has an invalid spec: %s", key[0], key[1], error)
+
+
+async def forget_pool(state: OperatorState, key: Key) -> None:
+    """The pool is gone (its InferenceService and ConfigMap with it, by garbage collection): its members say so."""
+    state.pools.pop(key, None)
+    state.pool_children.pop(key, None)
+    state.written_pool_status.pop(key, None)
+    for model in _all_models(state):
+        if model.spec.pool == key[1] and model.metadata.namespace == key[0] and not model.metadata.deleting:
+            body = _index_value(state.model_index, (key[0], model.metadata.name))
+            if body is not None:
+                await reconcile_member(state, body, model)
+
+
+async def follow_pool_child_event(state: OperatorState, event_type: str, child: Mapping[str, Any]) -> None:
+    """A pool's InferenceService changed: its status into the pool's (and the members'); recreated if deleted."""
+    meta = child.get("metadata") or {}
+    key = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_POOL)))
+    body = state.pools.get(key)
+    if body is None or not _owned_by(child, body) or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    if event_type == "DELETED":
+        state.pool_children.pop(key, None)
+    else:
+        state.pool_children[key] = _plain(child)
+    await reconcile_pool(state, body, reason="its InferenceService changed")
+
+
+async def follow_member_event(state: OperatorState, event_type: str, body: Mapping[str, Any]) -> None:
+    """A UniversalModel that is, or was, a pool's member changed or went: the pools it concerns are reconciled (their
+    members ConfigMap and status). kopf's update handlers miss status-only changes (the gateway's report)."""
+    plain = _plain(body)
+    namespace = str((plain.get("metadata") or {}).get("namespace") or "default")
+    named = ((plain.get("spec") or {}).get("pool")) if isinstance(plain.get("spec"), dict) else None
+    for key in list(state.pools):
+        pool_body = state.pools.get(key)
+        if pool_body is None or key[0] != namespace:
+            continue
+        listed = [m.get("name") for m in ((pool_body.get("status") or {}).get("members") or [])]
+        if key[1] == named or plain["metadata"]["name"] in listed:
+            if event_type != "DELETED" and key[1] == named:
+                try:
+                    model = parse_model(plain)
+                except SpecError:
+                    continue
+                await reconcile_member(state, plain, model)  # reconciles the pool too
+            else:
+                await reconcile_pool(state, pool_body, reason="a member left")
 
 
 def _owned_by(child: Mapping[str, Any], parent: Mapping[str, Any]) -> bool:

@@ -15,12 +15,13 @@ from lightkube.resources.core_v1 import ConfigMap, Secret, ServiceAccount
 from lightkube.types import PatchType
 
 from universal_operator import kserve
-from universal_operator.spec import GROUP, KIND, PLURAL, VERSION
+from universal_operator.spec import GROUP, KIND, PLURAL, POOL_KIND, POOL_PLURAL, VERSION
 
 FIELD_MANAGER = "universal-runtime-operator"
 
 InferenceService = create_namespaced_resource(kserve.GROUP, kserve.VERSION, kserve.KIND, kserve.PLURAL)
 UniversalModelResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+UniversalModelPoolResource = create_namespaced_resource(GROUP, VERSION, POOL_KIND, POOL_PLURAL)
 LocalModelCache = create_global_resource(kserve.GROUP, kserve.CACHE_VERSION, kserve.CACHE_KIND, kserve.CACHE_PLURAL)
 
 
@@ -144,6 +145,26 @@ class KubeApi:
         """Merge-patch the UniversalModel's status subresource (None values remove keys)."""
         await self.client.patch(
             UniversalModelResource.Status,
+            name,
+            {"status": status},
+            namespace=namespace,
+            patch_type=PatchType.MERGE,
+        )
+
+    async def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The UniversalModelPool as stored, or None if there is none (or its CRD is not installed: also a 404)."""
+        try:
+            result: Any = await self.client.get(UniversalModelPoolResource, name, namespace=namespace)
+        except ApiError as exc:
+            if api_error_code(exc) == 404:
+                return None
+            raise
+        return dict(result.to_dict())
+
+    async def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the UniversalModelPool's status subresource (None values remove keys)."""
+        await self.client.patch(
+            UniversalModelPoolResource.Status,
             name,
             {"status": status},
             namespace=namespace,

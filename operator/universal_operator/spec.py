@@ -631,6 +631,34 @@ CPU_TASKS_MESSAGE = (
 ADAPTERS_RULE = "!has(self.adapters) || size(self.adapters) == 0 || self.task == 'generate'"
 ADAPTERS_MESSAGE = "adapters (LoRA) apply only to task generate"
 
+#: What a pool (``spec.pool``) cannot host, and why: its members share one pod, one process tree and its memory budget.
+POOL_VLLM_RULE = "!has(self.pool) || self.backend != 'vllm'"
+POOL_VLLM_MESSAGE = (
+    "a pooled model cannot use backend vllm: vLLM takes the whole GPU's memory for its KV cache and cannot share the "
+    "pool's budget; remove spec.pool or pick backend auto, transformers or llamacpp"
+)
+POOL_GPUS_RULE = "!has(self.pool) || !has(self.resources.gpus) || self.resources.gpus <= 1"
+POOL_GPUS_MESSAGE = (
+    "a pooled model cannot ask for several GPUs: the pool's members share its pod (the UniversalModelPool's "
+    "resources.gpus); remove spec.pool to give the model its own predictor"
+)
+POOL_MODE_RULE = "!has(self.pool) || self.scaling.mode == 'Knative'"
+POOL_MODE_MESSAGE = (
+    "a pooled model cannot use scaling.mode Standard: the pool scales as a whole (Knative) and unloads its idle "
+    "members itself after their idleTimeout; remove spec.pool or scaling.mode"
+)
+#: A transition rule: a model joining or leaving a pool would leave an InferenceService behind or start one.
+POOL_FIXED_RULE = "has(self.pool) == has(oldSelf.pool) && (!has(self.pool) || self.pool == oldSelf.pool)"
+POOL_FIXED_MESSAGE = (
+    "spec.pool cannot change after the model is created (its own InferenceService, or its place in a pool, would be "
+    "left behind); delete and re-create the model"
+)
+POOL_ADAPTERS_RULE = "!has(self.pool) || !has(self.adapters) || size(self.adapters) == 0"
+POOL_ADAPTERS_MESSAGE = (
+    "a pooled model cannot list adapters: adapters reach a model's own predictor through its own ConfigMap; "
+    "remove spec.pool or spec.adapters"
+)
+
 
 class UniversalModelSpec(_Model):
     """What to serve and how."""
@@ -644,6 +672,11 @@ class UniversalModelSpec(_Model):
                 _cel(CACHE_RULE, CACHE_MESSAGE, ".cache"),
                 _cel(CPU_TASKS_RULE, CPU_TASKS_MESSAGE, ".resources.gpus"),
                 _cel(ADAPTERS_RULE, ADAPTERS_MESSAGE, ".adapters"),
+                _cel(POOL_VLLM_RULE, POOL_VLLM_MESSAGE, ".pool"),
+                _cel(POOL_GPUS_RULE, POOL_GPUS_MESSAGE, ".pool"),
+                _cel(POOL_ADAPTERS_RULE, POOL_ADAPTERS_MESSAGE, ".pool"),
+                _cel(POOL_MODE_RULE, POOL_MODE_MESSAGE, ".pool"),
+                _cel(POOL_FIXED_RULE, POOL_FIXED_MESSAGE, ".pool"),
             ]
         }
     )
@@ -710,6 +743,17 @@ class UniversalModelSpec(_Model):
         ),
     )
 
+    pool: str | None = Field(
+        default=None,
+        pattern=DNS_1035_LABEL,
+        max_length=63,
+        description=(
+            "A UniversalModelPool in the model's namespace that serves this model beside others in one pod (loaded "
+            "on first request, unloaded when idle or evicted under the pool's memoryBudget). The model then gets no "
+            "InferenceService of its own: resources, scaling and image are the pool's. Not with backend vllm, more "
+            "than one GPU, or adapters."
+        ),
+    )
     adapters: list[Adapter] = Field(
         default_factory=list,
         max_length=MAX_ADAPTERS,
@@ -781,6 +825,20 @@ class UniversalModelSpec(_Model):
                 raise ValueError(f"adapter {adapter.name} appears more than once")
             seen.add(adapter.name)
         return adapters
+
+    @model_validator(mode="after")
+    def _poolable(self) -> UniversalModelSpec:
+        if self.pool is None:
+            return self
+        if self.backend is Backend.VLLM:
+            raise ValueError(POOL_VLLM_MESSAGE)
+        if self.resources.gpus > 1:
+            raise ValueError(POOL_GPUS_MESSAGE)
+        if self.adapters:
+            raise ValueError(POOL_ADAPTERS_MESSAGE)
+        if self.scaling.mode is not ScalingMode.KNATIVE:
+            raise ValueError(POOL_MODE_MESSAGE)
+        return self
 
     @field_validator("env")
     @classmethod
@@ -871,6 +929,36 @@ class AdapterStatus(_Model):
     message: str | None = Field(default=None, description="What went wrong, and what to do.")
 
 
+class PoolMemberState(StrEnum):
+    """Where a pooled model stands inside its pool's pod."""
+
+    NOT_LOADED = "NotLoaded"  # not asked for since the pool started (members load on first request)
+    LOADING = "Loading"
+    LOADED = "Loaded"
+    EVICTED = "Evicted"  # unloaded: idle past its idleTimeout, or to make room under the pool's memoryBudget
+    FAILED = "Failed"
+
+
+class PoolCard(_Model):
+    """A pooled model's card in its pool's ``/openai/v1/models`` (written by the gateway)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    state: str | None = Field(default=None, description="The pool's state word: ready, idle, loading or failed.")
+    starts: int | None = Field(default=None, description="How often the pool has loaded this model.")
+    memory_mb: int | None = Field(default=None, description="The memory the model held when last measured (MiB).")
+    evictions: int | None = Field(default=None, description="How often the pool unloaded it to stay in its budget.")
+    message: str | None = Field(default=None, description="The pool's message about the model.")
+    reason: str | None = Field(
+        default=None,
+        description="Why it is not running: Evicted (for room in the budget), IdleTimeout, Crashed, OOMKilled or "
+        "Failed.",
+    )
+    crashes: int | None = Field(default=None, description="How often its process ended without being asked to.")
+    last_exit: str | None = Field(default=None, description="How its process last ended unasked.")
+    memory_limit_mb: int | None = Field(default=None, description="Its own memory limit inside the pool (MiB).")
+
+
 class PredictorReport(_Model):
     """What a running predictor said about itself, and for which spec generation.
 
@@ -893,6 +981,24 @@ class PredictorReport(_Model):
         "the operator reports them as status.adapters.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    pool: PoolCard | None = Field(
+        default=None,
+        description="With spec.pool: this model's card in the pool's /openai/v1/models; the operator reports it as "
+        "status.pool.",
+    )
+
+
+class PoolMemberStatus(_Model):
+    """A pooled model's place in its pool."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The UniversalModelPool.")
+    state: PoolMemberState = Field(
+        default=PoolMemberState.NOT_LOADED, description="NotLoaded, Loading, Loaded, Evicted or Failed."
+    )
+    reason: str | None = Field(default=None, description="Why it was Evicted or Failed, as one CamelCase word.")
+    memory_mb: int | None = Field(default=None, description="The memory it held when last measured (MiB).")
 
 
 class WarmScheduleStatus(_Model):
@@ -968,10 +1074,14 @@ class UniversalModelStatus(_Model):
         description="With spec.adapters: each adapter's state (Pending, Downloading, Ready, Failed with a reason).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    pool: PoolMemberStatus | None = Field(
+        default=None, description="With spec.pool: the pool and the model's state inside it (from the pool's report)."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description=(
-            "Ready, SpecValid, InferenceServiceReady, (Standard mode) IdleStop and (with spec.cache) Cached, with "
+            "Ready, SpecValid, InferenceServiceReady, (Standard mode) IdleStop, (with spec.cache) Cached and (with "
+            "spec.pool) Pooled, with "
             "reasons and transition times."
         ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -1044,3 +1154,201 @@ def parse_model(body: dict[str, Any]) -> UniversalModel:
         loc = ".".join(str(part) for part in first["loc"])
         message = str(first["msg"]).removeprefix("Value error, ")
         raise SpecError(loc, message) from None
+
+
+# The UniversalModelPool: many small models in one pod (issue 29). Same group and version as UniversalModel.
+POOL_KIND = "UniversalModelPool"
+POOL_PLURAL = "universalmodelpools"
+POOL_SINGULAR = "universalmodelpool"
+POOL_SHORT_NAMES = ("ump", "umpool")
+#: The pool's InferenceService is ``<pool>-pool`` (:func:`universal_operator.reconcile.pools.pool_service_name`), so
+#: a pool's name leaves room for the suffix within :data:`MAX_NAME_LENGTH`.
+POOL_SUFFIX = "-pool"
+MAX_POOL_NAME_LENGTH = MAX_NAME_LENGTH - len(POOL_SUFFIX)
+POOL_NAME_RULE = _cel(
+    f"self.metadata.name.matches('{DNS_1035_LABEL}') && size(self.metadata.name) <= {MAX_POOL_NAME_LENGTH}",
+    f"metadata.name must be a DNS-1035 label of at most {MAX_POOL_NAME_LENGTH} characters: the pool's "
+    f"InferenceService is '<name>{POOL_SUFFIX}', and the names KServe and Knative derive from that must stay valid",
+)
+POOL_STANDARD_MESSAGE = (
+    "a pool scales with Knative only (scaling.mode Knative): Standard mode's idle stop is per model in the gateway, "
+    "and one idle member must not stop the pool its busy neighbours share"
+)
+POOL_GPUS_LIMIT_MESSAGE = "a pool holds at most one GPU, shared by its members (a model needing more is not poolable)"
+
+
+class PoolCacheVolume(_Model):
+    """Where the pool keeps its members' downloaded files."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!(has(self.sizeLimit) && has(self.claimName))",
+                    "cacheVolume is an emptyDir (sizeLimit) or a PersistentVolumeClaim (claimName), not both",
+                )
+            ]
+        }
+    )
+
+    size_limit: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="An emptyDir of at most this size (the default volume, emptied when the pod goes, e.g. at zero).",
+    )
+    claim_name: str | None = Field(
+        default=None,
+        pattern=DNS_1123_SUBDOMAIN,
+        max_length=253,
+        description=(
+            "A PersistentVolumeClaim in the pool's namespace: downloads outlive scale to zero (ReadWriteMany when "
+            "maxReplicas is above 1)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PoolCacheVolume:
+        if self.size_limit is not None and self.claim_name is not None:
+            raise ValueError("cacheVolume is an emptyDir (sizeLimit) or a PersistentVolumeClaim (claimName), not both")
+        return self
+
+
+class UniversalModelPoolSpec(_Model):
+    """One pod serving many small models: the pool's resources, budget, scaling and image."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel("self.scaling.mode == 'Knative'", POOL_STANDARD_MESSAGE, ".scaling.mode"),
+                _cel(
+                    "!has(self.resources.gpus) || self.resources.gpus <= 1", POOL_GPUS_LIMIT_MESSAGE, ".resources.gpus"
+                ),
+            ]
+        }
+    )
+
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="What one pool replica gets (all its members together).",
+        json_schema_extra={"default": {}},
+    )
+    memory_budget: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description=(
+            "The memory the loaded members may hold together, e.g. '6Gi' (at most resources.memory, leaving room "
+            "for the supervisor): loading one more that would exceed it unloads the least recently used idle "
+            "member first. Empty: no bound but the pod's memory limit."
+        ),
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    )
+    scaling: Scaling = Field(
+        default_factory=Scaling,
+        description=(
+            "The pool's replicas and its scale to zero as a whole (Knative mode only): idleTimeout is the pool's, "
+            "each member's own spec.scaling.idleTimeout unloads it inside the pod."
+        ),
+        json_schema_extra={"default": {}},
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="The image to run instead of the profile's or the operator's default predictor image.",
+    )
+    cache_volume: PoolCacheVolume = Field(
+        default_factory=PoolCacheVolume,
+        description="Where members' downloads are kept: an emptyDir (default) or a PersistentVolumeClaim.",
+        json_schema_extra={"default": {}},
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Extra environment for the pool's supervisor and its members.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _quantity_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _poolable(self) -> UniversalModelPoolSpec:
+        if self.scaling.mode is not ScalingMode.KNATIVE:
+            raise ValueError(POOL_STANDARD_MESSAGE)
+        if self.resources.gpus > 1:
+            raise ValueError(POOL_GPUS_LIMIT_MESSAGE)
+        return self
+
+
+class PoolMember(_Model):
+    """One member as the pool reports it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The UniversalModel.")
+    served_name: str | None = Field(default=None, description="The OpenAI 'model' name it answers to.")
+    task: str | None = Field(default=None, description="What it does.")
+    state: PoolMemberState = Field(default=PoolMemberState.NOT_LOADED, description="Its state inside the pool.")
+    memory_mb: int | None = Field(default=None, description="The memory it held when last measured (MiB).")
+    evictions: int | None = Field(default=None, description="How often the pool unloaded it to stay in budget.")
+
+
+class UniversalModelPoolStatus(_Model):
+    """What the operator observed of the pool and, from its members' reports, inside it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase | None = Field(default=None, description="Pending, Loading, Ready, Idle (scaled to zero) or Failed.")
+    observed_generation: int | None = Field(default=None, description="The spec generation the status describes.")
+    inference_service: str | None = Field(default=None, description="The pool's InferenceService ('<name>-pool').")
+    address: str | None = Field(default=None, description="The in-cluster address the gateway routes members to.")
+    url: str | None = Field(default=None, description="The external URL of the pool's InferenceService.")
+    members: list[PoolMember] = Field(
+        default_factory=list,
+        description="The UniversalModels naming this pool, with their states inside it.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    member_count: int | None = Field(default=None, description="How many members the pool has.")
+    loaded: list[str] = Field(default_factory=list, description="The members loaded now.")
+    memory_used_mb: int | None = Field(default=None, description="The memory the loaded members hold (MiB).")
+    memory_budget_mb: int | None = Field(default=None, description="spec.memoryBudget in MiB.")
+    evictions: int | None = Field(default=None, description="Members unloaded to stay in the budget, in all.")
+    message: str | None = Field(default=None, description="The most useful thing to know right now.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, SpecValid and InferenceServiceReady, with reasons and transition times.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class UniversalModelPool(BaseModel):
+    """A whole UniversalModelPool object as read from the API or a manifest file."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    api_version: Literal["serving.universal-runtime.dev/v1alpha1"] = Field(
+        default="serving.universal-runtime.dev/v1alpha1", alias="apiVersion"
+    )
+    kind: Literal["UniversalModelPool"] = "UniversalModelPool"
+    metadata: ObjectMeta
+    spec: UniversalModelPoolSpec = Field(default_factory=UniversalModelPoolSpec)
+    status: UniversalModelPoolStatus = Field(default_factory=UniversalModelPoolStatus)
+
+    @field_validator("metadata")
+    @classmethod
+    def _name_fits_derived_names(cls, meta: ObjectMeta) -> ObjectMeta:
+        if len(meta.name) > MAX_POOL_NAME_LENGTH or not re.fullmatch(DNS_1035_LABEL, meta.name):
+            raise ValueError(str(POOL_NAME_RULE["message"]))
+        return meta
+
+
+def parse_pool(body: dict[str, Any]) -> UniversalModelPool:
+    """Validate a UniversalModelPool object; SpecError names the first offending field."""
+    try:
+        return UniversalModelPool.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"])
+        raise SpecError(loc, str(first["msg"]).removeprefix("Value error, ")) from None

@@ -24,6 +24,7 @@ from universal_gateway.cluster import KubernetesBackends, rbac_rules
 from universal_gateway.key_secrets import LABEL, SELECTOR, KeySecrets
 from universal_gateway.key_secrets import rbac_rules as key_secret_rules
 from universal_operator.config import OperatorConfig
+from universal_operator.crd import pool_custom_resource_definition
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import InferenceService
 from universal_operator.reconcile.cache import cache_name
@@ -247,7 +248,7 @@ async def cluster(
     emulator = RbacEmulator(
         grants=grants_for(release.objects, account, NAMESPACE), user=f"system:serviceaccount:{NAMESPACE}:{account}"
     )
-    async with serve_emulator(tmp_path, crds=[crd], emulator=emulator) as served:
+    async with serve_emulator(tmp_path, crds=[crd, pool_custom_resource_definition()], emulator=emulator) as served:
         monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
         yield served
 
@@ -364,6 +365,22 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
         await harness_delete(cluster, UM, "default", "cached")
         await harness_delete(cluster, UM, "default", "cached-too")
         await eventually(lambda: emulator.get_object("localmodelcaches", None, cache) is None, within=30)
+
+    # A pool and a member: the pool's InferenceService and members ConfigMap, the pool's status and the member's.
+    pool = {"apiVersion": "serving.universal-runtime.dev/v1alpha1", "kind": "UniversalModelPool",
+            "metadata": {"name": "small", "namespace": "default"}, "spec": {"memoryBudget": "1Gi"}}  # fmt: skip
+    await harness_create(cluster, "universalmodelpools", "default", pool)
+    pooled = load_manifest("cluster/minilm-embed.yaml")
+    pooled["metadata"]["name"] = "pooled"
+    pooled["spec"]["pool"] = "small"
+    await harness_create(cluster, UM, "default", pooled)
+    pool_child = await eventually(lambda: emulator.get_object(ISVC, "default", "small-pool"))
+    await emulator.put_status(ISVC, "default", "small-pool", ready_status(pool_child))
+    await eventually(
+        lambda: condition(emulator.get_object("universalmodelpools", "default", "small"), "Ready") == "True"
+    )
+    await eventually(lambda: condition(emulator.get_object(UM, "default", "pooled"), "Pooled") == "True")
+    assert emulator.get_object("configmaps", "default", "small-pool-members") is not None
 
     # Deleted: kopf releases its finalizer, and the model goes.
     assert emulator.get_object(UM, "default", "minilm")["metadata"]["finalizers"]  # type: ignore[index]

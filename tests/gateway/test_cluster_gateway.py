@@ -23,11 +23,16 @@ from openai import AsyncOpenAI
 
 from tests.clock import SteppedClock
 from tests.conftest import eventually
-from tests.predictors.harness import PredictorProcess, running_predictor
+from tests.predictors.harness import OFFLINE_ENV, PredictorProcess, running_predictor
 from universal_gateway.app import Gateway, GatewayLimits
 from universal_gateway.backends import ModelState
 from universal_gateway.cluster import KubernetesBackends, rbac_rules
+from universal_gateway.local import LocalSupervisor
+from universal_gateway.manifests import load_manifests
+from universal_gateway.predictor_report import pool_card
 from universal_operator.kserve import STOP_ANNOTATION
+from universal_operator.reconcile.pools import member_manifest
+from universal_operator.spec import parse_model
 from universal_predictors.catalog import Task
 from universal_predictors.config import PredictorConfig
 from universal_simcluster.apiserver import HARNESS_HEADER, ServedEmulator, rfc3339, serve_emulator
@@ -695,3 +700,44 @@ async def test_an_expired_watch_is_listed_again_and_routine_not_a_warning(
             or "Expired" in expired[0].getMessage()
             or "too old" in (expired[0].getMessage())
         )
+
+
+def test_a_pooled_models_card_is_picked_from_its_pools_cards_by_served_name() -> None:
+    cards = [
+        {"id": "other", "state": "ready", "memory_mb": 90},
+        {"id": "minilm", "state": "idle", "starts": 2, "evictions": 1, "message": "", "requests": 7},
+    ]
+    assert pool_card(cards, "minilm") == {"state": "idle", "starts": 2, "evictions": 1}
+    assert pool_card(cards, "absent") is None
+
+
+async def test_a_pooled_model_is_served_by_its_pools_supervisor_and_its_card_lands_in_its_status(
+    cluster: ServedEmulator, gateway: tuple[str, KubernetesBackends], tmp_path: Path
+) -> None:
+    """The pool's pod as the operator renders it: `serve`'s supervisor over the member manifests the operator writes
+    into the members ConfigMap. The gateway routes the member to the pool's address with the member's own name, and
+    records the member's card from the pool's /openai/v1/models in its status.predictorReport.pool."""
+    base_url, backends = gateway
+    body = model_manifest()
+    body["spec"]["pool"] = "small"
+    folder = tmp_path / "members"
+    folder.mkdir()
+    (folder / "embedder.yaml").write_text(member_manifest(parse_model(body)))  # the ConfigMap's key, as mounted
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
+                                 standby=False)  # fmt: skip
+    async with Gateway(supervisor).serving() as pool_url:
+        await create(cluster, UM, body)
+        # What the operator writes for a member of a Ready pool (reconcile.pools.member_status).
+        await cluster.emulator.put_status(UM, "default", "embedder", status("Ready", pool_url, observedGeneration=1))
+        await backends.wait_synced()
+        await eventually(lambda: state(backends) is ModelState.READY)
+        client = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+        result = await client.embeddings.create(model=SERVED, input="served inside the pool")
+        assert len(result.data[0].embedding) == 384
+
+        def report() -> Any:
+            return ((cluster.emulator.get_object(UM, "default", "embedder") or {})["status"].get("predictorReport")
+                    or {}).get("pool")  # fmt: skip
+
+        card = await eventually(report)
+        assert (card["state"], card["starts"]) == ("ready", 1)

@@ -206,6 +206,16 @@ def test_scaling_mode_cannot_change_on_update() -> None:
     assert "cannot change" in rule["message"]
 
 
+def test_spec_pool_cannot_change_on_update() -> None:
+    [rule] = [r for r in SPEC_SCHEMA["x-kubernetes-validations"] if "oldSelf.pool" in r["rule"]]
+    program = ENV.program(ENV.compile(rule["rule"]))
+    pooled, other, alone = ({"task": "embed", "pool": "a"}, {"task": "embed", "pool": "b"}, {"task": "embed"})
+    for old, new in ((alone, pooled), (pooled, alone), (pooled, other)):
+        assert not program.evaluate({"self": celpy.json_to_cel(new), "oldSelf": celpy.json_to_cel(old)})
+    assert program.evaluate({"self": celpy.json_to_cel(pooled), "oldSelf": celpy.json_to_cel(pooled)})
+    assert "spec.pool cannot change" in rule["message"]
+
+
 def pydantic_accepts(body: dict[str, Any]) -> bool:
     try:
         UniversalModel.model_validate(body)
@@ -257,6 +267,22 @@ spec:
 
 SECRET = {"name": "s", "key": "k"}
 INVALID = {
+    "a pooled vllm model (vLLM takes the GPU's memory; the pool shares one budget)": (
+        {"spec": {"backend": "vllm", "pool": "small"}},
+        ".spec: a pooled model cannot use backend vllm",
+    ),
+    "a pooled model asking for two GPUs": (
+        {"spec": {"resources": {"gpus": 2}, "pool": "small"}},
+        ".spec: a pooled model cannot ask for several GPUs",
+    ),
+    "a pooled model in Standard mode (the pool scales as a whole)": (
+        {"spec": {"pool": "small", "scaling": {"mode": "Standard"}}},
+        ".spec: a pooled model cannot use scaling.mode Standard",
+    ),
+    "a pooled model with adapters": (
+        {"spec": {"pool": "small", "adapters": [{"name": "a", "source": {"uri": "s3://b/a"}}]}},
+        ".spec: a pooled model cannot list adapters",
+    ),
     "minReplicas above maxReplicas": (
         {"spec": {"scaling": {"minReplicas": 3, "maxReplicas": 2}}},
         ".spec.scaling: scaling.minReplicas must not exceed scaling.maxReplicas",

@@ -108,6 +108,8 @@ null (the platform assigns it), never left for the operator's own default to fil
 The operator's rules inside a namespace (a Role's, or the namespaced part of its ClusterRole):
 - universalmodels: kopf lists and watches them and merge-patches its annotations and finalizer;
 - universalmodels/status: the operator's status writes;
+- universalmodelpools (and their status and finalizers, as for universalmodels): a pool's one
+  InferenceService, NAME-pool, and its members' list, the ConfigMap NAME-pool-members;
 - inferenceservices: the children, watched (kopf index and event handler), read before taking a
   name over, server-side applied (patch; create when the apply creates the child);
 - events: kopf posts Warning Events (InvalidSpec) on the models;
@@ -130,6 +132,15 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
   verbs: [update]
 - apiGroups: [serving.universal-runtime.dev]
   resources: [universalmodels/status]
+  verbs: [patch]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodelpools]
+  verbs: [list, watch, patch]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodelpools/finalizers]
+  verbs: [update]
+- apiGroups: [serving.universal-runtime.dev]
+  resources: [universalmodelpools/status]
   verbs: [patch]
 - apiGroups: [serving.kserve.io]
   resources: [inferenceservices]

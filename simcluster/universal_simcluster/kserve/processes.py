@@ -231,12 +231,15 @@ def render_launch(
         )
     if command[0] in ("python", "python3"):
         command[0] = python
+    elif command[0] == "universal-runtime":
+        # The image's console script (pyproject.toml [project.scripts]): the same entry point, in this virtualenv.
+        command = [python, "-m", "universal_gateway.cli", *command[1:]]
 
     argv: list[str] = []
     port_set = False
     for arg in [*command[1:], *args]:
-        if arg.startswith("--http_port="):
-            argv.append(f"--http_port={port}")
+        if arg.startswith(("--http_port=", "--port=")):  # KServe's ModelServer's, or `universal-runtime serve`'s
+            argv.append(f"{arg.partition('=')[0]}={port}")
             port_set = True
         else:
             argv.append(_relocate_arg(arg, mounts))

