@@ -40,8 +40,10 @@ Again with ``--models 10 --rounds 10``: 5.38 GiB against 4.22 GiB (0.78x), warm 
 evicted members back in 0.33x to 1.50x of their own load. The OCR members are the outlier in every run (208.8 and
 339.5 ms against 68.9 and 63.6): measured alone, an OCR member that a ``light`` standby took answers in 145 ms
 p50 through the gateway, one started fresh (``--no-standby``) in 48 ms; ``OMP_WAIT_POLICY=PASSIVE`` or
-``OMP_NUM_THREADS=1`` did not change it. The requests straight to the pool's members (beside the gateway's) are
-sent only when serve's processes show the predictors' token in their environment (fresh predictors; a standby is
+``OMP_NUM_THREADS=1`` did not change it. The cause was the next standby's imports, started as soon as the
+member was up, sharing the CPUs with its first requests; ``serve`` now waits until its members are quiet (the
+pool figures above predate that). The requests straight to the pool's members (beside the gateway's) are sent
+only when serve's processes show the predictors' token in their environment (fresh predictors; a standby is
 handed it on its stdin).
 """
 

@@ -35,7 +35,7 @@ from universal_gateway.isolation import MemoryLimits, memory_bytes
 from universal_gateway.manifests import Manifest, ManifestError, files_signature, load_manifests, member_changes
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
-from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool
+from universal_gateway.standby import STANDBY_FAMILIES, StandbyPool, replenish_due
 from universal_operator.predictor import possible_backends, predictor_config, resolved_backend
 from universal_predictors.catalog import Backend
 from universal_predictors.config import (
@@ -229,6 +229,8 @@ class LocalSupervisor(Backends):
         # A waiting predictor per library family, for the next model of that family to wake
         # (universal_gateway.standby); worth its memory only for a family some model at zero can use.
         self._standby = standby
+        #: When the last wake ended, while the standbys are to be started again once serve is quiet.
+        self._replenish_after: float | None = None
         wanted = self._standby_families()
         self.standbys = {
             family: StandbyPool(
@@ -334,11 +336,23 @@ class LocalSupervisor(Backends):
         for pool in self.standbys.values():
             pool.replenish()
 
+    def _replenish_when_quiet(self, now: float) -> None:
+        """Start the standbys a wake used once serve's models have gone quiet (universal_gateway.standby)."""
+        if self._replenish_after is None:
+            return
+        models = list(self._models.values())
+        busy = any(m.stats.in_flight or (m.starting is not None and not m.starting.done()) for m in models)
+        last = max((m.stats.last_used_monotonic or 0.0 for m in models), default=None)
+        if replenish_due(self._replenish_after, last, busy, now):
+            self._replenish_after = None
+            self._replenish()
+
     async def _start(self, model: LocalModel) -> None:
         try:
             await self._start_once(model)
         finally:
-            self._replenish()  # after the wake, not during it: the two would share the CPUs
+            # After the wake and the requests that follow it, not during them: the two would share the CPUs.
+            self._replenish_after = self._clock.monotonic()
 
     async def _start_once(self, model: LocalModel) -> None:
         if model.running() and model.state is ModelState.READY:
@@ -611,6 +625,7 @@ class LocalSupervisor(Backends):
             await self._measure()
             now = self._clock.monotonic()
             wall = self._clock.now()
+            self._replenish_when_quiet(now)
             for model in self._models.values():
                 policy, stats = model.policy, model.stats
                 warm = policy.warm(wall)

@@ -5,7 +5,8 @@ A local wake of a small model is mostly the interpreter importing torch, transfo
 The supervisor keeps one such process per library family some model at zero uses (:data:`STANDBY_FAMILIES`;
 ``serve --no-standby`` keeps none: each costs the memory of its imports while it waits, about 0.5 GB for torch's,
 0.35 GB for the light one), hands it the next eligible model's command line and environment as one JSON line on
-its stdin, and starts the next standby only once that model is up, so the two never share the CPUs during a wake.
+its stdin, and starts the next standby only once that model is up and serve's models have gone quiet
+(:func:`replenish_due`), so the two never share the CPUs during a wake or the requests that follow it.
 A standby that declines (a llama.cpp model, KServe flags or an environment it did not import with) says why and
 exits; the model then starts as a fresh process, as it would without a standby.
 """
@@ -37,6 +38,25 @@ STANDBY_FAMILIES: dict[Backend, str] = {
 RETRY_AFTER_FAILURE_S = 60.0
 #: How long a standby has to say it took the model (it parses a command line: milliseconds).
 ACCEPT_TIMEOUT_S = 30.0
+#: The next standby starts once no model has had a request in flight, and none has started, for this long.
+#: Its imports take a core for seconds (the light family's 4 to 9 s on a 2-CPU machine): started right after a
+#: wake, they shared the CPUs with the requests that woke the model, and an OCR predictor (ONNX Runtime's
+#: intra-op threads on both cores) answered in 135 to 145 ms p50 against 48 ms without (bench/pools.py).
+REPLENISH_WHEN_QUIET_S = 2.0
+#: ... or this long after the wake at the latest: a pool that is never quiet still gets its standby.
+REPLENISH_AT_LATEST_S = 60.0
+
+
+def replenish_due(woke_at: float, last_request_at: float | None, busy: bool, now: float) -> bool:
+    """Whether to start the next standby at ``now`` after a wake that ended at ``woke_at``: once serve's models
+    have been quiet (nothing ``busy``: no request in flight, no model starting; the last request ended at
+    ``last_request_at``) for :data:`REPLENISH_WHEN_QUIET_S`, or :data:`REPLENISH_AT_LATEST_S` after the wake."""
+    if now - woke_at >= REPLENISH_AT_LATEST_S:
+        return True
+    if busy:
+        return False
+    quiet_since = max(woke_at, last_request_at or woke_at)
+    return now - quiet_since >= REPLENISH_WHEN_QUIET_S
 
 
 class StandbyPool:

@@ -24,6 +24,7 @@ from tests.predictors.harness import OFFLINE_ENV
 from universal_gateway.app import Gateway
 from universal_gateway.local import LocalSupervisor
 from universal_gateway.manifests import load_manifests
+from universal_gateway.standby import REPLENISH_AT_LATEST_S, REPLENISH_WHEN_QUIET_S, replenish_due
 from universal_predictors.config import STANDBY_ACCEPTED_LINE, STANDBY_DECLINED_EXIT, STANDBY_READY_LINE
 
 #: A standby imports torch, transformers and sentence-transformers: seconds, more on a loaded machine.
@@ -122,6 +123,41 @@ async def test_no_standby_when_asked_or_when_no_model_can_be_at_zero(tmp_path: P
     path.write_text(path.read_text().replace("scaling: {idleTimeout: 5m}", "scaling: {minReplicas: 1}"))
     always = LocalSupervisor(load_manifests([path.parent]), state_root=tmp_path / "b", env=OFFLINE_ENV)
     assert not any(pool.enabled for pool in always.standbys.values())
+
+
+def test_the_next_standby_waits_until_the_models_are_quiet() -> None:
+    # Its imports take a core for seconds: started right after a wake, they slowed the woken model's first
+    # requests (an OCR model's p50 about 3x on 2 CPUs). Quiet: nothing in flight, no request for a while.
+    woke = 100.0
+    assert not replenish_due(woke, woke + 0.5, busy=False, now=woke + 1.0)
+    assert not replenish_due(woke, woke + 5.0, busy=True, now=woke + 30.0)
+    assert not replenish_due(woke, woke + 5.0, busy=False, now=woke + 5.0 + REPLENISH_WHEN_QUIET_S / 2)
+    assert replenish_due(woke, woke + 5.0, busy=False, now=woke + 5.0 + REPLENISH_WHEN_QUIET_S)
+    assert replenish_due(woke, None, busy=False, now=woke + REPLENISH_WHEN_QUIET_S)
+    # A pool that is never quiet still gets its standby, once.
+    assert replenish_due(woke, woke + 59.9, busy=True, now=woke + REPLENISH_AT_LATEST_S)
+
+
+def test_the_supervisor_replenishes_once_its_models_are_quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="minilm", served="cold-embed")
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV)
+    started: list[str] = []
+    for family, pool in supervisor.standbys.items():
+        monkeypatch.setattr(pool, "replenish", lambda family=family: started.append(family))
+    model = supervisor.model("cold-embed")
+    assert model is not None
+    supervisor._replenish_after = woke = 1000.0  # a wake just ended
+    model.stats.in_flight, model.stats.last_used_monotonic = 1, woke
+    supervisor._replenish_when_quiet(woke + 10.0)
+    assert started == []  # a request in flight
+    model.stats.in_flight, model.stats.last_used_monotonic = 0, woke + 10.0
+    supervisor._replenish_when_quiet(woke + 10.5)
+    assert started == []  # quiet, but not for long enough
+    supervisor._replenish_when_quiet(woke + 10.0 + REPLENISH_WHEN_QUIET_S)
+    assert sorted(started) == sorted(supervisor.standbys)
+    supervisor._replenish_when_quiet(woke + 100.0)
+    assert len(started) == len(supervisor.standbys)  # once per wake
 
 
 def standby_process() -> subprocess.Popen[str]:
