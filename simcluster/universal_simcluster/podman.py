@@ -113,6 +113,7 @@ def run_args(
     links: Path | None = None,
     modelcar: Modelcar | None = None,
     secrets: Mapping[tuple[str, str], str] | None = None,
+    projections: Mapping[str, Path] | None = None,
     detach: bool = True,
 ) -> list[str]:
     """``podman run`` arguments (without ``podman``) for the predictor pod of ``isvc``.
@@ -127,7 +128,10 @@ def run_args(
     /mnt (writable) where the sidecar linked /models, and gets MODEL_INIT_MODE=async; STORAGE_URI is left as
     written (CommonStorageInitialization returns before its rewrite when the source is a modelcar).
     ``publish`` maps host ports to container ports; ``volumes_dir`` is an empty folder where the pod's emptyDir
-    volumes are made; ``secrets`` resolves ``secretKeyRef`` env, (Secret, key) -> value, as the kubelet does.
+    volumes are made; ``secrets`` resolves ``secretKeyRef`` env, (Secret, key) -> value, as the kubelet does;
+    ``projections``: by volume name, the host folder where a configMap or secret volume's keys are projected (the
+    kubelet's layout: each key a link through ``..data``), bound read-only: "A ConfigMap is always mounted as
+    readOnly" (kubernetes/website ``content/en/docs/concepts/storage/volumes.md``, configMap; secrets likewise).
     ``detach=False`` runs the pod attached (its output on podman's) and removes it when it ends.
     """
     predictor = isvc["spec"]["predictor"]
@@ -210,6 +214,8 @@ def run_args(
                 host.mkdir(parents=True)
                 host.chmod(0o777)
                 args += ["--volume", f"{host}:{mount['mountPath']}"]
+        elif ("configMap" in volume or "secret" in volume) and projections and mount["name"] in projections:
+            args += ["--volume", f"{projections[mount['name']]}:{mount['mountPath']}:ro"]
         else:
             raise Untranslatable(f"volume {mount['name']}: {sorted(set(volume) - {'name'})}")
     storage = any(var["name"] == STORAGE_URI_ENV and var.get("value") for var in container.get("env", []))

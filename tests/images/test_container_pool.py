@@ -141,7 +141,8 @@ def _member_pid(supervisor: int, served_name: str) -> int:
             continue
         try:
             stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            # (A member a standby took over shows its command line as one title: setproctitle.)
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])

@@ -598,6 +598,33 @@ class PredictorWorkload:
             mounts[MODEL_MOUNT_PATH] = Path(self._storage_initializer(storage_uri, credentials))
         return mounts
 
+    async def _project_volumes(self, root: Path) -> dict[str, Path]:
+        """Container mode: each configMap and secret volume the container mounts, projected into a host folder
+        under ``root`` (bound read-only into the container, as the kubelet mounts them) and kept in sync as in
+        process mode; by volume name."""
+        container = predictor_container(self.isvc)
+        volumes = {v["name"]: v for v in self.predictor.get("volumes") or []}
+        self._projected = {}
+        out: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            kind: type[ConfigMap] | type[Secret]
+            if (source := volume.get("configMap")) is not None:
+                kind, name, optional = ConfigMap, source["name"], source.get("optional", False)
+            elif (source := volume.get("secret")) is not None:
+                kind, name, optional = Secret, source["secretName"], source.get("optional", False)
+            else:
+                continue
+            if mount.get("subPath"):
+                raise LaunchFailed("the stand-in projects whole configMap and secret volumes only (a subPath "
+                                   "mount is never updated by the kubelet either)")  # fmt: skip
+            local = root / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            await self._project(kind, name, local, optional)
+            self._projected[local] = (kind, name)
+            out[mount["name"]] = local
+        return out
+
     async def _project(self, kind: type[ConfigMap] | type[Secret], name: str, folder: Path, optional: bool) -> bool:
         """Write the ConfigMap's (or Secret's, decoded) keys as files in ``folder``, as the kubelet's configMap and
         secret volumes do, each replaced atomically (the kubelet swaps a ``..data`` symlink; a reader never sees
@@ -770,11 +797,12 @@ class PredictorWorkload:
             elif storage_uri:
                 self.kserve.initializer_runs.append(self.key)
                 model_dir, links = await self._fetch(storage_uri, await self._storage_credentials(), pod)
+            projections = await self._project_volumes(pod / "projected")
             try:
                 args = run_args(
                     self.isvc, name=name, model_dir=model_dir, links=links, modelcar=modelcar,
                     publish={port: container_port}, volumes_dir=pod / "volumes", secrets=await self._secrets(),
-                    detach=False,
+                    projections=projections, detach=False,
                 )  # fmt: skip
             except Untranslatable as exc:
                 raise LaunchFailed(f"InvalidSpec: {exc}") from None
