@@ -28,3 +28,19 @@ def embed_predictor(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory)
     config = PredictorConfig(model_name="all-minilm-l6-v2", task=Task.EMBED, source=str(minilm_path))
     with running_predictor(config, tmp_path_factory.mktemp("embed")) as predictor:
         yield predictor
+
+
+@pytest.fixture(scope="session")
+def short_wav() -> bytes:
+    """A spoken sentence (espeak-ng), 16 kHz mono WAV: the transcribe tests' short clip."""
+    from tests.predictors.speech_samples import espeak, wav_bytes  # (not in every tier's environment)
+
+    return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
+
+
+@pytest.fixture(scope="session")
+def long_wav() -> bytes:
+    """75 s of speech, past Whisper's 30 s window: the transcribe tests' long-form clip."""
+    from tests.predictors.speech_samples import long_speech, wav_bytes
+
+    return wav_bytes(long_speech(75))

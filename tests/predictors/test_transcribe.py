@@ -84,16 +84,6 @@ def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", tas
 
 
 @pytest.fixture(scope="module")
-def short_wav() -> bytes:
-    return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
-
-
-@pytest.fixture(scope="module")
-def long_wav() -> bytes:
-    return wav_bytes(long_speech(75))
-
-
-@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iterator[GatewayProcess]:
     folder = tmp_path_factory.mktemp("manifests")
     (folder / "whisper.yaml").write_text(

@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 
 from tests.gateway.harness import GatewayProcess, running_gateway
-from tests.predictors.speech_samples import espeak, long_speech, read_wav, wav_bytes
+from tests.predictors.speech_samples import espeak, read_wav, wav_bytes
 from tests.predictors.tiny_whisper import build_tiny_ct2_whisper
 from universal_predictors.catalog import Backend
 from universal_predictors.config import PredictorConfig
@@ -57,16 +57,6 @@ def reference(model_dir: Path, samples: np.ndarray, **options: Any) -> tuple[lis
             "words": [(w.word.strip(), round(w.start, 3), round(w.end, 3)) for w in s.words or ()],
         })  # fmt: skip
     return segments, text.strip(), info
-
-
-@pytest.fixture(scope="module")
-def short_wav() -> bytes:
-    return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
-
-
-@pytest.fixture(scope="module")
-def long_wav() -> bytes:
-    return wav_bytes(long_speech(75))
 
 
 @pytest.fixture(scope="module")
