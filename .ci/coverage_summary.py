@@ -1,7 +1,7 @@
 """The unit tier's coverage, per package: combines the data files the tests' processes wrote (the pytest process
 and every process it started, pyproject.toml's [tool.coverage.run]) and prints one line per package and a total.
 
-Not a gate: a number in the CI log and in the README's status table. Usage: python .ci/coverage_summary.py
+Not a gate: a number for the README's status table (`make coverage`). Usage: python .ci/coverage_summary.py
 (COVERAGE_FILE names the data file, as for `coverage run`).
 """
 

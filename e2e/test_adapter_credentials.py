@@ -6,6 +6,7 @@ adapter naming another Secret, added to the running model, is served by the same
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,13 +82,25 @@ async def test_an_adapter_naming_another_secret_is_served_by_the_same_process(st
     await cluster.apply(store.secret("store-b"))
     await cluster.apply(manifest({"alpha": (uris["alpha"], "store-a"), "beta": (uris["beta"], "store-b")}))
 
+    errors: list[str] = []
+
     async def beta_answers() -> str | None:
         try:
             return await complete(cluster, "tiny:beta")
-        except Exception:  # the pod's projected list or the Secrets' copy does not have it yet
+        except Exception as exc:  # the pod's projected list or the Secrets' copy does not have it yet
+            errors.append(f"{time.monotonic() - started:.1f}s: {type(exc).__name__}: {exc}")
             return None
 
-    text = await eventually(beta_answers, within=60, interval=0.5)
+    started = time.monotonic()
+    try:  # a busy CI machine (images built beside the tests) takes far longer than the second it takes here
+        text = await eventually(beta_answers, within=180, interval=0.5)
+    except AssertionError:
+        status = (await cluster.model("tiny")).get("status") or {}
+        distinct = list(dict.fromkeys(e.split(": ", 1)[1] for e in errors))
+        raise AssertionError(
+            f"tiny:beta never answered: {len(errors)} tries, the errors {distinct[-5:]}, the last at {errors[-1:]}; "
+            f"status.adapters {status.get('adapters')}, conditions {status.get('conditions')}"
+        ) from None
     assert text == await text_of(cluster, merged_greedy(base, loras["beta"], PROMPT, MAX_TOKENS))
     assert cluster.pid("tiny") == pid  # the same predictor process: nothing rolled
     assert (await cluster.isvc("tiny"))["metadata"]["generation"] == child_generation
