@@ -71,7 +71,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.predictors: the tiny models' builders; the packages themselves are installed
 
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
-from universal_gateway.local import LOOPBACK, MiB, fetch_source, tree_rss  # noqa: E402
+from universal_gateway.isolation import tree_rss  # noqa: E402
+from universal_gateway.local import LOOPBACK, MiB, fetch_source  # noqa: E402
 from universal_gateway.manifests import Manifest, load_manifests  # noqa: E402
 from universal_operator.predictor import predictor_config  # noqa: E402
 

@@ -89,7 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
                                  memory_budget_mb=args.memory_budget_mb, watch=paths,
                                  member_memory_limit_mb=args.member_memory_limit_mb,
-                                 cache_dir=Path(args.cache_dir or state_root / "models"))  # fmt: skip
+                                 cache_dir=Path(args.cache_dir or state_root / "models"),
+                                 shared_processes=args.member_processes == "shared")  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -479,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the memory each predictor may hold when its spec.resources.memory names none; over it, that "
              "predictor alone is killed and restarts on its next request (a cgroup where this process may make one, "
              "else an address-space limit of 4 times it; default: no limit)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--member-processes", choices=("own", "shared"), default="own",
+        help="own: each model in a predictor process of its own (one crash ends one model); shared: the models of "
+             "one library family (torch; PyOD, RapidOCR, Tesseract) in one process, each on its own port, saving "
+             "about 400 MB a model, at the cost of a crash ending that family's models together (a pool's "
+             "default; each restarts on its next request). Models with spec.env, on a GPU, or on llama.cpp or "
+             "vLLM always get their own",
     )  # fmt: skip
     serve.add_argument(
         "--cache-dir",
