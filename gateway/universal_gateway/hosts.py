@@ -1,7 +1,7 @@
 """The supervisor's side of a shared host: one predictor process serving several members of one library family.
 
-``serve --member-processes shared`` (a pool's default) runs the members of each family (torch, light:
-:data:`universal_gateway.standby.STANDBY_FAMILIES`) in one process, :mod:`universal_predictors.shared_host`,
+``serve --member-processes shared`` (a pool's default) runs the members of each family (:data:`HOST_FAMILIES`:
+torch, ocr, pyod) in one process, :mod:`universal_predictors.shared_host`,
 instead of one each: in one process each further all-MiniLM-L6-v2 cost 42 MB against about 430 MB in a process of
 its own. Each member keeps its own port and app, so routing, readiness and the model card are as for a process of
 its own; what changes is the process's life, which :class:`HostHandle` tracks: the host is started (its imports
@@ -23,9 +23,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from universal_gateway.isolation import tree_rss
+from universal_predictors.catalog import Backend
 from universal_predictors.config import HOST_EVENT_PREFIX, HOST_READY_LINE
 
 logger = logging.getLogger(__name__)
+
+#: The shared host family (``universal_predictors.shared_host.PRELOAD``: what it imports) of each backend a host
+#: serves. llama.cpp and vLLM members get a process of their own (their own threads and memory pools).
+HOST_FAMILIES: dict[Backend, str] = {
+    Backend.TRANSFORMERS: "torch",
+    Backend.PYOD: "pyod",
+    Backend.RAPIDOCR: "ocr",
+    Backend.TESSERACT: "ocr",
+}
 
 #: How long a host has to import its libraries and say so.
 HOST_START_TIMEOUT_S = 300.0

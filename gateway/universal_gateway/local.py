@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
-from universal_gateway.hosts import HostHandle, HostRefused
+from universal_gateway.hosts import HOST_FAMILIES, HostHandle, HostRefused
 from universal_gateway.isolation import MemoryLimits, memory_bytes, tree_rss
 from universal_gateway.manifests import Manifest, ManifestError, files_signature, load_manifests, member_changes
 from universal_gateway.policy import ServingPolicy, is_idle
@@ -257,12 +257,14 @@ class LocalSupervisor(Backends):
             for family in sorted(set(STANDBY_FAMILIES.values()))
         }  # fmt: skip
 
-    def _standby_families(self, *, hostable: bool = False) -> set[str]:
-        """The families some model at zero may use (``hostable``: of the models a shared host may serve)."""
+    def _standby_families(self, *, hosts: bool = False) -> set[str]:
+        """The standby families some model at zero may use (``hosts``: the shared host families, of the models a host
+        may serve)."""
+        families = HOST_FAMILIES if hosts else STANDBY_FAMILIES
         return {
             family for m in self._models.values() if not m.policy.always_on
-            and (not hostable or not m.manifest.model.spec.env)
-            for b in possible_backends(m.manifest.model) if (family := STANDBY_FAMILIES.get(b)) is not None
+            and (not hosts or not m.manifest.model.spec.env)
+            for b in possible_backends(m.manifest.model) if (family := families.get(b)) is not None
         }  # fmt: skip
 
     # -- Backends ----------------------------------------------------------------------------------
@@ -345,6 +347,17 @@ class LocalSupervisor(Backends):
         return {**os.environ, **self._env, **own, PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}
 
     @staticmethod
+    def _host_family(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> str | None:
+        """The shared host family that serves this model (by the backend it runs, as ``auto`` resolves); None for
+        llama.cpp and vLLM, a model with variables of its own (a library may read them when it is imported), and a
+        model on a GPU (its device's memory is its own process's)."""
+        gpus = int(env[GPUS_ENV]) if env.get(GPUS_ENV, "").isdigit() else 0
+        if model.manifest.model.spec.env or gpus:
+            return None
+        pattern = config.source_file or config.source_projector_file
+        return HOST_FAMILIES.get(resolve_backend(config.task, config.backend, config.source, pattern, gpus))
+
+    @staticmethod
     def _standby_family(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> str | None:
         """The standby family that serves this model as a fresh process would: by the backend it runs (what
         ``auto`` resolves to, by the predictor's own rule); None for llama.cpp and vLLM (their own threads and
@@ -359,9 +372,17 @@ class LocalSupervisor(Backends):
         for pool in self.standbys.values():
             pool.replenish()
         if self._shared and self._standby:  # a host waiting, its libraries imported, as a standby would
-            for family in sorted(self._standby_families(hostable=True)):
-                if family not in self.hosts and family not in self._host_starts:
+            for family in sorted(self._standby_families(hosts=True)):
+                if family not in self.hosts and family not in self._host_starts and self._room_for_host(family):
                     self._background_host(family)
+
+    def _room_for_host(self, family: str) -> bool:
+        """Whether a waiting host of ``family`` fits under the memory budget beside what runs (always, without one)."""
+        if self.memory_budget is None:
+            return True
+        used = sum(self._footprint(m) for m in self._models.values() if m.running())
+        used += sum(self._host_bytes(h) for h in self.hosts.values() if h.running())
+        return used + self._host_baselines.get(family, PROCESS_BASELINE_BYTES) <= self.memory_budget
 
     def _replenish_when_quiet(self, now: float) -> None:
         """Start the standbys a wake used once serve's models have gone quiet (universal_gateway.standby)."""
@@ -405,8 +426,7 @@ class LocalSupervisor(Backends):
         config = config.model_copy(update={"http_host": LOOPBACK})
         env = self._process_env(model)
         family = self._standby_family(model, config, env)
-        gpus = int(env[GPUS_ENV]) if env.get(GPUS_ENV, "").isdigit() else 0
-        hosted = family if self._shared and family is not None and gpus == 0 else None
+        hosted = self._host_family(model, config, env) if self._shared else None
         if hosted is not None:  # its host is not to stop for want of members while it joins
             self._joining[hosted] = self._joining.get(hosted, 0) + 1
         try:
@@ -543,6 +563,13 @@ class LocalSupervisor(Backends):
              and not m.policy.warm(wall) and (m.starting is None or m.starting.done())),
             key=lambda m: m.stats.last_used_monotonic or 0.0,
         )  # fmt: skip
+        for host in list(self.hosts.values()):  # a shared host with no members first: it serves nobody
+            if used + need <= budget:
+                return
+            if host.running() and not host.members and not self._joining.get(host.family) and host.family != family:
+                logger.info("stopping the %s shared host (no members) to make room for %s", host.family, model.name)
+                await host.stop()
+                used -= self._host_bytes(host)
         for victim in evictable:
             if used + need <= budget:
                 return

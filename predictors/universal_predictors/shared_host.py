@@ -4,7 +4,7 @@ A pool's members are small models used now and then (embeddings, classifiers, NE
 process of its own each pays for the interpreter, torch, transformers and the server: about 430 MB with
 all-MiniLM-L6-v2 loaded, of which the model is 90 MB; in one process, each further MiniLM added 42 MB, each RapidOCR
 32 MB (``bench/pools.py``). ``serve --member-processes shared`` therefore runs the members of each library family
-(:data:`universal_predictors.standby.PRELOAD`: ``torch``, ``light``) in one host process:
+(:data:`PRELOAD`: ``torch``, ``ocr``, ``pyod``) in one host process:
 ``python -m universal_predictors --shared-host FAMILY``.
 
 The host imports the family's libraries, prints :data:`HOST_READY_LINE` and then takes orders from the supervisor,
@@ -48,6 +48,19 @@ from universal_predictors.config import HOST_EVENT_PREFIX, HOST_READY_LINE, Pred
 
 logger = logging.getLogger("universal_predictors.shared_host")
 
+#: What each host family imports before its first member, so that a member's load measures the member alone
+#: (its weights, its tokenizer) and the libraries count once, as the host's. Narrower than a standby's families
+#: (:data:`universal_predictors.standby.PRELOAD`): an OCR member's host does not import PyOD and scikit-learn
+#: (seconds of its wake), nor an anomaly member's ONNX Runtime. The supervisor's side names the same families
+#: (``universal_gateway.hosts.HOST_FAMILIES``).
+PRELOAD: dict[str, tuple[str, ...]] = {
+    "torch": standby.PRELOAD["torch"],
+    "pyod": (
+        *(f"pyod.models.{m}" for m in ("iforest", "ecod", "copod", "hbos", "lof", "knn", "ocsvm", "pca")),
+        *standby.SERVER, "universal_predictors.tasks.anomaly",
+    ),
+    "ocr": ("onnxruntime", "rapidocr_onnxruntime", "pypdfium2", *standby.SERVER, "universal_predictors.tasks.ocr"),
+}  # fmt: skip
 #: How long a removed member's requests in flight may take before its port closes anyway.
 STOP_GRACE_S = 10.0
 EVENT_PREFIX = HOST_EVENT_PREFIX
@@ -183,7 +196,8 @@ class SharedHost:
             name = config.model_name
             if config.http_port != port or port in self.members:
                 raise ValueError(f"port {port} is not this command line's, or is served here already")
-            predictor = self._predictor(config)
+            # Off the event loop: its task's modules may be imported now (the other members answer meanwhile).
+            predictor = await asyncio.to_thread(self._predictor, config)
             app = build_app(predictor)
             import uvicorn
 
@@ -276,15 +290,16 @@ def _give_back() -> None:
 
 
 def run(family: str, argv0: str) -> int:
-    """``python -m universal_predictors --shared-host FAMILY``."""
+    """``python -m universal_predictors --shared-host FAMILY``: import the family's libraries (:data:`PRELOAD`),
+    then serve the members the supervisor adds."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.argv = [argv0]  # kserve.model_server parses sys.argv when imported: the host's own has no KServe flags
-    if family not in standby.PRELOAD:
-        print(f"universal_predictors: error: no shared-host family {family!r}; one of {', '.join(standby.PRELOAD)}",
+    if family not in PRELOAD:
+        print(f"universal_predictors: error: no shared-host family {family!r}; one of {', '.join(PRELOAD)}",
               file=sys.stderr)  # fmt: skip
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    standby.preload(standby.PRELOAD[family])
+    standby.preload(PRELOAD[family])
     try:
         tracing.configure("universal-predictor", attributes={"universal_runtime.shared_host": family})
     except tracing.TracingConfigError as exc:

@@ -117,7 +117,7 @@ async def test_a_family_s_members_share_one_process_and_answer_as_the_model_does
         assert light not in (None, host)  # another family: another host
 
         listed = await cards(client)
-        for name, family in (("one", "torch"), ("two", "torch"), ("detector", "light")):
+        for name, family in (("one", "torch"), ("two", "torch"), ("detector", "pyod")):
             assert listed[name]["shared_host"] == family
         # A member's share is what its load added to the host: tens of MB, where a process of its own is ~430 MB.
         assert 0 < listed["one"]["memory_mb"] < 150
@@ -185,3 +185,10 @@ async def test_the_budget_evicts_a_member_from_its_host_and_an_emptied_host_stop
         assert "torch" not in supervisor.hosts
         await vector(client, "two")  # and a new host serves the next request
         assert pid(supervisor, "two") not in (None, host_pid)
+
+
+def test_the_supervisor_and_the_host_name_the_same_families() -> None:
+    from universal_gateway.hosts import HOST_FAMILIES
+    from universal_predictors.shared_host import PRELOAD
+
+    assert set(HOST_FAMILIES.values()) == set(PRELOAD)

@@ -145,7 +145,11 @@ def test_the_pools_inference_service_runs_the_supervisor_over_the_mounted_member
     [container] = predictor["containers"]
     assert container["command"] == ["universal-runtime"]
     assert container["args"] == ["serve", "/etc/universal-runtime/pool", "--host=0.0.0.0", "--port=8080",
-                                 "--memory-budget-mb=3072"]  # fmt: skip
+                                 "--memory-budget-mb=3072", "--member-processes=shared"]  # fmt: skip
+    own = parse_pool({**yaml.safe_load(POOL), "metadata": {"name": "small", "namespace": "ml", "uid": "u1"}}
+                     | {"spec": {**yaml.safe_load(POOL)["spec"], "memberProcesses": "PerMember"}})  # fmt: skip
+    [own_container] = desired_pool_inference_service(own, OperatorConfig())["spec"]["predictor"]["containers"]
+    assert own_container["args"][-1] == "--member-processes=own"
     assert {"name": "pool-members", "configMap": {"name": "small-pool-members"}} in predictor["volumes"]
     assert {"name": "pool-members", "mountPath": "/etc/universal-runtime/pool", "readOnly": True} in container[
         "volumeMounts"

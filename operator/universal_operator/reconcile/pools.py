@@ -42,6 +42,7 @@ from universal_operator.spec import (
     POOL_SUFFIX,
     ObjectMeta,
     Phase,
+    PoolMemberProcesses,
     PoolMemberState,
     SpecError,
     UniversalModel,
@@ -135,6 +136,8 @@ def supervisor_args(pool: UniversalModelPool) -> list[str]:
     budget = memory_budget_mb(pool)
     if budget is not None:
         args.append(f"--memory-budget-mb={budget}")
+    shared = pool.spec.member_processes is PoolMemberProcesses.SHARED
+    args.append(f"--member-processes={'shared' if shared else 'own'}")
     return args
 
 
