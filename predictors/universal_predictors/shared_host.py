@@ -51,8 +51,8 @@ logger = logging.getLogger("universal_predictors.shared_host")
 #: What each host family imports before its first member, so that a member's load measures the member alone
 #: (its weights, its tokenizer) and the libraries count once, as the host's. Narrower than a standby's families
 #: (:data:`universal_predictors.standby.PRELOAD`): an OCR member's host does not import PyOD and scikit-learn
-#: (seconds of its wake), nor an anomaly member's ONNX Runtime: each imports what a process of its own would. The supervisor's side names the same families
-#: (``universal_gateway.hosts.HOST_FAMILIES``).
+#: (seconds of its wake), nor an anomaly member's ONNX Runtime: each imports what a process of its own would. The
+#: supervisor's side names the same families (``universal_gateway.hosts.HOST_FAMILIES``).
 PRELOAD: dict[str, tuple[str, ...]] = {
     "torch": standby.PRELOAD["torch"],
     # PyOD's detectors are imported by the first fit that names one, in a host as in a process of its own.
