@@ -165,7 +165,9 @@ class Source(_Model):
             "region as serving.kserve.io/s3-endpoint and serving.kserve.io/s3-region annotations on the Secret "
             "(s3://); gcloud-application-credentials.json (gs://); https-host and headers (https://). The "
             "operator lists it on a ServiceAccount of the model's own, NAME-storage, that the predictor pods run "
-            "as; the predictor never sees it. Never logged, never copied."
+            "as; the predictor never sees it. A pool's member (spec.pool) is fetched by the pool's pod instead: the "
+            "operator copies the Secret into the pool's Secret POOL-pool-credentials, and the pool downloads this "
+            "model's source with it, by KServe's storage code. Never logged."
         ),
     )
 
