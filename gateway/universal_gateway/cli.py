@@ -86,11 +86,13 @@ def _serve(args: argparse.Namespace) -> int:
         responses = _responses_store(args, state_root)
     except ValueError as exc:
         return _fail("serve", str(exc))
+    credentials_dir = Path(args.credentials_dir) if args.credentials_dir else None
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
                                  memory_budget_mb=args.memory_budget_mb, watch=paths,
                                  member_memory_limit_mb=args.member_memory_limit_mb,
                                  cache_dir=Path(args.cache_dir or state_root / "models"),
-                                 shared_processes=args.member_processes == "shared")  # fmt: skip
+                                 shared_processes=args.member_processes == "shared",
+                                 credentials_dir=credentials_dir)  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -492,8 +494,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--cache-dir",
         help="where models with s3://, gs:// or https:// sources are downloaded (by KServe's storage code, with the "
-             "AWS_*, GOOGLE_APPLICATION_CREDENTIALS and <host>-headers of this environment) and kept for their next "
+             "model's Secret under --credentials-dir, else the AWS_*, GOOGLE_APPLICATION_CREDENTIALS and "
+             "<host>-headers of this environment) and kept for their next "
              "start (default: STATE_DIR/models)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--credentials-dir",
+        help="copies of the Secrets the models name in source.credentialsSecret, one <secret>.json each (data and "
+             "serving.kserve.io/* annotations, as the operator writes a pool's): each such model is downloaded with "
+             "its own, as KServe's storage initializer would be, and fails alone, naming the Secret, when its copy is "
+             "not there (default: the names are not read, the environment's credentials are used)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

@@ -52,7 +52,15 @@ from universal_predictors.config import (
     resolve_source,
 )
 from universal_predictors.errors import Unavailable
-from universal_predictors.generation.adapter_stores import DownloadFailed, download, is_remote
+from universal_predictors.generation.adapter_stores import (
+    HF_TOKEN,
+    CredentialsUnavailable,
+    DownloadFailed,
+    StoreSecret,
+    download,
+    is_remote,
+    read_store_secret,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +213,7 @@ class LocalSupervisor(Backends):
         member_memory_limit_mb: float | None = None,
         cache_dir: Path | None = None,
         shared_processes: bool = False,
+        credentials_dir: Path | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
@@ -239,7 +248,7 @@ class LocalSupervisor(Backends):
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
-        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir)
+        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir, credentials_dir=credentials_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # A waiting predictor per library family, for the next model of that family to wake
@@ -1089,14 +1098,27 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
     return target
 
 
-def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
+def fetch_source(manifest: Manifest, cache_dir: Path | None = None, credentials_dir: Path | None = None) -> str:
     """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded,
-    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`)."""
+    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`).
+
+    ``credentials_dir``: a pool's copies of its members' Secrets (``serve --credentials-dir``; the operator writes
+    ``<secret>.json`` there, universal_operator.reconcile.pools). A model naming ``source.credentialsSecret`` is
+    then fetched with its own copy, read afresh for each download (a rotated key is used by the next), as a
+    single model's storage initializer is with its Secret; a copy that is not there fails this model only, naming
+    the Secret. Without it (``serve`` on a laptop) the name is not read and the process's environment is used."""
     source = manifest.model.spec.source
+    secret = None
+    if credentials_dir is not None and source.credentials_secret is not None:
+        try:
+            secret = read_store_secret(credentials_dir, source.credentials_secret)
+        except CredentialsUnavailable as exc:
+            raise RuntimeError(str(exc)) from None
     if is_remote(source.uri):
-        return fetch_remote(source.uri, cache_dir or default_state_root() / "models")
+        return fetch_remote(source.uri, cache_dir or default_state_root() / "models", secret)
     if source.scheme == "hf":
-        return _download_hf(source.uri, source.revision, source.file, source.projector_file)
+        token = secret.text(HF_TOKEN) if secret is not None and HF_TOKEN in secret.data else None
+        return _download_hf(source.uri, source.revision, source.file, source.projector_file, token=token)
     if source.scheme == "package":
         return resolve_source(source.uri)
     if source.scheme == "file" or source.scheme is None:
@@ -1117,15 +1139,21 @@ def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
 _FETCHED = ".fetched"
 
 
-def fetch_remote(uri: str, cache_dir: Path) -> str:
+def fetch_remote(uri: str, cache_dir: Path, secret: StoreSecret | None = None) -> str:
     """``uri`` (s3://, gs://, http(s)://) into ``cache_dir`` once, with KServe's storage code (``kserve_storage``, as
     a cluster's storage initializer and the adapters' downloads run it, in a subprocess:
-    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are this process's environment
-    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, ``<host>-headers``: what that code reads), as for a single model run
-    by ``serve``; in a pool's pod that environment is the pod's. Later starts find it in the cache."""
+    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are ``secret``'s, as KServe's
+    credential builder would set them, else this process's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+    ``<host>-headers``: what that code reads), as for a single model run by ``serve``. Later starts find it in the
+    cache.
+
+    The cache is keyed by the URI and the Secret's name: what a URI names depends on the Secret (its S3 endpoint
+    annotation picks the server), and a member must not be served files its own Secret could not fetch (another
+    member's download with another Secret, or a wrong key). Not by the Secret's content: a rotated key names the
+    same files, and need not fetch them again."""
     import hashlib
 
-    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    key = hashlib.sha256((uri if secret is None else f"{uri}\0{secret.name}").encode()).hexdigest()[:16]
     folder = cache_dir / f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', uri.rstrip('/').rsplit('/', 1)[-1])[:60]}"
     done = folder.with_name(folder.name + _FETCHED)
     if done.exists():
@@ -1133,14 +1161,16 @@ def fetch_remote(uri: str, cache_dir: Path) -> str:
         if Path(fetched).exists():
             return fetched
     try:
-        path = download(uri, folder, None)
+        path = download(uri, folder, secret)
     except DownloadFailed as exc:
         raise RuntimeError(str(exc)) from None
     done.write_text(str(path))
     return str(path)
 
 
-def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:
+def _download_hf(
+    uri: str, revision: str | None, pattern: str | None, projector: str | None = None, *, token: str | None = None
+) -> str:
     """Download (or find in the cache) a hub repository; offline, a clear error for this model only."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -1152,6 +1182,7 @@ def _download_hf(uri: str, revision: str | None, pattern: str | None, projector:
             snapshot_download(
                 repo_id=repo,
                 revision=revision,
+                token=token,  # a pool member's Secret's HF_TOKEN; None: the environment's, as before
                 # The projector is a second file the model needs: fetched with the weights file, never instead.
                 allow_patterns=[p for p in (pattern, projector) if p] if pattern else None,
             )
