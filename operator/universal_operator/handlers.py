@@ -1067,15 +1067,16 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
     _warn_missing_member_secrets(state, namespace, pool, members, found)
     desired_credentials = desired_pool_credentials_secret(pool, found)
     try:
-        # The members and their credentials first: a new pod must find both; an added member changes only these.
-        if data_drifted(desired_map, actual_map):
-            await state.api.apply_config_map(desired_map)
-            logger.info("applied ConfigMap %s/%s: %d members", namespace, desired_map["metadata"]["name"],
-                        len(members))  # fmt: skip
+        # The credentials and the members first: a new pod must find both; an added member changes only these. The
+        # credentials before the list, so that a running pod tends to see a new member's copy before the member.
         if data_drifted(desired_credentials, actual_credentials):
             await state.api.apply_secret(desired_credentials)
             logger.info("applied Secret %s/%s: copies of %d credentials Secrets", namespace,
                         desired_credentials["metadata"]["name"], len(desired_credentials["data"]))  # fmt: skip
+        if data_drifted(desired_map, actual_map):
+            await state.api.apply_config_map(desired_map)
+            logger.info("applied ConfigMap %s/%s: %d members", namespace, desired_map["metadata"]["name"],
+                        len(members))  # fmt: skip
         if child_drifted(desired, live):
             live = await state.api.apply_inference_service(desired)
             logger.info("applied InferenceService %s/%s for pool %s (%s)", namespace, desired["metadata"]["name"],
