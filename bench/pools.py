@@ -71,7 +71,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.predictors: the tiny models' builders; the packages themselves are installed
 
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
-from universal_gateway.local import LOOPBACK, MiB, fetch_source, tree_rss  # noqa: E402
+from universal_gateway.isolation import tree_rss  # noqa: E402
+from universal_gateway.local import LOOPBACK, MiB, fetch_source  # noqa: E402
 from universal_gateway.manifests import Manifest, load_manifests  # noqa: E402
 from universal_operator.predictor import predictor_config  # noqa: E402
 
@@ -176,10 +177,12 @@ class Side:
     direct: Side | None = None
     #: Each member's own process (the anchor only: the pool's members share serve's tree).
     member_rss: dict[str, int] = field(default_factory=dict)
+    #: The processes of serve's tree with all loaded (the pool only).
+    processes: int = 0
 
 
 @contextlib.contextmanager
-def serve(folder: Path, work: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def serve(folder: Path, work: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     port = free_port()
     log = (work / f"serve-{port}.log").open("wb")
     process = subprocess.Popen(
@@ -197,7 +200,7 @@ def serve(folder: Path, work: Path, *extra: str) -> Iterator[tuple[str, subproce
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"serve did not start: see {log.name}")
             time.sleep(0.1)
-        yield url, process
+        yield url, process, Path(log.name)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -223,11 +226,14 @@ def warm_round(client: httpx.Client, targets: dict[str, str], image: str, side: 
         side.warm_by_task.setdefault(task, []).append(elapsed)
 
 
-def member_predictors(serve_pid: int, names: list[str]) -> tuple[dict[str, str], dict[str, dict[str, str]]] | None:
-    """Each pool member's predictor address, and the token serve gives its predictors (read from /proc, as root
-    may: from any of serve's processes whose environment still shows it; a standby that took a model retitled
-    itself over it, the one waiting has it): for requests to the members directly. None when no process shows it."""
-    from tests.gateway.harness import command_line, predictor_pid
+def member_predictors(serve_pid: int, log: Path, names: list[str]
+                      ) -> tuple[dict[str, str], dict[str, dict[str, str]]] | None:  # fmt: skip
+    """Each pool member's predictor address (from serve's log: ``starting NAME (pid P, port N...``, a process of its
+    own or a shared host's port), and the token serve gives its predictors (read from /proc, as root may: from any of
+    serve's processes whose environment still shows it; a standby that took a model retitled itself over it, the one
+    waiting or a shared host has it): for requests to the members directly. None when no process shows it."""
+    import re
+
     from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 
     token = None
@@ -238,25 +244,25 @@ def member_predictors(serve_pid: int, names: list[str]) -> tuple[dict[str, str],
                     token = item.split(b"=", 1)[1].decode()
     if token is None:
         return None
-    targets = {}
-    for name in names:
-        member = predictor_pid(serve_pid, name)
-        if member is None:
-            raise RuntimeError(f"no predictor process for {name}")
-        port = next(a.split("=", 1)[1] for a in command_line(member) if a.startswith("--http_port="))
-        targets[name] = f"http://{LOOPBACK}:{port}"
+    ports = dict(re.findall(r"starting (\S+) \(pid \d+, port (\d+)", log.read_text(errors="replace")))
+    missing = [name for name in names if name not in ports]
+    if missing:
+        raise RuntimeError(f"serve's log names no port for {', '.join(missing[:5])}")
+    targets = {name: f"http://{LOOPBACK}:{ports[name]}" for name in names}
     return targets, {name: {UPSTREAM_TOKEN_HEADER: token} for name in names}
 
 
-def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: str) -> Side:
+def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: str, processes: str) -> Side:
     side = Side()
-    with serve(folder, work) as (url, process), httpx.Client(timeout=600) as client:
+    with serve(folder, work, "--member-processes", processes) as (url, process, log), \
+            httpx.Client(timeout=600) as client:  # fmt: skip
         for name in names:
             via_gateway, _, body = request(name.rsplit("-", 1)[0], name, image, first=True)
             side.loads[name] = timed_post(client, url + via_gateway, body)
             print(f"  pool: {name} woke in {side.loads[name]:.1f}s", flush=True)
         side.rss, side.pss = tree_rss(process.pid) or 0, pss(process.pid)
-        members = member_predictors(process.pid, names)
+        side.processes = len(descendants(process.pid))
+        members = member_predictors(process.pid, log, names)
         side.direct = Side() if members is not None else None
         for _ in range(rounds):
             warm_round(client, dict.fromkeys(names, url), image, side, gateway=True)
@@ -265,8 +271,17 @@ def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: st
     return side
 
 
-def anchor_side(manifests: list[Manifest], work: Path, rounds: int, image: str) -> Side:
+def anchor_side(manifests: list[Manifest], work: Path, rounds: int, image: str, batch: int) -> Side:
+    """One process per model, ``batch`` at a time (all 50 do not fit in this machine's memory beside the rest): each
+    batch started, measured (RSS and PSS of each process, summed over all batches: the memory the N processes hold
+    with all loaded) and sent its warm rounds, then stopped."""
     side = Side()
+    for at in range(0, len(manifests), batch):
+        anchor_batch(manifests[at : at + batch], work, rounds, image, side)
+    return side
+
+
+def anchor_batch(manifests: list[Manifest], work: Path, rounds: int, image: str, side: Side) -> None:
     processes: dict[str, subprocess.Popen[bytes]] = {}
     targets: dict[str, str] = {}
     try:
@@ -310,18 +325,18 @@ def anchor_side(manifests: list[Manifest], work: Path, rounds: int, image: str) 
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
-    return side
 
 
-def eviction_side(tasks: list[str], sources: dict[str, str], work: Path, image: str, budget_mb: float
-                  ) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:  # fmt: skip
+def eviction_side(tasks: list[str], sources: dict[str, str], work: Path, image: str, budget_mb: float,
+                  processes: str) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:  # fmt: skip
     """(first wake, wake after its eviction, evictions) per member, one member per task, about one fitting."""
     names = [f"{task}-evict" for task in tasks]
     folder = work / "evict-members"
     write_members(folder, names, sources)
     first: dict[str, float] = {}
     again: dict[str, float] = {}
-    with serve(folder, work, "--memory-budget-mb", f"{budget_mb:.0f}") as (url, _), httpx.Client(timeout=600) as client:
+    options = ("--memory-budget-mb", f"{budget_mb:.0f}", "--member-processes", processes)
+    with serve(folder, work, *options) as (url, _, _), httpx.Client(timeout=600) as client:
         for name in names:
             via_gateway, _, body = request(name.rsplit("-", 1)[0], name, image, first=True)
             first[name] = timed_post(client, url + via_gateway, body)
@@ -341,6 +356,15 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=50, help="members in the pool (default %(default)d)")
     parser.add_argument("--rounds", type=int, default=5, help="warm requests per member (default %(default)d)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="the tasks the members cycle through")
+    parser.add_argument(
+        "--member-processes",
+        choices=("shared", "own"),
+        default="shared",
+        help="the pool's processes: one per library family (a pool's default) or one per member",
+    )
+    parser.add_argument(
+        "--anchor-batch", type=int, default=10, help="anchor processes running at once (default %(default)d)"
+    )
     args = parser.parse_args()
     tasks = [t for t in args.tasks.split(",") if t]
     names = [f"{tasks[i % len(tasks)]}-{i:02d}" for i in range(args.models)]
@@ -352,15 +376,16 @@ def main() -> None:
         write_members(folder, names, sources)
         manifests = load_manifests([folder])
         print(f"{args.models} members ({', '.join(tasks)}), {args.rounds} warm rounds; pool first", flush=True)
-        pool = pool_side(names, folder, work, args.rounds, image)
-        print("anchor: one predictor process per model", flush=True)
-        anchor = anchor_side(manifests, work, args.rounds, image)
+        pool = pool_side(names, folder, work, args.rounds, image, args.member_processes)
+        print(f"anchor: one predictor process per model, {args.anchor_batch} at a time", flush=True)
+        anchor = anchor_side(manifests, work, args.rounds, image, args.anchor_batch)
         budget = 1.3 * max(anchor.member_rss.values()) / MiB  # the biggest fits, never all
         print(f"eviction: one member per task under a {budget:.0f} MiB budget", flush=True)
-        first, again, evictions = eviction_side(tasks, sources, work, image, budget)
+        first, again, evictions = eviction_side(tasks, sources, work, image, budget, args.member_processes)
 
     ratio = anchor.rss / pool.rss if pool.rss else float("nan")
-    print(f"memory, {args.models} loaded: pool {pool.rss / GIB:.2f} GiB RSS sum (PSS {pool.pss / GIB:.2f}) vs "
+    print(f"memory, {args.models} loaded: pool ({args.member_processes} processes: {pool.processes} in serve's "
+          f"tree) {pool.rss / GIB:.2f} GiB RSS sum (PSS {pool.pss / GIB:.2f}) vs "
           f"process per model {anchor.rss / GIB:.2f} GiB (PSS {anchor.pss / GIB:.2f}): {ratio:.2f}x less "
           f"(goal >= 5x)")  # fmt: skip
     print(f"  per member: pool {pool.rss / args.models / MiB:.0f} MiB, process per model "

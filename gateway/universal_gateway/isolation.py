@@ -156,3 +156,28 @@ class MemoryLimits:
         if self._group is not None:
             with contextlib.suppress(OSError):
                 self._member_group(name).rmdir()
+
+
+def tree_rss(pid: int) -> int | None:
+    """The resident memory of ``pid`` and every process under it (Linux's /proc); None where it cannot be read."""
+    try:
+        parents: dict[int, int] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = Path(f"/proc/{entry.name}/stat").read_text()
+                    parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        tree, frontier = {pid}, [pid]
+        while frontier:
+            parent = frontier.pop()
+            children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+            tree.update(children)
+            frontier += children
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = 0
+        for member in tree:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * page
+        return total or None
+    except OSError:
+        return None

@@ -27,11 +27,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
-from universal_gateway.isolation import MemoryLimits, memory_bytes
+from universal_gateway.hosts import HOST_FAMILIES, HostHandle, HostRefused
+from universal_gateway.isolation import MemoryLimits, memory_bytes, tree_rss
 from universal_gateway.manifests import Manifest, ManifestError, files_signature, load_manifests, member_changes
 from universal_gateway.policy import ServingPolicy, is_idle
 from universal_gateway.predictor_report import ask_backend
@@ -40,6 +42,7 @@ from universal_operator.predictor import possible_backends, predictor_config, re
 from universal_predictors.catalog import Backend
 from universal_predictors.config import (
     GPUS_ENV,
+    HOST_FLAG,
     PARENT_PID_ENV,
     PREDICTOR_MODULE,
     STANDBY_FLAG,
@@ -49,7 +52,15 @@ from universal_predictors.config import (
     resolve_source,
 )
 from universal_predictors.errors import Unavailable
-from universal_predictors.generation.adapter_stores import DownloadFailed, download, is_remote
+from universal_predictors.generation.adapter_stores import (
+    HF_TOKEN,
+    CredentialsUnavailable,
+    DownloadFailed,
+    StoreSecret,
+    download,
+    is_remote,
+    read_store_secret,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +172,8 @@ class LocalModel:
     limit_key: str | None = None
     #: Set once a retired member (removed, or replaced by a changed manifest) has no request in flight.
     drained: asyncio.Event | None = None
+    #: The shared host serving it (``--member-processes shared``), while one does; ``process`` is then the host's.
+    host: HostHandle | None = None
     policy: ServingPolicy = field(init=False)
 
     def __post_init__(self) -> None:
@@ -175,7 +188,9 @@ class LocalModel:
         return f"http://{LOOPBACK}:{self.port}"
 
     def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
+        if self.process is None or self.process.returncode is not None:
+            return False
+        return self.host is None or (self.port is not None and self.host.members.get(self.port) is self)
 
 
 class LocalSupervisor(Backends):
@@ -197,6 +212,8 @@ class LocalSupervisor(Backends):
         rescan_interval: float = RESCAN_EVERY_S,
         member_memory_limit_mb: float | None = None,
         cache_dir: Path | None = None,
+        shared_processes: bool = False,
+        credentials_dir: Path | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
@@ -214,6 +231,14 @@ class LocalSupervisor(Backends):
         #: A member's memory limit when its ``spec.resources.memory`` names none (None: no limit).
         self._default_limit = int(member_memory_limit_mb * MiB) if member_memory_limit_mb else None
         self._limits: MemoryLimits | None = None
+        #: ``--member-processes shared``: each library family's members in one host process (universal_gateway.hosts).
+        self._shared = shared_processes
+        self.hosts: dict[str, HostHandle] = {}
+        self._host_starts: dict[str, asyncio.Task[HostHandle]] = {}
+        #: Members about to join each family's host (making room, waiting for it to start).
+        self._joining: dict[str, int] = {}
+        #: Each family's host as last measured once its libraries were imported (the estimate for the next one).
+        self._host_baselines: dict[str, int] = {}
         self._models = {m.model.served_name: LocalModel(m, stats=UsageStats(clock=clock)) for m in manifests}
         # Loopback is shared by every user of this machine: the predictors also want this run's token.
         self._token = self.upstream_token = secrets.token_urlsafe(32)
@@ -223,7 +248,7 @@ class LocalSupervisor(Backends):
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
-        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir)
+        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir, credentials_dir=credentials_dir)
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # A waiting predictor per library family, for the next model of that family to wake
@@ -235,15 +260,20 @@ class LocalSupervisor(Backends):
         self.standbys = {
             family: StandbyPool(
                 [python, "-m", PREDICTOR_MODULE, STANDBY_FLAG, family], self._process_env,
-                enabled=standby and family in wanted, start_new_session=True, preexec_fn=die_with_parent(),
+                enabled=standby and family in wanted and not shared_processes, start_new_session=True,
+                preexec_fn=die_with_parent(),
             )
             for family in sorted(set(STANDBY_FAMILIES.values()))
         }  # fmt: skip
 
-    def _standby_families(self) -> set[str]:
+    def _standby_families(self, *, hosts: bool = False) -> set[str]:
+        """The standby families some model at zero may use (``hosts``: the shared host families, of the models a host
+        may serve)."""
+        families = HOST_FAMILIES if hosts else STANDBY_FAMILIES
         return {
             family for m in self._models.values() if not m.policy.always_on
-            for b in possible_backends(m.manifest.model) if (family := STANDBY_FAMILIES.get(b)) is not None
+            and (not hosts or not m.manifest.model.spec.env)
+            for b in possible_backends(m.manifest.model) if (family := families.get(b)) is not None
         }  # fmt: skip
 
     # -- Backends ----------------------------------------------------------------------------------
@@ -269,6 +299,10 @@ class LocalSupervisor(Backends):
         await asyncio.gather(
             *(self._stop(m, reason="gateway shutting down") for m in [*self._models.values(), *self._retiring])
         )
+        for start in self._host_starts.values():
+            start.cancel()
+        await asyncio.gather(*self._host_starts.values(), return_exceptions=True)
+        await asyncio.gather(*(host.stop() for host in self.hosts.values()))
         if self._session is not None:
             await self._session.close()
 
@@ -322,6 +356,17 @@ class LocalSupervisor(Backends):
         return {**os.environ, **self._env, **own, PARENT_PID_ENV: str(os.getpid()), UPSTREAM_TOKEN_ENV: self._token}
 
     @staticmethod
+    def _host_family(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> str | None:
+        """The shared host family that serves this model (by the backend it runs, as ``auto`` resolves); None for
+        llama.cpp and vLLM, a model with variables of its own (a library may read them when it is imported), and a
+        model on a GPU (its device's memory is its own process's)."""
+        gpus = int(env[GPUS_ENV]) if env.get(GPUS_ENV, "").isdigit() else 0
+        if model.manifest.model.spec.env or gpus:
+            return None
+        pattern = config.source_file or config.source_projector_file
+        return HOST_FAMILIES.get(resolve_backend(config.task, config.backend, config.source, pattern, gpus))
+
+    @staticmethod
     def _standby_family(model: LocalModel, config: PredictorConfig, env: dict[str, str]) -> str | None:
         """The standby family that serves this model as a fresh process would: by the backend it runs (what
         ``auto`` resolves to, by the predictor's own rule); None for llama.cpp and vLLM (their own threads and
@@ -335,6 +380,18 @@ class LocalSupervisor(Backends):
     def _replenish(self) -> None:
         for pool in self.standbys.values():
             pool.replenish()
+        if self._shared and self._standby:  # a host waiting, its libraries imported, as a standby would
+            for family in sorted(self._standby_families(hosts=True)):
+                if family not in self.hosts and family not in self._host_starts and self._room_for_host(family):
+                    self._background_host(family)
+
+    def _room_for_host(self, family: str) -> bool:
+        """Whether a waiting host of ``family`` fits under the memory budget beside what runs (always, without one)."""
+        if self.memory_budget is None:
+            return True
+        used = sum(self._footprint(m) for m in self._models.values() if m.running())
+        used += sum(self._host_bytes(h) for h in self.hosts.values() if h.running())
+        return used + self._host_baselines.get(family, PROCESS_BASELINE_BYTES) <= self.memory_budget
 
     def _replenish_when_quiet(self, now: float) -> None:
         """Start the standbys a wake used once serve's models have gone quiet (universal_gateway.standby)."""
@@ -368,11 +425,6 @@ class LocalSupervisor(Backends):
         except Exception as exc:  # an offline hub, a missing path: this model fails, the rest serve
             self._fail(model, f"cannot fetch {model.manifest.model.spec.source.uri}: {exc}")
             return
-        try:
-            await self._make_room(model)
-        except Unavailable as exc:
-            model.state, model.message = ModelState.IDLE, exc.message
-            raise
         model.port = free_port()
         state_dir = self._state_root / re.sub(r"[^A-Za-z0-9_.-]+", "_", model.name)
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -382,29 +434,60 @@ class LocalSupervisor(Backends):
                                   adapters_file=str(adapters) if adapters else None)  # fmt: skip
         config = config.model_copy(update={"http_host": LOOPBACK})
         env = self._process_env(model)
-        model.log_tail.clear()
-        model.stopping = False
         family = self._standby_family(model, config, env)
-        handed = await self.standbys[family].take(config.to_args(), env) if family is not None else None
-        model.from_standby = handed is not None
-        model.process = handed or await asyncio.create_subprocess_exec(
-            *config.to_command(self._python),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # our signals only: Ctrl-C in the terminal goes to the gateway
-            preexec_fn=die_with_parent(),
-        )
+        hosted = self._host_family(model, config, env) if self._shared else None
+        if hosted is not None:  # its host is not to stop for want of members while it joins
+            self._joining[hosted] = self._joining.get(hosted, 0) + 1
+        try:
+            try:
+                await self._make_room(model, family=hosted)
+            except Unavailable as exc:
+                model.state, model.message = ModelState.IDLE, exc.message
+                raise
+            model.log_tail.clear()
+            model.stopping = False
+            loaded: asyncio.Future[dict[str, Any]] | None = None
+            if hosted is not None:
+                try:
+                    host = await self._host(hosted)
+                    model.host, model.process = host, host.process
+                    loaded = await host.add(model.name, model.port, config.to_args(), model)
+                except HostRefused as exc:
+                    model.host = None
+                    self._fail(model, f"the {hosted} shared host cannot serve it: {exc}")
+                    return
+        finally:
+            if hosted is not None:
+                self._joining[hosted] -= 1
+        if hosted is not None:
+            model.from_standby = False
+        else:
+            model.host = None
+            handed = await self.standbys[family].take(config.to_args(), env) if family is not None else None
+            model.from_standby = handed is not None
+            model.process = handed or await asyncio.create_subprocess_exec(
+                *config.to_command(self._python),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # our signals only: Ctrl-C in the terminal goes to the gateway
+                preexec_fn=die_with_parent(),
+            )
+        assert model.process is not None
         model.starts += 1
         model.reason = None
-        self._limit(model, model.process.pid)
+        if model.host is not None:
+            self._limit_host(model.host)
+        else:
+            self._limit(model, model.process.pid)
         self.wake_steps.wake(model.name)
-        logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port,
-                    f", in the {family} standby process" if model.from_standby else "")  # fmt: skip
-        model.watchers = {
+        where = (f", in the {hosted} shared host" if model.host is not None
+                 else f", in the {family} standby process" if model.from_standby else "")  # fmt: skip
+        logger.info("starting %s (pid %d, port %d%s)", model.name, model.process.pid, model.port, where)
+        model.watchers = set() if model.host is not None else {
             asyncio.create_task(self._pump_logs(model, model.process)),
             asyncio.create_task(self._watch_exit(model, model.process)),
-        }
+        }  # fmt: skip
         deadline = started + model.policy.startup_timeout
         assert self._session is not None
         process = model.process
@@ -413,6 +496,11 @@ class LocalSupervisor(Backends):
             if process.returncode is not None:
                 self._step(model, None)
                 self._record_exit(model, process, process.returncode)
+                return
+            if loaded is not None and loaded.done() and loaded.result().get("event") == "failed":
+                self._step(model, None)
+                model.host = None
+                self._fail(model, str(loaded.result().get("message") or "loading failed"))
                 return
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with self._session.get(f"{model.url}/v2/health/ready") as response:
@@ -428,26 +516,45 @@ class LocalSupervisor(Backends):
         model.last_load_seconds = time.monotonic() - started
         self._step(model, None)
         model.running_backend = await self._running_backend(model)
-        model.footprint_bytes = tree_rss(process.pid) or model.footprint_bytes
+        if loaded is not None:  # what its load added to the host (loads are one at a time there)
+            with contextlib.suppress(TimeoutError):
+                event = await asyncio.wait_for(asyncio.shield(loaded), 5)
+                if isinstance(event.get("bytes"), int):
+                    model.footprint_bytes = int(event["bytes"])
+        else:
+            model.footprint_bytes = tree_rss(process.pid) or model.footprint_bytes
         model.state, model.message = ModelState.READY, "Serving."
         logger.info("%s is ready (%.1fs)", model.name, model.last_load_seconds)
 
     def _footprint(self, model: LocalModel) -> int:
         """What ``model``'s predictor holds, or will when it starts: as measured (now, or at its last run), else
-        its weights on disk plus :data:`PROCESS_BASELINE_BYTES`."""
+        its weights on disk plus :data:`PROCESS_BASELINE_BYTES` (in a shared host: :data:`HOSTED_OVERHEAD_BYTES`;
+        the host's own share is counted once, as the host's)."""
         if model.footprint_bytes is not None:
             return model.footprint_bytes
-        return weights_bytes(model.source_path) + PROCESS_BASELINE_BYTES
+        overhead = HOSTED_OVERHEAD_BYTES if model.host is not None else PROCESS_BASELINE_BYTES
+        return weights_bytes(model.source_path) + overhead
 
-    async def _make_room(self, model: LocalModel, *, growing: bool = False) -> None:
+    def _host_bytes(self, host: HostHandle) -> int:
+        return host.baseline_bytes or self._host_baselines.get(host.family, PROCESS_BASELINE_BYTES)
+
+    async def _make_room(self, model: LocalModel, *, growing: bool = False, family: str | None = None) -> None:
         """Under ``--memory-budget-mb``: stop the least recently used idle models until ``model`` fits beside the
-        running ones (``growing``: ``model`` runs already and grew). A model with requests in flight, one kept by a
+        running ones (``growing``: ``model`` runs already and grew; ``family``: it is to join that shared host,
+        whose own memory counts too if it is not running yet). A model with requests in flight, one kept by a
         warm window or ``minReplicas``, and one starting are never stopped; when they alone leave no room: 503 with
-        ``Retry-After``, naming them. Each stopped model says why in its card and counts an eviction."""
+        ``Retry-After``, naming them. Each stopped model says why in its card and counts an eviction; a shared
+        host left with no members stops, and its memory is freed too."""
         budget = self.memory_budget
         if budget is None:
             return
         need = 0 if growing else self._footprint(model)
+        if family is not None and not growing:
+            if model.footprint_bytes is None:  # never measured: its weights and a member's overhead, not a process's
+                need = weights_bytes(model.source_path) + HOSTED_OVERHEAD_BYTES
+            host = self.hosts.get(family)
+            if host is None or not host.running():
+                need += self._host_baselines.get(family, PROCESS_BASELINE_BYTES)
         if need > budget:
             raise Unavailable(
                 f"The model {model.name!r} needs about {need / MiB:.0f} MiB, more than serve's whole memory budget "
@@ -457,6 +564,7 @@ class LocalSupervisor(Backends):
         # Members draining before they stop hold their memory still: counted, never evicted (they are going).
         running = [m for m in [*self._models.values(), *self._retiring] if m.running() and m is not model]
         used = sum(self._footprint(m) for m in running) + (self._footprint(model) if growing else 0)
+        used += sum(self._host_bytes(h) for h in self.hosts.values() if h.running())
         wall = self._clock.now()
         evictable = sorted(
             (m for m in running if m not in self._retiring and m.state is ModelState.READY and m.stats.in_flight == 0
@@ -464,11 +572,21 @@ class LocalSupervisor(Backends):
              and not m.policy.warm(wall) and (m.starting is None or m.starting.done())),
             key=lambda m: m.stats.last_used_monotonic or 0.0,
         )  # fmt: skip
+        for host in list(self.hosts.values()):  # a shared host with no members first: it serves nobody
+            if used + need <= budget:
+                return
+            if host.running() and not host.members and not self._joining.get(host.family) and host.family != family:
+                logger.info("stopping the %s shared host (no members) to make room for %s", host.family, model.name)
+                await host.stop()
+                used -= self._host_bytes(host)
         for victim in evictable:
             if used + need <= budget:
                 return
             freed = self._footprint(victim)
+            host = victim.host
             await self._stop(victim, reason=f"evicted to make room for {model.name} under the memory budget")
+            if host is not None and not host.running():
+                freed += self._host_bytes(host)
             victim.evictions += 1
             victim.reason = "Evicted"
             victim.message = (
@@ -493,8 +611,14 @@ class LocalSupervisor(Backends):
             return
         self._measured_at = now
         for model in list(self._models.values()):
-            if model.running() and model.process is not None and model.state is ModelState.READY:
+            if model.running() and model.process is not None and model.state is ModelState.READY and not model.host:
                 model.footprint_bytes = tree_rss(model.process.pid) or model.footprint_bytes
+        for host in self.hosts.values():  # what a host grew by beyond its members' loads (activations, caches)
+            if host.running() and host.process is not None:
+                rss = tree_rss(host.process.pid)
+                members = sum(self._footprint(m) for m in host.members.values())
+                if rss:
+                    host.baseline_bytes = max(0, rss - members)
         if self.memory_budget is not None:
             running = [m for m in self._models.values() if m.running() and m.state is ModelState.READY]
             if sum(self._footprint(m) for m in running) > self.memory_budget and running:
@@ -546,13 +670,17 @@ class LocalSupervisor(Backends):
         model.handled_exits.add(process.pid)
         model.crashes.append(time.monotonic())
         model.crash_count += 1
-        oom = self._limits is not None and model.limit_key is not None and self._limits.oom_kills(model.limit_key) > 0
+        key = model.host.limit_key if model.host is not None else model.limit_key
+        oom = self._limits is not None and key is not None and self._limits.oom_kills(key) > 0
         self._unlimit(model)
+        shared = f" (the {model.host.family} shared host, with its members)" if model.host is not None else ""
         if oom:
-            model.reason, model.last_exit = "OOMKilled", f"killed by the OOM killer over its {self._limit_text(model)}"
+            model.reason = "OOMKilled"
+            model.last_exit = f"killed by the OOM killer over its {self._limit_text(model)}{shared}"
         else:
             model.reason = "Crashed"
-            model.last_exit = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            model.last_exit = how + shared
         recent = [t for t in model.crashes if time.monotonic() - t < CRASH_WINDOW_S]
         if len(recent) >= CRASHES_BEFORE_FAILED:
             self._fail(model, f"the predictor crashed {len(recent)} times in a row, the latest {model.last_exit}")
@@ -565,17 +693,27 @@ class LocalSupervisor(Backends):
         process = model.process
         if process is None or process.returncode is not None:
             return
-        model.stopping = True
-        logger.info("stopping %s (%s)", model.name, reason)
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
+        if model.host is not None:
+            if not model.running():
+                return
+            model.stopping = True
+            logger.info("stopping %s (%s; in the %s shared host)", model.name, reason, model.host.family)
+            host = model.host
+            assert model.port is not None
+            await host.remove(model.port, model.name)
+            await self._host_lost_member(host)
+        else:
+            model.stopping = True
+            logger.info("stopping %s (%s)", model.name, reason)
             with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-        self._unlimit(model)
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+            self._unlimit(model)
         if model.state is not ModelState.FAILED:
             model.state = ModelState.IDLE
             model.message = f"Stopped ({reason}); the next request starts it."
@@ -648,6 +786,96 @@ class LocalSupervisor(Backends):
                 ):
                     await self._stop(model, reason=f"idle for {policy.idle_timeout_text}")
                     model.reason = "IdleTimeout"
+
+    # -- shared hosts (--member-processes shared) ---------------------------------------------------------
+
+    async def _host(self, family: str) -> HostHandle:
+        """The family's running shared host, started (and waited for) if there is none; HostRefused if it cannot
+        start. Concurrent callers share one start."""
+        host = self.hosts.get(family)
+        if host is not None and host.running():
+            return host
+        task = self._host_starts.get(family)
+        if task is None:
+            task = self._background_host(family)
+        return await asyncio.shield(task)
+
+    def _background_host(self, family: str) -> asyncio.Task[HostHandle]:
+        task = asyncio.create_task(self._start_host(family), name=f"host-start-{family}")
+        self._host_starts[family] = task
+
+        def done(finished: asyncio.Task[HostHandle]) -> None:
+            if self._host_starts.get(family) is finished:
+                del self._host_starts[family]
+            if not finished.cancelled() and finished.exception() is not None:
+                logger.warning("the %s shared host did not start: %s", family, finished.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def _start_host(self, family: str) -> HostHandle:
+        def log(line: str, _level: list[int] = [logging.DEBUG]) -> None:  # noqa: B006  (the last line's level)
+            _level[0] = predictor_log_level(line, _level[0])
+            logger.log(_level[0], "[%s host] %s", family, line)
+            for member in host.members.values():
+                member.log_tail.append(line)
+
+        host = HostHandle(
+            family, [self._python, "-m", PREDICTOR_MODULE, HOST_FLAG, family], self._process_env(), on_line=log,
+            start_new_session=True, preexec_fn=die_with_parent(),
+        )  # fmt: skip
+        await host.start()
+        assert host.process is not None
+        if host.baseline_bytes:
+            self._host_baselines[family] = host.baseline_bytes
+        self.hosts[family] = host
+        watcher = asyncio.create_task(self._watch_host(host), name=f"host-watch-{family}")
+        self._background.add(watcher)
+        watcher.add_done_callback(self._background.discard)
+        logger.info("the %s shared host is up (pid %d, %.0f MiB before any member)", family, host.process.pid,
+                    (host.baseline_bytes or 0) / MiB)  # fmt: skip
+        return host
+
+    async def _watch_host(self, host: HostHandle) -> None:
+        """A host's exit is each of its members' (a crash, the OOM killer): recorded for each, as for a process of
+        its own; its memory limit group is released once they all are."""
+        assert host.process is not None
+        code = await host.process.wait()
+        for member in list(host.members.values()):
+            self._record_exit(member, host.process, code)
+        host.members.clear()
+        if self._limits is not None and host.limit_key is not None:
+            self._limits.release(host.limit_key)
+        host.limit_key = None
+        if self.hosts.get(host.family) is host:
+            del self.hosts[host.family]
+
+    async def _host_lost_member(self, host: HostHandle) -> None:
+        """After a member left: a host with no members (and none joining) stops; else its limit follows."""
+        if not host.members and not self._joining.get(host.family):
+            logger.info("stopping the %s shared host: no members left", host.family)
+            await host.stop()
+        elif host.running():
+            self._limit_host(host)
+
+    def _limit_host(self, host: HostHandle) -> None:
+        """A host's memory limit: its own share plus each member's limit, while every member has one (one member
+        without a limit leaves the host without one). Applied again as members come and go."""
+        limits = [self._member_limit(m) for m in host.members.values()]
+        if not limits or any(limit is None for limit in limits) or host.process is None:
+            return
+        total = self._host_bytes(host) + sum(limit for limit in limits if limit is not None)
+        if self._limits is None:
+            self._limits = MemoryLimits.detect()
+            logger.info("member memory limits by %s", self._limits.kind)
+        key = f"host-{host.family}.{host.process.pid}"
+        try:
+            self._limits.apply(key, host.process.pid, total)
+        except (OSError, ValueError) as exc:
+            logger.warning("the %s shared host: cannot apply its %.0f MiB memory limit (%s); it runs without",
+                           host.family, total / MiB, getattr(exc, "strerror", None) or exc)  # fmt: skip
+            return
+        host.limit_key = key
 
     # -- per-member memory limits ------------------------------------------------------------------------
 
@@ -803,6 +1031,7 @@ class LocalSupervisor(Backends):
                 "starts": model.starts,
                 "idle_timeout": model.policy.idle_timeout_text,
                 "started_in_standby": model.from_standby,
+                **({"shared_host": model.host.family} if model.host is not None and model.running() else {}),
                 **({"memory_mb": round(model.footprint_bytes / MiB)} if model.footprint_bytes else {}),
                 **({"evictions": model.evictions} if self.memory_budget is not None else {}),
                 "crashes": model.crash_count,
@@ -816,6 +1045,8 @@ class LocalSupervisor(Backends):
 
 
 MiB = 2**20
+#: What a member of a shared host adds beyond its weights (its app, tokenizer, buffers), for one never measured.
+HOSTED_OVERHEAD_BYTES = 32 * MiB
 #: What a predictor process holds before its weights (Python, torch or its engine's libraries, the server), for a
 #: model never measured: the weights come on top. Measured: an embedding predictor with all-MiniLM-L6-v2 (90 MB
 #: of weights) holds about 450 MB.
@@ -836,31 +1067,6 @@ def weights_bytes(source: str | None) -> int:
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
     except OSError:
         return 0
-
-
-def tree_rss(pid: int) -> int | None:
-    """The resident memory of ``pid`` and every process under it (Linux's /proc); None where it cannot be read."""
-    try:
-        parents: dict[int, int] = {}
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    stat = Path(f"/proc/{entry.name}/stat").read_text()
-                    parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        tree, frontier = {pid}, [pid]
-        while frontier:
-            parent = frontier.pop()
-            children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
-            tree.update(children)
-            frontier += children
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = 0
-        for member in tree:
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * page
-        return total or None
-    except OSError:
-        return None
 
 
 #: The adapters file ``serve`` writes in a model's state folder for its predictor (``--adapters-file``).
@@ -892,14 +1098,27 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
     return target
 
 
-def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
+def fetch_source(manifest: Manifest, cache_dir: Path | None = None, credentials_dir: Path | None = None) -> str:
     """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded,
-    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`)."""
+    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`).
+
+    ``credentials_dir``: a pool's copies of its members' Secrets (``serve --credentials-dir``; the operator writes
+    ``<secret>.json`` there, universal_operator.reconcile.pools). A model naming ``source.credentialsSecret`` is
+    then fetched with its own copy, read afresh for each download (a rotated key is used by the next), as a
+    single model's storage initializer is with its Secret; a copy that is not there fails this model only, naming
+    the Secret. Without it (``serve`` on a laptop) the name is not read and the process's environment is used."""
     source = manifest.model.spec.source
+    secret = None
+    if credentials_dir is not None and source.credentials_secret is not None:
+        try:
+            secret = read_store_secret(credentials_dir, source.credentials_secret)
+        except CredentialsUnavailable as exc:
+            raise RuntimeError(str(exc)) from None
     if is_remote(source.uri):
-        return fetch_remote(source.uri, cache_dir or default_state_root() / "models")
+        return fetch_remote(source.uri, cache_dir or default_state_root() / "models", secret)
     if source.scheme == "hf":
-        return _download_hf(source.uri, source.revision, source.file, source.projector_file)
+        token = secret.text(HF_TOKEN) if secret is not None and HF_TOKEN in secret.data else None
+        return _download_hf(source.uri, source.revision, source.file, source.projector_file, token=token)
     if source.scheme == "package":
         return resolve_source(source.uri)
     if source.scheme == "file" or source.scheme is None:
@@ -920,15 +1139,21 @@ def fetch_source(manifest: Manifest, cache_dir: Path | None = None) -> str:
 _FETCHED = ".fetched"
 
 
-def fetch_remote(uri: str, cache_dir: Path) -> str:
+def fetch_remote(uri: str, cache_dir: Path, secret: StoreSecret | None = None) -> str:
     """``uri`` (s3://, gs://, http(s)://) into ``cache_dir`` once, with KServe's storage code (``kserve_storage``, as
     a cluster's storage initializer and the adapters' downloads run it, in a subprocess:
-    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are this process's environment
-    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, ``<host>-headers``: what that code reads), as for a single model run
-    by ``serve``; in a pool's pod that environment is the pod's. Later starts find it in the cache."""
+    :func:`universal_predictors.generation.adapter_stores.download`). Credentials are ``secret``'s, as KServe's
+    credential builder would set them, else this process's environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+    ``<host>-headers``: what that code reads), as for a single model run by ``serve``. Later starts find it in the
+    cache.
+
+    The cache is keyed by the URI and the Secret's name: what a URI names depends on the Secret (its S3 endpoint
+    annotation picks the server), and a member must not be served files its own Secret could not fetch (another
+    member's download with another Secret, or a wrong key). Not by the Secret's content: a rotated key names the
+    same files, and need not fetch them again."""
     import hashlib
 
-    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    key = hashlib.sha256((uri if secret is None else f"{uri}\0{secret.name}").encode()).hexdigest()[:16]
     folder = cache_dir / f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', uri.rstrip('/').rsplit('/', 1)[-1])[:60]}"
     done = folder.with_name(folder.name + _FETCHED)
     if done.exists():
@@ -936,14 +1161,16 @@ def fetch_remote(uri: str, cache_dir: Path) -> str:
         if Path(fetched).exists():
             return fetched
     try:
-        path = download(uri, folder, None)
+        path = download(uri, folder, secret)
     except DownloadFailed as exc:
         raise RuntimeError(str(exc)) from None
     done.write_text(str(path))
     return str(path)
 
 
-def _download_hf(uri: str, revision: str | None, pattern: str | None, projector: str | None = None) -> str:
+def _download_hf(
+    uri: str, revision: str | None, pattern: str | None, projector: str | None = None, *, token: str | None = None
+) -> str:
     """Download (or find in the cache) a hub repository; offline, a clear error for this model only."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -955,6 +1182,7 @@ def _download_hf(uri: str, revision: str | None, pattern: str | None, projector:
             snapshot_download(
                 repo_id=repo,
                 revision=revision,
+                token=token,  # a pool member's Secret's HF_TOKEN; None: the environment's, as before
                 # The projector is a second file the model needs: fetched with the weights file, never instead.
                 allow_patterns=[p for p in (pattern, projector) if p] if pattern else None,
             )

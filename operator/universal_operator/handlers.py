@@ -12,8 +12,9 @@ Who writes what:
   server-side applied before the InferenceService when they drifted or are missing;
 - the parent's status: one merge patch to ``/status`` when what it says would change (all of it but
   ``predictorReport``, which the gateway writes and the operator reads for ``backend``);
-- for a UniversalModelPool: its members' manifests (a ConfigMap, NAME-pool-members) and its one InferenceService
-  (NAME-pool), server-side applied when they drifted, and its status; a model with spec.pool gets no child, only
+- for a UniversalModelPool: its members' manifests (a ConfigMap, NAME-pool-members), a copy of the Secrets they
+  name in spec.source.credentialsSecret (a Secret, NAME-pool-credentials) and its one InferenceService (NAME-pool),
+  server-side applied when they drifted, and its status; a model with spec.pool gets no child, only
   a status saying where its pool is (reconcile/pools.py);
 - kopf's own bookkeeping on the parent (diff-base, progress on retries, and the finalizer its repair
   timer needs) under this project's prefix; nothing of kopf's ever lands on the InferenceService.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NoReturn, cast
@@ -49,8 +50,11 @@ from universal_operator.reconcile.drift import child_drifted, data_drifted, is_s
 from universal_operator.reconcile.labels import LABEL_MANAGED_BY, MANAGED_BY, owned_by
 from universal_operator.reconcile.pools import (
     LABEL_POOL,
+    credentials_secret_name,
     desired_members_config_map,
+    desired_pool_credentials_secret,
     desired_pool_inference_service,
+    member_secrets,
     member_status,
     members_of,
     pool_service_name,
@@ -463,26 +467,18 @@ async def ensure_adapter_credentials(
     key = _key(body)
     namespace = key[0]
     referenced = referenced_secrets(model)
-    found: dict[str, dict[str, Any] | None] = {}
     try:
-        for secret in referenced:
-            found[secret] = await state.api.get_secret(namespace, secret)
-        actual = await state.api.get_secret(namespace, name)
+        found, actual = await read_credentials(state, namespace, referenced, name)
     except ApiError as exc:
         if api_error_code(exc) == 403:
             await report_forbidden(state, body, model, exc, retry)
         raise kopf.TemporaryError(f"reading the adapters' credentials failed: {exc}", delay=RETRY_DELAY) from exc
-    missing = frozenset(secret for secret, got in found.items() if got is None)
-    if missing and state.missing_secrets.get(key) != missing:
-        for secret in sorted(missing):
-            adapters = ", ".join(referenced[secret])
-            message = (
-                f"Secret {secret!r}, the credentialsSecret of adapter(s) {adapters}, does not exist in {namespace!r}: "
-                "those adapters fail until it does (the base model serves on); create it, or fix the name"
-            )
-            kopf.warn(cast(kopf.Body, body), reason="AdapterCredentialsMissing", message=message)
-        logger.warning("UniversalModel %s/%s: adapters' Secrets missing: %s", *key, ", ".join(sorted(missing)))
-    state.missing_secrets[key] = missing
+    warn_missing_secrets(
+        state, key, body, frozenset(s for s, got in found.items() if got is None), "AdapterCredentialsMissing",
+        lambda secret: f"Secret {secret!r}, the credentialsSecret of adapter(s) {', '.join(referenced[secret])}, does "
+        f"not exist in {namespace!r}: those adapters fail until it does (the base model serves on); create it, or fix "
+        "the name",
+    )  # fmt: skip
     desired = desired_adapter_credentials_secret(model, found)
     assert desired is not None  # the model lists adapters
     if actual is not None and not owned_by(actual, model):
@@ -505,6 +501,30 @@ async def ensure_adapter_credentials(
         return False
     logger.info("applied Secret %s/%s: copies of %d credentials Secrets", namespace, name, len(desired["data"]))
     return True
+
+
+async def read_credentials(
+    state: OperatorState, namespace: str, referenced: Iterable[str], aggregate: str
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any] | None]:
+    """Each referenced Secret as it is now (None: it does not exist), and the aggregate of copies as it is."""
+    found = {secret: await state.api.get_secret(namespace, secret) for secret in referenced}
+    return found, await state.api.get_secret(namespace, aggregate)
+
+
+def warn_missing_secrets(
+    state: OperatorState,
+    key: Key,
+    body: Mapping[str, Any],
+    missing: frozenset[str],
+    reason: str,
+    message: Callable[[str], str],
+) -> None:
+    """One Warning Event on ``body`` per credentials Secret of its that is missing, once while the set stays so."""
+    if missing and state.missing_secrets.get(key) != missing:
+        for secret in sorted(missing):
+            kopf.warn(cast(kopf.Body, body), reason=reason, message=message(secret))
+        logger.warning("%s/%s: credentials Secrets missing: %s", *key, ", ".join(sorted(missing)))
+    state.missing_secrets[key] = missing
 
 
 async def report_refused_write(
@@ -988,14 +1008,6 @@ async def reconcile_member(state: OperatorState, body: dict[str, Any], model: Un
     """A model with spec.pool: no child of its own; its status says where its pool is (``Pooled``), and its pool's
     members ConfigMap lists it (the pool is reconciled)."""
     key = _key(body)
-    if model.spec.source.credentials_secret is not None:
-        await report_invalid_spec(state, body, SpecError(
-            "spec.source.credentialsSecret",
-            "a pool does not receive its members' credentials Secrets yet (the pool's pod fetches members itself, "
-            "without KServe's storage initializer); serve this model on its own (remove spec.pool) or use a source "
-            "that needs no credentials",
-        ))  # fmt: skip
-        return
     pool = await _pool_of(state, key[0], str(model.spec.pool))
     status = member_status(model, pool, state.clock(), state.config)
     async with state.lock(key):
@@ -1038,9 +1050,12 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
     try:
         actual_map = await state.api.get_config_map(namespace, desired_map["metadata"]["name"])
         live = state.pool_children.get(key) or await state.api.get_inference_service(namespace, pool_service_name(pool))
+        # Read afresh at every reconcile (the pool's repair timer too), so a rotated key follows.
+        found, actual_credentials = await read_credentials(state, namespace, member_secrets(members),
+                                                           credentials_secret_name(pool))  # fmt: skip
     except ApiError as exc:
         raise kopf.TemporaryError(f"reading the pool's children failed: {exc}", delay=RETRY_DELAY) from exc
-    for child in (actual_map, live):
+    for child in (actual_map, actual_credentials, live):
         if child is not None and not _owned_by(child, body):
             kind = child.get("kind") or "object"
             await _report_invalid_pool(state, body, SpecError(
@@ -1049,8 +1064,15 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
                 "owned by this UniversalModelPool; rename the pool or remove that object",
             ))  # fmt: skip
             return
+    _warn_missing_member_secrets(state, namespace, pool, members, found)
+    desired_credentials = desired_pool_credentials_secret(pool, found)
     try:
-        # The members first: a new pod must find its list; an added member changes only this ConfigMap.
+        # The credentials and the members first: a new pod must find both; an added member changes only these. The
+        # credentials before the list, so that a running pod tends to see a new member's copy before the member.
+        if data_drifted(desired_credentials, actual_credentials):
+            await state.api.apply_secret(desired_credentials)
+            logger.info("applied Secret %s/%s: copies of %d credentials Secrets", namespace,
+                        desired_credentials["metadata"]["name"], len(desired_credentials["data"]))  # fmt: skip
         if data_drifted(desired_map, actual_map):
             await state.api.apply_config_map(desired_map)
             logger.info("applied ConfigMap %s/%s: %d members", namespace, desired_map["metadata"]["name"],
@@ -1070,6 +1092,29 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
         state.pool_children[key] = _newer(state.pool_children.get(key), live) or live
     await _write_pool_status(state, key, body, pool_status(pool, state.pool_children.get(key), members,
                                                             state.clock(), state.config))  # fmt: skip
+
+
+def _warn_missing_member_secrets(
+    state: OperatorState,
+    namespace: str,
+    pool: UniversalModelPool,
+    members: list[UniversalModel],
+    found: Mapping[str, Any],
+) -> None:
+    """A Warning Event on each member whose credentialsSecret does not exist (once while it stays missing)."""
+    for model in members:
+        member_key = (namespace, model.metadata.name)
+        member_body = _index_value(state.model_index, member_key)
+        secret = model.spec.source.credentials_secret
+        if member_body is None:
+            continue
+        missing = frozenset({secret}) if secret is not None and found.get(secret) is None else frozenset()
+        warn_missing_secrets(
+            state, member_key, member_body, missing, "CredentialsMissing",
+            lambda name: f"Secret {name!r}, this model's spec.source.credentialsSecret, does not exist in "
+            f"{namespace!r}: the pool {pool.metadata.name!r} cannot fetch its source until it does (the pool's other "
+            "members serve on); create it, or fix the name",
+        )  # fmt: skip
 
 
 async def _write_pool_status(state: OperatorState, key: Key, body: dict[str, Any], status: dict[str, Any]) -> None:

@@ -165,7 +165,9 @@ class Source(_Model):
             "region as serving.kserve.io/s3-endpoint and serving.kserve.io/s3-region annotations on the Secret "
             "(s3://); gcloud-application-credentials.json (gs://); https-host and headers (https://). The "
             "operator lists it on a ServiceAccount of the model's own, NAME-storage, that the predictor pods run "
-            "as; the predictor never sees it. Never logged, never copied."
+            "as; the predictor never sees it. A pool's member (spec.pool) is fetched by the pool's pod instead: the "
+            "operator copies the Secret into the pool's Secret POOL-pool-credentials, and the pool downloads this "
+            "model's source with it, by KServe's storage code. Never logged."
         ),
     )
 
@@ -1213,6 +1215,13 @@ class PoolCacheVolume(_Model):
         return self
 
 
+class PoolMemberProcesses(StrEnum):
+    """How a pool runs its members: one process per library family, or one each."""
+
+    SHARED = "Shared"
+    PER_MEMBER = "PerMember"
+
+
 class UniversalModelPoolSpec(_Model):
     """One pod serving many small models: the pool's resources, budget, scaling and image."""
 
@@ -1260,6 +1269,17 @@ class UniversalModelPoolSpec(_Model):
         default_factory=PoolCacheVolume,
         description="Where members' downloads are kept: an emptyDir (default) or a PersistentVolumeClaim.",
         json_schema_extra={"default": {}},
+    )
+    member_processes: PoolMemberProcesses = Field(
+        default_factory=lambda: PoolMemberProcesses.SHARED,
+        description=(
+            "Shared (default): the members of one library family (torch; PyOD, RapidOCR, Tesseract) run in one "
+            "process, each on its own port: a member costs its weights and tens of MB instead of a process of "
+            "its own (about 400 MB more each); one member's crash or OOM ends its family's members together "
+            "(each restarts on its next request). PerMember: a process each (one crash ends one member). Members "
+            "with env of their own, on a GPU, or on llama.cpp always get their own."
+        ),
+        json_schema_extra={"default": "Shared"},
     )
     env: list[EnvVar] = Field(
         default_factory=list,

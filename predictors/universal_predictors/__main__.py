@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 from universal_predictors import standby, tracing, wake_phases
 from universal_predictors.catalog import Backend, Task
-from universal_predictors.config import PARENT_PID_ENV, STANDBY_FLAG, PredictorConfig, resolve_backend, resolve_source
+from universal_predictors.config import (
+    HOST_FLAG,
+    PARENT_PID_ENV,
+    STANDBY_FLAG,
+    PredictorConfig,
+    resolve_backend,
+    resolve_source,
+)
 
 PROG = "universal_predictors"
 #: KServe's signal that the model may appear only after the predictor starts: its pod webhook sets
@@ -93,6 +100,12 @@ def set_openmp_wait_policy(config: PredictorConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == HOST_FLAG:
+        if os.environ.get(PARENT_PID_ENV, "").isdigit():
+            watch_parent(int(os.environ[PARENT_PID_ENV]))
+        from universal_predictors import shared_host
+
+        return shared_host.run(argv[1], sys.argv[0])
     from_standby = len(argv) == 2 and argv[0] == STANDBY_FLAG
     if from_standby:
         try:  # wait, libraries imported, for the command line of the model to serve

@@ -132,20 +132,25 @@ class UniversalPredictor(kserve.Model):
         """KServe calls this at registration; readiness waits for :meth:`start_engine`."""
 
     async def start_engine(self) -> None:
-        started = time.monotonic()
-        logger.info("loading %s (task %s, backend %s) from %s", self.name, self.task.value, self.backend.value,
-                    self.config.source)  # fmt: skip
         try:
-            read = await asyncio.to_thread(wake_phases.CLOCK.read_weights, resolve_source(self.config.source))
-            if read:
-                logger.info("read %.0f MB of weights not in the page cache in %.2fs", read / 2**20,
-                            wake_phases.CLOCK.seconds["weights"])  # fmt: skip
-            await asyncio.to_thread(self.load)
+            await self.load_and_serve()
         except Exception as exc:
             logger.exception("loading %s failed", self.name)
             print(f"universal_predictors: error: loading {self.name!r} failed: {exc}", file=sys.stderr, flush=True)
             # Exit so Kubernetes (or the local supervisor) sees the failure and its last log lines.
             os._exit(1)
+
+    async def load_and_serve(self) -> None:
+        """Load (off the event loop), then answer ready and watch the engine's health; a failed load raises (the
+        process's own predictor exits on it: :meth:`start_engine`; a shared host's member fails alone)."""
+        started = time.monotonic()
+        logger.info("loading %s (task %s, backend %s) from %s", self.name, self.task.value, self.backend.value,
+                    self.config.source)  # fmt: skip
+        read = await asyncio.to_thread(wake_phases.CLOCK.read_weights, resolve_source(self.config.source))
+        if read:
+            logger.info("read %.0f MB of weights not in the page cache in %.2fs", read / 2**20,
+                        wake_phases.CLOCK.seconds["weights"])  # fmt: skip
+        await asyncio.to_thread(self.load)
         # What loading made (hundreds of thousands of objects: modules, tokenizer tables, tensor
         # wrappers) lives as long as the model: frozen, a full collection no longer walks it. Measured
         # with all-MiniLM-L6-v2: 250 ms full collections, every request in flight held, every few

@@ -53,6 +53,11 @@ STANDBY_FLAG = "--standby"
 STANDBY_READY_LINE = "universal-runtime standby ready"
 STANDBY_ACCEPTED_LINE = "universal-runtime standby accepted"
 STANDBY_DECLINED_EXIT = 3
+#: A shared host (``python -m universal_predictors HOST_FLAG FAMILY``, universal_predictors.shared_host): the line it
+#: prints once its libraries are imported, and the prefix of its event lines (a JSON object follows).
+HOST_FLAG = "--shared-host"
+HOST_READY_LINE = "universal-runtime shared host ready"
+HOST_EVENT_PREFIX = "universal-runtime-host-event "
 
 
 #: Tasks whose sources may hold several weight files, one picked by ``source.file`` (a GGUF pattern).

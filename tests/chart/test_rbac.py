@@ -366,13 +366,15 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
         await harness_delete(cluster, UM, "default", "cached-too")
         await eventually(lambda: emulator.get_object("localmodelcaches", None, cache) is None, within=30)
 
-    # A pool and a member: the pool's InferenceService and members ConfigMap, the pool's status and the member's.
+    # A pool and a member: the pool's InferenceService, members ConfigMap and copy of the Secret the member names
+    # (read at each repair), the pool's status and the member's.
     pool = {"apiVersion": "serving.universal-runtime.dev/v1alpha1", "kind": "UniversalModelPool",
             "metadata": {"name": "small", "namespace": "default"}, "spec": {"memoryBudget": "1Gi"}}  # fmt: skip
     await harness_create(cluster, "universalmodelpools", "default", pool)
     pooled = load_manifest("cluster/minilm-embed.yaml")
     pooled["metadata"]["name"] = "pooled"
     pooled["spec"]["pool"] = "small"
+    pooled["spec"]["source"]["credentialsSecret"] = "store-keys"
     await harness_create(cluster, UM, "default", pooled)
     pool_child = await eventually(lambda: emulator.get_object(ISVC, "default", "small-pool"))
     await emulator.put_status(ISVC, "default", "small-pool", ready_status(pool_child))
@@ -381,6 +383,10 @@ async def test_operator_rbac_is_enough_for_a_models_whole_life_and_not_more(
     )
     await eventually(lambda: condition(emulator.get_object(UM, "default", "pooled"), "Pooled") == "True")
     assert emulator.get_object("configmaps", "default", "small-pool-members") is not None
+    copies = await eventually(
+        lambda: (emulator.get_object("secrets", "default", "small-pool-credentials") or {}).get("data")
+    )
+    assert set(copies) == {"store-keys.json"}
 
     # Deleted: kopf releases its finalizer, and the model goes.
     assert emulator.get_object(UM, "default", "minilm")["metadata"]["finalizers"]  # type: ignore[index]

@@ -4,8 +4,9 @@ process is ``universal-runtime serve`` over the members' ConfigMap as the kubele
 
 The real operator (embedded) against the API emulator, manifests applied with the real ``kubectl``, the real gateway
 and the real ``openai`` client: two members of different tasks (embeddings, OCR) answer from the one container; a
-member added while it runs is served by the same container; a member whose process is killed inside the container
-leaves the other answering and answers again on its next request.
+member added while it runs is served by the same container; the members of each library family share one process
+there (the pool's default), and the torch family's process killed inside the container leaves the OCR member
+answering, and the embedding members answer again on their next request.
 
 Part of the image tier (``.ci/images.sh``): skipped unless ``UNIVERSAL_RUNTIME_IMAGE_TESTS=1`` and the images exist.
 """
@@ -132,9 +133,15 @@ async def _ocr(cluster: PoolCluster, model: str) -> httpx.Response:
         return await http.post(f"{cluster.gateway_url}/v1/ocr", json={"model": model, "images": [image]})
 
 
-def _member_pid(supervisor: int, served_name: str) -> int:
-    """The host pid of the predictor process serving ``served_name``: a child of the container's supervisor (its main
-    process, ``supervisor`` on this host), found in this host's /proc (the container needs no ``ps``)."""
+def _host_pid(supervisor: int, family: str) -> int:
+    """The pid (on this machine) of the pool's shared host for ``family`` (the pool's default, memberProcesses:
+    Shared): a child of the container's supervisor (its main process, ``supervisor`` on this machine), found in this
+    machine's /proc (the container needs no ``ps``)."""
+    return _child_pid(supervisor, b"--shared-host", family.encode())
+
+
+def _child_pid(supervisor: int, *words: bytes) -> int:
+    """The one child of ``supervisor`` whose command line holds ``words`` in a row."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -146,7 +153,7 @@ def _member_pid(supervisor: int, served_name: str) -> int:
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == supervisor and f"--model_name={served_name}".encode() in argv:
+        if parent == supervisor and any(argv[i : i + len(words)] == list(words) for i in range(len(argv))):
             found.append(int(entry.name))
     assert len(found) == 1, found
     return found[0]
@@ -187,13 +194,17 @@ async def test_members_of_two_tasks_one_added_and_one_crashed_are_served_by_the_
     await eventually(added_answers, within=LOAD_WITHIN, interval=1.0)
     assert cluster.kserve.container(NS, "small-pool") == container
 
-    # One member's process killed inside the container: the other answers on, and the killed one answers again
-    # on its next request (the supervisor starts it again), all in the same container.
+    # The torch family's shared host killed inside the container: the other family's member (OCR) answers on, and
+    # the killed ones answer again on their next request (the supervisor starts a new host), all in the same
+    # container.
     supervisor = int(inspected["State"]["Pid"])
-    pid = await asyncio.to_thread(_member_pid, supervisor, "minilm")
+    pid = await asyncio.to_thread(_host_pid, supervisor, "torch")
+    ocr_host = await asyncio.to_thread(_host_pid, supervisor, "ocr")
     os.kill(pid, signal.SIGKILL)
     read = await _ocr(cluster, "ocr")
     assert read.status_code == 200, read.text
+    assert await asyncio.to_thread(_host_pid, supervisor, "ocr") == ocr_host
     _assert_real_embeddings(await cluster.embed("minilm"))
-    assert await asyncio.to_thread(_member_pid, supervisor, "minilm") != pid
+    _assert_real_embeddings(await cluster.embed("minilm-two"))
+    assert await asyncio.to_thread(_host_pid, supervisor, "torch") != pid
     assert cluster.kserve.container(NS, "small-pool") == container

@@ -4,6 +4,9 @@ The tests play KServe (the InferenceService's status) and the gateway (a member'
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import yaml
 
 from tests.conftest import EXAMPLES, cluster_for, eventually
 from tests.operator.test_crd import ENV, apply_defaults
+from tests.stores import S3Store
 from universal_operator.config import OperatorConfig
 from universal_operator.crd import pool_custom_resource_definition, render_pool_crd_yaml
 from universal_operator.handlers import OperatorState
@@ -145,11 +149,20 @@ def test_the_pools_inference_service_runs_the_supervisor_over_the_mounted_member
     [container] = predictor["containers"]
     assert container["command"] == ["universal-runtime"]
     assert container["args"] == ["serve", "/etc/universal-runtime/pool", "--host=0.0.0.0", "--port=8080",
-                                 "--memory-budget-mb=3072"]  # fmt: skip
+                                 "--memory-budget-mb=3072", "--member-processes=shared",
+                                 "--credentials-dir=/etc/universal-runtime/pool-credentials"]  # fmt: skip
+    own = parse_pool({**yaml.safe_load(POOL), "metadata": {"name": "small", "namespace": "ml", "uid": "u1"}}
+                     | {"spec": {**yaml.safe_load(POOL)["spec"], "memberProcesses": "PerMember"}})  # fmt: skip
+    [own_container] = desired_pool_inference_service(own, OperatorConfig())["spec"]["predictor"]["containers"]
+    assert "--member-processes=own" in own_container["args"]
     assert {"name": "pool-members", "configMap": {"name": "small-pool-members"}} in predictor["volumes"]
     assert {"name": "pool-members", "mountPath": "/etc/universal-runtime/pool", "readOnly": True} in container[
         "volumeMounts"
     ]
+    # The members' credentials: always mounted (with no data while no member names a Secret), whole.
+    assert {"name": "pool-credentials", "secret": {"secretName": "small-pool-credentials"}} in predictor["volumes"]
+    mount = {"name": "pool-credentials", "mountPath": "/etc/universal-runtime/pool-credentials", "readOnly": True}
+    assert mount in container["volumeMounts"]
     assert container["resources"] == {
         "requests": {"cpu": "2", "memory": "4Gi"},
         "limits": {"cpu": "2", "memory": "4Gi"},
@@ -320,15 +333,115 @@ async def test_a_member_of_a_missing_pool_says_so_with_a_condition_and_an_event(
     await eventually(lambda: _condition(_status(cluster, UM, "orphan"), "Pooled").get("status") == "True")
     await eventually(lambda: "orphan.yaml" in _members(cluster))
 
-    # A member whose source needs credentials: refused, naming why (the pool's pod cannot receive them yet).
-    secret = member("private")
-    secret["spec"]["source"]["credentialsSecret"] = "hub-token"
-    await _apply(cluster, tmp_path, secret)
-    valid = await eventually(lambda: _condition(_status(cluster, UM, "private"), "SpecValid"))
-    assert valid["status"] == "False"
-    assert "spec.source.credentialsSecret: a pool does not receive" in valid["message"]
-
     # The pool goes: the member says so again.
     result = await cluster.kubectl("delete", "ump", "small", "--wait=false")
     assert result.returncode == 0, result.stderr
     await eventually(lambda: _condition(_status(cluster, UM, "orphan"), "Pooled").get("reason") == "PoolMissing")
+
+
+# --------------------------------------------------------------------------------------------------
+# Members' credentials: a copy of each Secret they name, in a Secret of the pool's
+
+
+def _copies(cluster: ServedEmulator) -> dict[str, Any] | None:
+    """The pool's aggregate of its members' Secrets, each copy decoded (None: none yet)."""
+    found = _get(cluster, "secrets", "small-pool-credentials")
+    if found is None:
+        return None
+    return {k: json.loads(base64.b64decode(v)) for k, v in (found.get("data") or {}).items()}
+
+
+def _events(cluster: ServedEmulator, reason: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.emulator.list_objects("events", "default") if e.get("reason") == reason]
+
+
+def _with_secret(name: str, secret: str) -> dict[str, Any]:
+    body = member(name, uri=f"s3://models/{name}")
+    body["spec"]["source"]["credentialsSecret"] = secret
+    return body
+
+
+async def test_members_secrets_are_copied_into_the_pools_secret_and_a_new_one_rolls_nothing(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    # No member names a Secret: the pool's aggregate exists all the same, empty, owned by the pool.
+    await _apply(cluster, tmp_path, yaml.safe_load(POOL), member("minilm"))
+    isvc = await eventually(lambda: _get(cluster, ISVC, "small-pool"))
+    assert await eventually(lambda: _copies(cluster) == {})
+    pool_uid = _get(cluster, POOLS, "small")["metadata"]["uid"]  # type: ignore[index]
+    [owner] = _get(cluster, "secrets", "small-pool-credentials")["metadata"]["ownerReferences"]  # type: ignore[index]
+    assert (owner["kind"], owner["uid"]) == ("UniversalModelPool", pool_uid)
+    assert (
+        "--credentials-dir=/etc/universal-runtime/pool-credentials"
+        in isvc["spec"]["predictor"]["containers"][0]["args"]
+    )
+    await eventually(lambda: _status(cluster, POOLS, "small").get("memberCount") == 1)
+    cluster.emulator.reset_writes()
+
+    # A member naming a Secret: the Secret's data and KServe's annotations only (not another tool's) are copied;
+    # the member's manifest keeps the name (serve reads its copy by it); the InferenceService is not written.
+    keys = S3Store("http://minio.store:9000", "models", "AKID1", "secret1").secret("store-keys")
+    keys["metadata"]["annotations"]["example.com/owner"] = "team-a"
+    await _apply(cluster, tmp_path, keys, _with_secret("private", "store-keys"))
+    copied = await eventually(lambda: _copies(cluster) or None)
+    annotations = {"serving.kserve.io/s3-endpoint": "minio.store:9000", "serving.kserve.io/s3-usehttps": "0",
+                   "serving.kserve.io/s3-region": "us-east-1"}  # fmt: skip
+    assert copied == {"store-keys.json": {"data": keys["data"], "annotations": annotations}}
+    assert "example.com/owner" not in json.dumps(copied)
+    served = parse_model(yaml.safe_load(await eventually(lambda: _members(cluster).get("private.yaml"))))
+    assert served.spec.source.credentials_secret == "store-keys"
+    await eventually(lambda: _condition(_status(cluster, UM, "private"), "Pooled").get("status") == "True")
+    assert _condition(_status(cluster, UM, "private"), "SpecValid")["status"] == "True"  # no longer refused
+    assert cluster.emulator.write_count(ISVC, "default", "small-pool") == 0
+
+    # Unchanged over two repair intervals: read each time, written never.
+    cluster.emulator.reset_writes()
+    await asyncio.sleep(2.5 * operator.config.repair_interval_seconds)
+    assert cluster.emulator.write_count("secrets", "default", "small-pool-credentials") == 0
+
+    # Rotated: the new key reaches the copy without any change to the member.
+    rotated = S3Store("http://minio.store:9000", "models", "AKID2", "secret2").secret("store-keys")
+    await _apply(cluster, tmp_path, rotated)
+    await eventually(lambda: (_copies(cluster) or {}).get("store-keys.json", {}).get("data")
+                     == rotated["data"], within=10)  # fmt: skip
+    assert cluster.emulator.write_count(ISVC, "default", "small-pool") == 0
+
+
+async def test_a_members_missing_secret_is_one_warning_event_on_the_member_and_the_pool_serves_on(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    await _apply(cluster, tmp_path, yaml.safe_load(POOL), member("minilm"), _with_secret("private", "legal-keys"))
+    [warning] = await eventually(lambda: _events(cluster, "CredentialsMissing"))
+    assert warning["type"] == "Warning"
+    assert warning["involvedObject"]["name"] == "private"
+    assert "Secret 'legal-keys', this model's spec.source.credentialsSecret, does not exist" in warning["message"]
+    # The member is listed all the same (the pool fails it alone, naming the Secret), its aggregate without it.
+    await eventually(lambda: sorted(_members(cluster)) == ["minilm.yaml", "private.yaml"])
+    assert await eventually(lambda: _copies(cluster) == {})
+    await asyncio.sleep(2.5 * operator.config.repair_interval_seconds)  # repairs pass: still the one Event
+    assert len(_events(cluster, "CredentialsMissing")) == 1
+
+    # The pool's card of it says why it failed: the member's status says so too.
+    card = {
+        "state": "failed",
+        "starts": 0,
+        "reason": "Failed",
+        "message": "cannot fetch s3://models/private: the credentials Secret 'legal-keys' is not available",
+    }
+    await cluster.emulator.put_status(UM, "default", "private", {"predictorReport": {"pool": card}})
+    await eventually(lambda: "'legal-keys' is not available" in (_status(cluster, UM, "private").get("message") or ""))
+
+    # The Secret created: its copy follows.
+    await _apply(cluster, tmp_path, S3Store("http://minio.store:9000", "models", "AKID3", "s3").secret("legal-keys"))
+    await eventually(lambda: set(_copies(cluster) or {}) == {"legal-keys.json"}, within=10)
+
+
+async def test_a_secret_of_the_pools_name_not_owned_by_it_is_refused_naming_it(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    taken = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "small-pool-credentials"}, "data": {}}
+    await _apply(cluster, tmp_path, taken, yaml.safe_load(POOL))
+    valid = await eventually(lambda: _condition(_status(cluster, POOLS, "small"), "SpecValid") or None)
+    assert valid["status"] == "False"
+    assert "'small-pool-credentials' the pool needs already exists" in valid["message"]
+    assert _get(cluster, ISVC, "small-pool") is None

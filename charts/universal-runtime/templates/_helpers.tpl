@@ -116,8 +116,9 @@ The operator's rules inside a namespace (a Role's, or the namespaced part of its
 - pods: the predictor pods (KServe's serving.kserve.io/inferenceservice label), watched for the step a
   starting predictor is at (status.step: Scheduling, Pulling image, Downloading, Loading);
 - configmaps, secrets: a model with adapters gets their list (a ConfigMap) and a copy of the Secrets they
-  name (a Secret, NAME-adapter-credentials), so that adding an adapter never changes the pod template; the
-  operator reads only the Secrets adapters name (get, never list or watch);
+  name (a Secret, NAME-adapter-credentials), so that adding an adapter never changes the pod template; a
+  pool copies the Secrets its members name in spec.source.credentialsSecret the same way (NAME-pool-credentials);
+  the operator reads only the Secrets adapters and pool members name (get, never list or watch);
 - universalmodels/finalizers: the children's ownerReference sets blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) admits only
   from who may update the owner's finalizers subresource (kubernetes/kubernetes

@@ -86,10 +86,15 @@ def desired_adapter_credentials_secret(
     name = adapter_credentials_secret_name(model)
     if name is None:
         return None
+    return copies_secret(owned_metadata(model, name), found)
+
+
+def copies_secret(metadata: dict[str, Any], found: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
+    """An aggregate Secret (``metadata``: its name, namespace, labels and owner) holding ``<secret>.json`` for each
+    Secret of ``found`` that exists (:func:`secret_copy`). Also a pool's (``reconcile.pools``), for its members."""
     data = {
         f"{secret}.json": base64.b64encode(secret_copy(body).encode()).decode()
         for secret, body in sorted(found.items())
         if body is not None
     }
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": owned_metadata(model, name), "type": "Opaque",
-            "data": data}  # fmt: skip
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": data}

@@ -14,6 +14,15 @@ mounted ConfigMap in place (Kubernetes v1.31 ``pkg/volume/configmap/configmap.go
 flag (knative/serving knative-v1.23.0 ``pkg/apis/serving/k8s_validation.go`` validateVolume), so adding or
 removing a member changes the ConfigMap only, never the pod template: no new revision, no restart.
 
+Members' credentials reach it as the adapters' do (:mod:`.adapter_credentials`): a Secret of the pool's,
+``<pool>-pool-credentials``, holds a copy (``<secret>.json``: data and ``serving.kserve.io/*`` annotations) of each
+Secret a member names in ``spec.source.credentialsSecret``, mounted whole and always (with no data while no member
+names one), so the first member with a Secret changes that Secret's data, never the pod template. ``serve
+--credentials-dir`` downloads each member's source with its own copy, by KServe's storage code
+(gateway/universal_gateway/local.py ``fetch_source``), as a single model's storage initializer would with the Secret
+on its ServiceAccount. The operator re-reads the Secrets at every reconcile of the pool (its repair timer), so a
+rotated key follows.
+
 The pool's pod and its status are read by the same code as a single model's: :func:`stand_in` is the
 UniversalModel a pool would be if it were one model (its resources, scaling, image and env), so the probes,
 security context, Knative annotations and the reading of KServe's status cannot drift from a model's.
@@ -28,6 +37,7 @@ import yaml
 
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import CONTAINER_NAME
+from universal_operator.reconcile.adapter_credentials import copies_secret
 from universal_operator.reconcile.drift import quantity_value
 from universal_operator.reconcile.labels import (
     ANNOTATION_SERVED_NAME,
@@ -42,6 +52,7 @@ from universal_operator.spec import (
     POOL_SUFFIX,
     ObjectMeta,
     Phase,
+    PoolMemberProcesses,
     PoolMemberState,
     SpecError,
     UniversalModel,
@@ -55,6 +66,9 @@ from universal_predictors.config import DEFAULT_HTTP_PORT
 MEMBERS_SUFFIX = f"{POOL_SUFFIX}-members"
 MEMBERS_MOUNT_PATH = "/etc/universal-runtime/pool"
 MEMBERS_VOLUME = "pool-members"
+CREDENTIALS_SUFFIX = f"{POOL_SUFFIX}-credentials"
+CREDENTIALS_MOUNT_PATH = "/etc/universal-runtime/pool-credentials"
+CREDENTIALS_VOLUME = "pool-credentials"
 #: The label naming the pool on its InferenceService, pods and members ConfigMap.
 LABEL_POOL = "serving.universal-runtime.dev/pool"
 #: The gateway's health routes (universal_gateway.app): /healthz answers while the server runs, /readyz once its
@@ -70,6 +84,11 @@ def pool_service_name(pool: UniversalModelPool) -> str:
 
 def members_config_map_name(pool: UniversalModelPool) -> str:
     return f"{pool.metadata.name}{MEMBERS_SUFFIX}"
+
+
+def credentials_secret_name(pool: UniversalModelPool) -> str:
+    """The pool's copy of its members' credentials Secrets: ``<pool>-pool-credentials``."""
+    return f"{pool.metadata.name}{CREDENTIALS_SUFFIX}"
 
 
 def memory_budget_mb(pool: UniversalModelPool) -> int | None:
@@ -135,6 +154,9 @@ def supervisor_args(pool: UniversalModelPool) -> list[str]:
     budget = memory_budget_mb(pool)
     if budget is not None:
         args.append(f"--memory-budget-mb={budget}")
+    shared = pool.spec.member_processes is PoolMemberProcesses.SHARED
+    args.append(f"--member-processes={'shared' if shared else 'own'}")
+    args.append(f"--credentials-dir={CREDENTIALS_MOUNT_PATH}")
     return args
 
 
@@ -161,6 +183,11 @@ def desired_pool_inference_service(
     for probe in ("livenessProbe", "startupProbe"):
         container[probe]["httpGet"]["path"] = LIVE_PATH
     container["volumeMounts"].append({"name": MEMBERS_VOLUME, "mountPath": MEMBERS_MOUNT_PATH, "readOnly": True})
+    # Whole (never subPath: the kubelet would not rewrite it), and always: the first member naming a Secret changes
+    # only the Secret's data.
+    container["volumeMounts"].append(
+        {"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_MOUNT_PATH, "readOnly": True}
+    )
     cache = pool.spec.cache_volume
     volumes = [v for v in predictor["volumes"] if v["name"] != "cache"]
     if cache.claim_name is not None:
@@ -168,6 +195,7 @@ def desired_pool_inference_service(
     else:
         volumes.insert(0, {"name": "cache", "emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}})
     volumes.append({"name": MEMBERS_VOLUME, "configMap": {"name": members_config_map_name(pool)}})
+    volumes.append({"name": CREDENTIALS_VOLUME, "secret": {"secretName": credentials_secret_name(pool)}})
     predictor["volumes"] = volumes
     return isvc
 
@@ -190,14 +218,32 @@ def desired_members_config_map(pool: UniversalModelPool, members: list[Universal
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": members_config_map_name(pool),
-            "namespace": pool.metadata.namespace,
-            "labels": pool_labels(pool),
-            "ownerReferences": [pool_owner_reference(pool)],
-        },
+        "metadata": pool_owned_metadata(pool, members_config_map_name(pool)),
         "data": {f"{m.metadata.name}.yaml": member_manifest(m) for m in sorted(members, key=lambda m: m.metadata.name)},
     }
+
+
+def pool_owned_metadata(pool: UniversalModelPool, name: str) -> dict[str, Any]:
+    """An object of the pool's (garbage-collected with it): its name, the pool's namespace, labels and owner."""
+    return {"name": name, "namespace": pool.metadata.namespace, "labels": pool_labels(pool),
+            "ownerReferences": [pool_owner_reference(pool)]}  # fmt: skip
+
+
+def member_secrets(members: list[UniversalModel]) -> dict[str, list[str]]:
+    """Each Secret the members name in ``spec.source.credentialsSecret``, with the members naming it (by name)."""
+    found: dict[str, list[str]] = {}
+    for model in sorted(members, key=lambda m: m.metadata.name):
+        if model.spec.source.credentials_secret:
+            found.setdefault(model.spec.source.credentials_secret, []).append(model.metadata.name)
+    return found
+
+
+def desired_pool_credentials_secret(
+    pool: UniversalModelPool, found: dict[str, dict[str, Any] | None]
+) -> dict[str, Any]:
+    """The pool's aggregate of its members' Secrets ``found`` (name -> the Secret as read, None when it does not
+    exist: left out, and ``serve`` fails the members naming it, naming it), present with no data when none does."""
+    return copies_secret(pool_owned_metadata(pool, credentials_secret_name(pool)), found)
 
 
 def members_of(pool: UniversalModelPool, models: list[UniversalModel]) -> list[UniversalModel]:
@@ -205,7 +251,7 @@ def members_of(pool: UniversalModelPool, models: list[UniversalModel]) -> list[U
     return [
         m for m in models
         if m.spec.pool == pool.metadata.name and m.metadata.namespace == pool.metadata.namespace
-        and not m.metadata.deleting and m.spec.source.credentials_secret is None  # refused: handlers.reconcile_member
+        and not m.metadata.deleting
     ]  # fmt: skip
 
 
@@ -314,6 +360,8 @@ def member_status(
     card = model.status.predictor_report.pool if model.status.predictor_report is not None else None
     if reason in ("Crashed", "OOMKilled") and card is not None and card.last_exit:
         message += f" Its process {card.last_exit} ({card.crashes or 1} crash(es)); its next request starts it again."
+    if state is PoolMemberState.FAILED and card is not None and card.message:
+        message += f" {card.message}"  # what failed: its source unreachable, its credentials Secret missing
     pool_entry = {"name": pool.metadata.name, "state": state.value, "reason": reason, "memoryMb": memory}
     return {
         "phase": phase.value, "observedGeneration": generation, "servedName": model.served_name,
