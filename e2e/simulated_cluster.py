@@ -4,11 +4,11 @@ This is what `make demo` runs (`python -m e2e.simulated_cluster` from the reposi
 container engine and no Kubernetes binaries beyond kubectl:
 
 1. an in-process Kubernetes API emulator (simcluster/universal_simcluster/apiserver/) serves the UniversalModel
-   CRD and KServe's InferenceService on a loopback port, and a kubeconfig for it is written;
+   and UniversalModelPool CRDs and KServe's InferenceService on a loopback port, and a kubeconfig for it is written;
 2. the operator runs as a real process (`universal-runtime operator`) against it;
 3. a stand-in for KServe's controller reports every InferenceService Ready;
-4. `kubectl apply -f` applies the manifests (default: examples/cluster/), the script waits for every
-   model to be Ready and prints `kubectl get um`.
+4. `kubectl apply -f` applies the manifests (default: examples/cluster/, pool.yaml's UniversalModelPool with them),
+   the script waits for every model to be Ready (a pooled one is when its pool is) and prints `kubectl get um`.
 
 Then it keeps serving until Ctrl-C, so you can use kubectl yourself with the printed KUBECONFIG.
 Predictor pods are not run: the InferenceServices are reported Ready by the stand-in.
@@ -136,7 +136,7 @@ async def main_async(paths: list[str], once: bool, workdir: Path, serve: bool = 
                     names = {
                         line.split()[0].split("/", 1)[1]
                         for line in applied.stdout.splitlines()
-                        if line.startswith("universalmodel")
+                        if line.startswith("universalmodel.")  # not universalmodelpool.: a pool is no model
                     }
                     within = 300 if serve else 60  # --serve loads real models
                     if not await wait_ready(served, names, within=within):

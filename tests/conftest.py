@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from universal_operator.config import OperatorConfig, parse_config
-from universal_operator.crd import custom_resource_definition
+from universal_operator.crd import custom_resource_definition, pool_custom_resource_definition
 from universal_operator.handlers import OperatorState
 from universal_operator.kube import KubeApi
 from universal_operator.runner import run_embedded
@@ -69,6 +69,33 @@ def load_manifest(relative: str) -> dict[str, Any]:
     return data
 
 
+#: The kinds an ``examples/cluster/`` document may have.
+MODEL_KIND, POOL_KIND = "UniversalModel", "UniversalModelPool"
+
+
+def cluster_examples(kind: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every document of every ``examples/cluster/*.yaml`` (of ``kind``, or all), by id, in file order.
+
+    A file holds one UniversalModel (its id: the file's stem, ``minilm-embed``) or several documents, as
+    ``pool.yaml`` holds a UniversalModelPool and its members (their ids: ``pool/<kind>/<name>``). Each call loads the
+    files afresh, so a caller may change what it gets."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted((EXAMPLES / "cluster").glob("*.yaml")):
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        for document in documents:
+            assert isinstance(document, dict), path
+            if kind is not None and document.get("kind") != kind:
+                continue
+            one = len(documents) == 1
+            found[path.stem if one else f"{path.stem}/{document['kind']}/{document['metadata']['name']}"] = document
+    return found
+
+
+def pooled(document: dict[str, Any]) -> bool:
+    """A UniversalModel with ``spec.pool``: its pool's InferenceService serves it, it gets none of its own."""
+    return document.get("kind") == MODEL_KIND and bool((document.get("spec") or {}).get("pool"))
+
+
 @pytest.fixture(scope="session")
 def crd() -> dict[str, Any]:
     return custom_resource_definition()
@@ -101,12 +128,14 @@ def cluster_for(config: OperatorConfig) -> admission.Cluster:
 async def cluster(
     tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch, operator_config: OperatorConfig
 ) -> AsyncIterator[ServedEmulator]:
-    """An API emulator serving the UniversalModel CRD and KServe's InferenceService, with a kubeconfig.
+    """An API emulator serving the UniversalModel and UniversalModelPool CRDs (as the chart installs both) and
+    KServe's InferenceService, with a kubeconfig.
 
     InferenceService writes pass the admission of the cluster the operator's configuration describes
     (by default KServe 0.16 and a default Knative install: no config-features flags enabled).
     """
-    async with serve_emulator(tmp_path, crds=[crd], admission=cluster_for(operator_config)) as served:
+    crds = [crd, pool_custom_resource_definition()]
+    async with serve_emulator(tmp_path, crds=crds, admission=cluster_for(operator_config)) as served:
         monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
         yield served
 

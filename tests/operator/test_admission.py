@@ -11,13 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, TEST_OPERATOR_CONFIG, cluster_for
+from tests.conftest import (
+    GPU_KNATIVE_FEATURES,
+    MODEL_KIND,
+    POOL_KIND,
+    TEST_OPERATOR_CONFIG,
+    cluster_examples,
+    cluster_for,
+    pooled,
+)
 from tests.factories import CONFIG, at, load, model, render
-from universal_operator.config import parse_config
+from universal_operator.config import OperatorConfig, parse_config
+from universal_operator.reconcile.pools import desired_pool_inference_service
 from universal_operator.reconcile.render import desired_inference_service
-from universal_operator.spec import SpecError, parse_model
+from universal_operator.spec import SpecError, parse_model, parse_pool
 from universal_simcluster import admission
 from universal_simcluster.admission import Cluster, Denied, admit
 
@@ -325,30 +333,47 @@ def test_a_standard_mode_host_label_over_63_characters_fails_kserves_reconcile_n
 # The operator's renders through admission
 
 
-EXAMPLE_FILES = sorted((EXAMPLES / "cluster").glob("*.yaml"))
+#: What in examples/cluster/ gets an InferenceService: each model of its own, and each pool (its members, pooled,
+#: get none: the pool's serves them).
+RENDERED = {
+    id: body
+    for id, body in cluster_examples().items()
+    if body["kind"] == POOL_KIND or (body["kind"] == MODEL_KIND and not pooled(body))
+}
 GPU_FLAGS = GPU_KNATIVE_FEATURES
 
 
-@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
-def test_every_example_is_admitted_by_a_cluster_with_the_flags_the_operator_lists(path: Path) -> None:
-    body = yaml.safe_load(path.read_text())
+def example_inference_service(body: dict[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    """The InferenceService the operator renders for an example model or pool."""
+    if body["kind"] == POOL_KIND:
+        return desired_pool_inference_service(parse_pool(body), config)
+    return desired_inference_service(parse_model(body), config)
+
+
+def test_the_rendered_examples_are_the_one_model_files_and_the_pool() -> None:
+    assert "pool/UniversalModelPool/small" in RENDERED
+    assert not [id for id in RENDERED if id.startswith("pool/UniversalModel/")]
+    assert len(RENDERED) == len(cluster_examples()) - len([b for b in cluster_examples().values() if pooled(b)])
+
+
+@pytest.mark.parametrize("body", RENDERED.values(), ids=list(RENDERED))
+def test_every_example_is_admitted_by_a_cluster_with_the_flags_the_operator_lists(body: dict[str, Any]) -> None:
     config = parse_config({**TEST_OPERATOR_CONFIG, "knative": {"features": GPU_FLAGS}})
-    child = desired_inference_service(parse_model(body), config)
+    child = example_inference_service(body, config)
     stored = admit(child, None, cluster_for(config))
     container = at(stored, "spec.predictor.containers[0]")
     for resource, request in container["resources"]["requests"].items():
         assert admission.quantity(request) <= admission.quantity(container["resources"]["limits"][resource])
 
 
-@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=[p.stem for p in EXAMPLE_FILES])
-def test_on_a_default_knative_every_example_is_admitted_or_refused_naming_the_flags(path: Path) -> None:
-    body = yaml.safe_load(path.read_text())
+@pytest.mark.parametrize("body", RENDERED.values(), ids=list(RENDERED))
+def test_on_a_default_knative_every_example_is_admitted_or_refused_naming_the_flags(body: dict[str, Any]) -> None:
     config = parse_config(TEST_OPERATOR_CONFIG)
     if body["spec"]["resources"].get("profile") != "gpu-l4":
-        assert admit(desired_inference_service(parse_model(body), config), None, cluster_for(config))
+        assert admit(example_inference_service(body, config), None, cluster_for(config))
         return
     with pytest.raises(SpecError) as caught:
-        desired_inference_service(parse_model(body), config)
+        example_inference_service(body, config)
     assert caught.value.field == "spec.resources.profile"
     for flag in GPU_FLAGS:
         assert flag in caught.value.message

@@ -14,13 +14,15 @@ import yaml
 from hypothesis import given, settings
 from pydantic import ValidationError
 
+from tests.conftest import MODEL_KIND, POOL_KIND, cluster_examples, pooled
 from tests.factories import load, servable_models
 from universal_operator.crd import custom_resource_definition, render_crd_yaml
 from universal_operator.spec import UniversalModel
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "universalmodels.yaml"
-EXAMPLES = sorted((ROOT / "examples" / "cluster").glob("*.yaml"))
+#: Every UniversalModel in examples/cluster/: the one-model files, and the members in pool.yaml.
+EXAMPLES = cluster_examples(MODEL_KIND)
 
 CRD = custom_resource_definition()
 VERSION = CRD["spec"]["versions"][0]
@@ -244,11 +246,21 @@ def test_defaults_fill_backend_and_scaling_as_the_api_server_would() -> None:
     assert body["spec"]["resources"] == {"gpus": 0}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_example_passes_every_cel_rule_and_pydantic(path: Path) -> None:
-    body = yaml.safe_load(path.read_text())
+@pytest.mark.parametrize("body", EXAMPLES.values(), ids=list(EXAMPLES))
+def test_every_example_passes_every_cel_rule_and_pydantic(body: dict[str, Any]) -> None:
     assert cel_failures(body) == []
     assert pydantic_accepts(body)
+
+
+def test_every_example_document_is_a_model_or_a_pool_and_every_member_names_an_example_pool() -> None:
+    """A pool's own rules are tests/operator/test_pools.py's; its members are in EXAMPLES above."""
+    documents = cluster_examples()
+    assert {d["kind"] for d in documents.values()} == {MODEL_KIND, POOL_KIND}
+    assert len(EXAMPLES) + len(cluster_examples(POOL_KIND)) == len(documents)
+    pools = {d["metadata"]["name"] for d in cluster_examples(POOL_KIND).values()}
+    members = {id: body["spec"]["pool"] for id, body in EXAMPLES.items() if pooled(body)}
+    assert set(members.values()) == pools
+    assert all(id.startswith("pool/") for id in members)
 
 
 VALID = """

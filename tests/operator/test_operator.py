@@ -14,7 +14,16 @@ import pytest
 import yaml
 from lightkube import AsyncClient
 
-from tests.conftest import EXAMPLES, GPU_KNATIVE_FEATURES, eventually, load_manifest
+from tests.conftest import (
+    EXAMPLES,
+    GPU_KNATIVE_FEATURES,
+    MODEL_KIND,
+    POOL_KIND,
+    cluster_examples,
+    eventually,
+    load_manifest,
+    pooled,
+)
 from universal_operator.handlers import OperatorState
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.spec import parse_model
@@ -25,6 +34,13 @@ pytestmark = pytest.mark.operator
 
 UM = "universalmodels"
 ISVC = "inferenceservices"
+POOLS = "universalmodelpools"
+
+#: examples/cluster/ as `kubectl apply -f examples/cluster/` creates it: the models with an InferenceService of their
+#: own, and pool.yaml's pool with its members (pooled: the pool's InferenceService serves them).
+OWN = sorted(b["metadata"]["name"] for b in cluster_examples(MODEL_KIND).values() if not pooled(b))
+MEMBERS = {b["metadata"]["name"]: b["spec"]["pool"] for b in cluster_examples(MODEL_KIND).values() if pooled(b)}
+EXAMPLE_POOLS = sorted(b["metadata"]["name"] for b in cluster_examples(POOL_KIND).values())
 
 
 def _condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
@@ -263,13 +279,36 @@ async def test_api_errors_converge_to_one_child_without_a_write_storm(
     assert cluster.emulator.write_count(UM, "default", "bge-reranker") <= 10
 
 
+def _assert_pooled(cluster: ServedEmulator) -> None:
+    """Each pool.yaml member: condition Pooled naming its pool, no InferenceService of its own; each pool lists them."""
+    for name, pool in MEMBERS.items():
+        model = _model(cluster, name)
+        assert model is not None
+        condition = _condition(model, "Pooled")
+        assert (condition.get("status"), condition.get("reason")) == ("True", "InPool"), (name, condition)
+        assert f"pool {pool!r} ({pool}-pool)" in condition["message"]
+        assert model["status"]["inferenceService"] == f"{pool}-pool"
+        assert model["status"]["pool"]["name"] == pool
+        assert _child(cluster, name) is None
+    for pool in EXAMPLE_POOLS:
+        status = (cluster.emulator.get_object(POOLS, "default", pool) or {}).get("status") or {}
+        assert sorted(m["name"] for m in status.get("members") or []) == sorted(
+            n for n, p in MEMBERS.items() if p == pool
+        )
+        members = cluster.emulator.get_object("configmaps", "default", f"{pool}-pool-members") or {}
+        assert sorted(members.get("data") or {}) == sorted(f"{n}.yaml" for n, p in MEMBERS.items() if p == pool)
+
+
 @pytest.mark.parametrize("operator_config", [{"knative": {"features": GPU_KNATIVE_FEATURES}}], indirect=True)
 async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator, operator: OperatorState) -> None:
-    """On a cluster whose Knative enables what the GPU profile needs (and the operator knows it)."""
+    """On a cluster whose Knative enables what the GPU profile needs (and the operator knows it). pool.yaml's members
+    are Ready when their pool is: its one InferenceService serves them."""
     from universal_simcluster.kserve.standin import kserve_standin
 
-    names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
-    assert len(names) >= 7
+    names = sorted([*OWN, *MEMBERS])
+    assert len(OWN) >= 7
+    assert MEMBERS
+    assert EXAMPLE_POOLS == ["small"]
     client = AsyncClient()
     async with kserve_standin(client):
         await _apply(cluster, EXAMPLES / "cluster")
@@ -279,34 +318,48 @@ async def test_every_example_is_served_and_reaches_ready(cluster: ServedEmulator
                 m["metadata"]["name"]: (m.get("status") or {}).get("phase") for m in cluster.emulator.list_objects(UM)
             }
             assert phases == dict.fromkeys(names, "Ready")
+            pools = {p["metadata"]["name"]: (p.get("status") or {}).get("phase") for p in cluster.emulator.list_objects(
+                POOLS)}  # fmt: skip
+            assert pools == dict.fromkeys(EXAMPLE_POOLS, "Ready")
+            _assert_pooled(cluster)
             return True
 
         await eventually(all_ready, within=30)
     await client.close()
-    tasks = {c["metadata"]["labels"]["serving.universal-runtime.dev/task"] for c in cluster.emulator.list_objects(ISVC)}
+    children = cluster.emulator.list_objects(ISVC)
+    assert sorted(c["metadata"]["name"] for c in children) == sorted([*OWN, *(f"{p}-pool" for p in EXAMPLE_POOLS)])
+    tasks = {c["metadata"]["labels"]["serving.universal-runtime.dev/task"] for c in children
+             if not c["metadata"]["name"].endswith("-pool")}  # fmt: skip
     assert tasks == {"generate", "embed", "rerank", "classify", "ner", "ocr", "document", "anomaly", "transcribe"}
     standard = _child(cluster, "anomaly")
     assert standard is not None
     assert standard["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+    for pool in EXAMPLE_POOLS:
+        child = _child(cluster, f"{pool}-pool")
+        assert child is not None
+        assert child["metadata"]["labels"]["serving.universal-runtime.dev/pool"] == pool
+        assert child["metadata"]["ownerReferences"][0]["kind"] == "UniversalModelPool"
 
 
 async def test_on_a_default_knative_every_example_is_admitted_but_the_gpu_profile_names_its_flags(
     cluster: ServedEmulator, operator: OperatorState
 ) -> None:
-    """A default Knative install (no config-features flags): the emulator refuses what Knative would."""
+    """A default Knative install (no config-features flags): the emulator refuses what Knative would. pool.yaml's pool
+    (no GPU profile) is admitted; its members are valid and get no InferenceService of their own."""
     await _apply(cluster, EXAMPLES / "cluster")
-    names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (EXAMPLES / "cluster").glob("*.yaml"))
+    names = sorted([*OWN, *MEMBERS])
 
     def settled() -> dict[str, str]:
         valid = {
             m["metadata"]["name"]: _condition(m, "SpecValid").get("status") for m in cluster.emulator.list_objects(UM)
         }
         assert valid == {name: "False" if name == "llama-8b" else "True" for name in names}
+        _assert_pooled(cluster)
         return valid
 
     await eventually(settled, within=30)
     children = sorted(c["metadata"]["name"] for c in cluster.emulator.list_objects(ISVC))
-    assert children == [name for name in names if name != "llama-8b"]
+    assert children == sorted([*(name for name in OWN if name != "llama-8b"), *(f"{p}-pool" for p in EXAMPLE_POOLS)])
     for child in cluster.emulator.list_objects(ISVC):
         if child["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] != "Standard":
             assert "securityContext" not in child["spec"]["predictor"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import celpy
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLES, cluster_for, eventually
+from tests.conftest import EXAMPLES, MODEL_KIND, POOL_KIND, cluster_examples, eventually
 from tests.operator.test_crd import ENV, apply_defaults
 from tests.stores import S3Store
 from universal_operator.config import OperatorConfig
@@ -24,14 +23,14 @@ from universal_operator.handlers import OperatorState
 from universal_operator.reconcile.pools import check_pool, desired_pool_inference_service, stand_in
 from universal_operator.reconcile.render import request_timeout_seconds
 from universal_operator.spec import SpecError, parse_model, parse_pool
-from universal_simcluster.apiserver import ServedEmulator, serve_emulator
+from universal_simcluster.apiserver import ServedEmulator
 from universal_simcluster.kserve.standin import ready_status
 
 pytestmark = pytest.mark.operator
 
 ROOT = Path(__file__).resolve().parents[2]
 ISVC, UM, POOLS = "inferenceservices", "universalmodels", "universalmodelpools"
-POOL_EXAMPLE = EXAMPLES / "cluster" / "pools" / "pool.yaml"
+POOL_EXAMPLE = EXAMPLES / "cluster" / "pool.yaml"
 POOL_ROOT = pool_custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 POOL = """
@@ -126,14 +125,28 @@ def test_a_budget_above_the_pods_memory_is_refused_by_the_operator_naming_both()
 
 
 def test_the_example_pool_and_members_pass_cel_and_pydantic() -> None:
+    """examples/cluster/pool.yaml: one pool and its members in one file (tests/operator/test_crd.py runs the members
+    through the UniversalModel CRD's rules, as every example)."""
     documents = list(yaml.safe_load_all(POOL_EXAMPLE.read_text()))
-    pools = [d for d in documents if d["kind"] == "UniversalModelPool"]
-    members = [d for d in documents if d["kind"] == "UniversalModel"]
+    pools = [d for d in documents if d["kind"] == POOL_KIND]
+    members = [d for d in documents if d["kind"] == MODEL_KIND]
     assert len(pools) == 1
     assert len(members) >= 2
+    assert len(documents) == len(pools) + len(members)
     assert _pool_cel_failures(pools[0]) == []
-    parse_pool(pools[0])
+    check_pool(parse_pool(pools[0]))
     assert {parse_model(m).spec.pool for m in members} == {pools[0]["metadata"]["name"]}
+
+
+@pytest.mark.parametrize(("id", "body"), cluster_examples(POOL_KIND).items(), ids=list(cluster_examples(POOL_KIND)))
+def test_every_example_pool_passes_cel_pydantic_and_the_operators_check_and_has_members(
+    id: str, body: dict[str, Any]
+) -> None:
+    assert _pool_cel_failures(body) == []
+    pool = parse_pool(body)
+    check_pool(pool)
+    members = [m for m in cluster_examples(MODEL_KIND).values() if m["spec"].get("pool") == pool.metadata.name]
+    assert len(members) >= 2, f"{id}: an example pool without members shows nothing"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,17 +193,6 @@ def test_a_claim_as_the_cache_volume_replaces_the_empty_dir() -> None:
 
 # --------------------------------------------------------------------------------------------------
 # The real operator
-
-
-@pytest.fixture
-async def cluster(
-    tmp_path: Path, crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch, operator_config: OperatorConfig
-) -> AsyncIterator[ServedEmulator]:
-    """The emulator serving both CRDs (the shared fixture serves UniversalModel's only)."""
-    crds = [crd, pool_custom_resource_definition()]
-    async with serve_emulator(tmp_path, crds=crds, admission=cluster_for(operator_config)) as served:
-        monkeypatch.setenv("KUBECONFIG", str(served.kubeconfig))
-        yield served
 
 
 async def _apply(cluster: ServedEmulator, tmp_path: Path, *documents: dict[str, Any]) -> None:
