@@ -160,7 +160,13 @@ class SharedHost:
         await asyncio.wait({orders, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for task in (orders, stopping):
             task.cancel()
-        await asyncio.gather(*(self.remove(port, report=False) for port in list(self.members)))
+        # Exiting: every member's port closed at once (requests in flight end first, within the grace), nothing
+        # unloaded one by one (the process's end gives it all back; ``__main__`` skips the final collection).
+        for member in self.members.values():
+            member.server.should_exit = True
+        serving = [member.serving for member in self.members.values()]
+        if serving:
+            await asyncio.wait(serving, timeout=STOP_GRACE_S + 5)
 
     async def _read_orders(self, reader: asyncio.StreamReader) -> None:
         pending: set[asyncio.Task[None]] = set()
@@ -268,9 +274,9 @@ class SharedHost:
                     task.cancel()
             member.predictor = member.server = None
             member = None
-            await asyncio.to_thread(_give_back)
-        if report:
+        if report:  # answered before the memory is given back: the supervisor's wake of another need not wait for it
             emit("removed", name=name, port=port, rss=resident_bytes())
+        await asyncio.to_thread(_give_back)
 
 
 def _first_line(error: BaseException) -> str:
