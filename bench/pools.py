@@ -21,30 +21,19 @@ after the other so that they do not share the CPUs:
    its wake time against its own load time (the anchor's, and its first wake in the pool).
 
 Goal (issue 29): >= 5x less memory than process-per-model, warm p50 within 1.1x, an evicted member back within 1.5x
-of its own load time. Nothing here is asserted. The pool today runs one predictor process per member (isolation:
-one member's crash or OOM kill takes no other down), so its memory is the anchor's plus the gateway and the
-standby: the first line says what that design saves, which is nothing; see docs and the report of issue 29 for
-what reaching 5x takes (members sharing a process, or forked from a standby sharing its pages copy-on-write).
+of its own load time. Nothing here is asserted. ``--member-processes shared`` (a pool's default: each library
+family's members in one host process) or ``own`` (a process per member, which saves nothing: the measurement of
+2026-12-04, 0.82x with 20 members).
 
-Measured 2026-12-04, ``--models 20 --rounds 5`` (50 do not fit: about 0.5 GB per member on each side, 24 GB
-here, shared with other work; 2 cores, load average about 3.5 from other work meanwhile, so the latencies are
-noisy and the memory is not): memory with all 20 loaded, pool 10.27 GiB RSS sum (PSS 7.16) against 8.41 GiB (PSS
-5.94) for a process per model, 0.82x "less" (the gateway and two standby processes on top of the same 20
-predictors); warm p50 18.2 ms through serve's gateway against 12.9 ms to each predictor directly, 1.41x (embed
-21.2/17.7, classify 15.2/11.0, ner 14.8/11.8, ocr 208.8/68.9, anomaly 17.6/9.5); an evicted member back in 3.7 s
-(embed), 6.5 s (classify), 6.2 s (ner), 1.8 s (ocr), 3.3 s (anomaly) against its own process's load of 5.9, 4.8,
-5.4, 1.6, 2.6 s: 0.63x to 1.37x, within the 1.5x goal. With 5 members: 2.95 GiB against 2.13 GiB (0.72x).
-In one process (torch and transformers imported: 248 MB), each further all-MiniLM-L6-v2 instance added 42 MB,
-each tiny BERT 0.1 MB, each RapidOCR 32 MB, against about 430 MB for each in a process of its own.
-Again with ``--models 10 --rounds 10``: 5.38 GiB against 4.22 GiB (0.78x), warm p50 23.8 against 15.3 ms (1.56x),
-evicted members back in 0.33x to 1.50x of their own load. The OCR members are the outlier in every run (208.8 and
-339.5 ms against 68.9 and 63.6): measured alone, an OCR member that a ``light`` standby took answers in 145 ms
-p50 through the gateway, one started fresh (``--no-standby``) in 48 ms; ``OMP_WAIT_POLICY=PASSIVE`` or
-``OMP_NUM_THREADS=1`` did not change it. The cause was the next standby's imports, started as soon as the
-member was up, sharing the CPUs with its first requests; ``serve`` now waits until its members are quiet (the
-pool figures above predate that). The requests straight to the pool's members (beside the gateway's) are sent
-only when serve's processes show the predictors' token in their environment (fresh predictors; a standby is
-handed it on its stdin).
+Measured 2026-12-05, ``--models 50 --rounds 5`` (the anchor 10 processes at a time: all 50 need 21 GB), shared,
+2 cores, quiet (load average about 1): memory with all 50 loaded 2.02 GiB RSS sum (PSS 1.48; 4 processes: the
+gateway and 3 hosts) against 20.95 GiB (PSS 14.84) for a process per model: 10.35x less (41 against 429 MiB a
+member); warm p50 through serve's gateway 10.1 ms against 9.9 ms to each predictor directly (1.02x; the pool's
+members directly 10.0 ms, 1.01x; embed 16.5/15.0, classify 9.8/9.7, ner 9.1/9.4, ocr 79.1/45.7, anomaly 9.1/7.7);
+evicted members back (``--models 5``, after the host's removal stopped waiting for its collection) in 6.1, 0.1,
+0.1, 1.8 and 4.1 s against their own process's load of 5.4, 4.5, 4.4, 1.2 and 2.3 s (embed 1.12x, ocr 1.49x,
+anomaly 1.74x: a wake across families starts the other host) and their first wake in the pool (1.00x to 1.06x).
+Table and notes: docs/pools.md.
 """
 
 from __future__ import annotations
