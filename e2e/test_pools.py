@@ -9,7 +9,10 @@ a real S3 server (moto's, keys checked) with a ``credentialsSecret``: the operat
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,7 +21,8 @@ import pytest_asyncio
 
 from e2e.clusters import SIMULATED, mode, simulated_cluster
 from tests.conftest import eventually
-from tests.predictors.tiny_bert import build_sequence_classifier
+from tests.predictors import ocr_samples as samples
+from tests.predictors.tiny_bert import build_sequence_classifier, build_token_classifier
 from tests.stores import S3Store, s3_store
 
 pytestmark = [pytest.mark.stand_in, pytest.mark.asyncio(loop_scope="module")]
@@ -32,13 +36,13 @@ POOL = {
 }
 
 
-def member(name: str, task: str, uri: str, secret: str | None = None) -> dict[str, Any]:
+def member(name: str, task: str, uri: str, secret: str | None = None, backend: str | None = None) -> dict[str, Any]:
     source = {"uri": uri, **({"credentialsSecret": secret} if secret else {})}
     return {
         "apiVersion": "serving.universal-runtime.dev/v1alpha1",
         "kind": "UniversalModel",
         "metadata": {"name": name},
-        "spec": {"task": task, "source": source, "pool": "small"},
+        "spec": {"task": task, "source": source, "pool": "small", **({"backend": backend} if backend else {})},
     }
 
 
@@ -148,3 +152,83 @@ async def test_a_member_on_s3_with_a_credentials_secret_is_fetched_with_it_by_th
 
     assert (await cluster.isvc("small-pool"))["metadata"]["generation"] == generation  # nothing rolled
     assert cluster.kserve.started_pids == pids
+
+
+def _host_pids(pod: int) -> dict[str, int]:
+    """The pool pod's shared hosts (children of its `serve`), by family, from this machine's /proc."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pod and b"--shared-host" in argv:
+            found[argv[argv.index(b"--shared-host") + 1].decode()] = int(entry.name)
+    return found
+
+
+async def test_five_tasks_share_three_processes_and_a_hosts_crash_is_its_members_alone(
+    pooled: tuple[Any, ...], tmp_path: Path
+) -> None:
+    """Members of the five small tasks in the running pool: each answers; the torch family's three share one host
+    process, OCR and anomaly have theirs (the pool's default memberProcesses: Shared). The torch host killed inside
+    the pod: the other families answer on, the next requests start a new host, and each of its members' status
+    reports the crash."""
+    cluster, _, _ = pooled
+    [pod] = cluster.kserve.started_pids
+    tagger = build_token_classifier(tmp_path / "tagger")
+    await cluster.apply(member("tagger", "ner", str(tagger)))
+    await cluster.apply(member("reader", "ocr", "package://rapidocr_onnxruntime/models", backend="rapidocr"))
+    await cluster.apply(member("detector", "anomaly", str(tmp_path / "detector-state")))
+    image = samples.b64(samples.encode(samples.render(["Invoice number 2024"], samples.body_font())))
+
+    async def post(route: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            answer: dict[str, Any] = await cluster.openai.post(route, body=body, cast_to=dict[str, Any])
+        except openai.NotFoundError:  # until the pod's `serve` has read the new manifest (within its 2 s rescan)
+            return None
+        return answer
+
+    async def every_task_answers() -> bool:
+        embedded = await cluster.openai.embeddings.create(model="minilm", input="five tasks")
+        classified = await post("/classify", {"model": "sentiment", "texts": ["a fine day"]})
+        tagged = await post("/ner", {"model": "tagger", "texts": ["Ada Lovelace visited Paris"]})
+        read = await post("/ocr", {"model": "reader", "images": [image]})
+        fitted = await post("/anomaly/fit", {"model": "detector", "detector": "d",
+                                             "data": [[1.0, 2.0], [2.0, 1.0], [1.5, 1.5], [1.2, 1.8]]})  # fmt: skip
+        if None in (classified, tagged, read, fitted):
+            return False
+        assert len(embedded.data[0].embedding) == 384
+        assert read is not None
+        assert samples.similarity("Invoice number 2024", read["data"][0]["text"]) >= samples.SIMILARITY_THRESHOLD
+        return True
+
+    await eventually(every_task_answers, within=LOAD_WITHIN, interval=1.0)
+    hosts = _host_pids(pod)
+    assert set(hosts) == {"torch", "ocr", "pyod"}, hosts  # three processes for five tasks' members
+    for name in ("minilm", "sentiment", "tagger", "reader", "detector"):
+        await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
+
+    os.kill(hosts["torch"], signal.SIGKILL)
+    assert await post("/anomaly/score", {"model": "detector", "detector": "d", "data": [[1.4, 1.6]]})
+    assert _host_pids(pod)["pyod"] == hosts["pyod"]  # the other families' processes serve on
+
+    async def reported(name: str) -> bool:
+        """Under traffic (the gateway asks the pool for its cards as it relays): the member came back, in a new host,
+        and its report says how the last one ended."""
+        try:
+            await every_task_answers()
+        except openai.InternalServerError:  # a 502 while the pod's `serve` has not yet seen its host exit
+            return False
+        report = (((await cluster.model(name)).get("status") or {}).get("predictorReport") or {}).get("pool") or {}
+        return report.get("crashes") == 1 and report.get("lastExit") == (
+            "killed by SIGKILL (the torch shared host, with its members)"
+        )
+
+    for name in ("minilm", "sentiment", "tagger"):
+        await eventually(lambda name=name: reported(name), within=LOAD_WITHIN, interval=1.0)
+    assert _host_pids(pod)["torch"] != hosts["torch"]
+    assert cluster.kserve.started_pids == [pod]  # one pod throughout
