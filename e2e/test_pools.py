@@ -175,8 +175,8 @@ async def test_five_tasks_share_three_processes_and_a_hosts_crash_is_its_members
 ) -> None:
     """Members of the five small tasks in the running pool: each answers; the torch family's three share one host
     process, OCR and anomaly have theirs (the pool's default memberProcesses: Shared). The torch host killed inside
-    the pod: the other families answer on, the next requests start a new host, and each of its members' status
-    reports the crash."""
+    the pod: the other families answer on, its members' status says Crashed (from the pool's cards, read as the
+    gateway relays another member's requests), and the next requests start a new host."""
     cluster, _, _ = pooled
     [pod] = cluster.kserve.started_pids
     tagger = build_token_classifier(tmp_path / "tagger")
@@ -213,7 +213,15 @@ async def test_five_tasks_share_three_processes_and_a_hosts_crash_is_its_members
         await eventually(lambda name=name: cluster.has_phase(name, "Ready"), within=LOAD_WITHIN)
 
     os.kill(hosts["torch"], signal.SIGKILL)
-    assert await post("/anomaly/score", {"model": "detector", "detector": "d", "data": [[1.4, 1.6]]})
+
+    async def crashed_while_another_serves(name: str) -> bool:
+        """Traffic to another family's member only: the gateway, relaying it, reads the pool's cards of every member,
+        and the torch members' status says Crashed."""
+        assert await post("/anomaly/score", {"model": "detector", "detector": "d", "data": [[1.4, 1.6]]})
+        return bool(((await cluster.model(name)).get("status") or {}).get("pool", {}).get("reason") == "Crashed")
+
+    for name in ("minilm", "sentiment", "tagger"):
+        await eventually(lambda name=name: crashed_while_another_serves(name), within=LOAD_WITHIN, interval=1.0)
     assert _host_pids(pod)["pyod"] == hosts["pyod"]  # the other families' processes serve on
 
     async def reported(name: str) -> bool:

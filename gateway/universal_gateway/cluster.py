@@ -491,6 +491,12 @@ class KubernetesBackends(Backends):
             yield model.address
         # Relayed: the predictor is up, so it can say which backend ``auto`` chose without being woken.
         self._reporter.served(model.key, model.model, model.address, self.upstream_token)
+        pool = model.model.spec.pool
+        if pool is not None:  # the pool's one card list says every member's state: a crash, an eviction, an unload
+            for other in list(self._models.values()):
+                if other is not model and other.key[0] == model.key[0] and other.model.spec.pool == pool \
+                        and other.address is not None:  # fmt: skip
+                    self._reporter.served(other.key, other.model, other.address, self.upstream_token)
 
     async def _wake(self, model: ClusterModel) -> None:
         """Remove the stop annotation once for all waiting requests and wait until Ready (bounded)."""
