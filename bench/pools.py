@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.predictors: the tiny models' builders; the packages themselves are installed
 
 from tests.predictors.harness import OFFLINE_ENV, free_port  # noqa: E402
-from universal_gateway.isolation import tree_rss  # noqa: E402
+from universal_gateway.isolation import process_tree, tree_rss  # noqa: E402
 from universal_gateway.local import LOOPBACK, MiB, fetch_source  # noqa: E402
 from universal_gateway.manifests import Manifest, load_manifests  # noqa: E402
 from universal_operator.predictor import predictor_config  # noqa: E402
@@ -130,27 +130,12 @@ def timed_post(client: httpx.Client, url: str, body: dict[str, Any]) -> float:
 def pss(pid: int) -> int:
     """Proportional set size of ``pid`` and its descendants (shared pages divided among their sharers)."""
     total = 0
-    for member in descendants(pid):
+    for member in process_tree(pid):
         with contextlib.suppress(OSError, ValueError):
             for line in Path(f"/proc/{member}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
     return total
-
-
-def descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [c for c, p in parents.items() if p == parent and c not in tree]
-        tree.update(children)
-        frontier += children
-    return tree
 
 
 @dataclass
@@ -226,7 +211,7 @@ def member_predictors(serve_pid: int, log: Path, names: list[str]
     from universal_predictors.config import UPSTREAM_TOKEN_ENV, UPSTREAM_TOKEN_HEADER
 
     token = None
-    for pid in descendants(serve_pid) - {serve_pid}:
+    for pid in process_tree(serve_pid) - {serve_pid}:
         with contextlib.suppress(OSError):
             for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 if item.startswith(f"{UPSTREAM_TOKEN_ENV}=".encode()):
@@ -250,7 +235,7 @@ def pool_side(names: list[str], folder: Path, work: Path, rounds: int, image: st
             side.loads[name] = timed_post(client, url + via_gateway, body)
             print(f"  pool: {name} woke in {side.loads[name]:.1f}s", flush=True)
         side.rss, side.pss = tree_rss(process.pid) or 0, pss(process.pid)
-        side.processes = len(descendants(process.pid))
+        side.processes = len(process_tree(process.pid))
         members = member_predictors(process.pid, log, names)
         side.direct = Side() if members is not None else None
         for _ in range(rounds):

@@ -46,6 +46,18 @@ REMOVE_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
 
 
+async def terminate(process: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if ``process`` is still there after ``grace_s``; returns once it has exited."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
 class HostRefused(Exception):
     """The host could not serve the member (a bad command line or engine argument, a port, a failed load), or
     it is gone."""
@@ -192,14 +204,7 @@ class HostHandle:
         process = self.process
         if process is None or process.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+        await terminate(process, STOP_GRACE_S)
         if self._pump is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._pump, 1)

@@ -158,21 +158,27 @@ class MemoryLimits:
                 self._member_group(name).rmdir()
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process under it (Linux's /proc; raises OSError where /proc cannot be listed)."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier += children
+    return tree
+
+
 def tree_rss(pid: int) -> int | None:
     """The resident memory of ``pid`` and every process under it (Linux's /proc); None where it cannot be read."""
     try:
-        parents: dict[int, int] = {}
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    stat = Path(f"/proc/{entry.name}/stat").read_text()
-                    parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        tree, frontier = {pid}, [pid]
-        while frontier:
-            parent = frontier.pop()
-            children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
-            tree.update(children)
-            frontier += children
+        tree = process_tree(pid)
         page = os.sysconf("SC_PAGE_SIZE")
         total = 0
         for member in tree:

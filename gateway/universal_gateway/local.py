@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from universal_gateway.backends import SYSTEM_CLOCK, Backends, Clock, ModelState, ModelView, UsageStats, counted
-from universal_gateway.hosts import HOST_FAMILIES, HostHandle, HostRefused
+from universal_gateway.hosts import HOST_FAMILIES, HostHandle, HostRefused, terminate
 from universal_gateway.isolation import MemoryLimits, memory_bytes, tree_rss
 from universal_gateway.manifests import Manifest, ManifestError, files_signature, load_manifests, member_changes
 from universal_gateway.policy import ServingPolicy, is_idle
@@ -705,14 +705,7 @@ class LocalSupervisor(Backends):
         else:
             model.stopping = True
             logger.info("stopping %s (%s)", model.name, reason)
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+            await terminate(process, STOP_GRACE_S)
             self._unlimit(model)
         if model.state is not ModelState.FAILED:
             model.state = ModelState.IDLE

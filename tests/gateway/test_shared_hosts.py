@@ -9,10 +9,8 @@ next request starts a new host; an idle member is unloaded and the emptied host 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,9 @@ from openai import AsyncOpenAI
 from tests.clock import SteppedClock
 from tests.conftest import eventually
 from tests.gateway.harness import pid_alive
+from tests.gateway.test_pool_members import _pid as pid
+from tests.gateway.test_pool_members import _serving as serving
 from tests.predictors.harness import OFFLINE_ENV
-from universal_gateway.app import Gateway
 from universal_gateway.local import HOSTED_OVERHEAD_BYTES, LocalSupervisor, weights_bytes
 from universal_gateway.manifests import load_manifests
 from universal_predictors.config import resolve_source
@@ -52,20 +51,6 @@ spec:
   backend: pyod
   source: {uri: ./detector-state}
 """
-
-
-@contextlib.asynccontextmanager
-async def serving(supervisor: LocalSupervisor) -> AsyncIterator[tuple[str, AsyncOpenAI]]:
-    async with (
-        Gateway(supervisor).serving() as url,
-        AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client,
-    ):
-        yield url, client
-
-
-def pid(supervisor: LocalSupervisor, name: str) -> int | None:
-    model = supervisor.model(name)
-    return model.process.pid if model is not None and model.running() and model.process is not None else None
 
 
 async def cards(client: AsyncOpenAI) -> dict[str, dict[str, Any]]:
