@@ -83,6 +83,51 @@ def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", tas
     return Reference(segments, text)
 
 
+def reference_scores(model_dir: Path, samples: np.ndarray) -> list[tuple[float, float]]:
+    """Each segment's window's ``(avg_logprob, no_speech_prob)`` as openai-whisper defines them, derived here from
+    what transformers' ``generate`` exposes in-process: the window's scores (``output_scores``; the log softmax at
+    each chosen token, the end-of-text token included, averaged) and, for ``<|nospeech|>``, one forward pass of the
+    window's features with the window's first decoder tokens (its probability after ``<|startoftranscript|>``). The
+    windows' positions are those ``generate`` reports to ``monitor_progress``."""
+    import torch
+
+    processor, model = _in_process(str(model_dir))
+    seeks: list[int] = []
+    kwargs: dict[str, Any] = {"monitor_progress": lambda progress: seeks.append(int(progress[0, 0]))}
+    if len(samples) > 30 * RATE:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest",
+                           return_attention_mask=True)  # fmt: skip
+        kwargs["attention_mask"] = inputs.attention_mask
+    else:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt")
+    features = inputs.input_features
+    with torch.inference_mode():
+        out = model.generate(features, return_timestamps=True, return_segments=True, language="en", task="transcribe",
+                             return_dict_in_generate=True, output_scores=True, **kwargs)  # fmt: skip
+        windows: list[dict[str, Any]] = []
+        for segment in out["segments"][0]:
+            if not any(segment["result"] is seen for seen in windows):
+                windows.append(segment["result"])
+        assert len(windows) == len(seeks)
+        tokenizer = processor.tokenizer
+        prefix = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>"])
+        no_speech = tokenizer.convert_tokens_to_ids("<|nospeech|>")
+        eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        scored: dict[int, tuple[float, float]] = {}
+        for window, seek in zip(windows, seeks, strict=True):
+            assert window["sequences"][: len(prefix)].tolist() == prefix
+            generated = window["sequences"][len(prefix) :].tolist()
+            while len(generated) > 1 and generated[-1] == eos and generated[-2] == eos:
+                generated.pop()  # padding after the one end-of-text token
+            logprobs = torch.log_softmax(torch.stack(window["scores"][: len(generated)]).float(), dim=-1)
+            avg = float(logprobs[torch.arange(len(generated)), generated].mean())
+            frames = features[:, :, seek : seek + 3000]
+            frames = torch.nn.functional.pad(frames, (0, 3000 - frames.shape[-1]))
+            logits = model(input_features=frames, decoder_input_ids=torch.tensor([prefix])).logits
+            scored[id(window)] = (avg, float(logits[0, 0].float().softmax(-1)[no_speech]))
+    return [scored[id(segment["result"])] for segment in out["segments"][0]]
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iterator[GatewayProcess]:
     folder = tmp_path_factory.mktemp("manifests")
@@ -138,6 +183,21 @@ def test_a_long_recording_is_decoded_window_by_window_as_generate_does(client: O
     assert max(end for _, _, end in expected.segments) > 30, "the recording is decoded past its first window"
 
 
+@pytest.mark.parametrize("clip", ["short_wav", "long_wav"])
+def test_avg_logprob_and_no_speech_prob_are_each_windows_as_generate_scores_it(
+    client: OpenAI, whisper_dir: Path, clip: str, request: pytest.FixtureRequest
+) -> None:
+    data: bytes = request.getfixturevalue(clip)
+    expected = reference_scores(whisper_dir, read_wav(data))
+    answer = verbose(client, data, language="en")
+    served = [(s["avg_logprob"], s["no_speech_prob"]) for s in answer["segments"]]
+    assert len(served) == len(expected)
+    assert served == [(pytest.approx(avg, abs=1e-5), pytest.approx(p, rel=1e-4)) for avg, p in expected]
+    assert all(avg < 0 and 0 < p < 1 for avg, p in served)
+    if clip == "long_wav":
+        assert len(set(expected)) > 1, "each window has its own scores"
+
+
 def test_concurrent_requests_batched_together_each_get_their_own_transcript(
     client: OpenAI, whisper_dir: Path, short_wav: bytes, long_wav: bytes
 ) -> None:
@@ -183,6 +243,8 @@ def test_a_mixed_batch_decodes_each_job_as_it_decodes_alone(whisper_dir: Path, s
         Job(short, "translate", "fr", None, 0.0),
         Job(short, "transcribe", "en", prompt, 0.0),
         Job(long[: 45 * RATE], "transcribe", None, None, 0.0),
+        Job(long, "transcribe", "en", None, 0.0, scored=True),
+        Job(short, "transcribe", "en", None, 0.0, scored=True),
     ]
     together = engine.transcribe_batch(jobs)
     alone = [engine.transcribe_batch([job])[0] for job in jobs]
@@ -194,6 +256,12 @@ def test_a_mixed_batch_decodes_each_job_as_it_decodes_alone(whisper_dir: Path, s
         whisper_dir, short, language="fr", task="translate"
     ).segments
     assert together[6].language in engine.languages
+    # Scoring a window changes nothing of what it decodes to.
+    assert [(s.tokens, s.start, s.end) for s in together[7].segments] == [
+        (s.tokens, s.start, s.end) for s in together[1].segments
+    ]
+    assert {s.avg_logprob for s in together[0].segments} == {None}
+    assert None not in {s.no_speech_prob for s in together[8].segments}
 
 
 # -- every response format through the SDK ---------------------------------------------------------------------------

@@ -14,9 +14,11 @@ if it had named it: the groups stay homogeneous, and the response can say which 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal
 
 import numpy as np
@@ -40,8 +42,10 @@ class Job:
     language: str | None
     prompt_ids: tuple[int, ...] | None
     temperature: float
-    #: Word timestamps asked for (an engine that has them: faster-whisper's cross-attention alignment).
+    #: Word timestamps asked for (cross-attention alignment: faster-whisper's, transformers' token timestamps).
     words: bool = False
+    #: ``avg_logprob`` and ``no_speech_prob`` wanted (verbose_json): on transformers, generate keeps its scores.
+    scored: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class Segment:
     end: float
     text: str
     tokens: list[int]
-    #: What the engine reports beside the tokens (None where it does not: transformers' generate).
+    #: The window's average token log probability and its no-speech probability (openai-whisper's; None where the
+    #: job did not ask for them).
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
     words: tuple[Word, ...] = ()
@@ -138,14 +143,73 @@ def long_form_features(samples: np.ndarray, extractor: Any, frames_per_step: int
     return out.add_(4.0).div_(4.0)[None]
 
 
+def scored_generate_kwargs(temperature: float) -> dict[str, Any]:
+    """What makes ``generate`` score every window as its temperature fallback does, without ever falling back or
+    skipping a window: a ``logprob_threshold`` no average is below (it keeps the scores, ``output_scores``) and a
+    ``no_speech_threshold`` (it adds ``WhisperNoSpeechDetection``, the probability of ``<|nospeech|>`` on the raw
+    logits after ``<|startoftranscript|>``); a window is skipped only when both are crossed, and -inf never is. The
+    temperature is named even when greedy (0: the fallback check compares it)."""
+    return {"logprob_threshold": -math.inf, "no_speech_threshold": 1.0, "temperature": temperature}
+
+
+@cache
+def scored_whisper_class() -> type[Any]:
+    """``WhisperForConditionalGeneration`` keeping, per decoded window, what its fallback logic computes.
+
+    transformers 5.x (``models/whisper/generation_whisper.py``) decodes each window in ``generate_with_fallback`` and
+    decides on a fallback from the window's average log probability (``_retrieve_avg_logprobs``: the scores' log
+    softmax at the chosen tokens, the end-of-text token included, over their count, as openai-whisper's
+    ``avg_logprob``) and from ``WhisperNoSpeechDetection.no_speech_prob``; it keeps neither. This subclass reads both
+    after each window, with those same functions, into the window's output (what each segment of
+    ``return_segments`` holds as ``result``), and drops the window's per-step scores (a vocabulary's floats per
+    token) once read. Without the scoring arguments (:func:`scored_generate_kwargs`) it decodes as its parent."""
+    from transformers import WhisperForConditionalGeneration
+    from transformers.generation.logits_process import WhisperNoSpeechDetection
+
+    parent: Any = WhisperForConditionalGeneration  # untyped in transformers
+
+    class ScoredWhisper(parent):
+        def generate_with_fallback(self, **kwargs: Any) -> Any:
+            sequences, outputs, skip, condition, output_type = super().generate_with_fallback(**kwargs)
+            config = kwargs["generation_config"]
+            if config.logprob_threshold is None or not outputs or not isinstance(outputs[0], dict):
+                return sequences, outputs, skip, condition, output_type
+            detector = [p for p in kwargs["logits_processor"] or () if isinstance(p, WhisperNoSpeechDetection)]
+            no_speech = detector[0].no_speech_prob if detector else None
+            start = kwargs["decoder_input_ids"].shape[-1]
+            temperature = kwargs["temperatures"][-1] or 0.0
+            for i, window in enumerate(outputs):
+                scores = window.pop("scores", None)
+                if scores is None:
+                    continue
+                tokens = _with_one_end(window["sequences"][start:], config.pad_token_id, config.eos_token_id)
+                window["avg_logprob"] = float(self._retrieve_avg_logprobs(scores, tokens, temperature))
+                if no_speech is not None:
+                    window["no_speech_prob"] = float(no_speech[i])
+            return sequences, outputs, skip, condition, output_type
+
+    return ScoredWhisper
+
+
+def _with_one_end(tokens: Any, pad: int, eos: int) -> Any:
+    """A window's generated tokens as ``generate_with_fallback`` scores them: trailing padding removed, the one
+    end-of-text token kept (padding and end-of-text are one token in Whisper's generation configs)."""
+    length = len(tokens)
+    while length and int(tokens[length - 1]) == pad:
+        length -= 1
+    if pad == eos and length < len(tokens):
+        length += 1
+    return tokens[:length]
+
+
 class WhisperEngine:
     """One Whisper-family checkpoint (model, feature extractor, tokenizer, generation config) on one device."""
 
     def __init__(self, source: str, device: str, dtype: Any) -> None:
-        from transformers import WhisperForConditionalGeneration, WhisperProcessor
+        from transformers import WhisperProcessor
 
         self.processor = WhisperProcessor.from_pretrained(source, local_files_only=True)
-        model: Any = WhisperForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=dtype)
+        model: Any = scored_whisper_class().from_pretrained(source, local_files_only=True, dtype=dtype)
         self.model = model.to(device).eval()
         self.device = device
         self.dtype = dtype
@@ -194,13 +258,13 @@ class WhisperEngine:
         languages = self._languages(jobs, [f for f, _ in features])
         groups: dict[tuple[Any, ...], list[int]] = {}
         for index, job in enumerate(jobs):
-            key = (features[index][1], job.task, languages[index], job.prompt_ids, job.temperature)
+            key = (features[index][1], job.task, languages[index], job.prompt_ids, job.temperature, job.scored)
             groups.setdefault(key, []).append(index)
         out: list[Transcript | None] = [None] * len(jobs)
         with torch.inference_mode():
-            for (long_form, task, language, prompt_ids, temperature), members in groups.items():
+            for (long_form, task, language, prompt_ids, temperature, scored), members in groups.items():
                 batch = [features[i][0] for i in members]
-                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature)
+                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature, scored)
                 for index, found in zip(members, segments, strict=True):
                     seconds = len(jobs[index].samples) / SAMPLE_RATE
                     out[index] = Transcript(languages[index] or "en", found, seconds, self._running_texts(found))
@@ -224,7 +288,8 @@ class WhisperEngine:
         return languages
 
     def _generate(self, batch: list[Any], long_form: bool, task: SpeechTask, language: str | None,
-                  prompt_ids: tuple[int, ...] | None, temperature: float) -> list[list[Segment]]:  # fmt: skip
+                  prompt_ids: tuple[int, ...] | None, temperature: float,
+                  scored: bool = False) -> list[list[Segment]]:  # fmt: skip
         import torch
 
         frames = [f.shape[-1] for f in batch]
@@ -244,6 +309,8 @@ class WhisperEngine:
         if temperature > 0:
             kwargs["do_sample"] = True
             kwargs["temperature"] = temperature
+        if scored:
+            kwargs.update(scored_generate_kwargs(temperature))
         output = self.model.generate(input_features.to(self.device, self.dtype), **kwargs)
         return [self._segments(found) for found in output["segments"]]
 
@@ -263,5 +330,8 @@ class WhisperEngine:
             tokens = [int(t) for t in segment["tokens"].tolist()]
             start, end = float(segment["start"]), float(segment["end"])
             text = tokenizer.decode(tokens, skip_special_tokens=True)
-            segments.append(Segment(number, int(start * 100), round(start, 2), round(end, 2), text, tokens))
+            window = segment["result"] if isinstance(segment.get("result"), dict) else {}
+            segments.append(Segment(number, int(start * 100), round(start, 2), round(end, 2), text, tokens,
+                                    avg_logprob=window.get("avg_logprob"),
+                                    no_speech_prob=window.get("no_speech_prob")))  # fmt: skip
         return segments

@@ -306,7 +306,8 @@ class TranscribePredictor(UniversalPredictor):
             async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
                 audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
                 words = "word" in (fields.timestamp_granularities or ())
-                job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words)
+                job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words,
+                          scored=fields.response_format == "verbose_json")  # fmt: skip
                 del audio
                 arrived()
                 transcript = await self.batcher.submit(job)
