@@ -26,6 +26,7 @@ from tests.gateway.harness import GatewayProcess, running_gateway
 from tests.predictors.speech_samples import RATE, encoded, espeak, long_speech, read_wav, wav_bytes
 from tests.predictors.tiny_whisper import build_tiny_whisper
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
+from universal_predictors.http import FormPart
 from universal_predictors.speech.audio import AudioLimits, decode_audio
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, Segment, WhisperEngine, long_form_features
@@ -50,10 +51,44 @@ def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @cache
-def _in_process(model_dir: str) -> tuple[Any, Any]:
+def _in_process(model_dir: str, attention: str | None = None) -> tuple[Any, Any]:
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-    return WhisperProcessor.from_pretrained(model_dir), WhisperForConditionalGeneration.from_pretrained(model_dir)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, attn_implementation=attention)
+    return WhisperProcessor.from_pretrained(model_dir), model
+
+
+def reference_words(model_dir: Path, samples: np.ndarray) -> list[tuple[str, float, float]]:
+    """transformers' token timestamps in-process (``return_token_timestamps``: its cross-attention alignment, which
+    runs in eager attention: a model of its own), grouped into words with its own grouping
+    (``_combine_tokens_into_words``); a word lasts from its first token's time to the next token's, as
+    openai-whisper times words."""
+    import torch
+    from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
+
+    processor, model = _in_process(str(model_dir), "eager")
+    kwargs: dict[str, Any] = {}
+    if len(samples) > 30 * RATE:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest",
+                           return_attention_mask=True)  # fmt: skip
+        kwargs["attention_mask"] = inputs.attention_mask
+    else:
+        inputs = processor(samples, sampling_rate=RATE, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(inputs.input_features, return_timestamps=True, return_segments=True, language="en",
+                             task="transcribe", return_token_timestamps=True, **kwargs)  # fmt: skip
+    words = []
+    for segment in out["segments"][0]:
+        tokens, times = segment["tokens"].tolist(), segment["token_timestamps"].tolist()
+        assert len(tokens) == len(times)
+        text = [i for i, token in enumerate(tokens) if token < processor.tokenizer.eos_token_id]
+        if not text:
+            continue
+        found, _, indices = _combine_tokens_into_words(processor.tokenizer, [tokens[i] for i in text], "english")
+        for word, members in zip(found, indices, strict=True):
+            end = min(text[members[-1]] + 1, len(times) - 1)
+            words.append((word.strip(), round(times[text[members[0]]], 3), round(times[end], 3)))
+    return words
 
 
 def reference(model_dir: Path, samples: np.ndarray, *, language: str = "en", task: str = "transcribe",
@@ -196,6 +231,35 @@ def test_avg_logprob_and_no_speech_prob_are_each_windows_as_generate_scores_it(
     assert all(avg < 0 and 0 < p < 1 for avg, p in served)
     if clip == "long_wav":
         assert len(set(expected)) > 1, "each window has its own scores"
+
+
+@pytest.mark.parametrize("clip", ["short_wav", "long_wav"])
+def test_word_timestamps_are_transformers_token_timestamps_grouped_into_words(
+    client: OpenAI, whisper_dir: Path, clip: str, request: pytest.FixtureRequest
+) -> None:
+    data: bytes = request.getfixturevalue(clip)
+    expected = reference_words(whisper_dir, read_wav(data))
+    answer = verbose(client, data, language="en", timestamp_granularities=["word", "segment"])
+    assert expected, "the tiny model's tokens are aligned"
+    assert [(w["word"], w["start"], w["end"]) for w in answer["words"]] == expected
+    # Words change nothing of the segments: still generate's, as without them.
+    assert served_segments(answer) == reference(whisper_dir, read_wav(data)).segments
+    if clip == "long_wav":
+        assert max(w["end"] for w in answer["words"]) > 30, "words are timed past the first window"
+
+
+def test_a_checkpoint_without_alignment_heads_refuses_word_timestamps_by_name(tmp_path: Path) -> None:
+    import torch
+
+    from universal_predictors.tasks.transcribe import form_body
+
+    engine = WhisperEngine(str(build_tiny_whisper(tmp_path / "no-heads", alignment_heads=False)), "cpu", torch.float32)
+    assert engine.word_timestamps is False
+    parts = [FormPart("file", b"RIFF", filename="a.wav"), FormPart("response_format", b"verbose_json"),
+             FormPart("timestamp_granularities[]", b"word")]  # fmt: skip
+    with pytest.raises(InvalidRequest, match="generation config names no alignment_heads") as raised:
+        form_body(parts, "transcribe", word_timestamps=engine.word_timestamps)
+    assert raised.value.param == "timestamp_granularities[]"
 
 
 def test_concurrent_requests_batched_together_each_get_their_own_transcript(
@@ -384,7 +448,7 @@ def test_a_form_without_a_file_or_with_a_bad_field_is_a_400(gateway: GatewayProc
                          data={"model": SERVED}, timeout=30)  # fmt: skip
     bad_format = post(gateway, short_wav, response_format="docx")
     bad_language = post(gateway, short_wav, language="xx")
-    words = post(gateway, short_wav, response_format="verbose_json", **{"timestamp_granularities[]": "word"})
+    words = post(gateway, short_wav, response_format="json", **{"timestamp_granularities[]": "word"})
     assert (no_file.status_code, error_of(no_file)["param"]) == (400, "file")
     assert (bad_format.status_code, error_of(bad_format)["param"]) == (400, "response_format")
     assert (bad_language.status_code, error_of(bad_language)["param"]) == (400, "language")

@@ -41,8 +41,10 @@ CORPUS = [
 MAX_TARGET_POSITIONS = 96
 
 
-def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int = MAX_TARGET_POSITIONS) -> Path:
-    """Write a tiny Whisper (model, tokenizer, feature extractor, generation config) to ``path``."""
+def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int = MAX_TARGET_POSITIONS,
+                       alignment_heads: bool = True) -> Path:  # fmt: skip
+    """Write a tiny Whisper (model, tokenizer, feature extractor, generation config) to ``path`` (without
+    ``alignment_heads`` in its generation config if told: no token timestamps, as some fine-tunes)."""
     path.mkdir(parents=True, exist_ok=True)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
@@ -107,6 +109,10 @@ def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int =
         max_initial_timestamp_index=50,
         return_timestamps=False,
     )
+    if alignment_heads:
+        # The decoder's heads whose cross-attention aligns tokens to audio (token timestamps): every head of the one
+        # layer, as CTranslate2's converter defaults to for a model without them (the last half of the layers).
+        model.generation_config.alignment_heads = [[0, 0], [0, 1]]
     model.save_pretrained(path)
     extractor = WhisperFeatureExtractor(feature_size=80)  # type: ignore[no-untyped-call]
     processor = WhisperProcessor(extractor, tokenizer)  # type: ignore[no-untyped-call]

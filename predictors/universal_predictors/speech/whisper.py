@@ -55,7 +55,8 @@ class Word:
     word: str
     start: float
     end: float
-    probability: float
+    #: The mean probability of its tokens (None where the engine was not asked to score them).
+    probability: float | None
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ def scored_whisper_class() -> type[Any]:
     after each window, with those same functions, into the window's output (what each segment of
     ``return_segments`` holds as ``result``), and drops the window's per-step scores (a vocabulary's floats per
     token) once read. Without the scoring arguments (:func:`scored_generate_kwargs`) it decodes as its parent."""
+    import torch
     from transformers import WhisperForConditionalGeneration
     from transformers.generation.logits_process import WhisperNoSpeechDetection
 
@@ -171,6 +173,10 @@ def scored_whisper_class() -> type[Any]:
     class ScoredWhisper(parent):
         def generate_with_fallback(self, **kwargs: Any) -> Any:
             sequences, outputs, skip, condition, output_type = super().generate_with_fallback(**kwargs)
+            for window in outputs:
+                if isinstance(window, dict):  # token timestamps are taken from these already: not kept per window
+                    for key in ("cross_attentions", "decoder_attentions", "encoder_attentions"):
+                        window.pop(key, None)
             config = kwargs["generation_config"]
             if config.logprob_threshold is None or not outputs or not isinstance(outputs[0], dict):
                 return sequences, outputs, skip, condition, output_type
@@ -184,6 +190,10 @@ def scored_whisper_class() -> type[Any]:
                     continue
                 tokens = _with_one_end(window["sequences"][start:], config.pad_token_id, config.eos_token_id)
                 window["avg_logprob"] = float(self._retrieve_avg_logprobs(scores, tokens, temperature))
+                # Each chosen token's log probability the same way (for words' probabilities), by position.
+                logprobs = torch.log_softmax(torch.stack(scores[: len(tokens)]).float() * (temperature or 1.0), -1)
+                window["token_logprobs"] = logprobs.gather(-1, tokens[:, None].to(logprobs.device))[:, 0].tolist()
+                window["generated_from"] = start
                 if no_speech is not None:
                     window["no_speech_prob"] = float(no_speech[i])
             return sequences, outputs, skip, condition, output_type
@@ -219,6 +229,8 @@ class WhisperEngine:
         #: Language codes (``en``) the checkpoint knows, and back from their token ids.
         self.languages = sorted(token.strip("<|>") for token in lang_to_id)
         self._language_of = {token_id: token.strip("<|>") for token, token_id in lang_to_id.items()}
+        #: Whether generate can time tokens (``return_token_timestamps`` needs the heads that align them).
+        self.word_timestamps = getattr(config, "alignment_heads", None) is not None
         #: The longest prompt: generate refuses a prompt over half the decoder's positions.
         self.max_prompt_tokens = self.model.config.max_target_positions // 2 - 1
         rate = self.processor.feature_extractor.sampling_rate
@@ -258,13 +270,14 @@ class WhisperEngine:
         languages = self._languages(jobs, [f for f, _ in features])
         groups: dict[tuple[Any, ...], list[int]] = {}
         for index, job in enumerate(jobs):
-            key = (features[index][1], job.task, languages[index], job.prompt_ids, job.temperature, job.scored)
+            key = (features[index][1], job.task, languages[index], job.prompt_ids, job.temperature, job.scored,
+                   job.words)  # fmt: skip
             groups.setdefault(key, []).append(index)
         out: list[Transcript | None] = [None] * len(jobs)
         with torch.inference_mode():
-            for (long_form, task, language, prompt_ids, temperature, scored), members in groups.items():
+            for (long_form, task, language, prompt_ids, temperature, scored, words), members in groups.items():
                 batch = [features[i][0] for i in members]
-                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature, scored)
+                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature, scored, words)
                 for index, found in zip(members, segments, strict=True):
                     seconds = len(jobs[index].samples) / SAMPLE_RATE
                     out[index] = Transcript(languages[index] or "en", found, seconds, self._running_texts(found))
@@ -289,7 +302,7 @@ class WhisperEngine:
 
     def _generate(self, batch: list[Any], long_form: bool, task: SpeechTask, language: str | None,
                   prompt_ids: tuple[int, ...] | None, temperature: float,
-                  scored: bool = False) -> list[list[Segment]]:  # fmt: skip
+                  scored: bool = False, words: bool = False) -> list[list[Segment]]:  # fmt: skip
         import torch
 
         frames = [f.shape[-1] for f in batch]
@@ -311,8 +324,45 @@ class WhisperEngine:
             kwargs["temperature"] = temperature
         if scored:
             kwargs.update(scored_generate_kwargs(temperature))
-        output = self.model.generate(input_features.to(self.device, self.dtype), **kwargs)
-        return [self._segments(found) for found in output["segments"]]
+        if not words:
+            output = self.model.generate(input_features.to(self.device, self.dtype), **kwargs)
+            return [self._segments(found) for found in output["segments"]]
+        # Token timestamps: cross-attention alignment (the generation config's alignment_heads, dynamic time warping).
+        # generate switches the model to eager attention for the attention weights, for good: switched back after.
+        attention = self.model.config._attn_implementation
+        try:
+            output = self.model.generate(input_features.to(self.device, self.dtype), return_token_timestamps=True,
+                                         **kwargs)  # fmt: skip
+        finally:
+            self.model.config._attn_implementation = attention
+        return [self._segments(found, language or "en") for found in output["segments"]]
+
+    def _words(self, segment: dict[str, Any], window: dict[str, Any], language: str) -> tuple[Word, ...]:
+        """A segment's text tokens grouped into words as openai-whisper groups them (split before a space, the
+        punctuation merged into its neighbour: transformers' ``_combine_tokens_into_words``, the grouping of its
+        pipeline's word timestamps), each from its first token's time to the time of the token after its last (the
+        next word's, or the closing timestamp): openai-whisper's ``add_word_timestamps``, on ``generate``'s token
+        timestamps (each token's time is where the alignment reaches it)."""
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES, _combine_tokens_into_words
+
+        tokens = [int(t) for t in segment["tokens"].tolist()]
+        times = [float(t) for t in segment["token_timestamps"].tolist()]
+        text_end = self.processor.tokenizer.eos_token_id  # Whisper's special and timestamp tokens all come after
+        positions = [i for i, token in enumerate(tokens) if token < text_end]
+        if not positions:
+            return ()
+        texts, _, indices = _combine_tokens_into_words(self.processor.tokenizer, [tokens[i] for i in positions],
+                                                       LANGUAGES.get(language, "english"))  # fmt: skip
+        logprobs = window.get("token_logprobs")
+        first = segment["idxs"][0] - window.get("generated_from", 0)
+        words = []
+        for text, members in zip(texts, indices, strict=True):
+            start, after = positions[members[0]], positions[members[-1]] + 1
+            probability = None
+            if logprobs is not None:
+                probability = sum(math.exp(logprobs[first + positions[m]]) for m in members) / len(members)
+            words.append(Word(text, round(times[start], 3), round(times[min(after, len(times) - 1)], 3), probability))
+        return tuple(words)
 
     def _running_texts(self, segments: list[Segment]) -> list[str]:
         decode = self.processor.tokenizer.decode
@@ -323,7 +373,8 @@ class WhisperEngine:
             texts.append(decode(tokens, skip_special_tokens=True))
         return texts
 
-    def _segments(self, found: list[dict[str, Any]]) -> list[Segment]:
+    def _segments(self, found: list[dict[str, Any]], words_in: str | None = None) -> list[Segment]:
+        """``generate``'s segments as :class:`Segment` (with words, in language ``words_in``, when it is named)."""
         tokenizer = self.processor.tokenizer
         segments = []
         for number, segment in enumerate(found):
@@ -333,5 +384,6 @@ class WhisperEngine:
             window = segment["result"] if isinstance(segment.get("result"), dict) else {}
             segments.append(Segment(number, int(start * 100), round(start, 2), round(end, 2), text, tokens,
                                     avg_logprob=window.get("avg_logprob"),
-                                    no_speech_prob=window.get("no_speech_prob")))  # fmt: skip
+                                    no_speech_prob=window.get("no_speech_prob"),
+                                    words=self._words(segment, window, words_in) if words_in else ()))  # fmt: skip
         return segments

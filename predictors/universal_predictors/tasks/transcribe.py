@@ -99,7 +99,7 @@ class TranscriptionRequest(TranslationRequest):
     language: str | None = Field(default=None, pattern=r"^[a-z]{2,3}$", description="ISO-639-1 code; else detected.")
     stream: bool = False
     timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
-        default=None, description="verbose_json only: segment times always; word times on faster-whisper."
+        default=None, description="verbose_json only: segment times always; word times when asked."
     )
 
 
@@ -154,8 +154,9 @@ def form_body(
         raise InvalidRequest("timestamp_granularities[]: only response_format verbose_json has timestamps",
                              param="timestamp_granularities[]")  # fmt: skip
     if fields.timestamp_granularities and "word" in fields.timestamp_granularities and not word_timestamps:
-        raise InvalidRequest("timestamp_granularities[]: word timestamps are not available on the transformers "
-                             "backend; ask for segment, or serve a CTranslate2 model (backend faster-whisper)",
+        raise InvalidRequest("timestamp_granularities[]: word timestamps are not available for this model (its "
+                             "generation config names no alignment_heads, the cross-attention heads that align "
+                             "words); ask for segment",
                              param="timestamp_granularities[]")  # fmt: skip
     return fields.model, SpeechBody(task=task, fields=fields, audio=files[0].data)
 
@@ -246,7 +247,9 @@ class TranscribePredictor(UniversalPredictor):
 
     @property
     def word_timestamps(self) -> bool:
-        return self.backend is Backend.FASTER_WHISPER
+        """faster-whisper's ``word_timestamps``; on transformers, a checkpoint whose generation config names the
+        heads that align (``alignment_heads``: openai/whisper-* have them, a fine-tune may not)."""
+        return isinstance(self.whisper, FasterWhisperEngine) or self.whisper.word_timestamps
 
     def unload(self) -> None:
         if hasattr(self, "whisper"):
