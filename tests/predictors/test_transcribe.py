@@ -328,6 +328,36 @@ def test_a_mixed_batch_decodes_each_job_as_it_decodes_alone(whisper_dir: Path, s
     assert None not in {s.no_speech_prob for s in together[8].segments}
 
 
+def test_a_long_recordings_text_is_told_as_each_window_decodes(whisper_dir: Path, long_wav: bytes) -> None:
+    """What streaming sends: the text so far after each 30 s window, told before the next window decodes (the
+    order of events, counted by wrapping the engine's window decoding, ``generate_with_fallback``)."""
+    import torch
+
+    engine = WhisperEngine(str(whisper_dir), "cpu", torch.float32)
+    events: list[str] = []
+    told: list[str] = []
+    decode_window = engine.model.generate_with_fallback
+
+    def counted(**kwargs: Any) -> Any:
+        events.append("window decoded")
+        return decode_window(**kwargs)
+
+    def on_window(text: str) -> None:
+        events.append("text told")
+        told.append(text)
+
+    engine.model.generate_with_fallback = counted
+    samples = read_wav(long_wav)
+    [transcript] = engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0, on_window=on_window)])
+    assert len(told) >= 3, "two and a half windows"
+    assert events == ["window decoded", "text told"] * len(told)
+    assert set(told) <= set(transcript.texts)  # each the text of the segments so far
+    assert told[-1] == transcript.texts[-1]
+    quiet = engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0)])[0]
+    assert quiet == transcript
+    assert [(s.tokens, s.start, s.end) for s in transcript.segments] == reference(whisper_dir, samples).segments
+
+
 # -- every response format through the SDK ---------------------------------------------------------------------------
 
 
@@ -364,6 +394,8 @@ def test_a_stream_sends_deltas_that_add_up_to_the_done_text(client: OpenAI, shor
         assert done.type == "transcript.text.done"
         assert done.text == unary.text
         assert "".join(getattr(event, "delta", "") for event in deltas) == unary.text
+        if clip == long_wav:
+            assert len(deltas) > 1
 
 
 def test_the_gateway_lists_the_model_with_its_task(gateway: GatewayProcess, client: OpenAI,

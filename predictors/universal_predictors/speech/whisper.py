@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
@@ -46,6 +46,9 @@ class Job:
     words: bool = False
     #: ``avg_logprob`` and ``no_speech_prob`` wanted (verbose_json): on transformers, generate keeps its scores.
     scored: bool = False
+    #: Called on the engine thread with the text decoded so far, as each of its 30 s windows decodes (transformers;
+    #: streaming). Not part of what the job is.
+    on_window: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,15 @@ def scored_whisper_class() -> type[Any]:
     parent: Any = WhisperForConditionalGeneration  # untyped in transformers
 
     class ScoredWhisper(parent):
+        #: Called with (the item's index in the batch, its window's segments) as each window is cut into segments.
+        on_segments: Callable[[int, list[dict[str, Any]]], None] | None = None
+
+        def _retrieve_segment(self, **kwargs: Any) -> Any:
+            segments, offset = super()._retrieve_segment(**kwargs)
+            if self.on_segments is not None:
+                self.on_segments(int(kwargs["prev_idx"]), segments)
+            return segments, offset
+
         def generate_with_fallback(self, **kwargs: Any) -> Any:
             sequences, outputs, skip, condition, output_type = super().generate_with_fallback(**kwargs)
             for window in outputs:
@@ -277,7 +289,12 @@ class WhisperEngine:
         with torch.inference_mode():
             for (long_form, task, language, prompt_ids, temperature, scored, words), members in groups.items():
                 batch = [features[i][0] for i in members]
-                segments = self._generate(batch, long_form, task, language, prompt_ids, temperature, scored, words)
+                self.model.on_segments = self._window_texts([jobs[i].on_window for i in members])
+                try:
+                    segments = self._generate(batch, long_form, task, language, prompt_ids, temperature, scored,
+                                              words)  # fmt: skip
+                finally:
+                    self.model.on_segments = None
                 for index, found in zip(members, segments, strict=True):
                     seconds = len(jobs[index].samples) / SAMPLE_RATE
                     out[index] = Transcript(languages[index] or "en", found, seconds, self._running_texts(found))
@@ -363,6 +380,24 @@ class WhisperEngine:
                 probability = sum(math.exp(logprobs[first + positions[m]]) for m in members) / len(members)
             words.append(Word(text, round(times[start], 3), round(times[min(after, len(times) - 1)], 3), probability))
         return tuple(words)
+
+    def _window_texts(self, callbacks: list[Callable[[str], None] | None]) -> Callable[[int, Any], None] | None:
+        """What tells each job of a ``generate`` call its text so far as each of its windows is cut into segments (in
+        ``generate``'s sequential long-form loop, before the next window decodes): the tokens of every segment so far
+        decoded as one, as :meth:`_running_texts` decodes them."""
+        if not any(callbacks):
+            return None
+        tokens: list[list[int]] = [[] for _ in callbacks]
+
+        def tell(row: int, segments: list[dict[str, Any]]) -> None:
+            callback = callbacks[row]
+            if callback is None or not segments:
+                return
+            for segment in segments:
+                tokens[row] += [int(t) for t in segment["tokens"].tolist()]
+            callback(self.processor.tokenizer.decode(tokens[row], skip_special_tokens=True))
+
+        return tell
 
     def _running_texts(self, segments: list[Segment]) -> list[str]:
         decode = self.processor.tokenizer.decode

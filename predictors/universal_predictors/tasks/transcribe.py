@@ -8,17 +8,18 @@ the decoding runs on the engine thread, audio of concurrent requests batched
 (:mod:`universal_predictors.speech.whisper` on transformers, :mod:`universal_predictors.speech.whisper_ct2` on
 faster-whisper; ``auto`` picks faster-whisper for a directory CTranslate2's converter wrote, transformers otherwise).
 
-``stream=true`` answers with server-sent events, ``transcript.text.delta`` per segment and one
-``transcript.text.done`` with the whole text. The deltas come once the request's audio is decoded (a batch's
-``generate`` returns all segments at once): the events have OpenAI's shapes, not yet its pacing.
+``stream=true`` answers with server-sent events, ``transcript.text.delta`` events and one ``transcript.text.done``
+with the whole text. On transformers a delta goes out as each 30 s window decodes (``Job.on_window``, told from
+within ``generate``'s sequential long-form loop); faster-whisper's come once the request's audio is decoded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, ClassVar, Literal
 
 from fastapi import Request
@@ -301,6 +302,28 @@ class TranscribePredictor(UniversalPredictor):
         fields = body.fields
         language = self.whisper.check_language(fields.language, body.task)
         prompt_ids = self.whisper.prompt_ids(fields.prompt)
+        progress = self._progress(body, language, prompt_ids)
+        if fields.stream:
+            # The first window's text (or the transcript) before answering: a file the limits refuse is a 400/413.
+            first = await anext(progress)
+            return StreamingResponse(_events(first, progress), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        async for item in progress:
+            if isinstance(item, Transcript):
+                words = "word" in (fields.timestamp_granularities or ())
+                return self._response(item, body.task, fields.response_format, fields.temperature, words)
+        raise AssertionError("the decoding ended without a transcript")
+
+    async def _progress(self, body: SpeechBody, language: str | None,
+                        prompt_ids: tuple[int, ...] | None) -> AsyncGenerator[str | Transcript, None]:  # fmt: skip
+        """The request decoded: for a stream, its text so far as each window decodes; then its transcript."""
+        fields = body.fields
+        loop = asyncio.get_running_loop()
+        windows: asyncio.Queue[str] = asyncio.Queue()
+
+        def on_window(text: str) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(windows.put_nowait, text)
+
         # What the header declares (every header check done), else the limit: reserved before anything is decoded,
         # held until the transcript is done (the samples and features live that long).
         with self._arriving() as arrived:
@@ -310,14 +333,24 @@ class TranscribePredictor(UniversalPredictor):
                 audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
                 words = "word" in (fields.timestamp_granularities or ())
                 job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words,
-                          scored=fields.response_format == "verbose_json")  # fmt: skip
+                          scored=fields.response_format == "verbose_json",
+                          on_window=on_window if fields.stream else None)  # fmt: skip
                 del audio
                 arrived()
-                transcript = await self.batcher.submit(job)
-        if fields.stream:
-            return StreamingResponse(_events(transcript), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return self._response(transcript, body.task, fields.response_format, fields.temperature, job.words)
+                pending = asyncio.ensure_future(self.batcher.submit(job))
+                try:
+                    while not pending.done():
+                        window = asyncio.ensure_future(windows.get())
+                        await asyncio.wait({pending, window}, return_when=asyncio.FIRST_COMPLETED)
+                        if window.done():
+                            yield window.result()
+                        else:
+                            window.cancel()
+                    while not windows.empty():  # told before the batch's answer was
+                        yield windows.get_nowait()
+                    yield pending.result()
+                finally:
+                    pending.cancel()  # a client that left: a job still queued is skipped
 
     @contextlib.contextmanager
     def _arriving(self) -> Iterator[Callable[[], None]]:
@@ -374,16 +407,33 @@ def _json(payload: dict[str, Any]) -> Response:
     return Response(json.dumps(payload, ensure_ascii=False), media_type="application/json")
 
 
-async def _events(transcript: Transcript) -> AsyncIterator[bytes]:
-    """The transcript as OpenAI's transcription events: deltas that add up to the text, then the text."""
+def _grown(running: str, sent: str) -> str | None:
+    """The text told so far (``running``) past what was sent, once it only grew. Held back: trailing spaces (the
+    done text is stripped) and a trailing U+FFFD (a character whose other bytes the next segment may bring)."""
+    running = running.strip().rstrip("\ufffd")
+    return running if running.startswith(sent) and len(running) > len(sent) else None
+
+
+async def _events(first: str | Transcript, rest: AsyncGenerator[str | Transcript, None]) -> AsyncIterator[bytes]:
+    """The decoding as OpenAI's transcription events: a delta per window as it decodes, deltas that add up to the
+    text, then the text."""
     sent = ""
-    for running in transcript.texts:
-        # A delta once the text so far only grew. Held back: trailing spaces (the done text is stripped) and a
-        # trailing U+FFFD (a character whose other bytes the next segment may bring).
-        running = running.strip().rstrip("\ufffd")
-        if running.startswith(sent) and len(running) > len(sent):
-            yield _event({"type": "transcript.text.delta", "delta": running[len(sent) :]})
-            sent = running
+    item = first
+    try:
+        while not isinstance(item, Transcript):
+            grown = _grown(item, sent)
+            if grown is not None:
+                yield _event({"type": "transcript.text.delta", "delta": grown[len(sent) :]})
+                sent = grown
+            item = await anext(rest)
+    finally:
+        await rest.aclose()
+    transcript = item
+    for running in transcript.texts:  # what the windows did not tell (faster-whisper: everything), per segment
+        grown = _grown(running, sent)
+        if grown is not None:
+            yield _event({"type": "transcript.text.delta", "delta": grown[len(sent) :]})
+            sent = grown
     if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
         yield _event({"type": "transcript.text.delta", "delta": transcript.text[len(sent) :]})
     yield _event({"type": "transcript.text.done", "text": transcript.text})
