@@ -1,15 +1,16 @@
 """What each request used, read from the predictors' answers, and the ledger of it per key, model and hour.
 
 Where the counts come from: a unary answer's ``usage`` object (generation, embeddings, rerank, OCR, documents,
-anomaly), and an event stream's usage comments, which the gateway asks the predictor for
-(``USAGE_COMMENTS_HEADER``) and takes out before the client sees the stream (:class:`StreamTap`). So the ledger
-counts what the engines counted, not an estimate.
+anomaly; speech to text's ``{"type": "duration", "seconds": N}``, OpenAI's), and an event stream's usage comments,
+which the gateway asks the predictor for (``USAGE_COMMENTS_HEADER``) and takes out before the client sees the stream
+(:class:`StreamTap`). So the ledger counts what the engines counted, not an estimate.
 
 The ledger keeps, per key, model and hour: requests, input and output tokens, images, OCR/document pages, anomaly
-rows scored, and predictor seconds (from the request's send to its last byte, the wake included for the request
-that woke the model). It is exposed as Prometheus counters (``universal_gateway_usage_*_total{key_id, model}``) and
-as ``GET /v1/usage`` (:func:`usage_report`). Where the hours are kept is a :class:`UsageLedger`: this process
-(:class:`Ledger`) or Redis, shared by every gateway replica (:mod:`.redis_ledger`).
+rows scored, audio seconds transcribed or translated (whole seconds, as the answers bill them), and predictor
+seconds (from the request's send to its last byte, the wake included for the request that woke the model). It is
+exposed as Prometheus counters (``universal_gateway_usage_*_total{key_id, model}``) and as ``GET /v1/usage``
+(:func:`usage_report`). Where the hours are kept is a :class:`UsageLedger`: this process (:class:`Ledger`) or
+Redis, shared by every gateway replica (:mod:`.redis_ledger`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Usage:
     images: int = 0
     pages: int = 0
     rows: int = 0
+    audio_seconds: int = 0
     predictor_seconds: float = 0.0
 
     def add(self, other: Usage) -> None:
@@ -68,6 +70,7 @@ def from_usage_object(usage: Any) -> Usage:
         images=number("images"),
         pages=number("pages"),
         rows=number("rows"),
+        audio_seconds=number("seconds") if usage.get("type") == "duration" else 0,
     )
 
 

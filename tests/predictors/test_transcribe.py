@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -404,6 +405,38 @@ def test_the_gateway_lists_the_model_with_its_task(gateway: GatewayProcess, clie
     card = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     [model] = [m for m in card if m["id"] == SERVED]
     assert model["task"] == "transcribe"
+
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the SDK marks audio.translations deprecated
+def test_the_usage_ledger_counts_the_answers_audio_seconds(gateway: GatewayProcess, client: OpenAI,
+                                                           short_wav: bytes, long_wav: bytes) -> None:  # fmt: skip
+    def totals() -> dict[str, int]:
+        rows = httpx.get(f"{gateway.url}/v1/usage", timeout=30).json()["data"]
+        mine = [row for row in rows if row["model"] == SERVED]
+        return {name: sum(row[name] for row in mine) for name in ("audio_seconds", "requests")}
+
+    before = totals()
+    translated = client.audio.translations.create(model=SERVED, file=("b.wav", short_wav),
+                                                  response_format="verbose_json")  # fmt: skip
+    answers = [
+        client.audio.transcriptions.create(model=SERVED, file=("a.wav", short_wav), language="en").model_dump(),
+        verbose(client, long_wav, language="en"),
+        translated.model_dump(),
+    ]
+    billed = [answer["usage"]["seconds"] for answer in answers]
+    assert billed == [3, 75, 3]
+    deadline = time.monotonic() + 30  # the gateway writes the ledger after each answer is out
+    while totals()["requests"] - before["requests"] < len(answers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = totals()
+    assert after["requests"] - before["requests"] == len(answers)
+    assert after["audio_seconds"] - before["audio_seconds"] == sum(billed)
+    csv_text = httpx.get(f"{gateway.url}/v1/usage?format=csv", timeout=30).text
+    assert "audio_seconds" in csv_text.splitlines()[0].split(",")
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    counter = "universal_gateway_usage_audio_seconds_total{"
+    counted = [line for line in metrics.splitlines() if line.startswith(counter) and f'model="{SERVED}"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in counted) == after["audio_seconds"]
 
 
 # -- hostile and wrong files: 400/413 in OpenAI's shape --------------------------------------------------------------
