@@ -44,6 +44,7 @@ from universal_gateway.usage import Ledger, StreamTap, Usage, UsageLedger, Usage
 from universal_operator.spec import ADAPTER_SEPARATOR
 from universal_predictors.catalog import CATALOG, Catalog
 from universal_predictors.config import (
+    AUDIO_SECONDS_HEADER,
     IMAGES_HEADER,
     RESPONSES_STORED_HEADER,
     UPSTREAM_TOKEN_HEADER,
@@ -624,6 +625,7 @@ class Gateway:
         usage = meter.usage
         usage.requests = 1
         usage.images = max(usage.images, meter.images)
+        usage.audio_seconds = max(usage.audio_seconds, meter.audio_seconds)
         if meter.sent is not None:  # it reached the predictor: its seconds, and the wake it waited for
             # The wake counts once, for the request that caused it; the others held with it waited for it too.
             usage.predictor_seconds = ended - meter.sent + ((meter.wake_s or 0.0) if meter.woke_it else 0.0)
@@ -727,6 +729,9 @@ class Gateway:
             if meter is not None:
                 passed += meter.headers
                 meter.images = next((int(v) for k, v in upstream.headers if k.lower() == _IMAGES and v.isdigit()), 0)
+                meter.audio_seconds = next(
+                    (int(v) for k, v in upstream.headers if k.lower() == _AUDIO_SECONDS and v.isdigit()), 0
+                )
             head_only = request.method == "HEAD"  # the upstream's answer ended with its head
             event_stream = upstream.content_type.startswith("text/event-stream")
             if into is not None and not (event_stream and upstream.status == 200):
@@ -835,6 +840,7 @@ def _instant(value: str | None, param: str, default: float) -> float:
 
 
 _IMAGES = IMAGES_HEADER.lower()
+_AUDIO_SECONDS = AUDIO_SECONDS_HEADER.lower()
 #: How often the gateway looks for a changed keys file (seconds).
 KEYS_REREAD_S = 2.0
 
@@ -842,7 +848,8 @@ KEYS_REREAD_S = 2.0
 class _Meter:
     """One proxied request's key, its draw on the key's limits and what it used."""
 
-    __slots__ = ("images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s", "woke_it")
+    __slots__ = ("audio_seconds", "images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s",
+                 "woke_it")
 
     def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
         self.key = key
@@ -854,6 +861,7 @@ class _Meter:
         self.woke_it = False  # it was the request that woke its model
         self.streamed = False
         self.images = 0  # the images a chat held (the predictor's IMAGES_HEADER)
+        self.audio_seconds = 0  # the audio a transcription billed (the predictor's AUDIO_SECONDS_HEADER)
 
     @property
     def headers(self) -> list[tuple[str, str]]:

@@ -16,6 +16,7 @@ from yarl import URL
 
 from universal_gateway.server import Request
 from universal_predictors.config import (
+    AUDIO_SECONDS_HEADER,
     IMAGES_HEADER,
     RESPONSES_STORED_HEADER,
     UPSTREAM_TOKEN_HEADER,
@@ -31,7 +32,7 @@ DROPPED_HEADERS = frozenset({
 })  # fmt: skip
 #: Also never passed back: the gateway is the server. Content-Encoding does pass: the body is relayed
 #: as the upstream encoded it (for a client that asked for that encoding).
-DROPPED_RESPONSE_HEADERS = DROPPED_HEADERS | {"server", "date", IMAGES_HEADER.lower()}
+DROPPED_RESPONSE_HEADERS = DROPPED_HEADERS | {"server", "date", IMAGES_HEADER.lower(), AUDIO_SECONDS_HEADER.lower()}
 _DROPPED_HEADER_BYTES = frozenset(name.encode() for name in DROPPED_HEADERS)
 #: Unrelayed upstream body beyond which the upstream socket stops being read (backpressure).
 _HIGH_WATER = 256 * 1024

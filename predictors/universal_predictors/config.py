@@ -46,6 +46,10 @@ RESPONSES_STORED_HEADER = "X-Universal-Runtime-Responses"
 USAGE_COMMENTS_HEADER = "X-Universal-Runtime-Usage"
 #: On a generation's answer: the images its chat held (the gateway's usage ledger counts them, and drops the header).
 IMAGES_HEADER = "X-Universal-Runtime-Images"
+#: On a transcription's or translation's answer, in every response format and on a stream: the audio's seconds as
+#: ``usage`` bills them (whole seconds, rounded up), which the gateway's usage ledger counts (and drops the header):
+#: ``text``, ``srt``, ``vtt`` and event streams have no ``usage`` of their own.
+AUDIO_SECONDS_HEADER = "X-Universal-Runtime-Audio-Seconds"
 #: A standby predictor (``python -m universal_predictors STANDBY_FLAG``, universal_predictors.standby): its
 #: line once its imports are done, its line once it has taken the model handed over on its stdin, and its exit
 #: status when it declines that model.

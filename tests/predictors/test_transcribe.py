@@ -26,6 +26,7 @@ from openai import OpenAI
 from tests.gateway.harness import GatewayProcess, running_gateway
 from tests.predictors.speech_samples import RATE, encoded, espeak, long_speech, read_wav, wav_bytes
 from tests.predictors.tiny_whisper import build_tiny_whisper
+from universal_predictors.config import AUDIO_SECONDS_HEADER
 from universal_predictors.errors import InvalidRequest, RequestTooLarge
 from universal_predictors.http import FormPart
 from universal_predictors.speech.audio import AudioLimits, decode_audio
@@ -425,11 +426,19 @@ def test_the_usage_ledger_counts_the_answers_audio_seconds(gateway: GatewayProce
     ]
     billed = [answer["usage"]["seconds"] for answer in answers]
     assert billed == [3, 75, 3]
+    # Answers without a usage of their own (text, captions, an event stream) are billed the same seconds.
+    for fields in ({"response_format": "text"}, {"response_format": "srt"}, {"response_format": "vtt"},
+                   {"stream": "true"}):  # fmt: skip
+        answer = post(gateway, short_wav, **fields, language="en")
+        assert answer.status_code == 200, answer.text
+        assert answer.text.strip()
+        assert AUDIO_SECONDS_HEADER.lower() not in {name.lower() for name in answer.headers}  # the gateway's own
+        billed.append(3)
     deadline = time.monotonic() + 30  # the gateway writes the ledger after each answer is out
-    while totals()["requests"] - before["requests"] < len(answers) and time.monotonic() < deadline:
+    while totals()["requests"] - before["requests"] < len(billed) and time.monotonic() < deadline:
         time.sleep(0.1)
     after = totals()
-    assert after["requests"] - before["requests"] == len(answers)
+    assert after["requests"] - before["requests"] == len(billed)
     assert after["audio_seconds"] - before["audio_seconds"] == sum(billed)
     csv_text = httpx.get(f"{gateway.url}/v1/usage?format=csv", timeout=30).text
     assert "audio_seconds" in csv_text.splitlines()[0].split(",")

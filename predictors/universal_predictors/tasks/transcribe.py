@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from universal_predictors.base import StartupError, UniversalPredictor
 from universal_predictors.batching import BatchPolicy, MicroBatcher
 from universal_predictors.catalog import Backend, Route, Task
-from universal_predictors.config import PredictorConfig
+from universal_predictors.config import AUDIO_SECONDS_HEADER, PredictorConfig
 from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.devices import allocated_gpus, detect_device, dtype_for, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
@@ -40,6 +40,10 @@ from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, Whi
 from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine, is_ctranslate2_whisper
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+
+
+#: A request's decoding (``_progress``): the audio's seconds, its text so far per window, then its transcript.
+_Progress = AsyncGenerator[float | str | Transcript, None]
 
 
 class TranscribeEngineArgs(BaseModel):
@@ -303,20 +307,27 @@ class TranscribePredictor(UniversalPredictor):
         language = self.whisper.check_language(fields.language, body.task)
         prompt_ids = self.whisper.prompt_ids(fields.prompt)
         progress = self._progress(body, language, prompt_ids)
+        # The audio's seconds once decoded (a file the limits refuse is a 400/413 before any answer starts).
+        seconds = await anext(progress)
+        assert isinstance(seconds, float)
         if fields.stream:
-            # The first window's text (or the transcript) before answering: a file the limits refuse is a 400/413.
+            # The first window's text (or the transcript) before answering.
             first = await anext(progress)
-            return StreamingResponse(_events(first, progress), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            assert not isinstance(first, float)
+            headers = {"Cache-Control": "no-cache", AUDIO_SECONDS_HEADER: str(math.ceil(seconds))}
+            return StreamingResponse(_events(first, progress), media_type="text/event-stream", headers=headers)
         async for item in progress:
             if isinstance(item, Transcript):
                 words = "word" in (fields.timestamp_granularities or ())
-                return self._response(item, body.task, fields.response_format, fields.temperature, words)
+                response = self._response(item, body.task, fields.response_format, fields.temperature, words)
+                response.headers[AUDIO_SECONDS_HEADER] = str(math.ceil(item.seconds))  # what usage bills
+                return response
         raise AssertionError("the decoding ended without a transcript")
 
     async def _progress(self, body: SpeechBody, language: str | None,
-                        prompt_ids: tuple[int, ...] | None) -> AsyncGenerator[str | Transcript, None]:  # fmt: skip
-        """The request decoded: for a stream, its text so far as each window decodes; then its transcript."""
+                        prompt_ids: tuple[int, ...] | None) -> _Progress:  # fmt: skip
+        """The request decoded: the audio's seconds once decoded; for a stream, its text so far as each window
+        decodes; then its transcript."""
         fields = body.fields
         loop = asyncio.get_running_loop()
         windows: asyncio.Queue[str] = asyncio.Queue()
@@ -331,6 +342,7 @@ class TranscribePredictor(UniversalPredictor):
             seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
             async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
                 audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
+                yield float(audio.seconds)
                 words = "word" in (fields.timestamp_granularities or ())
                 job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words,
                           scored=fields.response_format == "verbose_json",
@@ -414,14 +426,14 @@ def _grown(running: str, sent: str) -> str | None:
     return running if running.startswith(sent) and len(running) > len(sent) else None
 
 
-async def _events(first: str | Transcript, rest: AsyncGenerator[str | Transcript, None]) -> AsyncIterator[bytes]:
+async def _events(first: str | Transcript, rest: _Progress) -> AsyncIterator[bytes]:
     """The decoding as OpenAI's transcription events: a delta per window as it decodes, deltas that add up to the
     text, then the text."""
     sent = ""
-    item = first
+    item: float | str | Transcript = first
     try:
         while not isinstance(item, Transcript):
-            grown = _grown(item, sent)
+            grown = _grown(item, sent) if isinstance(item, str) else None  # (the seconds came before ``first``)
             if grown is not None:
                 yield _event({"type": "transcript.text.delta", "delta": grown[len(sent) :]})
                 sent = grown
