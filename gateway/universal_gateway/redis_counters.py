@@ -399,6 +399,11 @@ class RedisCounters:
         self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float, places_from: str = ""
     ) -> None:
         shared = self._give_up_places(slots, places_from)
+        if self.book is not None and places_from == "lease":
+            # Near the limit (its lease not renewed), a place freed here goes back to Redis now, in the background.
+            near = [p for name in slots if (p := self.book.places.get(name)) and now >= p.until and p.places > p.in_use]
+            if near and not self.link.paused:
+                self._spawn(self._call_leases([], near, now, want=False))
         if self.book is not None and takes:
             takes = self.book.settle(takes, now)  # from this replica's leases what they can
         if not takes and not shared:
@@ -454,9 +459,12 @@ class RedisCounters:
                                  _number(now + self.slot_lease_s), _number(IDLE_GRACE_S), LEASE_FAR]  # fmt: skip
         sent: list[tuple[float, float]] = []  # per bucket lease: (spent, given back) as sent
         for lease in buckets:
-            spent, back = lease.unreported, 0.0 if want else lease.unused
+            # A live lease is topped up; one that ended, or is given back, is not admitted from again: what is left
+            # of it goes back (Redis may already have ended it, counting it as spent: it must not come back to life).
+            ended = not want or now >= lease.until
+            spent, back = lease.unreported, lease.unused if ended else 0.0
             lease.unreported = 0.0
-            if not want:  # nothing more is admitted from it: what is left goes back
+            if ended:
                 lease.unused, lease.until = 0.0, -math.inf
             sent.append((spent, back))
             args += [lease.bucket.limit, _number(spent), _number(back), lease.size if want else 0]
@@ -502,6 +510,11 @@ class RedisCounters:
                     near_places.append(place)
         if near_buckets or near_places:
             await self._call_leases(near_buckets, near_places, self.clock(), want=False)
+
+    async def lease_calls_done(self) -> None:
+        """Until the lease calls in flight have their answers (for tests: the background settles)."""
+        while self._lease_calls:
+            await asyncio.gather(*self._lease_calls, return_exceptions=True)
 
     async def _sweep(self) -> None:
         """Every half lease: leases that ended given back, and places held for running requests renewed."""
