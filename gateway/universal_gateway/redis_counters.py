@@ -303,6 +303,7 @@ class RedisCounters:
         if admission.refused is None and admission.slots_refused is None:
             for name, _ in slots:
                 self._local_slots[name] = self._local_slots.get(name, 0) + 1
+            admission.places_from = "memory"
         return admission
 
     async def _admit_shared(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]],

@@ -296,7 +296,7 @@ async def test_a_lease_serves_while_redis_is_away_then_this_replica_s_memory(
         assert errors == [1]
         after = await replica.admit([REQ], [], clock())
         assert after.refused is None
-        assert after.places_from == ""
+        assert after.places_from == "memory"
         assert after.levels[0].remaining == LIMIT - 1  # a full bucket in memory, as before leases
         assert len(errors) == 1
     finally:
