@@ -15,7 +15,8 @@ request gets 429 in OpenAI's shape (``type`` ``requests`` or ``tokens``, code ``
 ``Retry-After`` (and ``retry-after-ms``, which the OpenAI SDKs read first).
 
 Where the levels live is :class:`Counters`: this process (:class:`MemoryCounters`, the local ``serve`` and a single
-replica) or Redis, shared by every gateway replica (:mod:`.redis_counters`).
+replica) or Redis, shared by every gateway replica (:mod:`.redis_counters`; far from a limit, each replica admits
+from a lease it took there: :mod:`.redis_leases`).
 """
 
 from __future__ import annotations

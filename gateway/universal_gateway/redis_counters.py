@@ -19,6 +19,12 @@ bucket and slot of a request at once, whichever replica asks.
   :data:`SLOT_LEASE_S` while they run; a replica that dies mid-request renews nothing, and its places come free
   within :data:`SLOT_LEASE_S`. (A fixed longest lifetime instead would have to outlast the longest stream, minutes,
   and a dead replica would hold a place that long.)
+- **Leases** (:mod:`.redis_leases`, which says why they are sound): far from its limits, a replica takes a share of
+  a key's buckets and places in one call (:data:`_LEASE`), admits from it in its memory with no round trip, takes
+  its requests' tokens from it at their end and frees their places there, and refreshes it in the background. A
+  bucket's leases (``{bucket}:leases``: replica -> what it holds and until when) count in every script: a bucket
+  refills only up to its limit less what they hold, and a counter's reservations count as taken places. Near a
+  limit no lease is granted, what is left goes back, and each admission is one script call as above: exact.
 
 **When Redis cannot be reached: open, onto this replica's own counters.** A call that fails is counted in
 ``universal_gateway_limits_store_errors_total{use="limits"}`` and logged (at most once a minute,
