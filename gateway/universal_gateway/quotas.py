@@ -15,7 +15,8 @@ request gets 429 in OpenAI's shape (``type`` ``requests`` or ``tokens``, code ``
 ``Retry-After`` (and ``retry-after-ms``, which the OpenAI SDKs read first).
 
 Where the levels live is :class:`Counters`: this process (:class:`MemoryCounters`, the local ``serve`` and a single
-replica) or Redis, shared by every gateway replica (:mod:`.redis_counters`).
+replica) or Redis, shared by every gateway replica (:mod:`.redis_counters`; far from a limit, each replica admits
+from a lease it took there: :mod:`.redis_leases`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Admission:
     refused: Level | None = None
     retry_after_s: float = 0.0
     slots_refused: tuple[str, int] | None = None  # (scope, limit) of a concurrency limit reached
+    places_from: str = ""  # where its concurrency places were taken (the counters' own word, given back to finish)
 
 
 class Counters(Protocol):
@@ -80,9 +82,11 @@ class Counters(Protocol):
 
     async def release(self, slots: Sequence[str]) -> None: ...
 
-    async def finish(self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float) -> None:
+    async def finish(
+        self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float, places_from: str = ""
+    ) -> None:
         """A request's end: take each amount (a give-back when negative; never all or nothing) and release its
-        places, in one call (one round trip where they are kept in Redis)."""
+        places (``places_from``: its admission's), in one call (one round trip where they are kept in Redis)."""
         ...
 
     async def close(self) -> None: ...
@@ -150,7 +154,9 @@ class MemoryCounters:
             else:
                 self.slots.pop(name, None)
 
-    async def finish(self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float) -> None:
+    async def finish(
+        self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float, places_from: str = ""
+    ) -> None:
         if takes:
             await self.take(takes, now, all_or_nothing=False)
         await self.release(slots)
@@ -249,12 +255,13 @@ class Ticket:
     """One admitted request's draw on its limits: its headers, its streamed output, its final usage."""
 
     def __init__(self, quotas: Quotas, key: Key | None, buckets: list[Bucket], slots: list[str],
-                 headers: list[tuple[str, str]]) -> None:  # fmt: skip
+                 headers: list[tuple[str, str]], places_from: str = "") -> None:  # fmt: skip
         self._quotas = quotas
         self.key = key
         self._buckets = buckets
         self._output_buckets = [b for b in buckets if b.kind == OUTPUT]
         self._slots = slots
+        self._places_from = places_from
         self.headers = headers
         self.output_taken = 0  # output tokens spent
         self._leased = 0  # output tokens taken from the buckets and not spent yet
@@ -301,7 +308,7 @@ class Ticket:
         self._leased = 0
         self.output_taken = max(self.output_taken, output_tokens)
         if takes or self._slots:
-            await self._quotas.counters.finish(takes, self._slots, self._quotas.clock())
+            await self._quotas.counters.finish(takes, self._slots, self._quotas.clock(), self._places_from)
 
 
 class Quotas:
@@ -358,4 +365,4 @@ class Quotas:
                 1.0,
                 headers,
             )
-        return Ticket(self, key, buckets, [name for name, _ in slots], headers)
+        return Ticket(self, key, buckets, [name for name, _ in slots], headers, admission.places_from)
