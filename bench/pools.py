@@ -353,10 +353,23 @@ def main() -> None:
         pool = pool_side(names, folder, work, args.rounds, image, args.member_processes)
         print(f"anchor: one predictor process per model, {args.anchor_batch} at a time", flush=True)
         anchor = anchor_side(manifests, work, args.rounds, image, args.anchor_batch)
+        report(args, tasks, pool, anchor)
+        if len(tasks) < 2:
+            print("eviction: skipped (one task: nothing to evict it for)")
+            return
         budget = 1.3 * max(anchor.member_rss.values()) / MiB  # the biggest fits, never all
         print(f"eviction: one member per task under a {budget:.0f} MiB budget", flush=True)
         first, again, evictions = eviction_side(tasks, sources, work, image, budget, args.member_processes)
+    for task in tasks:
+        name = f"{task}-evict"
+        own = statistics.median(v for k, v in anchor.loads.items() if k.startswith(f"{task}-"))
+        print(f"evicted {task} member back in {again[name]:.1f}s (evicted {evictions[name]}x) vs its own load "
+              f"{own:.1f}s (process per model): {again[name] / own:.2f}x; vs its first wake in the pool "
+              f"{first[name]:.1f}s: {again[name] / first[name]:.2f}x (goal <= 1.5x)")  # fmt: skip
 
+
+def report(args: argparse.Namespace, tasks: list[str], pool: Side, anchor: Side) -> None:
+    """Memory and warm latency, pool against a process per model (printed before the eviction phase runs)."""
     ratio = anchor.rss / pool.rss if pool.rss else float("nan")
     print(f"memory, {args.models} loaded: pool ({args.member_processes} processes: {pool.processes} in serve's "
           f"tree) {pool.rss / GIB:.2f} GiB RSS sum (PSS {pool.pss / GIB:.2f}) vs "
@@ -374,12 +387,8 @@ def main() -> None:
         direct = p50_ms(pool.direct.warm) / p50_ms(anchor.warm)
         print(f"warm p50, the pool's member predictors directly (no gateway): {p50_ms(pool.direct.warm):.1f} ms "
               f"vs {p50_ms(anchor.warm):.1f} ms: {direct:.2f}x")  # fmt: skip
-    for task in tasks:
-        name = f"{task}-evict"
-        own = statistics.median(v for k, v in anchor.loads.items() if k.startswith(f"{task}-"))
-        print(f"evicted {task} member back in {again[name]:.1f}s (evicted {evictions[name]}x) vs its own load "
-              f"{own:.1f}s (process per model): {again[name] / own:.2f}x; vs its first wake in the pool "
-              f"{first[name]:.1f}s: {again[name] / first[name]:.2f}x (goal <= 1.5x)")  # fmt: skip
+        for task in tasks:
+            print(f"  {task}: {p50_ms(pool.direct.warm_by_task.get(task, [])):.1f} ms")
 
 
 if __name__ == "__main__":
