@@ -94,6 +94,14 @@ async def delete(cluster: ServedEmulator, plural: str, namespace: str, name: str
         assert response.status == 200, await response.text()
 
 
+async def set_idle_timeout(cluster: ServedEmulator, idle: str) -> None:
+    url = cluster.emulator.url_for(UM, "default", "embedder")
+    body = {"spec": {"scaling": {"idleTimeout": idle}}}
+    headers = {HARNESS_HEADER: "true", "Content-Type": "application/merge-patch+json"}
+    async with cluster.emulator.patch(url, json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+
+
 async def standard_model(cluster: ServedEmulator, idle: str, phase: str, address: str) -> None:
     """A Standard-mode UniversalModel, its InferenceService (the stop annotation's target) and a status."""
     await create(cluster, UM, model_manifest(mode="Standard", idle=idle))
@@ -181,6 +189,10 @@ async def test_standard_mode_stops_idle_models_and_wakes_them_once(
     await eventually(lambda: annotations(cluster).get(STOP_ANNOTATION) == "true", within=15)
     await cluster.emulator.put_status(UM, "default", "embedder", status("Idle", upstream.url))
     await eventually(lambda: state(backends) is ModelState.IDLE)
+    # Once woken, the model must stay up until the writes are counted, however slowly a loaded machine runs the
+    # test: a second idle stop (1s after the requests end) would be a second write and no fault of the wake.
+    await set_idle_timeout(cluster, "5m")
+    await eventually(lambda: backends._models[SERVED].policy.idle_timeout == 300)
 
     # Play KServe + operator: once the stop annotation is gone, the model comes back Ready.
     async def kserve() -> None:
