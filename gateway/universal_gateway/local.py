@@ -1138,14 +1138,16 @@ def fetch_source(
     single model's storage initializer is with its Secret; a copy that is not there fails this model only, naming
     the Secret. Without it (``serve`` on a laptop) the name is not read and the process's environment is used."""
     source = manifest.model.spec.source
+    if (copy := cached_copy(source.uri, cached_prefixes)) is not None:
+        # As KServe mounts a LocalModelCache for any InferenceService whose URI it covers, whatever its Secret
+        # (the node agent downloaded it with the cache's own credentials): the prefix is the pool owner's choice.
+        return str(copy)
     secret = None
     if credentials_dir is not None and source.credentials_secret is not None:
         try:
             secret = read_store_secret(credentials_dir, source.credentials_secret)
         except CredentialsUnavailable as exc:
             raise RuntimeError(str(exc)) from None
-    if (copy := cached_copy(source.uri, cached_prefixes)) is not None:
-        return str(copy)
     if is_remote(source.uri):
         return fetch_remote(source.uri, cache_dir or default_state_root() / "models", secret)
     if source.scheme == "hf":

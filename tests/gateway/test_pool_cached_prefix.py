@@ -122,3 +122,18 @@ def test_a_malformed_cached_prefix_is_refused_naming_it(value: str, why: str, tm
     )  # fmt: skip
     assert done.returncode != 0
     assert why in done.stderr
+
+
+def test_a_cached_member_naming_a_secret_is_served_the_copy_without_reading_the_secret(
+    copy_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "credentials").mkdir()  # a pool's credentials folder without this member's copy
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "keyed.yaml").write_text(
+        member("keyed", f"{PREFIX}/team-a/classifier").replace("}\n", ", credentialsSecret: never-copied}\n")
+    )
+    [keyed] = load_manifests([folder / "keyed.yaml"])
+    assert keyed.model.spec.source.credentials_secret == "never-copied"
+    fetched = fetch_source(keyed, tmp_path / "cache", tmp_path / "credentials", {PREFIX: copy_dir})
+    assert Path(fetched) == copy_dir / "team-a" / "classifier"
