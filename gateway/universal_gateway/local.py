@@ -1097,9 +1097,10 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
 def under_prefix(uri: str, prefix: str) -> str | None:
     """The path of ``uri`` below ``prefix`` ('' for the prefix itself), or None when it is not under it: the same
     URI or a path below it, as KServe matches a storage URI against a LocalModelCache's ``sourceModelUri``
-    (v0.20.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI) and then mounts the path below
-    it from the cache's volume (v0.20.0 pkg/webhook/admission/pod/storage_initializer_injector.go: the claim's
-    ``models/<cache>`` plus the URI with the cache's source cut off)."""
+    (v0.20.0 pkg/apis/serving/v1alpha1/storage_uri_utils.go MatchStorageURI, both trailing slashes trimmed) and
+    then mounts the path below it from the cache's claim (v0.20.0
+    pkg/webhook/admission/pod/storage_initializer_injector.go InjectStorageInitializer: ``pvc://<claim>/models/``
+    + ``GetStorageKey(sourceModelUri)`` (sha256[:16]) + the URI with the cache's source cut off)."""
     base, wanted = prefix.rstrip("/"), uri.rstrip("/")
     if not base:
         return None
