@@ -43,6 +43,19 @@ RESPONSES_STORE_ENV = "UNIVERSAL_RUNTIME_RESPONSES_STORE"
 LIMITS_STORE_ENV = "UNIVERSAL_RUNTIME_LIMITS_STORE"
 
 
+def _cached_prefixes(values: list[str]) -> dict[str, Path]:
+    """``--cached-prefix URI=DIR`` values, each a URI with a scheme and an existing folder."""
+    found: dict[str, Path] = {}
+    for value in values:
+        uri, sep, folder = value.partition("=")
+        if not sep or "://" not in uri or not folder:
+            raise ValueError(f"--cached-prefix {value!r}: expected URI=DIR, e.g. s3://bucket/models=/mnt/models")
+        if not Path(folder).is_dir():
+            raise ValueError(f"--cached-prefix {value!r}: {folder} is not a folder")
+        found[uri.rstrip("/")] = Path(folder)
+    return found
+
+
 def _fail(subcommand: str, message: str) -> int:
     print(f"{PROG} {subcommand}: error: {message}", file=sys.stderr)
     return 2
@@ -87,12 +100,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("serve", str(exc))
     credentials_dir = Path(args.credentials_dir) if args.credentials_dir else None
+    try:
+        cached_prefixes = _cached_prefixes(args.cached_prefix or [])
+    except ValueError as exc:
+        return _fail("serve", str(exc))
     supervisor = LocalSupervisor(manifests, state_root=state_root, standby=args.standby,
                                  memory_budget_mb=args.memory_budget_mb, watch=paths,
                                  member_memory_limit_mb=args.member_memory_limit_mb,
                                  cache_dir=Path(args.cache_dir or state_root / "models"),
                                  shared_processes=args.member_processes == "shared",
-                                 credentials_dir=credentials_dir)  # fmt: skip
+                                 credentials_dir=credentials_dir, cached_prefixes=cached_prefixes)  # fmt: skip
     limits = _limits(args)
     metrics = GatewayMetrics()
     try:
@@ -504,6 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
              "serving.kserve.io/* annotations, as the operator writes a pool's): each such model is downloaded with "
              "its own, as KServe's storage initializer would be, and fails alone, naming the Secret, when its copy is "
              "not there (default: the names are not read, the environment's credentials are used)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--cached-prefix",
+        action="append",
+        metavar="URI=DIR",
+        help="DIR holds a copy of the files under URI (a pool's KServe LocalModelCache mounted in its pod): a model "
+             "whose source is URI or below it loads from DIR (its path below URI) instead of being downloaded; one "
+             "DIR lacks is downloaded as without it. Repeatable",
     )  # fmt: skip
     serve.set_defaults(handler=_serve)
 

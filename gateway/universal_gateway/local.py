@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -214,6 +214,7 @@ class LocalSupervisor(Backends):
         cache_dir: Path | None = None,
         shared_processes: bool = False,
         credentials_dir: Path | None = None,
+        cached_prefixes: Mapping[str, Path] | None = None,
     ) -> None:
         # ``clock`` judges idleness (the TTL unload); crash windows and startup deadlines keep the system's.
         self._clock = clock
@@ -248,7 +249,9 @@ class LocalSupervisor(Backends):
         self._python = python
         self._env = env or {}
         self._reap_interval = reap_interval
-        self._fetch = fetch or functools.partial(fetch_source, cache_dir=cache_dir, credentials_dir=credentials_dir)
+        self._fetch = fetch or functools.partial(
+            fetch_source, cache_dir=cache_dir, credentials_dir=credentials_dir, cached_prefixes=cached_prefixes
+        )
         self._reaper: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # A waiting predictor per library family, for the next model of that family to wake
@@ -1091,9 +1094,44 @@ def write_adapters_file(manifest: Manifest, state_dir: Path, *, keep_empty: bool
     return target
 
 
-def fetch_source(manifest: Manifest, cache_dir: Path | None = None, credentials_dir: Path | None = None) -> str:
+def under_prefix(uri: str, prefix: str) -> str | None:
+    """The path of ``uri`` below ``prefix`` ('' for the prefix itself), or None when it is not under it: the same
+    URI or a path below it, as KServe matches a storage URI against a LocalModelCache's ``sourceModelUri``
+    (v0.20.0 pkg/apis/serving/v1alpha1/storage_uri_utils.go MatchStorageURI, both trailing slashes trimmed) and
+    then mounts the path below it from the cache's claim (v0.20.0
+    pkg/webhook/admission/pod/storage_initializer_injector.go InjectStorageInitializer: ``pvc://<claim>/models/``
+    + ``GetStorageKey(sourceModelUri)`` (sha256[:16]) + the URI with the cache's source cut off)."""
+    base, wanted = prefix.rstrip("/"), uri.rstrip("/")
+    if not base:
+        return None
+    if wanted == base:
+        return ""
+    return wanted[len(base) + 1 :] if wanted.startswith(base + "/") else None
+
+
+def cached_copy(uri: str, cached_prefixes: Mapping[str, Path] | None) -> Path | None:
+    """The copy of ``uri`` in a folder holding a prefix's files (``serve --cached-prefix URI=DIR``: a pool's
+    LocalModelCache mounted in its pod), or None when no prefix covers it or the copy lacks it (a file put under
+    the prefix after the cache was downloaded): the caller then downloads as without one."""
+    for prefix, folder in (cached_prefixes or {}).items():
+        below = under_prefix(uri, prefix)
+        if below is None:
+            continue
+        copy = folder / below if below else folder
+        if copy.exists():
+            return copy
+    return None
+
+
+def fetch_source(
+    manifest: Manifest,
+    cache_dir: Path | None = None,
+    credentials_dir: Path | None = None,
+    cached_prefixes: Mapping[str, Path] | None = None,
+) -> str:
     """A local path for the model's files: paths as they are (relative to the manifest), hf:// downloaded,
-    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`).
+    s3://, gs://, http(s):// downloaded by KServe's storage code into ``cache_dir`` (:func:`fetch_remote`), unless
+    ``cached_prefixes`` (``serve --cached-prefix``) holds a copy (:func:`cached_copy`).
 
     ``credentials_dir``: a pool's copies of its members' Secrets (``serve --credentials-dir``; the operator writes
     ``<secret>.json`` there, universal_operator.reconcile.pools). A model naming ``source.credentialsSecret`` is
@@ -1101,6 +1139,10 @@ def fetch_source(manifest: Manifest, cache_dir: Path | None = None, credentials_
     single model's storage initializer is with its Secret; a copy that is not there fails this model only, naming
     the Secret. Without it (``serve`` on a laptop) the name is not read and the process's environment is used."""
     source = manifest.model.spec.source
+    if (copy := cached_copy(source.uri, cached_prefixes)) is not None:
+        # As KServe mounts a LocalModelCache for any InferenceService whose URI it covers, whatever its Secret
+        # (the node agent downloaded it with the cache's own credentials): the prefix is the pool owner's choice.
+        return str(copy)
     secret = None
     if credentials_dir is not None and source.credentials_secret is not None:
         try:
