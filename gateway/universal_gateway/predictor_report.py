@@ -73,7 +73,10 @@ def pool_card(cards: list[dict[str, Any]], served_name: str) -> dict[str, Any] |
     fields = {"state": "state", "starts": "starts", "memoryMb": "memory_mb", "evictions": "evictions",
               "message": "message", "reason": "reason", "crashes": "crashes", "lastExit": "last_exit",
               "memoryLimitMb": "memory_limit_mb"}  # fmt: skip
-    return {key: card[name] for key, name in fields.items() if card.get(name) not in (None, "")}
+    report = {key: card[name] for key, name in fields.items() if card.get(name) not in (None, "")}
+    if card.get("state") == "ready" and card.get("backend") not in (None, "", "auto"):
+        report["backend"] = card["backend"]  # the engine it loaded with; kept (merge patch) once it is unloaded
+    return report
 
 
 def adapter_report(cards: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -959,6 +959,9 @@ class PoolCard(_Model):
     crashes: int | None = Field(default=None, description="How often its process ended without being asked to.")
     last_exit: str | None = Field(default=None, description="How its process last ended unasked.")
     memory_limit_mb: int | None = Field(default=None, description="Its own memory limit inside the pool (MiB).")
+    backend: str | None = Field(
+        default=None, description="The backend it last loaded with (its card's, written once it was ready)."
+    )
 
 
 class PredictorReport(_Model):

@@ -721,6 +721,11 @@ def test_a_pooled_models_card_is_picked_from_its_pools_cards_by_served_name() ->
     ]
     assert pool_card(cards, "minilm") == {"state": "idle", "starts": 2, "evictions": 1}
     assert pool_card(cards, "absent") is None
+    # A loaded member's card carries the engine it chose; an idle one's says only the spec's (auto): left out.
+    cards = [{"id": "whisper", "state": "ready", "starts": 1, "backend": "faster-whisper"},
+             {"id": "idle", "state": "idle", "starts": 0, "backend": "auto"}]  # fmt: skip
+    assert pool_card(cards, "whisper") == {"state": "ready", "starts": 1, "backend": "faster-whisper"}
+    assert pool_card(cards, "idle") == {"state": "idle", "starts": 0}
 
 
 async def test_a_pooled_model_is_served_by_its_pools_supervisor_and_its_card_lands_in_its_status(

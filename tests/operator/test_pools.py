@@ -319,6 +319,33 @@ async def test_pool_and_member_status_follow_the_inference_service_and_the_gatew
     assert _status(cluster, UM, "minilm")["requestTimeoutSeconds"] == expected
 
 
+async def test_a_pooled_member_with_backend_auto_shows_the_backend_it_loaded_with(
+    cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
+) -> None:
+    # transcribe with backend auto stays auto in the spec's resolution: only the loaded predictor knows its engine.
+    whisper = member("whisper", task="transcribe", uri="hf://openai/whisper-tiny")
+    await _apply(cluster, tmp_path, yaml.safe_load(POOL), whisper)
+    isvc = await eventually(lambda: _get(cluster, ISVC, "small-pool"))
+    await cluster.emulator.put_status(ISVC, "default", "small-pool", ready_status(isvc))
+    await eventually(lambda: _status(cluster, UM, "whisper").get("phase") == "Ready")
+    assert _status(cluster, UM, "whisper")["backend"] == "auto"
+
+    card = {"state": "ready", "starts": 1, "memoryMb": 200, "evictions": 0, "backend": "faster-whisper"}
+    await cluster.emulator.put_status(UM, "default", "whisper", {"predictorReport": {"pool": card}})
+    await eventually(lambda: _status(cluster, UM, "whisper").get("backend") == "faster-whisper")
+
+    # Unloaded (idle past its timeout): its status still says the engine it last loaded with.
+    card = {"state": "idle", "starts": 1, "evictions": 0, "reason": "IdleTimeout", "backend": "faster-whisper"}
+    await cluster.emulator.put_status(UM, "default", "whisper", {"predictorReport": {"pool": card}})
+    await eventually(lambda: _status(cluster, UM, "whisper").get("pool", {}).get("state") == "Evicted")
+    assert _status(cluster, UM, "whisper")["backend"] == "faster-whisper"
+
+    # A card naming an engine not of the task's says nothing: the spec's resolution again.
+    card = {"state": "ready", "starts": 2, "memoryMb": 200, "evictions": 0, "backend": "vllm"}
+    await cluster.emulator.put_status(UM, "default", "whisper", {"predictorReport": {"pool": card}})
+    await eventually(lambda: _status(cluster, UM, "whisper").get("backend") == "auto")
+
+
 async def test_a_member_of_a_missing_pool_says_so_with_a_condition_and_an_event(
     cluster: ServedEmulator, operator: OperatorState, tmp_path: Path
 ) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from universal_operator.config import OperatorConfig
-from universal_operator.predictor import CONTAINER_NAME
+from universal_operator.predictor import CONTAINER_NAME, resolved_backend
 from universal_operator.reconcile.adapter_credentials import copies_secret
 from universal_operator.reconcile.drift import quantity_value
 from universal_operator.reconcile.labels import (
@@ -60,7 +60,7 @@ from universal_operator.spec import (
     UniversalModelSpec,
     UniversalModelStatus,
 )
-from universal_predictors.catalog import Task
+from universal_predictors.catalog import TASK_BACKENDS, Backend, Task
 from universal_predictors.config import DEFAULT_HTTP_PORT
 
 MEMBERS_SUFFIX = f"{POOL_SUFFIX}-members"
@@ -365,13 +365,28 @@ def member_status(
     pool_entry = {"name": pool.metadata.name, "state": state.value, "reason": reason, "memoryMb": memory}
     return {
         "phase": phase.value, "observedGeneration": generation, "servedName": model.served_name,
-        "backend": model.spec.backend.value, "address": pool.status.address, "url": pool.status.url,
+        "backend": pooled_backend(model), "address": pool.status.address, "url": pool.status.url,
         "inferenceService": pool_service_name(pool), "message": message,
         "requestTimeoutSeconds": request_timeout_seconds(stand_in(pool), config),
         "pool": pool_entry,  # None values: a merge patch removes what no longer holds (an earlier reason)
         "conditions": pooled_conditions(model, now, ready=(ready, f"Pool{phase.value}", pool.status.message or ""),
                                         pooled=("True", "InPool", message)),
     }  # fmt: skip
+
+
+def pooled_backend(model: UniversalModel) -> str:
+    """The backend a member's status reports: the spec's resolution, or, where that is ``auto``, the one it last
+    loaded with in its pool (its pool card's), as ``reported_backend`` does for a model of its own."""
+    backend = resolved_backend(model)
+    report = model.status.predictor_report
+    card = report.pool if report is not None else None
+    if backend is not Backend.AUTO or card is None or card.backend is None:
+        return backend.value
+    try:
+        running = Backend(card.backend)
+    except ValueError:
+        return backend.value
+    return running.value if running in TASK_BACKENDS[model.spec.task] else backend.value
 
 
 def pooled_conditions(
