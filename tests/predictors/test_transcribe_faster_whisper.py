@@ -199,6 +199,45 @@ def test_json_text_and_a_stream_say_the_same_transcript(client: OpenAI, short_wa
         assert done.type == "transcript.text.done"
         assert done.text == unary.text
         assert "".join(getattr(event, "delta", "") for event in deltas) == unary.text
+        if clip == long_wav:
+            assert len(deltas) > 1
+
+
+def test_a_long_recordings_text_is_told_as_each_window_decodes(ct2_dir: Path, long_wav: bytes) -> None:
+    """What streaming sends: the text so far after each segment, told before the next window decodes (the order of
+    events, counted by wrapping faster-whisper's window decoding, ``WhisperModel.generate_with_fallback``)."""
+    from universal_predictors.speech.whisper import Job
+    from universal_predictors.speech.whisper_ct2 import DecodeOptions, FasterWhisperEngine
+
+    engine = FasterWhisperEngine(str(ct2_dir), "cpu", "int8", options=DecodeOptions(beam_size=BEAM_SIZE))
+    events: list[str] = []
+    told: list[str] = []
+    decode_window = engine.model.generate_with_fallback
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        events.append("window decoded")
+        return decode_window(*args, **kwargs)
+
+    def on_window(text: str) -> None:
+        events.append("text told")
+        told.append(text)
+
+    engine.model.generate_with_fallback = counted  # type: ignore[method-assign]
+    samples = read_wav(long_wav)
+    try:
+        [transcript] = engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0, on_window=on_window)])
+        engine.model.generate_with_fallback = decode_window  # type: ignore[method-assign]
+        quiet = engine.transcribe(Job(samples, "transcribe", "en", None, 0.0))
+    finally:
+        engine.close()
+    decoded = [i for i, event in enumerate(events) if event == "window decoded"]
+    assert len(decoded) >= 3, "two and a half windows"
+    assert told == transcript.texts, "one call per segment, the text of the segments so far"
+    assert len(told) > 1, "more than one delta"
+    # Fails where the text is told only once the whole recording is decoded.
+    assert events.index("text told") < decoded[-1], "the first segment is told before the last window decodes"
+    assert events[-1] == "text told"
+    assert quiet == transcript
 
 
 def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, client: OpenAI,

@@ -126,6 +126,11 @@ class FasterWhisperEngine:
                                     words=words))  # fmt: skip
             running += s.text
             texts.append(running)
+            if job.on_window is not None:
+                # faster-whisper 1.x transcribe.py: ``transcribe`` returns ``generate_segments``' generator, which
+                # yields a window's segments once that window decodes, before the next one starts; so each segment
+                # is told here before the rest of the audio is decoded.
+                job.on_window(running)
         return Transcript(info.language, segments, info.duration, texts)
 
     def transcribe_kwargs(self, job: Job) -> dict[str, Any]:

@@ -10,7 +10,8 @@ faster-whisper; ``auto`` picks faster-whisper for a directory CTranslate2's conv
 
 ``stream=true`` answers with server-sent events, ``transcript.text.delta`` events and one ``transcript.text.done``
 with the whole text. On transformers a delta goes out as each 30 s window decodes (``Job.on_window``, told from
-within ``generate``'s sequential long-form loop); faster-whisper's come once the request's audio is decoded.
+within ``generate``'s sequential long-form loop); on faster-whisper as each segment arrives from ``transcribe``'s
+lazy generator (a window's segments once it decodes).
 """
 
 from __future__ import annotations
@@ -429,7 +430,7 @@ async def _events(first: str | Transcript, rest: AsyncGenerator[str | Transcript
     finally:
         await rest.aclose()
     transcript = item
-    for running in transcript.texts:  # what the windows did not tell (faster-whisper: everything), per segment
+    for running in transcript.texts:  # what the windows did not tell, per segment
         grown = _grown(running, sent)
         if grown is not None:
             yield _event({"type": "transcript.text.delta", "delta": grown[len(sent) :]})
