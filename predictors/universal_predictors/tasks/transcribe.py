@@ -70,9 +70,19 @@ class TranscribeEngineArgs(BaseModel):
         default=2, ge=1, le=16, description="faster-whisper: model replicas decoding requests side by side."
     )
     cpu_threads: int = Field(default=0, ge=0, le=256, description="faster-whisper: threads per replica (0: its own).")
+    batch_windows: bool = Field(
+        default=False,
+        description="faster-whisper: a batch's requests share CTranslate2 generate calls, window by window.",
+    )
 
     #: Arguments only one backend reads: given to the other, the predictor refuses to start.
-    FASTER_WHISPER_ONLY: ClassVar[tuple[str, ...]] = ("compute_type", "beam_size", "num_workers", "cpu_threads")
+    FASTER_WHISPER_ONLY: ClassVar[tuple[str, ...]] = (
+        "compute_type",
+        "beam_size",
+        "num_workers",
+        "cpu_threads",
+        "batch_windows",
+    )
     TRANSFORMERS_ONLY: ClassVar[tuple[str, ...]] = ("dtype",)
 
     def limits(self) -> AudioLimits:
@@ -225,7 +235,8 @@ class TranscribePredictor(UniversalPredictor):
             device, _, index = self.device.partition(":")
             self.whisper = FasterWhisperEngine(
                 self.config.source, device, self.compute_type, device_index=int(index or 0),
-                cpu_threads=args.cpu_threads, num_workers=args.num_workers, options=DecodeOptions(args.beam_size),
+                cpu_threads=args.cpu_threads, num_workers=args.num_workers,
+                options=DecodeOptions(args.beam_size, batch_windows=args.batch_windows),
             )  # fmt: skip
         else:
             device = detect_device(args.device)
