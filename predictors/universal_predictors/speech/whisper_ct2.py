@@ -7,9 +7,10 @@ so a served transcript is what faster-whisper gives in-process for the same samp
 
 Across requests: faster-whisper's ``BatchedInferencePipeline`` batches the voice-activity chunks of one file under
 one tokenizer and one set of options; it takes no second file, and what it returns differs from
-``WhisperModel.transcribe`` (no temperature fallback, no previous-text prompt, chunks cut by its VAD). So the jobs
-of a batch run side by side instead: ``num_workers`` CTranslate2 replicas (its ``inter_threads``), one Python
-thread each (CTranslate2 releases the GIL while it computes).
+``WhisperModel.transcribe`` (no temperature fallback, no previous-text prompt, chunks cut by its VAD). So by default
+the jobs of a batch run side by side: ``num_workers`` CTranslate2 replicas (its ``inter_threads``), one Python
+thread each (CTranslate2 releases the GIL while it computes). With ``batch_windows`` they share CTranslate2
+``generate`` calls, window by window, each still in faster-whisper's own loop (:class:`WindowBatcher`).
 """
 
 from __future__ import annotations
