@@ -323,6 +323,7 @@ def test_a_batchs_jobs_share_generate_calls_each_decoded_as_alone(ct2_dir: Path,
     ]
     try:
         expected = [alone.transcribe(job) for job in jobs]
+        told.clear()  # the solo pass told its segments too
         found = together.transcribe_batch(jobs)
     finally:
         alone.close()
@@ -352,7 +353,6 @@ def test_concurrent_requests_sharing_generate_calls_get_their_own_transcripts(ba
                                                                               long_wav: bytes) -> None:  # fmt: skip
     clips = [wav_bytes(espeak(text)) for text in ("one two three", "call me back tomorrow")] + [short_wav, long_wav]
     expected = [reference(ct2_dir, read_wav(clip), language="en")[1] for clip in clips]
-    assert len(set(expected)) == len(clips)
     with concurrent.futures.ThreadPoolExecutor(len(clips)) as pool:
         answers = list(pool.map(lambda clip: batched_client.audio.transcriptions.create(
             model=SERVED, file=("a.wav", clip), language="en").text, clips))  # fmt: skip
