@@ -20,6 +20,7 @@ concurrency 4, ahead of both.
 
     python bench/transcribe.py
     python bench/transcribe.py --rounds 5 --beam-size 5
+    python bench/transcribe.py --batch-windows   # faster-whisper: requests share CTranslate2 generate calls
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved passes over the clips per method")
     parser.add_argument("--beam-size", type=int, default=1, help="faster-whisper's beams (transformers: greedy)")
+    parser.add_argument("--batch-windows", action="store_true",
+                        help="faster-whisper: requests of a batch share CTranslate2 generate calls")  # fmt: skip
     args = parser.parse_args()
 
     wavs = clips()
@@ -146,6 +149,7 @@ def main() -> None:
             engine_args = {"max_wait_ms": "10", "max_audio_seconds": "120"}
             if backend is Backend.FASTER_WHISPER:
                 engine_args["beam_size"] = str(args.beam_size)
+                engine_args["batch_windows"] = str(args.batch_windows).lower()
             config = PredictorConfig(model_name=f"bench-{backend.value}", task=Task.TRANSCRIBE, backend=backend,
                                      source=str(sources[backend.value]), engine_args=engine_args)  # fmt: skip
             with (

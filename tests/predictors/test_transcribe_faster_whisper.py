@@ -199,6 +199,45 @@ def test_json_text_and_a_stream_say_the_same_transcript(client: OpenAI, short_wa
         assert done.type == "transcript.text.done"
         assert done.text == unary.text
         assert "".join(getattr(event, "delta", "") for event in deltas) == unary.text
+        if clip == long_wav:
+            assert len(deltas) > 1
+
+
+def test_a_long_recordings_text_is_told_as_each_window_decodes(ct2_dir: Path, long_wav: bytes) -> None:
+    """What streaming sends: the text so far after each segment, told before the next window decodes (the order of
+    events, counted by wrapping faster-whisper's window decoding, ``WhisperModel.generate_with_fallback``)."""
+    from universal_predictors.speech.whisper import Job
+    from universal_predictors.speech.whisper_ct2 import DecodeOptions, FasterWhisperEngine
+
+    engine = FasterWhisperEngine(str(ct2_dir), "cpu", "int8", options=DecodeOptions(beam_size=BEAM_SIZE))
+    events: list[str] = []
+    told: list[str] = []
+    decode_window = engine.model.generate_with_fallback
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        events.append("window decoded")
+        return decode_window(*args, **kwargs)
+
+    def on_window(text: str) -> None:
+        events.append("text told")
+        told.append(text)
+
+    engine.model.generate_with_fallback = counted  # type: ignore[method-assign]
+    samples = read_wav(long_wav)
+    try:
+        [transcript] = engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0, on_window=on_window)])
+        engine.model.generate_with_fallback = decode_window  # type: ignore[method-assign]
+        quiet = engine.transcribe(Job(samples, "transcribe", "en", None, 0.0))
+    finally:
+        engine.close()
+    decoded = [i for i, event in enumerate(events) if event == "window decoded"]
+    assert len(decoded) >= 3, "two and a half windows"
+    assert told == transcript.texts, "one call per segment, the text of the segments so far"
+    assert len(told) > 1, "more than one delta"
+    # Fails where the text is told only once the whole recording is decoded.
+    assert events.index("text told") < decoded[-1], "the first segment is told before the last window decodes"
+    assert events[-1] == "text told"
+    assert quiet == transcript
 
 
 def test_the_gateway_reports_the_backend_auto_chose(gateway: GatewayProcess, client: OpenAI,
@@ -242,3 +281,83 @@ def test_a_gpu_given_where_ctranslate2_has_none_stops_the_start_naming_why(ct2_d
         patch.setenv(GPUS_ENV, "1")
         with pytest.raises(StartupError, match=GPUS_ENV):
             TranscribePredictor(config)
+
+
+# -- requests sharing CTranslate2 generate calls (batch_windows) ------------------------------------------------------
+
+
+class _CountedWhisper:
+    """The real CTranslate2 Whisper, its ``generate`` calls' batch sizes written down."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.batches: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def generate(self, features: Any, prompts: list[list[int]], **options: Any) -> Any:
+        self.batches.append(len(prompts))
+        return self.model.generate(features, prompts, **options)
+
+
+@pytest.mark.parametrize("beam_size", [1, BEAM_SIZE])
+def test_a_batchs_jobs_share_generate_calls_each_decoded_as_alone(ct2_dir: Path, short_wav: bytes, long_wav: bytes,
+                                                                  beam_size: int) -> None:  # fmt: skip
+    from universal_predictors.speech.whisper import Job
+    from universal_predictors.speech.whisper_ct2 import DecodeOptions, FasterWhisperEngine
+
+    short, long = read_wav(short_wav), read_wav(long_wav)
+    other = read_wav(wav_bytes(espeak("call me back tomorrow")))
+    told: list[str] = []
+    alone = FasterWhisperEngine(str(ct2_dir), "cpu", "int8", options=DecodeOptions(beam_size))
+    together = FasterWhisperEngine(str(ct2_dir), "cpu", "int8", options=DecodeOptions(beam_size, batch_windows=True))
+    counted = _CountedWhisper(together.model.model)
+    together.model.model = counted
+    prompt_ids = alone.prompt_ids("meeting notes")
+    jobs = [
+        Job(short, "transcribe", "en", None, 0.0),
+        Job(long, "transcribe", "en", None, 0.0, on_window=told.append),
+        Job(other, "transcribe", None, prompt_ids, 0.0),  # language detected, a prompt
+        Job(short, "transcribe", "en", None, 0.0, words=True),
+    ]
+    try:
+        expected = [alone.transcribe(job) for job in jobs]
+        told.clear()  # the solo pass told its segments too
+        found = together.transcribe_batch(jobs)
+    finally:
+        alone.close()
+        together.close()
+    assert found == expected  # tokens, texts, timestamps, words, scores: all as decoded alone
+    assert told == found[1].texts  # streaming still told segment by segment
+    windows = sum(len({s.seek for s in transcript.segments}) for transcript in expected)
+    assert max(counted.batches) >= 2, "windows of different jobs went through one generate call"
+    assert len(counted.batches) < windows, "fewer generate calls than windows decoded"
+
+
+@pytest.fixture(scope="module")
+def batched_client(tmp_path_factory: pytest.TempPathFactory, ct2_dir: Path) -> Iterator[OpenAI]:
+    folder = tmp_path_factory.mktemp("batched-manifests")
+    (folder / "whisper.yaml").write_text(
+        "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
+        f"metadata: {{name: fwhisper-batched}}\nspec:\n  task: transcribe\n  servedName: {SERVED}\n"
+        f'  source: {{uri: "{ct2_dir}"}}\n'
+        '  engineArgs: {max_audio_seconds: "200", max_wait_ms: "500", batch_windows: "true"}\n'
+    )
+    with running_gateway([folder], tmp_path_factory.mktemp("batched-gateway")) as running:
+        yield OpenAI(base_url=running.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+def test_concurrent_requests_sharing_generate_calls_get_their_own_transcripts(batched_client: OpenAI, ct2_dir: Path,
+                                                                              short_wav: bytes,
+                                                                              long_wav: bytes) -> None:  # fmt: skip
+    clips = [wav_bytes(espeak(text)) for text in ("one two three", "call me back tomorrow")] + [short_wav, long_wav]
+    expected = [reference(ct2_dir, read_wav(clip), language="en")[1] for clip in clips]
+    with concurrent.futures.ThreadPoolExecutor(len(clips)) as pool:
+        answers = list(pool.map(lambda clip: batched_client.audio.transcriptions.create(
+            model=SERVED, file=("a.wav", clip), language="en").text, clips))  # fmt: skip
+    assert answers == expected
+    *deltas, done = list(batched_client.audio.transcriptions.create(model=SERVED, file=("a.wav", long_wav),
+                                                                    language="en", stream=True))  # fmt: skip
+    assert len(deltas) > 1
+    assert "".join(getattr(event, "delta", "") for event in deltas) == done.text == expected[-1]

@@ -46,8 +46,8 @@ class Job:
     words: bool = False
     #: ``avg_logprob`` and ``no_speech_prob`` wanted (verbose_json): on transformers, generate keeps its scores.
     scored: bool = False
-    #: Called on the engine thread with the text decoded so far, as each of its 30 s windows decodes (transformers;
-    #: streaming). Not part of what the job is.
+    #: Called on the engine thread with the text decoded so far, as each of its 30 s windows decodes (transformers)
+    #: or each segment arrives (faster-whisper); streaming. Not part of what the job is.
     on_window: Callable[[str], None] | None = field(default=None, compare=False)
 
 

@@ -7,15 +7,18 @@ so a served transcript is what faster-whisper gives in-process for the same samp
 
 Across requests: faster-whisper's ``BatchedInferencePipeline`` batches the voice-activity chunks of one file under
 one tokenizer and one set of options; it takes no second file, and what it returns differs from
-``WhisperModel.transcribe`` (no temperature fallback, no previous-text prompt, chunks cut by its VAD). So the jobs
-of a batch run side by side instead: ``num_workers`` CTranslate2 replicas (its ``inter_threads``), one Python
-thread each (CTranslate2 releases the GIL while it computes).
+``WhisperModel.transcribe`` (no temperature fallback, no previous-text prompt, chunks cut by its VAD). So by default
+the jobs of a batch run side by side: ``num_workers`` CTranslate2 replicas (its ``inter_threads``), one Python
+thread each (CTranslate2 releases the GIL while it computes). With ``batch_windows`` they share CTranslate2
+``generate`` calls, window by window, each still in faster-whisper's own loop (:class:`WindowBatcher`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +69,9 @@ class DecodeOptions:
     """faster-whisper's options that are the server's, not the request's."""
 
     beam_size: int = 5
+    #: Jobs of one batch share CTranslate2 ``generate`` calls (:class:`WindowBatcher`); False: side by side on the
+    #: replicas, one job per call.
+    batch_windows: bool = False
 
 
 class FasterWhisperEngine:
@@ -110,11 +116,28 @@ class FasterWhisperEngine:
     # -- on the engine thread ------------------------------------------------------------------------------
 
     def transcribe_batch(self, jobs: Sequence[Job]) -> list[Transcript]:
-        """Every job decoded, in order, up to ``num_workers`` at once."""
-        return list(self._pool.map(self.transcribe, jobs))
+        """Every job decoded, in order: up to ``num_workers`` at once, or (``batch_windows``) all at once, their
+        windows decoded together by a :class:`WindowBatcher`."""
+        if not self.options.batch_windows or len(jobs) < 2:
+            return list(self._pool.map(self.transcribe, jobs))
+        batcher = WindowBatcher(self.model.model, len(jobs), self.model.hf_tokenizer.token_to_id(_SOT))
+        # A shallow copy whose ``model`` is the batcher: faster-whisper's own decoding loop, run once per job on its
+        # own thread, reaches CTranslate2 only through ``self.model`` (faster-whisper 1.2.1, transcribe.py:
+        # ``WhisperModel.encode``, ``generate_with_fallback``, ``detect_language``, ``find_alignment``).
+        model = copy.copy(self.model)
+        model.model = batcher
 
-    def transcribe(self, job: Job) -> Transcript:
-        found, info = self.model.transcribe(job.samples, **self.transcribe_kwargs(job))
+        def run(job: Job) -> Transcript:
+            try:
+                return self.transcribe(job, model)
+            finally:
+                batcher.leave()
+
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="ct2-batch") as pool:
+            return list(pool.map(run, jobs))
+
+    def transcribe(self, job: Job, model: Any = None) -> Transcript:
+        found, info = (model or self.model).transcribe(job.samples, **self.transcribe_kwargs(job))
         segments: list[Segment] = []
         texts: list[str] = []
         running = ""
@@ -126,6 +149,11 @@ class FasterWhisperEngine:
                                     words=words))  # fmt: skip
             running += s.text
             texts.append(running)
+            if job.on_window is not None:
+                # faster-whisper 1.x transcribe.py: ``transcribe`` returns ``generate_segments``' generator, which
+                # yields a window's segments once that window decodes, before the next one starts; so each segment
+                # is told here before the rest of the audio is decoded.
+                job.on_window(running)
         return Transcript(info.language, segments, info.duration, texts)
 
     def transcribe_kwargs(self, job: Job) -> dict[str, Any]:
@@ -142,6 +170,114 @@ class FasterWhisperEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_SOT = "<|startoftranscript|>"
+
+
+class _Window:
+    """One job's 30 s window of log-mel features, as :meth:`WindowBatcher.encode` hands it to faster-whisper in
+    place of its encoder output: encoded by the batched ``generate`` (CTranslate2's ``Whisper.generate`` takes features
+    as well as encoder outputs), or here on demand for what needs the encoder output itself."""
+
+    def __init__(self, model: Any, features: Any, to_cpu: bool) -> None:
+        self._model, self.features, self._to_cpu = model, features, to_cpu
+        self._encoded: Any = None
+
+    def encoded(self) -> Any:
+        if self._encoded is None:
+            self._encoded = self._model.encode(self.features, to_cpu=self._to_cpu)
+        return self._encoded
+
+
+@dataclass
+class _Call:
+    window: _Window
+    prompt: list[int]
+    options: dict[str, Any]
+    result: Any = None
+    error: BaseException | None = None
+    answered: bool = False
+
+
+class WindowBatcher:
+    """Stands in for the CTranslate2 Whisper (``WhisperModel.model``) while the jobs of one batch decode, one thread
+    each, each in faster-whisper's own loop: every job's ``generate`` waits until each job still decoding is waiting
+    in ``generate`` too, then the waiting windows go through one CTranslate2 ``generate`` call per group of equal
+    options and equal ``<|startoftranscript|>`` position (CTranslate2 4.x refuses a batch whose prompts put it at
+    different positions: "requires the <|startoftranscript|> token to be at the same position in all batches", so a
+    window conditioned on more previous text than another goes in a call of its own).
+
+    Batched: the decoding of each window (greedy, beam search, sampling; the temperature fallback re-decodes a window
+    in a later step). Not batched, per job on its thread: language detection and word alignment, which need the
+    encoder output: the window is encoded again for them (``_Window.encoded``)."""
+
+    def __init__(self, model: Any, jobs: int, sot: int | None) -> None:
+        self._model = model
+        self._live = jobs
+        self._sot = sot
+        self._waiting: list[_Call] = []
+        self._lock = threading.Condition()
+
+    def __getattr__(self, name: str) -> Any:  # is_multilingual, n_mels, device...: the model's own
+        return getattr(self._model, name)
+
+    def encode(self, features: Any, to_cpu: bool = False) -> _Window:
+        return _Window(self._model, features, to_cpu)
+
+    def detect_language(self, features: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._model.detect_language(_encoder_output(features), *args, **kwargs)
+
+    def align(self, features: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._model.align(_encoder_output(features), *args, **kwargs)
+
+    def generate(self, features: Any, prompts: list[list[int]], **options: Any) -> Any:
+        if not isinstance(features, _Window) or len(prompts) != 1:
+            return self._model.generate(_encoder_output(features), prompts, **options)
+        call = _Call(features, list(prompts[0]), options)
+        with self._lock:
+            self._waiting.append(call)
+            self._decode_if_all_wait()
+            while not call.answered:
+                self._lock.wait()
+        if call.error is not None:
+            raise call.error
+        return [call.result]
+
+    def leave(self) -> None:
+        """One job done (or failed): the others no longer wait for it."""
+        with self._lock:
+            self._live -= 1
+            self._decode_if_all_wait()
+
+    def _decode_if_all_wait(self) -> None:
+        if not self._waiting or len(self._waiting) < self._live:
+            return
+        calls, self._waiting = self._waiting, []
+        groups: dict[tuple[int, str], list[_Call]] = {}
+        for call in calls:
+            sot = call.prompt.index(self._sot) if self._sot in call.prompt else len(call.prompt)
+            groups.setdefault((sot, repr(sorted(call.options.items()))), []).append(call)
+        import numpy as np
+        from ctranslate2 import StorageView
+
+        for group in groups.values():
+            try:
+                features = np.concatenate([np.asarray(call.window.features) for call in group])
+                found = self._model.generate(StorageView.from_array(features), [c.prompt for c in group],
+                                             **group[0].options)  # fmt: skip
+                for call, result in zip(group, found, strict=True):
+                    call.result = result
+            except Exception as error:  # every job of the group fails with it
+                for call in group:
+                    call.error = error
+            for call in group:
+                call.answered = True
+        self._lock.notify_all()
+
+
+def _encoder_output(features: Any) -> Any:
+    return features.encoded() if isinstance(features, _Window) else features
 
 
 def _ms(seconds: float) -> float:

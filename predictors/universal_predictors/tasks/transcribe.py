@@ -10,7 +10,8 @@ faster-whisper; ``auto`` picks faster-whisper for a directory CTranslate2's conv
 
 ``stream=true`` answers with server-sent events, ``transcript.text.delta`` events and one ``transcript.text.done``
 with the whole text. On transformers a delta goes out as each 30 s window decodes (``Job.on_window``, told from
-within ``generate``'s sequential long-form loop); faster-whisper's come once the request's audio is decoded.
+within ``generate``'s sequential long-form loop); on faster-whisper as each segment arrives from ``transcribe``'s
+lazy generator (a window's segments once it decodes).
 """
 
 from __future__ import annotations
@@ -73,9 +74,19 @@ class TranscribeEngineArgs(BaseModel):
         default=2, ge=1, le=16, description="faster-whisper: model replicas decoding requests side by side."
     )
     cpu_threads: int = Field(default=0, ge=0, le=256, description="faster-whisper: threads per replica (0: its own).")
+    batch_windows: bool = Field(
+        default=False,
+        description="faster-whisper: a batch's requests share CTranslate2 generate calls, window by window.",
+    )
 
     #: Arguments only one backend reads: given to the other, the predictor refuses to start.
-    FASTER_WHISPER_ONLY: ClassVar[tuple[str, ...]] = ("compute_type", "beam_size", "num_workers", "cpu_threads")
+    FASTER_WHISPER_ONLY: ClassVar[tuple[str, ...]] = (
+        "compute_type",
+        "beam_size",
+        "num_workers",
+        "cpu_threads",
+        "batch_windows",
+    )
     TRANSFORMERS_ONLY: ClassVar[tuple[str, ...]] = ("dtype",)
 
     def limits(self) -> AudioLimits:
@@ -228,7 +239,8 @@ class TranscribePredictor(UniversalPredictor):
             device, _, index = self.device.partition(":")
             self.whisper = FasterWhisperEngine(
                 self.config.source, device, self.compute_type, device_index=int(index or 0),
-                cpu_threads=args.cpu_threads, num_workers=args.num_workers, options=DecodeOptions(args.beam_size),
+                cpu_threads=args.cpu_threads, num_workers=args.num_workers,
+                options=DecodeOptions(args.beam_size, batch_windows=args.batch_windows),
             )  # fmt: skip
         else:
             device = detect_device(args.device)
@@ -441,7 +453,7 @@ async def _events(first: str | Transcript, rest: _Progress) -> AsyncIterator[byt
     finally:
         await rest.aclose()
     transcript = item
-    for running in transcript.texts:  # what the windows did not tell (faster-whisper: everything), per segment
+    for running in transcript.texts:  # what the windows did not tell, per segment
         grown = _grown(running, sent)
         if grown is not None:
             yield _event({"type": "transcript.text.delta", "delta": grown[len(sent) :]})
