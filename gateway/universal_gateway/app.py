@@ -848,8 +848,7 @@ KEYS_REREAD_S = 2.0
 class _Meter:
     """One proxied request's key, its draw on the key's limits and what it used."""
 
-    __slots__ = ("audio_seconds", "images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s",
-                 "woke_it")
+    __slots__ = ("audio_seconds", "images", "key", "key_id", "sent", "streamed", "ticket", "usage", "wake_s", "woke_it")
 
     def __init__(self, key: Key | None, ticket: Ticket | None) -> None:
         self.key = key
