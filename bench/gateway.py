@@ -49,11 +49,11 @@
    Redis on the other), counts each request's latency less the time the delayed upstream says it took (header
    ``X-Bench-Model-Seconds``), turns the load generator's garbage collector off while it measures, and adds a line
    with the upstream's times spread over 25-75 ms (``DELAYED_JITTER``): with one fixed time the 32 requests come
-   back in lock-step waves, the last of each waiting for 31 others to pass every process. Measured that way, four
-   runs, load about 1: p50 added with limits, ledger and audit log in memory -0.24 to +0.16 ms, with Redis -0.44 to
-   +0.33 ms, traced too -0.18 to +0.74 ms (the spread over both upstreams; gateway CPU +40 to +132 us a request).
-   p99 added: in memory +1.3 to +5.5 ms, Redis +1.4 to +12.4 ms, traced -0.04 to +5.1 ms, against the off side's
-   own p99 beyond the upstream of 9 to 17 ms and an off-vs-off spread of p99 up to 7.7 ms: the p99 goal still
+   back in lock-step waves, the last of each waiting for 31 others to pass every process. Measured that way, three
+   runs, load about 1: p50 added with limits, ledger and audit log in memory -0.24 to +0.16 ms, with Redis -0.24 to
+   +0.33 ms, traced too +0.04 to +0.74 ms (the spread over both upstreams; gateway CPU +40 to +177 us a request).
+   p99 added: in memory +1.3 to +5.4 ms, Redis +1.4 to +12.4 ms, traced -0.04 to +5.1 ms, against the off side's
+   own p99 beyond the upstream of 9 to 17 ms and an off-vs-off spread of p99 up to 6.3 ms: the p99 goal still
    cannot be resolved on this machine (the floor is the load generator's and upstream's queueing on one core).
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
