@@ -86,6 +86,9 @@ class FasterWhisperEngine:
         self.device = device
         self.compute_type = compute_type
         self.options = options or DecodeOptions()
+        # faster-whisper computes a whole file's log-mel at once (about 825 KB a second of audio at its peak: 3 GB
+        # for an hour); the same features, computed window by window, hold 32 KB a second.
+        self.model.feature_extractor = windowed_feature_extractor(self.model.feature_extractor)
         self.multilingual = bool(self.model.model.is_multilingual)
         tokenizer = self.model.hf_tokenizer
         #: The codes faster-whisper knows whose language token this checkpoint's vocabulary has.
@@ -173,6 +176,107 @@ class FasterWhisperEngine:
 
 
 _SOT = "<|startoftranscript|>"
+
+#: Frames of log-mel computed at a time by :func:`windowed_feature_extractor` (one Whisper window: 30 s).
+FEATURE_STEP_FRAMES = 3000
+
+
+def windowed_feature_extractor(extractor: Any) -> Any:
+    """faster-whisper's ``FeatureExtractor`` (``extractor``'s settings) computing its features window by window.
+
+    faster-whisper 1.2.1 ``transcribe.py`` ``WhisperModel.transcribe`` calls ``self.feature_extractor(audio,
+    chunk_length=...)`` once on the whole file, and ``feature_extractor.py`` ``FeatureExtractor.__call__`` holds the
+    file's frames (float32), their complex spectrum (complex128, then a complex64 copy), the power and the mel at
+    once: measured here, peak RSS +495 MB for 10 minutes of audio and +990 MB for 20 (825 KB a second). Each frame
+    depends only on its own ``n_fft`` samples of the padded signal, and the one file-wide step (clamping to 8 below
+    the largest value) comes after the log; so each window's frames are cut from the padding's pieces (the zeros it
+    adds at the end, the reflection at both ends), transformed with the same NumPy calls and layouts, and written into
+    one preallocated array, clamped and scaled in place at the end. The result equals the library's
+    (``tests/predictors/test_transcribe_faster_whisper.py`` compares them bit for bit on several lengths)."""
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    class WindowedFeatureExtractor(FeatureExtractor):
+        def __call__(self, waveform: Any, padding: int = 160, chunk_length: int | None = None) -> Any:
+            return windowed_log_mel(self, waveform, padding, chunk_length)
+
+    windowed = WindowedFeatureExtractor.__new__(WindowedFeatureExtractor)
+    windowed.__dict__.update(extractor.__dict__)
+    return windowed
+
+
+def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_length: int | None = None) -> Any:
+    """``FeatureExtractor.__call__``'s log-mel of ``waveform`` (faster-whisper 1.2.1 feature_extractor.py), computed
+    :data:`FEATURE_STEP_FRAMES` frames at a time (:func:`windowed_feature_extractor`)."""
+    import numpy as np
+
+    if chunk_length is not None:  # as the library's call does: its window's size follows the last one asked for
+        extractor.n_samples = chunk_length * extractor.sampling_rate
+        extractor.nb_max_frames = extractor.n_samples // extractor.hop_length
+    # (The library's ``waveform.dtype is not np.float32`` is always true: it copies even float32 samples.)
+    waveform = np.asarray(waveform, dtype=np.float32)
+    n_fft, hop = extractor.n_fft, extractor.hop_length
+    half = n_fft // 2
+    signal = len(waveform) + (padding or 0)  # the waveform and the zeros the library adds at its end
+    if signal <= half:  # too short for the pieces below (NumPy's reflection then repeats): the library's own path
+        return _library_call(extractor, waveform, padding)
+    length = signal + 2 * half  # and the reflection torch.stft(center=True) adds at both ends
+    frames = 1 + (length - n_fft) // hop - 1  # the library drops the last frame (``stft[..., :-1]``)
+    tail = np.zeros(padding or 0, np.float32)
+    # The padded signal is: head (reflection of samples 1..half), the waveform, the zeros, end (reflection of the
+    # ``half`` values before the last one).
+    head = np.pad(_take(waveform, tail, 0, half + 1), (half, 0), mode="reflect")[:half]
+    end = np.pad(_take(waveform, tail, signal - half - 1, signal), (0, half), mode="reflect")[-half:]
+    window = np.hanning(n_fft + 1)[:-1].astype("float32")
+    out = np.empty((extractor.mel_filters.shape[0], frames), np.float32)
+    # The last step takes what is left with it (between one and two steps' frames): a step of a few frames would go
+    # through BLAS's matrix-vector path, which sums in another order than the library's one product.
+    starts = list(range(0, max(frames - FEATURE_STEP_FRAMES, 0) + 1, FEATURE_STEP_FRAMES)) if frames else []
+    for number, first in enumerate(starts):
+        last = starts[number + 1] if number + 1 < len(starts) else frames
+        lo, hi = first * hop, (last - 1) * hop + n_fft  # the padded signal's samples these frames read
+        piece = _padded(waveform, tail, head, end, half, signal, lo, hi)[None]
+        strided = np.lib.stride_tricks.as_strided(
+            piece, (1, last - first, n_fft), (piece.strides[0], hop * piece.strides[1], piece.strides[1])
+        )
+        spectrum = np.fft.rfft(strided * window, n=n_fft, axis=-1).transpose((0, 2, 1)).squeeze(0)
+        power = np.abs(spectrum.astype("complex64")) ** 2
+        out[:, first:last] = np.log10(np.clip(extractor.mel_filters @ power, a_min=1e-10, a_max=None))
+    if frames:
+        np.maximum(out, out.max() - 8.0, out=out)
+    out += 4.0
+    out /= 4.0
+    return out
+
+
+def _library_call(extractor: Any, waveform: Any, padding: int) -> Any:
+    """The library's own ``__call__`` on ``waveform`` (for audio shorter than the reflection)."""
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    return FeatureExtractor.__call__(extractor, waveform, padding)
+
+
+def _take(waveform: Any, tail: Any, lo: int, hi: int) -> Any:
+    """Samples ``lo``..``hi`` of the waveform followed by the zeros ``tail``."""
+    import numpy as np
+
+    n = len(waveform)
+    parts = [waveform[max(lo, 0) : min(hi, n)], tail[max(lo - n, 0) : max(hi - n, 0)]]
+    return np.concatenate([p for p in parts if len(p)]) if any(len(p) for p in parts) else np.zeros(0, np.float32)
+
+
+def _padded(waveform: Any, tail: Any, head: Any, end: Any, half: int, signal: int, lo: int, hi: int) -> Any:
+    """Samples ``lo``..``hi`` of the padded signal (head, waveform and zeros, end), as one contiguous array."""
+    import numpy as np
+
+    parts = []
+    if lo < half:
+        parts.append(head[lo : min(hi, half)])
+    middle = _take(waveform, tail, max(lo - half, 0), min(hi - half, signal))
+    if len(middle) and hi > half and lo < half + signal:
+        parts.append(middle)
+    if hi > half + signal:
+        parts.append(end[max(lo - half - signal, 0) : hi - half - signal])
+    return np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0], dtype=np.float32)
 
 
 class _Window:
