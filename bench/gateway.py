@@ -55,6 +55,10 @@
    p99 added: in memory +1.3 to +5.4 ms, Redis +1.4 to +12.4 ms, traced -0.04 to +5.1 ms, against the off side's
    own p99 beyond the upstream of 9 to 17 ms and an off-vs-off spread of p99 up to 6.3 ms: the p99 goal still
    cannot be resolved on this machine (the floor is the load generator's and upstream's queueing on one core).
+   Then once quiet (load 0.00 at the start), ``--requests 12000``: with the upstream's times spread, p50 added
+   +0.05 (in memory), +0.05 (Redis), +0.09 ms (traced), p99 +0.75, +1.56 and +0.80 ms against an off-vs-off p99
+   spread of +0.97 ms (CPU +43, +60, +142 us); with one fixed time, p99 +3.8, +3.6 and +0.95 ms against an
+   off-vs-off spread of +3.8 ms (the lock-step waves above).
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
    4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
