@@ -217,10 +217,12 @@ def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_le
     n_fft, hop = extractor.n_fft, extractor.hop_length
     half = n_fft // 2
     signal = len(waveform) + (padding or 0)  # the waveform and the zeros the library adds at its end
-    if signal <= half:  # too short for the pieces below (NumPy's reflection then repeats): the library's own path
-        return _library_call(extractor, waveform, padding)
     length = signal + 2 * half  # and the reflection torch.stft(center=True) adds at both ends
     frames = 1 + (length - n_fft) // hop - 1  # the library drops the last frame (``stft[..., :-1]``)
+    if frames <= FEATURE_STEP_FRAMES:
+        # One window's worth or less (and audio shorter than the reflection, where NumPy's reflection repeats): the
+        # library's own path, which holds no more than one step does here and is quicker on a short clip.
+        return _library_call(extractor, waveform, padding)
     tail = np.zeros(padding or 0, np.float32)
     # The padded signal is: head (reflection of samples 1..half), the waveform, the zeros, end (reflection of the
     # ``half`` values before the last one).
@@ -249,7 +251,7 @@ def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_le
 
 
 def _library_call(extractor: Any, waveform: Any, padding: int) -> Any:
-    """The library's own ``__call__`` on ``waveform`` (for audio shorter than the reflection)."""
+    """The library's own ``__call__`` on ``waveform`` (for a clip of one window or less)."""
     from faster_whisper.feature_extractor import FeatureExtractor
 
     return FeatureExtractor.__call__(extractor, waveform, padding)
