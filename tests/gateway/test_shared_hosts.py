@@ -2,9 +2,10 @@
 (issue 29's memory goal). Real host processes (``python -m universal_predictors --shared-host FAMILY``) serving
 all-MiniLM-L6-v2 from its PyPI package and a PyOD detector, behind the real gateway and `openai` client, in this
 process so the test can see each member's process: two embedding members share one process and answer as the
-model does; a member costs tens of MB there, not a process; the budget evicts a member without stopping its host; a
-member that cannot load fails alone; a host's crash is each of its members' (the other family serves on), and the
-next request starts a new host; an idle member is unloaded and the emptied host stops.
+model does; a member costs tens of MB there, not a process; the budget evicts a member without stopping its host,
+and stops a host at once when all its members must go; a member that cannot load fails alone; a host's crash is
+each of its members' (the other family serves on), and the next request starts a new host; an idle member is
+unloaded and the emptied host stops.
 """
 
 from __future__ import annotations
@@ -170,6 +171,54 @@ async def test_the_budget_evicts_a_member_from_its_host_and_an_emptied_host_stop
         assert "torch" not in supervisor.hosts
         await vector(client, "two")  # and a new host serves the next request
         assert pid(supervisor, "two") not in (None, host_pid)
+
+
+async def test_a_host_whose_members_all_have_to_go_stops_at_once_with_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Room for another family's host only: both embedding members are evicted by stopping the torch host whole
+    (not unloaded one by one, then the host stopped), recorded as evictions, not as a crash."""
+    folder = tmp_path / "members"
+    folder.mkdir()
+    for name in ("one", "two"):
+        (folder / f"{name}.yaml").write_text(embed(name, idle="1m"))
+    (folder / "detector.yaml").write_text(ANOMALY)
+    clock = SteppedClock()
+    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
+                                 standby=False, shared_processes=True, reap_interval=0.05,
+                                 clock=clock)  # fmt: skip
+    async with serving(supervisor) as (_, client):
+        await vector(client, "one")
+        await vector(client, "two")
+        host = supervisor.hosts["torch"]
+        host_pid = pid(supervisor, "one")
+        assert host_pid is not None
+        assert pid(supervisor, "two") == host_pid
+        listed = await cards(client)
+        assert host.baseline_bytes is not None
+        torch_total = host.baseline_bytes + sum(listed[n]["memory_mb"] * 2**20 for n in ("one", "two"))
+        # The detector's host (never started: estimated at a process's baseline) fits only where the torch one was.
+        supervisor.memory_budget = int(torch_total + 2**20)
+        clock.advance(1)
+        caplog.set_level("INFO", logger="universal_gateway.local")
+        fitted = await client.post("/anomaly/fit", cast_to=dict[str, Any], body={
+            "model": "detector", "detector": "d", "data": [[1.0, 2.0], [2.0, 1.0], [1.5, 1.5], [1.2, 1.8]],
+        })  # fmt: skip
+        assert fitted["name"] == "d"
+        assert not pid_alive(host_pid)
+        assert "torch" not in supervisor.hosts
+        stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopping ")]
+        assert stops == [
+            "stopping the torch shared host with its members one, two (evicted to make room for detector under the "
+            "memory budget)"
+        ], stops
+        listed = await cards(client)
+        for name in ("one", "two"):
+            assert (listed[name]["state"], listed[name]["evictions"], listed[name]["crashes"]) == ("idle", 1, 0)
+            assert listed[name]["message"].startswith("Evicted: 'detector' needed room")
+        supervisor.memory_budget = None
+        await vector(client, "one")  # the next request starts a new host
+        assert pid(supervisor, "one") not in (None, host_pid)
 
 
 def test_the_supervisor_and_the_host_name_the_same_families() -> None:
