@@ -10,6 +10,7 @@ concurrent requests batched together.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import struct
 import time
 from collections.abc import Iterator
@@ -577,6 +578,46 @@ def test_a_recording_without_a_declared_length_stops_decoding_at_the_limit() -> 
         decode_audio(live, "file", LIMITS)
     short = decode_audio(encoded(espeak("hello"), "webm", "libopus", 48_000, live=True), "file", LIMITS)
     assert 0.3 < short.seconds < 2
+
+
+def _decoded_by_pyav(data: bytes) -> np.ndarray:
+    """The file as 16 kHz mono float32 by PyAV's own loop, joined at the end (the test's reference)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+        stream = container.streams.audio[0]
+        chunks = [
+            out.to_ndarray().reshape(-1) for frame in container.decode(stream) for out in resampler.resample(frame)
+        ]
+        chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    return np.clip(np.concatenate(chunks), -1.0, 1.0)
+
+
+def test_a_recording_longer_than_the_first_guess_decodes_whole_and_equal() -> None:
+    # No declared length: room for the first 60 s, grown as the samples come (150 s: twice).
+    tone = (np.sin(np.arange(150 * RATE) * 0.05) * 8000).astype(np.int16)
+    live = encoded(tone, "webm", "libopus", 48_000, live=True)
+    limits = AudioLimits(max_audio_bytes=2**24, max_audio_seconds=300, max_audio_channels=2)
+    audio = decode_audio(live, "file", limits)
+    assert np.array_equal(audio.samples, _decoded_by_pyav(live))
+    assert abs(audio.seconds - 150) < 0.1
+
+
+def test_a_file_s_samples_are_held_once_while_it_decodes() -> None:
+    """Decoded into one array sized from the header, not frames joined at the end (which held them twice)."""
+    import tracemalloc
+
+    data = wav_bytes((np.sin(np.arange(120 * RATE) * 0.05) * 8000).astype(np.int16))
+    limits = AudioLimits(max_audio_bytes=2**24, max_audio_seconds=300, max_audio_channels=2)
+    tracemalloc.start()
+    try:
+        audio = decode_audio(data, "file", limits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(audio.samples, _decoded_by_pyav(data))
+    assert peak < 1.3 * audio.samples.nbytes, (peak, audio.samples.nbytes)
 
 
 @pytest.mark.parametrize("frames_per_step", [3000, 1000])
