@@ -10,6 +10,7 @@ unloaded and the emptied host stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -219,6 +220,66 @@ async def test_a_host_whose_members_all_have_to_go_stops_at_once_with_them(
         supervisor.memory_budget = None
         await vector(client, "one")  # the next request starts a new host
         assert pid(supervisor, "one") not in (None, host_pid)
+
+
+async def test_members_removed_in_a_row_give_their_memory_back_in_one_collection(tmp_path: Path) -> None:
+    """The host's own protocol (JSON orders on stdin, events on stdout): two members removed one after the other are
+    each answered at once, and their memory goes back once, after the second (a collection holds the interpreter's
+    lock: one per removal kept the next removal waiting)."""
+    import asyncio
+    import json
+    import sys
+
+    from tests.predictors.harness import free_port
+    from universal_predictors.catalog import Backend, Task
+    from universal_predictors.config import HOST_EVENT_PREFIX, HOST_FLAG, HOST_READY_LINE, PredictorConfig
+
+    host = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "universal_predictors", HOST_FLAG, "pyod", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **OFFLINE_ENV},
+    )  # fmt: skip
+    assert host.stdin is not None
+    assert host.stdout is not None
+    events: list[dict[str, Any]] = []
+
+    async def next_event(kind: str) -> dict[str, Any]:
+        assert host.stdout is not None
+        while True:
+            line = (await asyncio.wait_for(host.stdout.readline(), 120)).decode().strip()
+            assert line or host.returncode is None, "the host exited"
+            if line.startswith(HOST_EVENT_PREFIX):
+                events.append(json.loads(line[len(HOST_EVENT_PREFIX) :]))
+                if events[-1]["event"] == kind:
+                    return events[-1]
+
+    try:
+        while (await asyncio.wait_for(host.stdout.readline(), 120)).decode().strip() != HOST_READY_LINE:
+            pass
+        ports = []
+        for name in ("first", "second"):
+            (tmp_path / name).mkdir()
+            port = free_port()
+            config = PredictorConfig(model_name=name, task=Task.ANOMALY, backend=Backend.PYOD,
+                                     source=str(tmp_path / name), http_port=port, http_host="127.0.0.1")  # fmt: skip
+            host.stdin.write((json.dumps({"op": "add", "port": port, "argv": config.to_args()}) + "\n").encode())
+            assert (await next_event("loaded"))["name"] == name
+            ports.append(port)
+        for port in ports:
+            host.stdin.write((json.dumps({"op": "remove", "port": port}) + "\n").encode())
+            await host.stdin.drain()
+            await next_event("removed")
+        await next_event("gave_back")
+        await asyncio.sleep(1.5)  # no second one follows
+        with contextlib.suppress(TimeoutError):
+            while line := await asyncio.wait_for(host.stdout.readline(), 0.5):
+                text = line.decode().strip()
+                if text.startswith(HOST_EVENT_PREFIX):
+                    events.append(json.loads(text[len(HOST_EVENT_PREFIX) :]))
+        kinds = [e["event"] for e in events if e["event"] in ("removed", "gave_back")]
+        assert kinds == ["removed", "removed", "gave_back"], kinds
+    finally:
+        host.terminate()
+        await host.wait()
 
 
 def test_the_supervisor_and_the_host_name_the_same_families() -> None:
