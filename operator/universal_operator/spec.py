@@ -1384,7 +1384,10 @@ class UniversalModelPoolStatus(_Model):
     message: str | None = Field(default=None, description="The most useful thing to know right now.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, SpecValid and InferenceServiceReady, with reasons and transition times.",
+        description=(
+            "Ready, SpecValid and InferenceServiceReady (and Cached with spec.cache), with reasons and "
+            "transition times."
+        ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

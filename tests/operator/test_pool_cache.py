@@ -183,3 +183,17 @@ def test_pool_cache_validation_and_rendering_before_and_after_the_nodes_hold_it(
     assert main["args"][-1] == f"--cached-prefix={SOURCE}=/mnt/models"
     assert all(m["mountPath"] != "/mnt/models" for m in main["volumeMounts"])
     assert admission.DISABLE_LOCAL_MODEL_ANNOTATION not in after["metadata"]["annotations"]
+
+    # Mounted already, a node joining the group (not every node holds it) does not switch the pool back: that would
+    # roll it twice.
+    after["metadata"]["labels"][admission.LOCAL_MODEL_LABEL] = CACHE
+    joined = CacheState(CACHE, False, "Downloading", "on 2 of 3 nodes", 2, 3)
+    kept = desired_pool_inference_service(parsed, CONFIG, cache=joined, live=after)
+    assert kept["spec"]["predictor"]["containers"][0] == main
+    assert admission.DISABLE_LOCAL_MODEL_ANNOTATION not in kept["metadata"]["annotations"]
+
+    # Without spec.cache (or before a cache exists) the pool's InferenceService is the one it was before spec.cache.
+    plain = parse_pool({**pool(), "spec": {"resources": {"cpu": "2", "memory": "4Gi"}}})
+    without = desired_pool_inference_service(plain, CONFIG)
+    unknown = desired_pool_inference_service(parsed, CONFIG)
+    assert unknown["spec"] == without["spec"]

@@ -173,12 +173,18 @@ def pool_labels(pool: UniversalModelPool) -> dict[str, str]:
     }
 
 
-def mounts_cache(pool: UniversalModelPool, cache: CacheState | None) -> bool:
-    """Whether the pool's pod mounts its LocalModelCache: it has one and every node holds the copy."""
-    return pool.spec.cache is not None and cache is not None and cache.name is not None and cache.ready
+def mounts_cache(pool: UniversalModelPool, cache: CacheState | None, live: dict[str, Any] | None = None) -> bool:
+    """Whether the pool's pod mounts its LocalModelCache: it has one and every node holds the copy, or the ``live``
+    InferenceService mounts it already (a node joining the group downloads soon; switching back would roll the pool
+    twice), as render.cache_annotations keeps a single model's mount."""
+    if pool.spec.cache is None or cache is None or cache.name is None:
+        return False
+    return cache.ready or bool(cache.status(live)["mounted"])
 
 
-def supervisor_args(pool: UniversalModelPool, cache: CacheState | None = None) -> list[str]:
+def supervisor_args(
+    pool: UniversalModelPool, cache: CacheState | None = None, live: dict[str, Any] | None = None
+) -> list[str]:
     """``universal-runtime serve`` over the members' folder, on the port KServe routes to; with the pool's cache
     mounted, members under its source load from /mnt/models (gateway/universal_gateway/cli.py --cached-prefix)."""
     args = ["serve", MEMBERS_MOUNT_PATH, "--host=0.0.0.0", f"--port={DEFAULT_HTTP_PORT}"]
@@ -188,7 +194,7 @@ def supervisor_args(pool: UniversalModelPool, cache: CacheState | None = None) -
     shared = pool.spec.member_processes is PoolMemberProcesses.SHARED
     args.append(f"--member-processes={'shared' if shared else 'own'}")
     args.append(f"--credentials-dir={CREDENTIALS_MOUNT_PATH}")
-    if pool.spec.cache is not None and mounts_cache(pool, cache):
+    if pool.spec.cache is not None and mounts_cache(pool, cache, live):
         args.append(f"--cached-prefix={pool.spec.cache.source_uri}={CACHED_MOUNT_PATH}")
     return args
 
@@ -214,11 +220,11 @@ def desired_pool_inference_service(
     container = predictor["containers"][0]
     assert container["name"] == CONTAINER_NAME
     container["command"] = ["universal-runtime"]
-    container["args"] = supervisor_args(pool, cache)
+    container["args"] = supervisor_args(pool, cache, live)
     # Members fetch their own sources into the cache (the storage initializer fetches one URI per pod). With the
     # pool's LocalModelCache on every node, STORAGE_URI is what makes KServe mount it (the module's docstring);
     # before that, no STORAGE_URI (KServe would run the initializer on the whole folder) and no node group.
-    mounted = mounts_cache(pool, cache)
+    mounted = mounts_cache(pool, cache, live)
     dropped = ("HF_HUB_OFFLINE",) if mounted else ("STORAGE_URI", "HF_HUB_OFFLINE")
     container["env"] = [e for e in container["env"] if e["name"] not in dropped]
     if pool.spec.cache is not None and not mounted:
