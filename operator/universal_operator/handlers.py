@@ -59,6 +59,7 @@ from universal_operator.reconcile.pools import (
     members_of,
     pool_service_name,
     pool_status,
+    stand_in,
 )
 from universal_operator.reconcile.render import desired_inference_service
 from universal_operator.reconcile.service_account import desired_service_account
@@ -74,6 +75,7 @@ from universal_operator.spec import (
     GROUP,
     PLURAL,
     POOL_PLURAL,
+    POOL_SUFFIX,
     VERSION,
     SpecError,
     UniversalModel,
@@ -312,6 +314,30 @@ def _models_of(models: Mapping[Key, Any] | None, also: UniversalModel) -> list[U
     return list(found.values())
 
 
+def _pool_stand_ins(state: OperatorState) -> list[UniversalModel]:
+    """The pools (not being deleted) as the single models they would be (reconcile/pools.py ``stand_in``): with
+    spec.cache, a model whose source is the cached folder, so the cache code counts them as users of it."""
+    found = []
+    for body in state.pools.values():
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        try:
+            found.append(stand_in(parse_pool(body)))
+        except SpecError:
+            continue
+    return found
+
+
+def _pool_cache_users(state: OperatorState, uri: str) -> list[dict[str, Any]]:
+    """The pools (bodies) whose spec.cache is ``uri``'s: the cluster-scoped cache cannot be owned by a namespaced
+    pool, so the operator deletes it by hand once neither a model nor a pool names it."""
+    return [
+        state.pools[(m.metadata.namespace, m.metadata.name.removesuffix(POOL_SUFFIX))]
+        for m in _pool_stand_ins(state)
+        if local_model.cached_uri(m) == uri
+    ]
+
+
 def _matching_cache(state: OperatorState, storage_uri: str) -> dict[str, Any] | None:
     """The LocalModelCache KServe's webhook would pick for ``storage_uri``: the first whose source is the URI or a
     folder above it (KServe v0.16.0 pkg/apis/serving/v1alpha1/local_model_cache_types.go MatchStorageURI)."""
@@ -344,7 +370,8 @@ async def ensure_cache(
     )
     if foreign is not None:
         return local_model.cache_state(foreign)
-    desired = local_model.desired_cache(uri, local_model.users_of(uri, _models_of(models, model)))
+    users = {(m.metadata.namespace, m.metadata.name): m for m in [*_pool_stand_ins(state), *_models_of(models, model)]}
+    desired = local_model.desired_cache(uri, local_model.users_of(uri, users.values()))
     current = state.caches.get(name)
     if current is not None and is_subset(desired["spec"], current.get("spec") or {}) and local_model.managed(current):
         return local_model.cache_state(current)
@@ -808,6 +835,8 @@ async def follow_cache_event(
         return
     for body in _cache_users(models, uri, mounting=True):
         await reconcile_model(state, body, children, reason="its LocalModelCache changed", models=models)
+    for body in _pool_cache_users(state, uri):
+        await reconcile_pool(state, body, reason="its LocalModelCache changed")
     if event_type != "DELETED" and local_model.managed(plain):
         delete_cache_when_unused(state, name, models)
 
@@ -818,7 +847,7 @@ def delete_cache_when_unused(state: OperatorState, name: str, models: Mapping[Ke
     if cache is None or not local_model.managed(cache):
         return
     uri = str((cache.get("spec") or {}).get("sourceModelUri") or "")
-    if _cache_users(models, uri, mounting=False):
+    if _cache_users(models, uri, mounting=False) or _pool_cache_users(state, uri):
         return
     running = state.cache_deletions.get(name)
     if running is None or running.done():
@@ -830,7 +859,7 @@ async def _delete_unused_cache(state: OperatorState, name: str, uri: str, models
     pkg/webhook/admission/localmodelcache/local_model_cache_validation.go ValidateDelete), until a model asks for it
     again or it is gone."""
     for _ in range(CACHE_DELETE_ATTEMPTS):
-        if name not in state.caches or _cache_users(models, uri, mounting=False):
+        if name not in state.caches or _cache_users(models, uri, mounting=False) or _pool_cache_users(state, uri):
             return
         try:
             await state.api.delete_local_model_cache(name)
@@ -1041,8 +1070,14 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
         pool = parse_pool(body)
         members = members_of(pool, _all_models(state))
         desired_map = desired_members_config_map(pool, members)
+    except SpecError as error:
+        await _report_invalid_pool(state, body, error)
+        return
+    # The pool's LocalModelCache (spec.cache) by the single model's code, its stand-in naming the cached folder.
+    cache = await ensure_cache(state, body, stand_in(pool), state.model_index, 0) if pool.spec.cache else None
+    try:
         desired = desired_pool_inference_service(pool, state.config, now=state.clock(),
-                                                 live=state.pool_children.get(key))  # fmt: skip
+                                                 live=state.pool_children.get(key), cache=cache)  # fmt: skip
     except SpecError as error:
         await _report_invalid_pool(state, body, error)
         return
@@ -1091,7 +1126,7 @@ async def _reconcile_pool(state: OperatorState, body: dict[str, Any], reason: st
     if live is not None:
         state.pool_children[key] = _newer(state.pool_children.get(key), live) or live
     await _write_pool_status(state, key, body, pool_status(pool, state.pool_children.get(key), members,
-                                                            state.clock(), state.config))  # fmt: skip
+                                                            state.clock(), state.config, cache))  # fmt: skip
 
 
 def _warn_missing_member_secrets(
@@ -1160,8 +1195,9 @@ async def _report_invalid_pool(state: OperatorState, body: dict[str, Any], error
 
 
 async def forget_pool(state: OperatorState, key: Key) -> None:
-    """The pool is gone (its InferenceService and ConfigMap with it, by garbage collection): its members say so."""
-    state.pools.pop(key, None)
+    """The pool is gone (its InferenceService and ConfigMap with it, by garbage collection): its members say so, and
+    its LocalModelCache goes too when no model or other pool names its source."""
+    gone = state.pools.pop(key, None)
     state.pool_children.pop(key, None)
     state.written_pool_status.pop(key, None)
     for model in _all_models(state):
@@ -1169,6 +1205,12 @@ async def forget_pool(state: OperatorState, key: Key) -> None:
             body = _index_value(state.model_index, (key[0], model.metadata.name))
             if body is not None:
                 await reconcile_member(state, body, model)
+    try:
+        cached = local_model.cached_uri(stand_in(parse_pool(gone))) if gone is not None else None
+    except SpecError:
+        cached = None
+    if cached is not None:
+        delete_cache_when_unused(state, local_model.cache_name(cached), state.model_index)
 
 
 async def follow_pool_child_event(state: OperatorState, event_type: str, child: Mapping[str, Any]) -> None:

@@ -1218,6 +1218,40 @@ class PoolCacheVolume(_Model):
         return self
 
 
+POOL_CACHE_SOURCE_RULE = "self.sourceUri.matches('^(" + "|".join(SCHEMES_CACHED) + ")://[^/]+')"
+POOL_CACHE_SOURCE_MESSAGE = (
+    "cache.sourceUri is the folder holding the members' sources, which KServe's node agent downloads, so it is a "
+    + ", ".join(f"{s}://" for s in SCHEMES_CACHED)
+    + " URI with a bucket or host, e.g. s3://models/pool-a (members whose spec.source.uri is under it load from the "
+    "node's copy)"
+)
+
+
+class PoolCache(Cache):
+    """The pool's KServe LocalModelCache: one folder holding its members' sources, kept on the nodes' disks."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [_cel(POOL_CACHE_SOURCE_RULE, POOL_CACHE_SOURCE_MESSAGE,
+                                                              ".sourceUri")]}
+    )  # fmt: skip
+
+    source_uri: str = Field(
+        min_length=1,
+        max_length=2048,
+        description=(
+            "The folder holding the members' sources, e.g. s3://models/pool-a: KServe keeps a copy of it on the "
+            "node groups' disks, and members whose source.uri is under it load from that copy once every node has it."
+        ),
+    )
+
+    @field_validator("source_uri")
+    @classmethod
+    def _downloadable(cls, uri: str) -> str:
+        if not re.match("^(" + "|".join(SCHEMES_CACHED) + ")://[^/]+", uri):
+            raise ValueError(POOL_CACHE_SOURCE_MESSAGE)
+        return uri
+
+
 class PoolMemberProcesses(StrEnum):
     """How a pool runs its members: one process per library family, or one each."""
 
@@ -1272,6 +1306,14 @@ class UniversalModelPoolSpec(_Model):
         default_factory=PoolCacheVolume,
         description="Where members' downloads are kept: an emptyDir (default) or a PersistentVolumeClaim.",
         json_schema_extra={"default": {}},
+    )
+    cache: PoolCache | None = Field(
+        default=None,
+        description=(
+            "A KServe LocalModelCache of the folder holding the members' sources (operator setting "
+            "kserve.localModelCache): members download into cacheVolume until every node of the node groups holds "
+            "the copy, then the pool mounts it at /mnt/models and loads members under sourceUri from there."
+        ),
     )
     member_processes: PoolMemberProcesses = Field(
         default_factory=lambda: PoolMemberProcesses.SHARED,
@@ -1338,10 +1380,14 @@ class UniversalModelPoolStatus(_Model):
     memory_used_mb: int | None = Field(default=None, description="The memory the loaded members hold (MiB).")
     memory_budget_mb: int | None = Field(default=None, description="spec.memoryBudget in MiB.")
     evictions: int | None = Field(default=None, description="Members unloaded to stay in the budget, in all.")
+    cache: CacheStatus | None = Field(default=None, description="The pool's LocalModelCache (spec.cache).")
     message: str | None = Field(default=None, description="The most useful thing to know right now.")
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, SpecValid and InferenceServiceReady, with reasons and transition times.",
+        description=(
+            "Ready, SpecValid and InferenceServiceReady (and Cached with spec.cache), with reasons and "
+            "transition times."
+        ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

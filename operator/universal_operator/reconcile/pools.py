@@ -26,6 +26,18 @@ rotated key follows.
 The pool's pod and its status are read by the same code as a single model's: :func:`stand_in` is the
 UniversalModel a pool would be if it were one model (its resources, scaling, image and env), so the probes,
 security context, Knative annotations and the reading of KServe's status cannot drift from a model's.
+
+With ``spec.cache`` the pool keeps a KServe LocalModelCache of ``cache.sourceUri`` (the folder holding its members'
+sources) by the single model's machinery (:mod:`.cache`: the stand-in carries the URI and the cache, so the cache
+is named by the URI, shared with models naming it, and deleted by hand when no model or pool uses it). KServe
+v0.20.0 mounts a cache only for a predictor with a storage URI (``pkg/apis/serving/v1beta1/
+inference_service_defaults.go`` setLocalModelLabel; a custom container's ``STORAGE_URI`` env,
+``pkg/apis/serving/v1beta1/predictor_custom.go``), and its pod webhook then mounts the node group's claim at
+/mnt/models instead of running the storage initializer (``pkg/webhook/admission/pod/storage_initializer_injector.go``).
+So until every node holds the copy the pool's InferenceService has no STORAGE_URI (and the
+``disable-localmodel`` annotation) and members download into the cache volume; once it does, the container gets
+``STORAGE_URI=<sourceUri>``, the node group annotation, and ``serve --cached-prefix <sourceUri>=/mnt/models``.
+That switch changes the pod template: it rolls the pool once, as a single model's switch does.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import yaml
 from universal_operator.config import OperatorConfig
 from universal_operator.predictor import CONTAINER_NAME, resolved_backend
 from universal_operator.reconcile.adapter_credentials import copies_secret
+from universal_operator.reconcile.cache import DISABLE_ANNOTATION, NODE_GROUP_ANNOTATION, CacheState
 from universal_operator.reconcile.drift import quantity_value
 from universal_operator.reconcile.labels import (
     ANNOTATION_SERVED_NAME,
@@ -60,6 +73,7 @@ from universal_operator.spec import (
     UniversalModelSpec,
     UniversalModelStatus,
 )
+from universal_operator.spec import Cache as ModelCache
 from universal_predictors.catalog import TASK_BACKENDS, Backend, Task
 from universal_predictors.config import DEFAULT_HTTP_PORT
 
@@ -75,6 +89,9 @@ LABEL_POOL = "serving.universal-runtime.dev/pool"
 #: models are known; members load on demand, so the pool is ready before any of them is loaded.
 LIVE_PATH, READY_PATH = "/healthz", "/readyz"
 MIB = 2**20
+#: Where KServe's pod webhook mounts a LocalModelCache's claim (storage_initializer_injector.go, v0.20.0); the
+#: pool's own cache volume is at render.CACHE_DIR, so the two never share a path.
+CACHED_MOUNT_PATH = "/mnt/models"
 
 
 def pool_service_name(pool: UniversalModelPool) -> str:
@@ -118,12 +135,20 @@ def check_pool(pool: UniversalModelPool) -> None:
 def stand_in(pool: UniversalModelPool) -> UniversalModel:
     """The UniversalModel the pool's pod would be as one model: named as its InferenceService, owned by the pool."""
     spec = pool.spec
+    # With spec.cache the stand-in names the cached folder as its source, so the single model's cache code names,
+    # shares and sizes the LocalModelCache by it; the render below drops what a pool does not download that way.
+    source = {"uri": spec.cache.source_uri} if spec.cache is not None else {"uri": MEMBERS_MOUNT_PATH}
+    cache = (
+        ModelCache(node_groups=spec.cache.node_groups, model_size=spec.cache.model_size)
+        if spec.cache is not None
+        else None
+    )
     return UniversalModel(
         metadata=ObjectMeta(name=pool_service_name(pool), namespace=pool.metadata.namespace, uid=pool.metadata.uid,
                             generation=pool.metadata.generation),
         spec=UniversalModelSpec(
-            task=Task.EMBED, source={"uri": MEMBERS_MOUNT_PATH},  # an absolute path: nothing to download
-            resources=spec.resources, scaling=spec.scaling, env=spec.env, image=spec.image,
+            task=Task.EMBED, source=source,  # without a cache, an absolute path: nothing to download
+            cache=cache, resources=spec.resources, scaling=spec.scaling, env=spec.env, image=spec.image,
         ),
     )  # fmt: skip
 
@@ -148,8 +173,20 @@ def pool_labels(pool: UniversalModelPool) -> dict[str, str]:
     }
 
 
-def supervisor_args(pool: UniversalModelPool) -> list[str]:
-    """``universal-runtime serve`` over the members' folder, on the port KServe routes to."""
+def mounts_cache(pool: UniversalModelPool, cache: CacheState | None, live: dict[str, Any] | None = None) -> bool:
+    """Whether the pool's pod mounts its LocalModelCache: it has one and every node holds the copy, or the ``live``
+    InferenceService mounts it already (a node joining the group downloads soon; switching back would roll the pool
+    twice), as render.cache_annotations keeps a single model's mount."""
+    if pool.spec.cache is None or cache is None or cache.name is None:
+        return False
+    return cache.ready or bool(cache.status(live)["mounted"])
+
+
+def supervisor_args(
+    pool: UniversalModelPool, cache: CacheState | None = None, live: dict[str, Any] | None = None
+) -> list[str]:
+    """``universal-runtime serve`` over the members' folder, on the port KServe routes to; with the pool's cache
+    mounted, members under its source load from /mnt/models (gateway/universal_gateway/cli.py --cached-prefix)."""
     args = ["serve", MEMBERS_MOUNT_PATH, "--host=0.0.0.0", f"--port={DEFAULT_HTTP_PORT}"]
     budget = memory_budget_mb(pool)
     if budget is not None:
@@ -157,16 +194,23 @@ def supervisor_args(pool: UniversalModelPool) -> list[str]:
     shared = pool.spec.member_processes is PoolMemberProcesses.SHARED
     args.append(f"--member-processes={'shared' if shared else 'own'}")
     args.append(f"--credentials-dir={CREDENTIALS_MOUNT_PATH}")
+    if pool.spec.cache is not None and mounts_cache(pool, cache, live):
+        args.append(f"--cached-prefix={pool.spec.cache.source_uri}={CACHED_MOUNT_PATH}")
     return args
 
 
 def desired_pool_inference_service(
-    pool: UniversalModelPool, config: OperatorConfig, *, now: datetime | None = None, live: dict[str, Any] | None = None
+    pool: UniversalModelPool,
+    config: OperatorConfig,
+    *,
+    now: datetime | None = None,
+    live: dict[str, Any] | None = None,
+    cache: CacheState | None = None,
 ) -> dict[str, Any]:
     """The pool's one InferenceService. Its members are not in it (they are in the ConfigMap): adding one leaves
-    this object, and so the pod template, unchanged."""
+    this object, and so the pod template, unchanged. ``cache``: the pool's LocalModelCache as last judged."""
     check_pool(pool)
-    isvc = desired_inference_service(stand_in(pool), config, now=now, live=live)
+    isvc = desired_inference_service(stand_in(pool), config, now=now, live=live, cache=cache)
     meta = isvc["metadata"]
     meta["labels"] = {**{k: v for k, v in meta["labels"].items() if k in _KEPT_LABELS}, **pool_labels(pool)}
     meta["annotations"].pop(ANNOTATION_SERVED_NAME, None)
@@ -176,9 +220,17 @@ def desired_pool_inference_service(
     container = predictor["containers"][0]
     assert container["name"] == CONTAINER_NAME
     container["command"] = ["universal-runtime"]
-    container["args"] = supervisor_args(pool)
-    # Members fetch their own sources into the cache (the storage initializer fetches one URI per pod).
-    container["env"] = [e for e in container["env"] if e["name"] not in ("STORAGE_URI", "HF_HUB_OFFLINE")]
+    container["args"] = supervisor_args(pool, cache, live)
+    # Members fetch their own sources into the cache (the storage initializer fetches one URI per pod). With the
+    # pool's LocalModelCache on every node, STORAGE_URI is what makes KServe mount it (the module's docstring);
+    # before that, no STORAGE_URI (KServe would run the initializer on the whole folder) and no node group.
+    mounted = mounts_cache(pool, cache, live)
+    dropped = ("HF_HUB_OFFLINE",) if mounted else ("STORAGE_URI", "HF_HUB_OFFLINE")
+    container["env"] = [e for e in container["env"] if e["name"] not in dropped]
+    if pool.spec.cache is not None and not mounted:
+        meta["annotations"].pop(NODE_GROUP_ANNOTATION, None)
+        if cache is not None and cache.name is not None:
+            meta["annotations"][DISABLE_ANNOTATION] = "true"
     container["readinessProbe"]["httpGet"]["path"] = READY_PATH
     for probe in ("livenessProbe", "startupProbe"):
         container[probe]["httpGet"]["path"] = LIVE_PATH
@@ -188,12 +240,12 @@ def desired_pool_inference_service(
     container["volumeMounts"].append(
         {"name": CREDENTIALS_VOLUME, "mountPath": CREDENTIALS_MOUNT_PATH, "readOnly": True}
     )
-    cache = pool.spec.cache_volume
+    volume = pool.spec.cache_volume
     volumes = [v for v in predictor["volumes"] if v["name"] != "cache"]
-    if cache.claim_name is not None:
-        volumes.insert(0, {"name": "cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+    if volume.claim_name is not None:
+        volumes.insert(0, {"name": "cache", "persistentVolumeClaim": {"claimName": volume.claim_name}})
     else:
-        volumes.insert(0, {"name": "cache", "emptyDir": {"sizeLimit": cache.size_limit} if cache.size_limit else {}})
+        volumes.insert(0, {"name": "cache", "emptyDir": {"sizeLimit": volume.size_limit} if volume.size_limit else {}})
     volumes.append({"name": MEMBERS_VOLUME, "configMap": {"name": members_config_map_name(pool)}})
     volumes.append({"name": CREDENTIALS_VOLUME, "secret": {"secretName": credentials_secret_name(pool)}})
     predictor["volumes"] = volumes
@@ -290,10 +342,12 @@ def pool_status(
     members: list[UniversalModel],
     now: datetime,
     config: OperatorConfig,
+    cache: CacheState | None = None,
 ) -> dict[str, Any]:
-    """The pool's status: its InferenceService read as a model's would be, and its members from their reports."""
+    """The pool's status: its InferenceService read as a model's would be (with ``cache``, its LocalModelCache as
+    ``status.cache`` and the Cached condition, as a model reports its own), and its members from their reports."""
     base = status_from_inference_service(isvc, stand_in(pool).model_copy(update={"status": _as_model_status(pool)}),
-                                         now, config=config)  # fmt: skip
+                                         now, config=config, cache=cache)  # fmt: skip
     listed = []
     loaded, used, evictions = [], 0, 0
     for member in sorted(members, key=lambda m: m.metadata.name):
@@ -319,6 +373,7 @@ def pool_status(
         "memoryUsedMb": used,
         "memoryBudgetMb": memory_budget_mb(pool),
         "evictions": evictions,
+        "cache": base.get("cache"),
         "message": base.get("message"),
         "conditions": base["conditions"],
     }
