@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from universal_predictors import standby, tracing, wake_phases
+from universal_predictors import devices, standby, tracing, wake_phases
 from universal_predictors.config import HOST_EVENT_PREFIX, HOST_READY_LINE, PredictorConfig, resolve_source
 
 logger = logging.getLogger("universal_predictors.shared_host")
@@ -332,6 +332,7 @@ def run(family: str, argv0: str) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    devices.COLLECT_ON_CPU_RELEASE = False  # the host collects once after removals (SharedHost._give_back_soon)
     standby.preload(PRELOAD[family])
     try:
         tracing.configure("universal-predictor", attributes={"universal_runtime.shared_host": family})
