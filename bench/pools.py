@@ -30,9 +30,11 @@ Measured 2026-12-05, ``--models 50 --rounds 5`` (the anchor 10 processes at a ti
 gateway and 3 hosts) against 20.95 GiB (PSS 14.84) for a process per model: 10.35x less (41 against 429 MiB a
 member); warm p50 through serve's gateway 10.1 ms against 9.9 ms to each predictor directly (1.02x; the pool's
 members directly 10.0 ms, 1.01x; embed 16.5/15.0, classify 9.8/9.7, ner 9.1/9.4, ocr 79.1/45.7, anomaly 9.1/7.7);
-evicted members back (``--models 5``, after the host's removal stopped waiting for its collection) in 6.1, 0.1,
-0.1, 1.8 and 4.1 s against their own process's load of 5.4, 4.5, 4.4, 1.2 and 2.3 s (embed 1.12x, ocr 1.49x,
-anomaly 1.74x: a wake across families starts the other host) and their first wake in the pool (1.00x to 1.06x).
+evicted members back (``--models 5 --rounds 2``, three runs, once a host whose members all go stops at once and
+a removal no longer waits for a collection) in 6.3-6.5, 0.1, 0.1, 1.5-1.8 and 3.1-3.3 s against their own
+process's load of 5.5-6.0, 4.7-5.1, 4.7, 1.2-1.4 and 2.5-2.9 s: embed 1.08-1.14x, ocr 1.14-1.48x, anomaly
+1.13-1.22x (1.86x and 1.72x for ocr and anomaly before, the same day); against their first wake in the pool 0.60x
+to 1.20x.
 Table and notes: docs/pools.md.
 """
 
