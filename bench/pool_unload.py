@@ -17,7 +17,8 @@ their members hold little.
 
 Nothing here is asserted. Measured 2026-12-05 (2 cores; docs/pools.md): torch (embed) +169 MiB with 3 more members,
 17 MiB kept after they unloaded (90% given back), +287 with 5, 40 kept (86%); ocr +111 / 24 kept (78%), +179 / 40 kept
-(78%); pyod (anomaly) +17 with 5, 12 kept.
+(78%); pyod (anomaly) +17 with 5, 12 kept. Once the host collected once after removals in a row: torch +168 / 17 kept
+(90%), ocr +168 / 14 kept (92%).
 """
 
 from __future__ import annotations
