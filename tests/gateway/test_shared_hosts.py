@@ -136,15 +136,24 @@ async def test_a_family_s_members_share_one_process_and_answer_as_the_model_does
         assert pid(supervisor, "two") not in (None, host)
 
 
-async def test_the_budget_evicts_a_member_from_its_host_and_an_emptied_host_stops(tmp_path: Path) -> None:
+def two_embeds(tmp_path: Path, detector: str | None = None) -> tuple[LocalSupervisor, SteppedClock]:
+    """A shared-process supervisor on a stepped clock over members ``one`` and ``two`` (embeddings, idle after a
+    minute) and, given its manifest, the detector."""
     folder = tmp_path / "members"
     folder.mkdir()
     for name in ("one", "two"):
         (folder / f"{name}.yaml").write_text(embed(name, idle="1m"))
+    if detector is not None:
+        (folder / "detector.yaml").write_text(detector)
     clock = SteppedClock()
     supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
                                  standby=False, shared_processes=True, reap_interval=0.05,
                                  clock=clock)  # fmt: skip
+    return supervisor, clock
+
+
+async def test_the_budget_evicts_a_member_from_its_host_and_an_emptied_host_stops(tmp_path: Path) -> None:
+    supervisor, clock = two_embeds(tmp_path)
     async with serving(supervisor) as (_, client):
         await vector(client, "one")
         host = supervisor.hosts["torch"]
@@ -179,15 +188,7 @@ async def test_a_host_whose_members_all_have_to_go_stops_at_once_with_them(
 ) -> None:
     """Room for another family's host only: both embedding members are evicted by stopping the torch host whole
     (not unloaded one by one, then the host stopped), recorded as evictions, not as a crash."""
-    folder = tmp_path / "members"
-    folder.mkdir()
-    for name in ("one", "two"):
-        (folder / f"{name}.yaml").write_text(embed(name, idle="1m"))
-    (folder / "detector.yaml").write_text(ANOMALY)
-    clock = SteppedClock()
-    supervisor = LocalSupervisor(load_manifests([folder]), state_root=tmp_path / "state", env=OFFLINE_ENV,
-                                 standby=False, shared_processes=True, reap_interval=0.05,
-                                 clock=clock)  # fmt: skip
+    supervisor, clock = two_embeds(tmp_path, ANOMALY)
     async with serving(supervisor) as (_, client):
         await vector(client, "one")
         await vector(client, "two")
