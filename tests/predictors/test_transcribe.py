@@ -557,6 +557,33 @@ def test_every_container_decodes_to_16khz_mono_of_its_length(container: str, cod
     assert audio.samples.ndim == 1
 
 
+def _probed_decode(data: bytes) -> np.ndarray:
+    """``data`` decoded by PyAV with FFmpeg's default probing, resampled as the predictor resamples."""
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+    with av.open(io.BytesIO(data)) as container:
+        frames = [
+            out.to_ndarray().reshape(-1) for frame in container.decode(audio=0) for out in resampler.resample(frame)
+        ]
+    frames += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    return np.clip(np.concatenate(frames), -1.0, 1.0)
+
+
+@pytest.mark.parametrize("codec", ["pcm_s16le", "pcm_u8", "pcm_s24le", "pcm_f32le", "pcm_mulaw", "adpcm_ima_wav"])
+@pytest.mark.parametrize("rate", [8_000, 44_100])
+def test_a_wav_opened_without_probing_decodes_as_a_probed_one(codec: str, rate: int) -> None:
+    # The predictor opens a WAV without FFmpeg's stream probing (its header names codec, channels and rate); every
+    # codec a WAV commonly holds must still decode to the samples a probed open gives.
+    data = encoded(espeak("testing one two"), "wav", codec, rate)
+    assert np.array_equal(decode_audio(data, "file", LIMITS).samples, _probed_decode(data))
+
+
+def test_a_stereo_wav_opened_without_probing_decodes_as_a_probed_one() -> None:
+    data = wav_bytes(np.repeat(espeak("testing one two"), 2), RATE, channels=2)
+    assert np.array_equal(decode_audio(data, "file", LIMITS).samples, _probed_decode(data))
+
+
 def test_the_limits_are_checked_before_decoding_and_name_themselves() -> None:
     samples = espeak("testing one two")
     stereo = np.repeat(samples, 3)  # three interleaved channels
