@@ -40,11 +40,21 @@ CORPUS = [
 ]
 MAX_TARGET_POSITIONS = 96
 
+#: The shapes of the model :func:`build_tiny_whisper` writes: ``tiny`` (d_model 64, one layer each side: the tests'),
+#: and ``base``, openai/whisper-base's (d_model 512, six layers each side, 8 heads, 74M parameters) with random
+#: weights, for a benchmark whose engine compute should weigh as a real model's does.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 64, "layers": 1, "heads": 2, "ffn": 128},
+    "base": {"d_model": 512, "layers": 6, "heads": 8, "ffn": 2048},
+}
+
 
 def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int = MAX_TARGET_POSITIONS,
-                       alignment_heads: bool = True) -> Path:  # fmt: skip
+                       alignment_heads: bool = True, shape: str = "tiny") -> Path:  # fmt: skip
     """Write a tiny Whisper (model, tokenizer, feature extractor, generation config) to ``path`` (without
-    ``alignment_heads`` in its generation config if told: no token timestamps, as some fine-tunes)."""
+    ``alignment_heads`` in its generation config if told: no token timestamps, as some fine-tunes; ``shape``: one
+    of :data:`SHAPES`)."""
+    dims = SHAPES[shape]
     path.mkdir(parents=True, exist_ok=True)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
@@ -78,13 +88,13 @@ def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int =
     config = WhisperConfig(
         vocab_size=vocab_size,
         num_mel_bins=80,
-        d_model=64,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
+        d_model=dims["d_model"],
+        encoder_layers=dims["layers"],
+        decoder_layers=dims["layers"],
+        encoder_attention_heads=dims["heads"],
+        decoder_attention_heads=dims["heads"],
+        encoder_ffn_dim=dims["ffn"],
+        decoder_ffn_dim=dims["ffn"],
         max_source_positions=1500,
         max_target_positions=max_target_positions,
         pad_token_id=ids["<|endoftext|>"],
@@ -110,9 +120,12 @@ def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int =
         return_timestamps=False,
     )
     if alignment_heads:
-        # The decoder's heads whose cross-attention aligns tokens to audio (token timestamps): every head of the one
-        # layer, as CTranslate2's converter defaults to for a model without them (the last half of the layers).
-        model.generation_config.alignment_heads = [[0, 0], [0, 1]]
+        # The decoder's heads whose cross-attention aligns tokens to audio (token timestamps): every head of the
+        # last half of the layers, as CTranslate2's converter defaults to for a model without them.
+        layers = dims["layers"]
+        model.generation_config.alignment_heads = [
+            [layer, head] for layer in range(layers // 2, layers) for head in range(dims["heads"])
+        ]
     model.save_pretrained(path)
     extractor = WhisperFeatureExtractor(feature_size=80)  # type: ignore[no-untyped-call]
     processor = WhisperProcessor(extractor, tokenizer)  # type: ignore[no-untyped-call]
@@ -120,12 +133,12 @@ def build_tiny_whisper(path: Path, *, seed: int = 0, max_target_positions: int =
     return path
 
 
-def build_tiny_ct2_whisper(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_ct2_whisper(path: Path, *, seed: int = 0, shape: str = "tiny") -> Path:
     """A tiny Whisper built as :func:`build_tiny_whisper` does (under ``path/transformers``), converted with
     ``ctranslate2.converters.TransformersConverter`` to ``path/ctranslate2`` (``model.bin``, CTranslate2's
     ``config.json``, the vocabulary, and the tokenizer.json faster-whisper reads). Returns the converted folder."""
     import ctranslate2
 
-    source = build_tiny_whisper(path / "transformers", seed=seed, max_target_positions=448)
+    source = build_tiny_whisper(path / "transformers", seed=seed, max_target_positions=448, shape=shape)
     converter = ctranslate2.converters.TransformersConverter(str(source), copy_files=["tokenizer.json"])
     return Path(converter.convert(str(path / "ctranslate2"), force=True))
