@@ -366,6 +366,32 @@ def test_concurrent_requests_sharing_generate_calls_get_their_own_transcripts(ba
 # -- features window by window ---------------------------------------------------------------------------------------
 
 
+FILES = [
+    ("wav", "pcm_s16le", 16_000),
+    ("mp3", "libmp3lame", 44_100),
+    ("ogg", "libopus", 48_000),
+    ("ipod", "aac", 22_050),
+]
+
+
+@pytest.mark.parametrize(("container", "codec", "rate"), FILES)
+def test_the_predictors_samples_are_the_ones_faster_whisper_reads_from_a_file(
+    container: str, codec: str, rate: int
+) -> None:
+    # So a transcript through the predictor equals ``WhisperModel.transcribe(path)`` on the same upload, lossy
+    # codecs included (faster-whisper 1.2.1 audio.py decodes to 16-bit, then scales).
+    import io
+
+    from faster_whisper.audio import decode_audio as faster_whispers_decode
+
+    from tests.predictors.speech_samples import encoded
+    from universal_predictors.speech.audio import AudioLimits, as_float, decode_audio
+
+    data = encoded(espeak("testing one two three"), container, codec, rate)
+    ours = decode_audio(data, "file", AudioLimits(max_audio_bytes=2**22, max_audio_seconds=60, max_audio_channels=2))
+    assert np.array_equal(as_float(ours.samples), faster_whispers_decode(io.BytesIO(data)))
+
+
 @pytest.mark.parametrize("chunk_length", [None, 30])
 def test_features_computed_window_by_window_equal_faster_whispers_own_bit_for_bit(chunk_length: int | None) -> None:
     from faster_whisper.feature_extractor import FeatureExtractor
@@ -385,6 +411,11 @@ def test_features_computed_window_by_window_equal_faster_whispers_own_bit_for_bi
         got = windowed(samples, chunk_length=chunk_length)
         assert got.shape == expected.shape, length
         assert np.array_equal(got, expected), f"{length} samples: differs by up to {np.abs(got - expected).max()}"
+        # The predictor's decode gives 16-bit samples, scaled piece by piece: the features of the samples scaled
+        # whole, as faster-whisper's ``decode_audio`` scales them.
+        pcm = (rng.standard_normal(length) * 8000).clip(-32768, 32767).astype(np.int16)
+        expected = library(pcm.astype(np.float32) / 32768.0, chunk_length=chunk_length)
+        assert np.array_equal(windowed(pcm, chunk_length=chunk_length), expected), f"{length} 16-bit samples"
     assert (windowed.n_samples, windowed.nb_max_frames) == (library.n_samples, library.nb_max_frames)
 
 

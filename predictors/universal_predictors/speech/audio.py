@@ -31,11 +31,12 @@ SAMPLE_RATE = 16_000
 #: Sample rates a real recording has at most (FFmpeg would take more, and resample a lie at length).
 MAX_SOURCE_RATE = 384_000
 FORMATS = "WAV, FLAC, MP3, OGG/Opus, M4A or WebM"
-#: Memory one second of audio holds while a request is decoded and transcribed, in bytes: the float32 samples
-#: (64 KB), their log-mel features (32 KB), and room for the samples to grow where the header said less (up to half
-#: again: 32 KB), rounded up. Measured: decoding and extracting a 10 minute file raised peak RSS by 96 MB (160 KB/s),
-#: 20 minutes by 116 MB, when the decoder's frames were joined at the end (decoding alone, 20 minutes: 175 MB then,
-#: 94 MB since the samples go into one array).
+#: Memory one second of audio holds while a request is decoded and transcribed, in bytes: the samples (16-bit, 32
+#: KB; transformers' engine scales a copy to float32 for its extractor, 64 KB), their log-mel features (32 KB), and
+#: room for the samples to grow where the header said less (up to half again), rounded up. Measured with float32
+#: samples (64 KB a second, before they were decoded to 16-bit): decoding and extracting a 10 minute file raised peak
+#: RSS by 96 MB (160 KB/s), 20 minutes by 116 MB, when the decoder's frames were joined at the end (decoding alone,
+#: 20 minutes: 175 MB then, 94 MB since the samples go into one array).
 BYTES_PER_AUDIO_SECOND = 192 * 1024
 #: Seconds of samples room is made for first when a header declares no duration (then grown by half at a time).
 GUESS_SECONDS = 60
@@ -54,7 +55,8 @@ class AudioLimits:
 
 @dataclass(frozen=True)
 class Audio:
-    """Decoded audio: float32 samples in [-1, 1] at :data:`SAMPLE_RATE`, mono; the container it came in."""
+    """Decoded audio: 16-bit samples at :data:`SAMPLE_RATE`, mono (:func:`as_float` scales them to [-1, 1)); the
+    container it came in."""
 
     samples: np.ndarray
     container: str
@@ -179,22 +181,26 @@ def declared_seconds(data: bytes, field: str, limits: AudioLimits) -> float | No
 
 
 def decode_audio(data: bytes, field: str, limits: AudioLimits) -> Audio:
-    """``data`` (an uploaded file) as 16 kHz mono float32 samples, within ``limits`` (module docstring)."""
+    """``data`` (an uploaded file) as 16 kHz mono 16-bit samples, within ``limits`` (module docstring)."""
     import av
 
     with _opened(data, field, limits) as (container, stream, declared, damaged):
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+        # 16-bit samples, as faster-whisper's own ``decode_audio`` (faster-whisper 1.2.1 audio.py: ``format="s16"``,
+        # then ``/ 32768.0``) and openai-whisper's ``load_audio`` (``-f s16le``) read a file: the same samples its
+        # engine gets from a path, and half the memory of float32 while the request waits and decodes (they are
+        # scaled window by window where the features are computed).
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
         most = int(limits.max_audio_seconds * SAMPLE_RATE)
         # Decoded into one array sized from the header's duration (grown by half where it says less, or nothing), not
         # into a list of frames joined at the end: the file's samples are held once, not twice, at the peak.
         expected = int((declared if declared is not None else GUESS_SECONDS) * SAMPLE_RATE) + SAMPLE_RATE
-        samples = np.empty(min(most + 1, max(expected, SAMPLE_RATE)), np.float32)
+        samples = np.empty(min(most + 1, max(expected, SAMPLE_RATE)), np.int16)
         total = 0
 
         def add(chunk: np.ndarray) -> None:
             nonlocal samples, total
             if total + len(chunk) > len(samples):
-                grown = np.empty(max(total + len(chunk), min(most + 1, len(samples) * 3 // 2)), np.float32)
+                grown = np.empty(max(total + len(chunk), min(most + 1, len(samples) * 3 // 2)), np.int16)
                 grown[:total] = samples[:total]
                 samples = grown
             samples[total : total + len(chunk)] = chunk
@@ -215,8 +221,15 @@ def decode_audio(data: bytes, field: str, limits: AudioLimits) -> Audio:
     if not total:
         raise damaged("no audio frames in it")
     # What the header over-declared is given back (a copy only where that is more than a tenth).
-    samples = samples[:total] if total * 10 >= len(samples) * 9 else samples[:total].copy()
-    return Audio(np.clip(samples, -1.0, 1.0, out=samples), kind)
+    return Audio(samples[:total] if total * 10 >= len(samples) * 9 else samples[:total].copy(), kind)
+
+
+def as_float(samples: np.ndarray) -> np.ndarray:
+    """``samples`` as float32 in [-1, 1): 16-bit ones scaled as faster-whisper's ``decode_audio`` scales them
+    (``astype(np.float32) / 32768.0``); float ones as they are."""
+    if samples.dtype == np.int16:
+        return samples.astype(np.float32) / 32768.0
+    return np.asarray(samples, dtype=np.float32)
 
 
 def _reason(exc: Exception) -> str:

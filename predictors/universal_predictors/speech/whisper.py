@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.speech.audio import SAMPLE_RATE
+from universal_predictors.speech.audio import SAMPLE_RATE, as_float
 
 #: One Whisper window: 30 s, 3000 mel frames.
 WINDOW_SECONDS = 30
@@ -37,6 +37,7 @@ SpeechTask = Literal["transcribe", "translate"]
 class Job:
     """One request's audio and how to decode it."""
 
+    #: 16 kHz mono: 16-bit as the predictor decodes them, or float32 in [-1, 1] (``audio.as_float``).
     samples: np.ndarray
     task: SpeechTask
     language: str | None
@@ -270,6 +271,7 @@ class WhisperEngine:
     def features(self, samples: np.ndarray) -> tuple[Any, bool]:
         """Log-mel features of one job, and whether it is long-form (over one window)."""
         extract = self.processor.feature_extractor
+        samples = as_float(samples)  # (the decode's 16-bit samples: transformers' extractor takes float32)
         if len(samples) > WINDOW_SECONDS * SAMPLE_RATE:
             return long_form_features(samples, extract), True
         return extract(samples, sampling_rate=SAMPLE_RATE, return_tensors="pt").input_features, False

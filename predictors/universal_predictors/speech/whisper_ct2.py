@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from universal_predictors.speech.audio import as_float
 from universal_predictors.speech.whisper import Job, Segment, SpeechTask, Transcript, Word, checked_language
 
 #: faster-whisper's decoding budget per window (``WhisperModel.max_length``): every Whisper has 448 positions.
@@ -212,8 +213,11 @@ def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_le
     if chunk_length is not None:  # as the library's call does: its window's size follows the last one asked for
         extractor.n_samples = chunk_length * extractor.sampling_rate
         extractor.nb_max_frames = extractor.n_samples // extractor.hop_length
-    # (The library's ``waveform.dtype is not np.float32`` is always true: it copies even float32 samples.)
-    waveform = np.asarray(waveform, dtype=np.float32)
+    # (The library's ``waveform.dtype is not np.float32`` is always true: it copies even float32 samples.) 16-bit
+    # samples (the predictor's decode) stay 16-bit: each piece is scaled as it is cut (:func:`_take`).
+    waveform = np.asarray(waveform)
+    if waveform.dtype != np.int16:
+        waveform = waveform.astype(np.float32, copy=False)
     n_fft, hop = extractor.n_fft, extractor.hop_length
     half = n_fft // 2
     signal = len(waveform) + (padding or 0)  # the waveform and the zeros the library adds at its end
@@ -222,7 +226,7 @@ def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_le
     if frames <= FEATURE_STEP_FRAMES:
         # One window's worth or less (and audio shorter than the reflection, where NumPy's reflection repeats): the
         # library's own path, which holds no more than one step does here and is quicker on a short clip.
-        return _library_call(extractor, waveform, padding)
+        return _library_call(extractor, as_float(waveform), padding)
     tail = np.zeros(padding or 0, np.float32)
     # The padded signal is: head (reflection of samples 1..half), the waveform, the zeros, end (reflection of the
     # ``half`` values before the last one).
@@ -258,11 +262,11 @@ def _library_call(extractor: Any, waveform: Any, padding: int) -> Any:
 
 
 def _take(waveform: Any, tail: Any, lo: int, hi: int) -> Any:
-    """Samples ``lo``..``hi`` of the waveform followed by the zeros ``tail``."""
+    """Samples ``lo``..``hi`` of the waveform (as float32) followed by the zeros ``tail``."""
     import numpy as np
 
     n = len(waveform)
-    parts = [waveform[max(lo, 0) : min(hi, n)], tail[max(lo - n, 0) : max(hi - n, 0)]]
+    parts = [as_float(waveform[max(lo, 0) : min(hi, n)]), tail[max(lo - n, 0) : max(hi - n, 0)]]
     return np.concatenate([p for p in parts if len(p)]) if any(len(p) for p in parts) else np.zeros(0, np.float32)
 
 
