@@ -557,7 +557,9 @@ def test_every_container_decodes_to_16khz_mono_of_its_length(container: str, cod
     assert audio.samples.ndim == 1
 
 
-@pytest.mark.parametrize("codec", ["pcm_s16le", "pcm_u8", "pcm_s24le", "pcm_f32le", "pcm_mulaw", "adpcm_ima_wav"])
+@pytest.mark.parametrize(
+    "codec", ["pcm_s16le", "pcm_u8", "pcm_s24le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "adpcm_ima_wav", "libmp3lame"]
+)
 @pytest.mark.parametrize("rate", [8_000, 44_100])
 def test_a_wav_opened_without_probing_decodes_as_a_probed_one(codec: str, rate: int) -> None:
     # The predictor opens a WAV without FFmpeg's stream probing (its header names codec, channels and rate); every

@@ -89,7 +89,7 @@ def sniff_container(data: bytes) -> str | None:
 
 #: FFmpeg's probing options per demuxer. A WAV's header names its codec, channels and rate, yet opening one probes its
 #: samples (``avformat_find_stream_info`` reads up to ``probesize``, 5 MB, and ``analyzeduration``, 5 s, by default):
-#: 3.4 ms of a 3 s voice note's 4.4 ms decode, measured here (PyAV 18.1, FFmpeg 8.1), paid twice a request (the header's
+#: 3.4 ms of a 3 s voice note's 4.3 ms decode, measured here (PyAV 18.1, FFmpeg 8.1), paid twice a request (the header's
 #: check, then the decode). Probing nothing gives the same stream parameters and the same samples (tested); the other
 #: demuxers keep FFmpeg's defaults (MP3's and ADTS's durations are estimated from what probing reads).
 _PROBE: dict[str, dict[str, str]] = {"wav": {"probesize": "32", "analyzeduration": "0"}}
