@@ -59,6 +59,19 @@
    +0.05 (in memory), +0.05 (Redis), +0.09 ms (traced), p99 +0.75, +1.56 and +0.80 ms against an off-vs-off p99
    spread of +0.97 ms (CPU +43, +60, +142 us); with one fixed time, p99 +3.8, +3.6 and +0.95 ms against an
    off-vs-off spread of +3.8 ms (the lock-step waves above).
+   Since 2026-12-05 (evening), two changes that took most of every p99 above away. (a) The gateway process froze
+   nothing, so a full garbage collection walked the 75,000-90,000 objects start-up made, 42-64 ms with the 32
+   requests in flight held, two or three times per 4,000 requests on every side (on the sides with keys more often):
+   the gateway now freezes them once it listens (``freeze_startup_heap``, as the command line does; full collections
+   then take under 1.3 ms), and so does the trivial upstream. (b) The load generator was aiohttp's client in this
+   process, 218-249 us of CPU a request: its own queueing put 7.6-8.4 ms of p99 on the upstream called directly. It
+   is now the gateway's own upstream client on uvloop (``load``): 84-97 us, and a direct p99 of 1.7-1.8 ms. Measured
+   then (``--requests 12000``, load about 0.5), upstream's times spread: off p99 beyond the upstream 2.67 ms (was 7.9)
+   and an off-vs-off p99 spread of 0.11 ms (was 0.99), so the lines now resolve what the gateway adds: p50 +0.16,
+   +0.17, +0.14 ms (memory, Redis, traced), p99 **+1.48, +1.49, +1.37 ms** (CPU +94, +114, +132 us a request): the
+   p99 goal is not met. That p99 moves with the CPU a request adds: the "off" gateway burning 50 or 100 us more a
+   request (a busy loop, in the same run) added +0.86 and +1.0 ms at p99: about ten times the CPU added, the
+   requests that arrive together queueing for the gateway's core.
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
    4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
@@ -119,7 +132,7 @@ sys.path.insert(0, str(ROOT))
 from tests.predictors.harness import OFFLINE_ENV, free_port, predictor_command, running_predictor  # noqa: E402
 from universal_gateway.app import Gateway  # noqa: E402
 from universal_gateway.backends import Backends, ModelState, ModelView, UsageStats, counted  # noqa: E402
-from universal_gateway.cli import new_event_loop  # noqa: E402
+from universal_gateway.cli import freeze_startup_heap, new_event_loop  # noqa: E402
 from universal_gateway.local import LocalSupervisor  # noqa: E402
 from universal_gateway.manifests import parse_documents  # noqa: E402
 from universal_gateway.server import Request, Response  # noqa: E402
@@ -691,30 +704,51 @@ def cpu_seconds(pid: int) -> float:
 async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY,
                key: str | None = None) -> tuple[float, list[float]]:  # fmt: skip
     """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency (to the last byte), less the
-    time the upstream says it took (:data:`MODEL_TIME_HEADER`, from an upstream taking a time of its own)."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    latencies: list[float] = []
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    queue.put_nowait(-1)  # one warm-up request opens the connection
+    time the upstream says it took (:data:`MODEL_TIME_HEADER`, from an upstream taking a time of its own).
+
+    The load generator is the gateway's own upstream client (keep-alive HTTP/1.1 on asyncio protocols, httptools
+    parsing), on uvloop. Measured against the trivial upstream taking 50 ms +-50% at c=32, 3,000 requests: 84-97 us of
+    its CPU a request against aiohttp's ``ClientSession``'s 218-249 us, and p99 beyond the upstream's own time, called
+    directly, 1.7-1.8 ms against 7.6-8.4 ms (through the gateway 2.4-3.3 against 7.2-7.7 ms): with aiohttp the load
+    generator's own queueing was most of the p99 every part reported until 2026-12-05."""
+    pool = UpstreamPool()
+    origin = pool.origin(url)  # the whole URL: its path is the request line's
     payload = json.dumps(body).encode()
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    request = Request(cast(Any, None))  # what Origin.head and UpstreamConnection.send read of a client's request
+    request.method = "POST"
+    request.raw_headers = [(b"Content-Type", b"application/json")]
+    head = origin.head(request, "", len(payload), f"Authorization: Bearer {key}\r\n".encode() if key else b"")
+    model_time = MODEL_TIME_HEADER.lower()
+    latencies: list[float] = []
+    left = 0
 
-        async def worker() -> None:
-            while not queue.empty():
-                queue.get_nowait()
-                started = time.perf_counter()
-                async with session.post(url, data=payload, headers=headers) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise RuntimeError(f"{url}: {r.status} {await r.text()}")
-                    model_s = float(r.headers.get(MODEL_TIME_HEADER, 0.0))
-                latencies.append(time.perf_counter() - started - model_s)
+    async def one() -> None:
+        started = time.perf_counter()
+        upstream = await pool.acquire(origin, 10.0)
+        whole = False
+        try:
+            upstream.send(head, payload, request)
+            await upstream.headers_received(30.0)
+            answer = await upstream.read_all(30.0)
+            if upstream.status != 200:
+                raise RuntimeError(f"{url}: {upstream.status} {answer[:500]!r}")
+            model_s = next((float(v) for k, v in upstream.headers if k.lower() == model_time), 0.0)
+            whole = True
+        finally:
+            pool.release(upstream, whole)
+        latencies.append(time.perf_counter() - started - model_s)
 
-        await worker()  # warm the connection
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await one()
+
+    try:
+        left = concurrency  # warm-up: every connection opened
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         latencies.clear()
-        for i in range(requests):
-            queue.put_nowait(i)
+        left = requests
         # The load generator's own garbage collections would stall every request in flight at once: none while it
         # measures (the processes measured keep theirs).
         gc.collect()
@@ -725,6 +759,8 @@ async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] =
             return time.perf_counter() - started, latencies
         finally:
             gc.enable()
+    finally:
+        pool.close()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -1183,6 +1219,7 @@ def main() -> None:
 
         async def run_gateway() -> None:
             await gateway.start("127.0.0.1", args.port)
+            freeze_startup_heap()  # as the command line does
             await asyncio.Event().wait()  # until terminated
 
         # On the loop `universal-runtime serve` and `gateway` run on.
@@ -1197,6 +1234,8 @@ def main() -> None:
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
         app = trivial_app(args.delay, args.jitter)
+        gc.collect()
+        gc.freeze()  # its full collections would hold every request in flight, on both sides alike: noise
         web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
         return
     parts = set(PARTS) if args.part == "all" else {args.part}
@@ -1204,7 +1243,8 @@ def main() -> None:
         parser.error("--layout split needs at least 2 CPUs")
     if parts - {"libraries"}:
         layouts = {"both": ["split", "shared"], "none": []}.get(args.layout, [args.layout])
-        asyncio.run(main_async(args.requests, layouts, parts))
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the load generator's loop, as the gateway's
+            runner.run(main_async(args.requests, layouts, parts))
     if "libraries" in parts:
         # On the gateway's loop: the client side measures clients as the gateway would run them.
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
