@@ -32,6 +32,8 @@ from universal_predictors.errors import APIError
 
 REQUESTS, INPUT, OUTPUT, CONCURRENT = "requests", "input_tokens", "output_tokens", "concurrent"
 ANONYMOUS = "-"
+#: What a token bucket needs to admit a request: anything above zero.
+_ABOVE_ZERO = math.ulp(0.0)
 
 
 @dataclass(frozen=True)
@@ -112,26 +114,42 @@ class MemoryCounters:
         return refill(level, at, bucket.limit, now)
 
     async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
-        levels = [(b, self._level(b, now)) for b in buckets]
-        for bucket, level in levels:
-            need = 1.0 if bucket.kind == REQUESTS else math.ulp(0.0)
-            if level < need:
-                wait = (need - level) * 60.0 / bucket.limit
-                state = [Level(b, lv, until_full(lv, b.limit)) for b, lv in levels]
-                return Admission(state, Level(bucket, level, until_full(level, bucket.limit)), wait)
+        # On every request of a limited key: one pass, the arithmetic of refill and until_full written out (the same
+        # operations in the same order, so the levels equal RedisCounters' to the last bit, tested).
+        stored = self.levels
+        current = []
+        for bucket in buckets:
+            limit = bucket.limit
+            kept = stored.get(bucket.name)
+            if kept is None:
+                level = float(limit)
+            else:
+                level, at = kept
+                level = min(float(limit), level + max(0.0, now - at) * limit / 60.0)
+            if level < (1.0 if bucket.kind == REQUESTS else _ABOVE_ZERO):
+                return self._refused(buckets, now, bucket, level)
+            current.append(level)
+        counts = self.slots
         for name, limit in slots:
-            if self.slots.get(name, 0) >= limit:
-                state = [Level(b, lv, until_full(lv, b.limit)) for b, lv in levels]
+            if counts.get(name, 0) >= limit:
+                state = [Level(b, lv, until_full(lv, b.limit)) for b, lv in zip(buckets, current, strict=True)]
                 return Admission(state, slots_refused=(name, limit), retry_after_s=1.0)
         taken = []
-        for bucket, level in levels:
+        for bucket, level in zip(buckets, current, strict=True):
             if bucket.kind == REQUESTS:
                 level -= 1.0
-            self.levels[bucket.name] = (level, now)
-            taken.append(Level(bucket, level, until_full(level, bucket.limit)))
+            stored[bucket.name] = (level, now)
+            limit = bucket.limit
+            taken.append(Level(bucket, level, max(0.0, (limit - level) * 60.0 / limit)))
         for name, _ in slots:
-            self.slots[name] = self.slots.get(name, 0) + 1
+            counts[name] = counts.get(name, 0) + 1
         return Admission(taken)
+
+    def _refused(self, buckets: Sequence[Bucket], now: float, bucket: Bucket, level: float) -> Admission:
+        need = 1.0 if bucket.kind == REQUESTS else _ABOVE_ZERO
+        wait = (need - level) * 60.0 / bucket.limit
+        state = [Level(b, lv, until_full(lv, b.limit)) for b in buckets for lv in (self._level(b, now),)]
+        return Admission(state, Level(bucket, level, until_full(level, bucket.limit)), wait)
 
     async def take(
         self, takes: Sequence[tuple[Bucket, float]], now: float, *, all_or_nothing: bool
@@ -157,9 +175,23 @@ class MemoryCounters:
     async def finish(
         self, takes: Sequence[tuple[Bucket, float]], slots: Sequence[str], now: float, places_from: str = ""
     ) -> None:
-        if takes:
-            await self.take(takes, now, all_or_nothing=False)
-        await self.release(slots)
+        stored = self.levels
+        for bucket, amount in takes:  # take(..., all_or_nothing=False), without the levels nobody reads
+            limit = bucket.limit
+            kept = stored.get(bucket.name)
+            if kept is None:
+                level = float(limit)
+            else:
+                level, at = kept
+                level = min(float(limit), level + max(0.0, now - at) * limit / 60.0)
+            stored[bucket.name] = (min(float(limit), level - amount), now)
+        counts = self.slots
+        for name in slots:  # release
+            left = counts.get(name, 0) - 1
+            if left > 0:
+                counts[name] = left
+            else:
+                counts.pop(name, None)
 
     async def close(self) -> None:
         return None
@@ -197,22 +229,27 @@ def rate_headers(levels: Sequence[Level]) -> list[tuple[str, str]]:
     tightest: dict[str, tuple[float, Level]] = {}
     for level in levels:
         share = level.remaining / level.bucket.limit
-        kind = level.bucket.kind
-        for suffix in ("requests",) if kind == REQUESTS else ("tokens", _TOKEN_SUFFIX[kind]):
+        for suffix in _SUFFIXES[level.bucket.kind]:
             held = tightest.get(suffix)
             if held is None or share < held[0]:
                 tightest[suffix] = (share, level)
     out: list[tuple[str, str]] = []
     for suffix, (_, level) in tightest.items():
+        limit, remaining, reset = _HEADER_NAMES[suffix]
         out += (
-            (f"x-ratelimit-limit-{suffix}", str(level.bucket.limit)),
-            (f"x-ratelimit-remaining-{suffix}", str(max(0, math.floor(level.remaining)))),
-            (f"x-ratelimit-reset-{suffix}", duration(level.reset_s)),
+            (limit, str(level.bucket.limit)),
+            (remaining, str(max(0, math.floor(level.remaining)))),
+            (reset, duration(level.reset_s)),
         )
     return out
 
 
-_TOKEN_SUFFIX = {INPUT: "input-tokens", OUTPUT: "output-tokens"}
+#: The header suffixes a bucket of each kind may set, and each suffix's three header names.
+_SUFFIXES = {REQUESTS: ("requests",), INPUT: ("tokens", "input-tokens"), OUTPUT: ("tokens", "output-tokens")}
+_HEADER_NAMES = {
+    suffix: (f"x-ratelimit-limit-{suffix}", f"x-ratelimit-remaining-{suffix}", f"x-ratelimit-reset-{suffix}")
+    for suffix in ("requests", "tokens", "input-tokens", "output-tokens")
+}
 _KIND_NAMES = {
     REQUESTS: "requests per minute",
     INPUT: "input tokens per minute",
