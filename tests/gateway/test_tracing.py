@@ -28,6 +28,7 @@ from universal_predictors.tracing import (
     Sampler,
     Tracing,
     TracingConfigError,
+    export_transport,
     exporters_from_env,
     extract,
     start,
@@ -222,6 +223,75 @@ def test_samplers_decide_as_the_sdks_do() -> None:
     assert not Sampler("parentbased_always_on", 1.0).sampled(low, unsampled_parent)
     assert not Sampler("parentbased_always_off", 1.0).sampled(low, None)
     assert Sampler("always_on", 1.0).sampled(high, unsampled_parent)  # not parent-based: the parent is ignored
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_spans_are_sent_through_urllib3_with_the_sdk_s_client(
+    collector: Collector, monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
+    """Without a proxy in the environment the SDK's exporter sends through its urllib3 transport (requests merges the
+    environment into every call: twice the CPU, held under the GIL); its client still compresses and posts."""
+    for name, value in {**tracing_env(collector), "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": compression}.items():
+        monkeypatch.setenv(name, value)
+    for name in [n for n in os.environ if n.lower().endswith("_proxy")]:
+        monkeypatch.delenv(name)
+    assert type(export_transport()).__name__ == "Urllib3HTTPTransport"
+    tracing = start("svc", dict(os.environ))
+    assert tracing is not None
+    monkeypatch.setattr(shared, "ACTIVE", tracing)  # where an ending span is queued
+    try:
+        for i in range(3):
+            tracing.start(f"span-{i}", SERVER, attributes={"i": i}).end()
+    finally:
+        tracing.shutdown()  # exports what is queued
+    assert [(s.name, s.service, s.attributes) for s in collector.spans] == [
+        (f"span-{i}", "svc", {"i": i}) for i in range(3)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("environ", "transport"),
+    [
+        ({"HTTPS_PROXY": "http://proxy.example:3128"}, "RequestsHTTPTransport"),
+        ({"http_proxy": "http://proxy.example:3128"}, "RequestsHTTPTransport"),
+        ({"NO_PROXY": "collector"}, "Urllib3HTTPTransport"),
+        ({"OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER": "mine"}, "RequestsHTTPTransport"),
+    ],
+)
+def test_a_proxy_or_a_credential_provider_keeps_the_sdk_s_requests_transport(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], transport: str
+) -> None:
+    for name in [n for n in os.environ if n.lower().endswith("_proxy")]:
+        monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    chosen = export_transport()
+    if transport == "RequestsHTTPTransport":
+        assert chosen is None  # the exporter builds its default, requests, which reads these
+    else:
+        assert type(chosen).__name__ == transport
+
+
+def test_the_tls_files_are_the_ones_the_sdk_resolves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The traces' own variable wins over the general one; a client certificate goes with its key."""
+    for name in [n for n in os.environ if n.lower().endswith("_proxy")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/general/ca.pem")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "/traces/ca.pem")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/general/client.pem")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "/traces/client.key")
+    pool = export_transport()._pool.connection_pool_kw
+    assert (pool["ca_certs"], pool["cert_file"], pool["key_file"], pool["cert_reqs"]) == (
+        "/traces/ca.pem",
+        "/general/client.pem",
+        "/traces/client.key",
+        "CERT_REQUIRED",
+    )
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_CERTIFICATE")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY")
+    pool = export_transport()._pool.connection_pool_kw
+    assert ("ca_certs" in pool, pool["cert_file"], "key_file" in pool) == (False, "/general/client.pem", False)
 
 
 def test_spans_encode_as_otlp_protobuf_decodes_them(monkeypatch: pytest.MonkeyPatch) -> None:
