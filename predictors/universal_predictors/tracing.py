@@ -6,7 +6,8 @@ exports over OTLP with HTTP/protobuf (the only protocol installed: no gRPC). ``O
 everything off whatever else is set (``opentelemetry/sdk/environment_variables``). The rest is read as the
 specification names it: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` appended) or
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (as given), ``..._HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_CERTIFICATE``
-(by the SDK's own OTLP/HTTP exporter, which sends each batch); ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``
+(by the SDK's own OTLP/HTTP exporter, which sends each batch, on its urllib3 transport unless a proxy is set:
+:func:`export_transport`); ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``
 (the SDK's ``Resource.create``); ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` (default
 ``parentbased_always_on``: a predictor follows the gateway's decision); ``OTEL_BSP_SCHEDULE_DELAY``,
 ``_MAX_QUEUE_SIZE``, ``_MAX_EXPORT_BATCH_SIZE``, ``_EXPORT_TIMEOUT`` for the batching. Context travels as W3C Trace
