@@ -110,22 +110,20 @@ class MemoryCounters:
     slots: dict[str, int] = field(default_factory=dict)
 
     def _level(self, bucket: Bucket, now: float) -> float:
-        level, at = self.levels.get(bucket.name, (float(bucket.limit), now))
-        return refill(level, at, bucket.limit, now)
+        """``refill``'s arithmetic written out (the same operations in the same order, so the levels equal
+        RedisCounters' to the last bit, tested): it runs for every bucket of every limited request."""
+        kept = self.levels.get(bucket.name)
+        if kept is None:
+            return float(bucket.limit)
+        level, at = kept
+        return min(float(bucket.limit), level + max(0.0, now - at) * bucket.limit / 60.0)
 
     async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
-        # On every request of a limited key: one pass, the arithmetic of refill and until_full written out (the same
-        # operations in the same order, so the levels equal RedisCounters' to the last bit, tested).
+        # On every request of a limited key: one pass, until_full's arithmetic written out as _level's is.
         stored = self.levels
         current = []
         for bucket in buckets:
-            limit = bucket.limit
-            kept = stored.get(bucket.name)
-            if kept is None:
-                level = float(limit)
-            else:
-                level, at = kept
-                level = min(float(limit), level + max(0.0, now - at) * limit / 60.0)
+            level = self._level(bucket, now)
             if level < (1.0 if bucket.kind == REQUESTS else _ABOVE_ZERO):
                 return self._refused(buckets, now, bucket, level)
             current.append(level)
@@ -177,14 +175,7 @@ class MemoryCounters:
     ) -> None:
         stored = self.levels
         for bucket, amount in takes:  # take(..., all_or_nothing=False), without the levels nobody reads
-            limit = bucket.limit
-            kept = stored.get(bucket.name)
-            if kept is None:
-                level = float(limit)
-            else:
-                level, at = kept
-                level = min(float(limit), level + max(0.0, now - at) * limit / 60.0)
-            stored[bucket.name] = (min(float(limit), level - amount), now)
+            stored[bucket.name] = (min(float(bucket.limit), self._level(bucket, now) - amount), now)
         counts = self.slots
         for name in slots:  # release
             left = counts.get(name, 0) - 1
