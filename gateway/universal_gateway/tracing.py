@@ -55,6 +55,9 @@ REPLACED_HEADERS = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
 #: What marks an event worth parsing: usage, or a finish reason that is a string (JSON with or without spaces).
 _MARKERS = (b'"usage"', b'_reason": "', b'_reason":"')
+#: The routes whose answers have a finish (or stop) reason: their unary bodies are parsed for it. Every other unary
+#: body (embeddings: megabytes of numbers, at times) is parsed only if the gateway's ledger read no counts from it.
+_FINISHING_ROUTES = ("/chat/completions", "/completions", "/messages", "/responses")
 
 _Handler = Callable[["Request", Any], Awaitable["Response | StreamedResponse"]]
 
@@ -122,18 +125,20 @@ class Upstream:
     """The ``upstream`` span of one proxied request: the traceparent for the upstream's head, and what a 200's body
     says of usage (unary: the JSON body; a stream: its events' ``usage`` and ``finish_reason``)."""
 
-    __slots__ = ("_carry", "_finish", "_observe", "_root", "_usage", "head_lines", "span")
+    __slots__ = ("_carry", "_finish", "_finishing", "_observe", "_root", "_unary", "_usage", "head_lines", "span")
 
     replaced = REPLACED_HEADERS
 
-    def __init__(self, span: Span, root: Span) -> None:
+    def __init__(self, span: Span, root: Span, finishing: bool = True) -> None:
         self.span = span
         self._root = root
-        self.head_lines = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in span.traceparent().items())
+        self.head_lines = span.header_lines()
         self._observe: Callable[[bytes, bool], Awaitable[None]] | None = None
         self._carry = b""
         self._usage: dict[str, Any] | None = None
         self._finish: list[str] = []
+        self._finishing = finishing  # its route's answers have finish reasons
+        self._unary = b""  # a unary body without them: its usage read only if the ledger's is not had
 
     def observing(
         self, observe: Callable[[bytes, bool], Awaitable[None]] | None
@@ -147,8 +152,11 @@ class Upstream:
 
     async def _seen(self, data: bytes, unary: bool) -> None:
         if unary:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                self._read(orjson.loads(data))
+            if self._finishing:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    self._read(orjson.loads(data))
+            else:  # usage only, which the gateway's ledger reads too (end())
+                self._unary = data
         else:
             self._events(data)
         if self._observe is not None:
@@ -195,19 +203,34 @@ class Upstream:
         if status:
             span.attributes["http.response.status_code"] = status
         span.error = not status or status >= 500
-        usage = self._usage or {}
         if metered is not None and (metered.input_tokens or metered.output_tokens):
-            usage = {"input_tokens": metered.input_tokens, "output_tokens": metered.output_tokens}
-        for key, names in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
-                           ("gen_ai.usage.output_tokens", ("completion_tokens", "output_tokens"))):  # fmt: skip
-            found = next((usage[n] for n in names if isinstance(usage.get(n), int)), None)
-            if found is not None:
-                span.attributes[key] = self._root.attributes[key] = found
+            counts: tuple[int | None, int | None] = (metered.input_tokens, metered.output_tokens)
+        else:
+            if self._unary:  # the ledger is off (or read no counts): the body parsed for them
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    self._read(orjson.loads(self._unary))
+            usage = self._usage or {}
+            counts = (_count(usage, "prompt_tokens", "input_tokens"),
+                      _count(usage, "completion_tokens", "output_tokens"))  # fmt: skip
+        attributes, root = span.attributes, self._root.attributes
+        if counts[0] is not None:
+            attributes["gen_ai.usage.input_tokens"] = root["gen_ai.usage.input_tokens"] = counts[0]
+        if counts[1] is not None:
+            attributes["gen_ai.usage.output_tokens"] = root["gen_ai.usage.output_tokens"] = counts[1]
         if self._finish:
             span.attributes["gen_ai.response.finish_reasons"] = self._root.attributes[
                 "gen_ai.response.finish_reasons"
             ] = self._finish
         span.end()
+
+
+def _count(usage: dict[str, Any], *names: str) -> int | None:
+    """The first of ``names`` that ``usage`` has as an integer."""
+    for name in names:
+        value = usage.get(name)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 class _NoUpstream:
@@ -237,4 +260,4 @@ def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
     if tracing is None or root is None:
         return NO_UPSTREAM
     attributes = {"gen_ai.request.model": name, "server.address": base, "url.path": path}
-    return Upstream(tracing.start("upstream", CLIENT, root, attributes), root)
+    return Upstream(tracing.start("upstream", CLIENT, root, attributes), root, path.endswith(_FINISHING_ROUTES))

@@ -19,6 +19,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from tests.gateway.harness import running_gateway, wait_for, write_chat_manifest
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
+from universal_gateway import tracing as gateway_tracing
 from universal_gateway.tracing import Upstream
 from universal_predictors import tracing as shared
 from universal_predictors.tracing import (
@@ -351,6 +352,61 @@ async def test_a_streams_usage_and_finish_reason_are_read_however_its_chunks_fal
         assert root.attributes["gen_ai.usage.input_tokens"] == 3, size
         assert root.attributes["gen_ai.usage.output_tokens"] == 2, size
         assert root.attributes["gen_ai.response.finish_reasons"] == ["length"], size
+
+
+async def test_a_unary_body_s_usage_and_finish_reason_are_read_with_the_ledger_and_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A unary body of a route without finish reasons (embeddings) is parsed only when the ledger read no counts; one
+    of a route with them (chat, completions, messages, responses) always, for them."""
+
+    class Collect:
+        def add(self, span: bytes) -> None:
+            pass
+
+    class Metered:
+        input_tokens, output_tokens = 7, 0
+
+    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    embeddings = b'{"object": "list", "data": [], "usage": {"prompt_tokens": 7, "total_tokens": 7}}'
+    chat = b'{"choices": [{"index": 0, "finish_reason": "stop"}],"usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
+    messages = b'{"type": "message", "stop_reason": "end_turn", "usage": {"input_tokens": 7, "output_tokens": 3}}'
+    responses = b'{"object": "response", "status": "completed", "usage": {"input_tokens": 7, "output_tokens": 4}}'
+    bodies = {
+        "/openai/v1/embeddings": (embeddings, 7, None, None),
+        "/openai/v1/chat/completions": (chat, 7, 2, ["stop"]),
+        "/openai/v1/messages": (messages, 7, 3, ["end_turn"]),
+        "/openai/v1/responses": (responses, 7, 4, None),
+    }  # fmt: skip
+    for route, (body, inputs, outputs, finish) in bodies.items():
+        for metered in (None, Metered()):
+            root = tracing.start("gateway.request", SERVER)
+            token = shared.CURRENT.set(root)
+            try:
+                upstream = gateway_tracing.upstream(MODEL, "http://127.0.0.1:1", route)
+            finally:
+                shared.CURRENT.reset(token)
+            assert isinstance(upstream, Upstream)
+            observe = upstream.observing(None)
+            assert observe is not None
+            await observe(body, True)
+            upstream.end(200, metered)
+            attributes = root.attributes
+            assert attributes["gen_ai.usage.input_tokens"] == inputs, (route, metered)
+            # With the ledger's counts, the ledger's output count (0 here) is the span's, as before.
+            expected = 0 if metered is not None else outputs
+            assert attributes.get("gen_ai.usage.output_tokens") == expected, (route, metered)
+            assert attributes.get("gen_ai.response.finish_reasons") == finish, (route, metered)
+
+
+def test_a_span_s_header_lines_are_its_traceparent() -> None:
+    tracing = Tracing(Sampler("always_on", 1.0), None)  # type: ignore[arg-type]
+    for parent in (None, Remote(int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), True, "vendor=1"),
+                   Remote(int(CLIENT_TRACE, 16), 1, False, "")):  # fmt: skip
+        span = tracing.start("upstream", CLIENT, parent)
+        lines = "".join(f"{k}: {v}\r\n" for k, v in span.traceparent().items()).encode()
+        assert span.header_lines() == lines
 
 
 def test_off_the_gateway_imports_no_sdk_and_its_hooks_are_the_handlers_themselves() -> None:
