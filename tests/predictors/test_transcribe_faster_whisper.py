@@ -10,6 +10,7 @@ timestamps are compared exactly. The audio path (PyAV, limits, budget) is the tr
 from __future__ import annotations
 
 import concurrent.futures
+import io
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -444,3 +445,107 @@ def test_features_of_a_longer_file_take_only_their_own_size_more_memory() -> Non
     assert abs(six - two) < 2 * 2**20, (two, six)  # flat: the same steps' temporaries, not the file's length
     library = beyond_features(FeatureExtractor(feature_size=80), 6)
     assert library > 4 * six, (library, six)
+
+
+# -- files longer than STREAMED_FROM_SECONDS: streamed, window by window ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def longer_speech() -> np.ndarray:
+    from tests.predictors.speech_samples import long_speech
+    from universal_predictors.tasks.transcribe import STREAMED_FROM_SECONDS
+
+    return long_speech(STREAMED_FROM_SECONDS + 37.3)
+
+
+def test_a_file_past_the_streaming_length_is_transcribed_as_faster_whisper_does_the_whole_file(
+    client: OpenAI, ct2_dir: Path, longer_speech: np.ndarray
+) -> None:
+    """Streamed (read through, then decoded again window by window with its features): the same segments, words and
+    detected language as faster-whisper in-process on the whole decoded file."""
+    from tests.predictors.speech_samples import encoded
+
+    wav = wav_bytes(longer_speech)
+    segments, text, _ = reference(ct2_dir, read_wav(wav), language="en", word_timestamps=True)
+    answer = verbose(client, wav, language="en", timestamp_granularities=["word", "segment"])
+    assert max(s["end"] for s in segments) > 120, "past the streaming length"
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+    assert [(w["word"].strip(), w["start"], w["end"]) for w in answer["words"]] == [
+        w for s in segments for w in s["words"]
+    ]
+    # Without a language (its detection slices the features from the start, unbounded) and a header that declares
+    # no duration (the file is read through first to know it): Opus written as a browser streams it.
+    live = encoded(longer_speech, "webm", "libopus", 48_000, live=True)
+    from faster_whisper.audio import decode_audio as faster_whispers_decode
+
+    samples = faster_whispers_decode(io.BytesIO(live))
+    segments, text, info = reference(ct2_dir, samples)
+    answer = client.audio.transcriptions.create(model=SERVED, file=("note.webm", live),
+                                                response_format="verbose_json").model_dump()  # fmt: skip
+    assert served(answer) == without_words(segments)
+    assert answer["duration"] == pytest.approx(info.duration, abs=1e-3)
+
+
+@pytest.mark.parametrize(("container", "codec", "rate"), [("wav", "pcm_s16le", 16_000), ("ogg", "libopus", 48_000)])
+def test_streamed_samples_and_features_equal_the_whole_files_bit_for_bit(
+    container: str, codec: str, rate: int, longer_speech: np.ndarray
+) -> None:
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    from tests.predictors.speech_samples import encoded
+    from universal_predictors.speech.audio import AudioLimits, StreamedSamples, as_float, decode_audio, scan_audio
+    from universal_predictors.speech.whisper_ct2 import streamed_waveform, windowed_feature_extractor
+
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    data = encoded(longer_speech, container, codec, rate)
+    whole = decode_audio(data, "file", limits).samples
+    scan = scan_audio(data, "file", limits)
+    streamed = StreamedSamples(data, "file", limits, scan)
+    assert len(streamed) == len(whole)
+    # Forward (overlapping, past the end), then back to the start (decoded again from there).
+    for lo, hi in [(0, 1000), (500, 70_000), (69_000, 480_000), (len(whole) - 100, len(whole) + 50), (10, 20)]:
+        assert np.array_equal(streamed[lo:hi], whole[lo:hi]), (lo, hi)
+    expected = FeatureExtractor(feature_size=80)(as_float(whole))
+    windowed = windowed_feature_extractor(FeatureExtractor(feature_size=80))
+    features = windowed(streamed_waveform(StreamedSamples(data, "file", limits, scan)))
+    frames = expected.shape[1]
+    assert features.shape == expected.shape
+    # faster-whisper's windows: any seek, the last ones shorter than a window.
+    for seek in [0, 1, 2500, 2999, 3000, 4321, frames - 3000, frames - 2999, frames - 100, frames - 3, frames - 1]:
+        assert np.array_equal(features[:, seek : seek + 3000], expected[:, seek : seek + 3000]), seek
+    detected = features[..., 1234:]  # language detection's slice: still streamed
+    assert detected.shape == (80, frames - 1234)
+    assert np.array_equal(detected[..., :3000], expected[:, 1234:4234])
+
+
+def test_a_streamed_file_holds_the_same_memory_whatever_its_length() -> None:
+    """Scanning, then every window of features as faster-whisper asks for them: the peak does not grow with the
+    file (decoding a file whole holds 64 KB a second of it: samples and features)."""
+    import tracemalloc
+
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    from tests.predictors.speech_samples import encoded
+    from universal_predictors.speech.audio import AudioLimits, StreamedSamples, scan_audio
+    from universal_predictors.speech.whisper_ct2 import streamed_waveform, windowed_feature_extractor
+
+    limits = AudioLimits(max_audio_bytes=2**28, max_audio_seconds=3600, max_audio_channels=2)
+    windowed = windowed_feature_extractor(FeatureExtractor(feature_size=80))
+    rng = np.random.default_rng(5)
+
+    def peak(minutes: int) -> int:
+        data = encoded((rng.standard_normal(minutes * 60 * 16_000) * 3000).astype(np.int16), "ogg", "libopus",
+                       48_000)  # fmt: skip
+        tracemalloc.start()
+        try:
+            scan = scan_audio(data, "file", limits)
+            features = windowed(streamed_waveform(StreamedSamples(data, "file", limits, scan)))
+            for seek in range(0, features.shape[1], 2_800):
+                features[:, seek : seek + 3000]
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    short, long = peak(3), peak(12)
+    assert long - short < 2 * 2**20, (short, long)  # 9 more minutes decoded whole: 35 MB more

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from universal_predictors.speech.audio import as_float
+import numpy as np
+
+from universal_predictors.speech.audio import StreamedSamples, as_float
 from universal_predictors.speech.whisper import Job, Segment, SpeechTask, Transcript, Word, checked_language
 
 #: faster-whisper's decoding budget per window (``WhisperModel.max_length``): every Whisper has 448 positions.
@@ -117,6 +119,12 @@ class FasterWhisperEngine:
                                  param="prompt", code="prompt_too_long")  # fmt: skip
         return tuple(int(i) for i in ids)
 
+    def streamed(self, source: StreamedSamples) -> StreamedWaveform:
+        """``source`` for :meth:`transcribe`, its features' largest value computed here (a pass over the file on the
+        request path, beside the engine) rather than on the engine thread when its first window is asked for."""
+        largest = largest_log_mel(self.model.feature_extractor, source)
+        return streamed_waveform(StreamedSamples(source.data, source.field, source.limits, source.scan), largest)
+
     # -- on the engine thread ------------------------------------------------------------------------------
 
     def transcribe_batch(self, jobs: Sequence[Job]) -> list[Transcript]:
@@ -198,6 +206,8 @@ def windowed_feature_extractor(extractor: Any) -> Any:
 
     class WindowedFeatureExtractor(FeatureExtractor):
         def __call__(self, waveform: Any, padding: int = 160, chunk_length: int | None = None) -> Any:
+            if isinstance(waveform, StreamedWaveform):
+                return StreamedLogMel(self, waveform.source, padding, chunk_length, largest=waveform.largest)
             return windowed_log_mel(self, waveform, padding, chunk_length)
 
     windowed = WindowedFeatureExtractor.__new__(WindowedFeatureExtractor)
@@ -205,53 +215,161 @@ def windowed_feature_extractor(extractor: Any) -> Any:
     return windowed
 
 
-def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_length: int | None = None) -> Any:
-    """``FeatureExtractor.__call__``'s log-mel of ``waveform`` (faster-whisper 1.2.1 feature_extractor.py), computed
-    :data:`FEATURE_STEP_FRAMES` frames at a time (:func:`windowed_feature_extractor`)."""
-    import numpy as np
-
+def _set_chunk_length(extractor: Any, chunk_length: int | None) -> None:
     if chunk_length is not None:  # as the library's call does: its window's size follows the last one asked for
         extractor.n_samples = chunk_length * extractor.sampling_rate
         extractor.nb_max_frames = extractor.n_samples // extractor.hop_length
+
+
+def frame_count(extractor: Any, length: int, padding: int) -> int:
+    """The frames of the library's features of ``length`` samples (it drops the last one: ``stft[..., :-1]``)."""
+    padded = length + (padding or 0) + 2 * (extractor.n_fft // 2)
+    return int(1 + (padded - extractor.n_fft) // extractor.hop_length - 1)
+
+
+class _Framing:
+    """How the library frames a waveform of ``length`` samples: the zeros it adds at the end (``padding``), the
+    reflection ``torch.stft(center=True)`` adds at both ends, the Hann window, the number of frames (the library
+    drops the last one: ``stft[..., :-1]``), and the steps :func:`windowed_log_mel` computes them in."""
+
+    def __init__(self, extractor: Any, length: int, padding: int, first: Any, last: Any) -> None:
+        """``first`` and ``last``: the waveform's first and last ``n_fft // 2 + 1`` samples (or all of them); the
+        waveform is longer than one step (:func:`frame_count`)."""
+        self.extractor = extractor
+        self.n_fft, self.hop = extractor.n_fft, extractor.hop_length
+        self.half = self.n_fft // 2
+        self.tail = np.zeros(padding or 0, np.float32)
+        self.signal = length + (padding or 0)  # the waveform and the zeros the library adds at its end
+        self.frames = frame_count(extractor, length, padding)
+        # The padded signal is: head (reflection of samples 1..half), the waveform, the zeros, end (reflection of the
+        # ``half`` values before the last one).
+        half = self.half
+        self.head = np.pad(_take(first, self.tail, 0, half + 1), (half, 0), mode="reflect")[:half]
+        # ``last`` holds the waveform's last samples: the signal's last ``half + 1`` of it and of the zeros.
+        offset = length - len(last)
+        self.end = np.pad(_take(last, self.tail, self.signal - half - 1 - offset, self.signal - offset), (0, half),
+                          mode="reflect")[-half:]  # fmt: skip
+        self.window = np.hanning(self.n_fft + 1)[:-1].astype("float32")
+
+    def steps(self) -> list[tuple[int, int]]:
+        """The frames computed at a time: :data:`FEATURE_STEP_FRAMES`, the last step taking what is left with it
+        (between one and two steps' frames): a step of a few frames would go through BLAS's matrix-vector path,
+        which sums in another order than the library's one product."""
+        frames = self.frames
+        starts = list(range(0, max(frames - FEATURE_STEP_FRAMES, 0) + 1, FEATURE_STEP_FRAMES)) if frames else []
+        return [(first, starts[n + 1] if n + 1 < len(starts) else frames) for n, first in enumerate(starts)]
+
+    def log_mel(self, waveform: Any, first: int, last: int) -> Any:
+        """The log10 mel of frames ``first``..``last`` (before the file-wide clamp and scaling), with the library's
+        NumPy calls and layouts; ``waveform[lo:hi]`` gives the samples they read."""
+        lo, hi = first * self.hop, (last - 1) * self.hop + self.n_fft  # the padded signal's samples these frames read
+        piece = _padded(waveform, self.tail, self.head, self.end, self.half, self.signal, lo, hi)[None]
+        strided = np.lib.stride_tricks.as_strided(
+            piece, (1, last - first, self.n_fft), (piece.strides[0], self.hop * piece.strides[1], piece.strides[1])
+        )
+        spectrum = np.fft.rfft(strided * self.window, n=self.n_fft, axis=-1).transpose((0, 2, 1)).squeeze(0)
+        power = np.abs(spectrum.astype("complex64")) ** 2
+        return np.log10(np.clip(self.extractor.mel_filters @ power, a_min=1e-10, a_max=None))
+
+
+def windowed_log_mel(extractor: Any, waveform: Any, padding: int = 160, chunk_length: int | None = None) -> Any:
+    """``FeatureExtractor.__call__``'s log-mel of ``waveform`` (faster-whisper 1.2.1 feature_extractor.py), computed
+    :data:`FEATURE_STEP_FRAMES` frames at a time (:func:`windowed_feature_extractor`)."""
+    _set_chunk_length(extractor, chunk_length)
     # (The library's ``waveform.dtype is not np.float32`` is always true: it copies even float32 samples.) 16-bit
     # samples (the predictor's decode) stay 16-bit: each piece is scaled as it is cut (:func:`_take`).
     waveform = np.asarray(waveform)
     if waveform.dtype != np.int16:
         waveform = waveform.astype(np.float32, copy=False)
-    n_fft, hop = extractor.n_fft, extractor.hop_length
-    half = n_fft // 2
-    signal = len(waveform) + (padding or 0)  # the waveform and the zeros the library adds at its end
-    length = signal + 2 * half  # and the reflection torch.stft(center=True) adds at both ends
-    frames = 1 + (length - n_fft) // hop - 1  # the library drops the last frame (``stft[..., :-1]``)
-    if frames <= FEATURE_STEP_FRAMES:
+    if frame_count(extractor, len(waveform), padding) <= FEATURE_STEP_FRAMES:
         # One window's worth or less (and audio shorter than the reflection, where NumPy's reflection repeats): the
         # library's own path, which holds no more than one step does here and is quicker on a short clip.
         return _library_call(extractor, as_float(waveform), padding)
-    tail = np.zeros(padding or 0, np.float32)
-    # The padded signal is: head (reflection of samples 1..half), the waveform, the zeros, end (reflection of the
-    # ``half`` values before the last one).
-    head = np.pad(_take(waveform, tail, 0, half + 1), (half, 0), mode="reflect")[:half]
-    end = np.pad(_take(waveform, tail, signal - half - 1, signal), (0, half), mode="reflect")[-half:]
-    window = np.hanning(n_fft + 1)[:-1].astype("float32")
-    out = np.empty((extractor.mel_filters.shape[0], frames), np.float32)
-    # The last step takes what is left with it (between one and two steps' frames): a step of a few frames would go
-    # through BLAS's matrix-vector path, which sums in another order than the library's one product.
-    starts = list(range(0, max(frames - FEATURE_STEP_FRAMES, 0) + 1, FEATURE_STEP_FRAMES)) if frames else []
-    for number, first in enumerate(starts):
-        last = starts[number + 1] if number + 1 < len(starts) else frames
-        lo, hi = first * hop, (last - 1) * hop + n_fft  # the padded signal's samples these frames read
-        piece = _padded(waveform, tail, head, end, half, signal, lo, hi)[None]
-        strided = np.lib.stride_tricks.as_strided(
-            piece, (1, last - first, n_fft), (piece.strides[0], hop * piece.strides[1], piece.strides[1])
-        )
-        spectrum = np.fft.rfft(strided * window, n=n_fft, axis=-1).transpose((0, 2, 1)).squeeze(0)
-        power = np.abs(spectrum.astype("complex64")) ** 2
-        out[:, first:last] = np.log10(np.clip(extractor.mel_filters @ power, a_min=1e-10, a_max=None))
-    if frames:
-        np.maximum(out, out.max() - 8.0, out=out)
+    framing = _Framing(extractor, len(waveform), padding, waveform, waveform)
+    out = np.empty((extractor.mel_filters.shape[0], framing.frames), np.float32)
+    for first, last in framing.steps():
+        out[:, first:last] = framing.log_mel(waveform, first, last)
+    np.maximum(out, out.max() - 8.0, out=out)
     out += 4.0
     out /= 4.0
     return out
+
+
+class StreamedWaveform(np.ndarray):
+    """What faster-whisper's ``transcribe`` is given for a file streamed from its bytes (:func:`streamed_waveform`):
+    an array of the file's length that holds no samples (its ``transcribe`` reads ``audio.shape`` and passes it to
+    the feature extractor, which computes the features from ``source``: :class:`StreamedLogMel`)."""
+
+    source: StreamedSamples
+    #: The largest log10 mel of the file, where it was computed beforehand (:func:`largest_log_mel`).
+    largest: float | None
+
+
+def streamed_waveform(source: StreamedSamples, largest: float | None = None) -> StreamedWaveform:
+    """``source`` as the array faster-whisper takes (one 16-bit zero seen at every index: two bytes)."""
+    empty = np.lib.stride_tricks.as_strided(np.zeros(1, np.int16), shape=(len(source),), strides=(0,),
+                                            writeable=False)  # fmt: skip
+    waveform = empty.view(StreamedWaveform)
+    waveform.source = source
+    waveform.largest = largest
+    return waveform
+
+
+def largest_log_mel(extractor: Any, source: StreamedSamples, padding: int = 160) -> float:
+    """The largest value of ``source``'s log10 mel (before the library's clamp and scaling), computed step by step:
+    what :class:`StreamedLogMel` needs before its first window."""
+    edge = extractor.n_fft // 2 + 1
+    framing = _Framing(extractor, len(source), padding, source.scan.head[:edge], source.scan.tail[-edge:])
+    return max(float(framing.log_mel(source, first, last).max()) for first, last in framing.steps())
+
+
+class StreamedLogMel:
+    """The log-mel features of a streamed file, computed window by window as faster-whisper slices them
+    (``features[:, seek:seek + 3000]``, ``features[..., seek:]`` for language detection), each equal to the
+    library's features of the whole file at those frames (tested bit for bit). The file-wide step (clamping to 8
+    below the largest value) needs the largest value first: one pass over the file computes each step's log-mel and
+    keeps only its largest, then windows are computed again as they are asked for. So a file's features cost about
+    twice the library's to compute and hold one window (960 KB) at a time instead of 32 KB a second."""
+
+    ndim = 2
+
+    def __init__(self, extractor: Any, source: StreamedSamples, padding: int, chunk_length: int | None,
+                 start: int = 0, stop: int | None = None, largest: float | None = None) -> None:  # fmt: skip
+        _set_chunk_length(extractor, chunk_length)
+        self._extractor, self._source = extractor, source
+        edge = extractor.n_fft // 2 + 1
+        self._framing = _Framing(extractor, len(source), padding, source.scan.head[:edge], source.scan.tail[-edge:])
+        self._start = start
+        self._stop = self._framing.frames if stop is None else stop
+        self.shape = (int(extractor.mel_filters.shape[0]), self._stop - self._start)
+        self._largest = largest_log_mel(extractor, source, padding) if largest is None else largest
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> Any:
+        rows, frames = key if isinstance(key, tuple) else (slice(None), key)
+        if rows not in (Ellipsis, slice(None)) or not isinstance(frames, slice) or frames.step not in (None, 1):
+            raise TypeError(f"streamed features are sliced by frames only, not {key!r}")
+        first, last, _ = frames.indices(self.shape[1])
+        first, last = self._start + first, self._start + max(last, first)
+        if frames.stop is None:  # an open slice (language detection's ``features[..., seek:]``): still streamed
+            return StreamedLogMel(self._extractor, self._source, len(self._framing.tail), None, first, self._stop,
+                                  self._largest)  # fmt: skip
+        return self._frames(first, last)
+
+    def _frames(self, first: int, last: int) -> Any:
+        """Frames ``first``..``last``, clamped and scaled as the library does the whole file's."""
+        # At least one step's frames in one product (see _Framing.steps), taken from there.
+        total = self._framing.frames
+        lo = max(0, min(first, total - FEATURE_STEP_FRAMES))
+        hi = min(total, max(last, lo + FEATURE_STEP_FRAMES))
+        out = self._framing.log_mel(self._source, lo, hi)[:, first - lo : last - lo]
+        out = np.ascontiguousarray(out)
+        np.maximum(out, self._largest - 8.0, out=out)
+        out += 4.0
+        out /= 4.0
+        return out
 
 
 def _library_call(extractor: Any, waveform: Any, padding: int) -> Any:

@@ -35,7 +35,14 @@ from universal_predictors.decode_budget import DecodeBudget
 from universal_predictors.devices import allocated_gpus, detect_device, dtype_for, gpu_unusable_reason
 from universal_predictors.errors import InvalidRequest
 from universal_predictors.http import FormPart, is_multipart_form, parse_form, validation_error
-from universal_predictors.speech.audio import BYTES_PER_AUDIO_SECOND, AudioLimits, declared_seconds, decode_audio
+from universal_predictors.speech.audio import (
+    BYTES_PER_AUDIO_SECOND,
+    AudioLimits,
+    StreamedSamples,
+    declared_seconds,
+    decode_audio,
+    scan_audio,
+)
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
 from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine, is_ctranslate2_whisper
@@ -45,6 +52,15 @@ ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 
 #: A request's decoding (``_progress``): the audio's seconds, its text so far per window, then its transcript.
 _Progress = AsyncGenerator[float | str | Transcript, None]
+
+
+#: Files longer than this that faster-whisper transcribes are streamed (:meth:`TranscribePredictor._samples`): their
+#: samples and features are computed window by window, so a request holds about what a file of this length decoded
+#: whole holds, however long its file. Shorter files are decoded once, whole (streaming decodes a file three times
+#: and computes its features twice: a cost that is small beside a long file's transcription).
+STREAMED_FROM_SECONDS = 120
+#: What a streamed file reserves of the decode budget: what a file of :data:`STREAMED_FROM_SECONDS` reserves.
+STREAMED_BYTES = STREAMED_FROM_SECONDS * BYTES_PER_AUDIO_SECOND
 
 
 class TranscribeEngineArgs(BaseModel):
@@ -347,19 +363,14 @@ class TranscribePredictor(UniversalPredictor):
         def on_window(text: str) -> None:  # on the engine thread
             loop.call_soon_threadsafe(windows.put_nowait, text)
 
-        # What the header declares (every header check done), else the limit: reserved before anything is decoded,
-        # held until the transcript is done (the samples and features live that long).
         with self._arriving() as arrived:
-            declared = await self.decode_budget.run(declared_seconds, body.audio, "file", self.limits)
-            seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
-            async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
-                audio = await self.decode_budget.run(decode_audio, body.audio, "file", self.limits)
-                yield float(audio.seconds)
+            async with self._samples(body.audio) as (samples, seconds):
+                yield seconds
                 words = "word" in (fields.timestamp_granularities or ())
-                job = Job(audio.samples, body.task, language, prompt_ids, fields.temperature, words=words,
+                job = Job(samples, body.task, language, prompt_ids, fields.temperature, words=words,
                           scored=fields.response_format == "verbose_json",
                           on_window=on_window if fields.stream else None)  # fmt: skip
-                del audio
+                del samples
                 arrived()
                 pending = asyncio.ensure_future(self.batcher.submit(job))
                 try:
@@ -375,6 +386,28 @@ class TranscribePredictor(UniversalPredictor):
                     yield pending.result()
                 finally:
                     pending.cancel()  # a client that left: a job still queued is skipped
+
+    @contextlib.asynccontextmanager
+    async def _samples(self, audio: bytes) -> AsyncIterator[tuple[Any, float]]:
+        """``audio``'s samples and seconds, with the decode budget's share they hold reserved until the transcript is
+        done. A file faster-whisper transcribes that is longer than :data:`STREAMED_FROM_SECONDS` is streamed: read
+        through once for its length and every limit, then decoded again window by window as its features are
+        computed (:class:`StreamedSamples`, ``StreamedLogMel``), holding what a file of that length decoded whole
+        would; any other file is decoded whole, its reservation being what its header declares (else the limit),
+        before anything is decoded."""
+        declared = await self.decode_budget.run(declared_seconds, audio, "file", self.limits)
+        seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
+        if isinstance(self.whisper, FasterWhisperEngine) and seconds > STREAMED_FROM_SECONDS:
+            async with self.decode_budget.reserve(STREAMED_BYTES, "file", "audio files"):
+                scan = await self.decode_budget.run(scan_audio, audio, "file", self.limits)
+                if scan.seconds > STREAMED_FROM_SECONDS:
+                    source = StreamedSamples(audio, "file", self.limits, scan)
+                    yield await self.decode_budget.run(self.whisper.streamed, source), scan.seconds
+                    return
+            seconds = scan.seconds  # a short file whose header did not say how long: decoded whole after all
+        async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
+            decoded = await self.decode_budget.run(decode_audio, audio, "file", self.limits)
+            yield decoded.samples, decoded.seconds
 
     @contextlib.contextmanager
     def _arriving(self) -> Iterator[Callable[[], None]]:
