@@ -549,3 +549,31 @@ def test_a_streamed_file_holds_the_same_memory_whatever_its_length() -> None:
 
     short, long = peak(3), peak(12)
     assert long - short < 2 * 2**20, (short, long)  # 9 more minutes decoded whole: 35 MB more
+
+
+def test_the_largest_feature_found_while_reading_is_the_one_a_pass_over_the_file_finds(
+    longer_speech: np.ndarray,
+) -> None:
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    from tests.predictors.speech_samples import encoded
+    from universal_predictors.speech.audio import Audio, AudioLimits, StreamedSamples, decode_audio, read_audio
+    from universal_predictors.speech.whisper_ct2 import RunningLargest, largest_log_mel, windowed_feature_extractor
+
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    extractor = windowed_feature_extractor(FeatureExtractor(feature_size=80))
+    # Loud at the very end (the last step, computed once the length is known) and in the middle, quiet elsewhere.
+    for loud_at in (len(longer_speech) - 300, len(longer_speech) // 2, 100):
+        samples = (longer_speech // 8).astype(np.int16)
+        samples[loud_at : loud_at + 200] = 30_000
+        data = encoded(samples, "ogg", "libopus", 48_000)
+        found = read_audio(data, "file", limits, 16_000 * 60, lambda: RunningLargest(extractor))
+        assert not isinstance(found, Audio)
+        scan, running = found
+        expected = largest_log_mel(extractor, StreamedSamples(data, "file", limits, scan))
+        assert running.finish(scan.length, scan.head, scan.tail) == expected, loud_at
+    # A file within what is held is decoded whole, as decode_audio decodes it.
+    short = encoded(longer_speech[: 16_000 * 20], "webm", "libopus", 48_000, live=True)
+    whole = read_audio(short, "file", limits, 16_000 * 60, lambda: RunningLargest(extractor))
+    assert isinstance(whole, Audio)
+    assert np.array_equal(whole.samples, decode_audio(short, "file", limits).samples)

@@ -24,7 +24,7 @@ import io
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -269,17 +269,53 @@ class Scan:
         return self.length / SAMPLE_RATE
 
 
-def scan_audio(data: bytes, field: str, limits: AudioLimits, edge: int = SAMPLE_RATE) -> Scan:
-    """``data`` decoded through once with every check :func:`decode_audio` makes, holding a chunk at a time: its
-    length in samples and the ``edge`` samples at each end (what a window of features reflects there)."""
-    head = tail = np.zeros(0, np.int16)
-    total = 0
-    for chunk in _chunks(data, field, limits):
-        if len(head) < edge:
-            head = np.concatenate([head, chunk[: edge - len(head)]])
-        tail = np.concatenate([tail, chunk])[-edge:] if len(chunk) < edge else chunk[-edge:]
-        total += len(chunk)
-    return Scan(total, head, tail.copy())
+def scan_audio(data: bytes, field: str, limits: AudioLimits) -> Scan:
+    """``data`` read through once (:func:`read_audio`) for its :class:`Scan` alone."""
+    found = read_audio(data, field, limits, 0, _Ignore)
+    assert not isinstance(found, Audio)  # every file has more than no samples
+    return found[0]
+
+
+class _Ignore:
+    def add(self, chunk: np.ndarray) -> None:
+        pass
+
+
+class _Reader(Protocol):
+    def add(self, chunk: np.ndarray) -> None: ...
+
+
+_R = TypeVar("_R", bound=_Reader)
+
+
+def read_audio(data: bytes, field: str, limits: AudioLimits, hold: int,
+               reader: Callable[[], _R]) -> Audio | tuple[Scan, _R]:  # fmt: skip
+    """``data`` decoded whole (as :func:`decode_audio`) if it has at most ``hold`` samples; else read through once,
+    holding about a second of it at a time, every chunk given to a ``reader()`` (made when the file passes
+    ``hold``): its :class:`Scan` and that reader. Either way every check :func:`decode_audio` makes."""
+    edge = SAMPLE_RATE
+    with _opened(data, field, limits) as (container, stream, _, damaged):
+        held: list[np.ndarray] = []
+        running: _R | None = None
+        head = tail = np.zeros(0, np.int16)
+        total = 0
+        for chunk in _decoded(container, stream, damaged, field, limits):
+            total += len(chunk)
+            if running is None:
+                held.append(chunk)
+                if total > hold:
+                    running = reader()
+                    for piece in held:
+                        running.add(piece)
+                    head = np.concatenate(held)[:edge]
+                    held = []
+            else:
+                running.add(chunk)
+            tail = np.concatenate([tail, chunk])[-edge:] if len(chunk) < edge else chunk[-edge:]
+        kind = container.format.name
+    if running is None:
+        return Audio(np.concatenate(held), kind)
+    return Scan(total, head, tail.copy()), running
 
 
 class StreamedSamples:

@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from universal_predictors.speech.audio import StreamedSamples, as_float
+from universal_predictors.speech.audio import (
+    SAMPLE_RATE,
+    Audio,
+    AudioLimits,
+    StreamedSamples,
+    as_float,
+    read_audio,
+)
 from universal_predictors.speech.whisper import Job, Segment, SpeechTask, Transcript, Word, checked_language
 
 #: faster-whisper's decoding budget per window (``WhisperModel.max_length``): every Whisper has 448 positions.
@@ -119,11 +126,17 @@ class FasterWhisperEngine:
                                  param="prompt", code="prompt_too_long")  # fmt: skip
         return tuple(int(i) for i in ids)
 
-    def streamed(self, source: StreamedSamples) -> StreamedWaveform:
-        """``source`` for :meth:`transcribe`, its features' largest value computed here (a pass over the file on the
-        request path, beside the engine) rather than on the engine thread when its first window is asked for."""
-        largest = largest_log_mel(self.model.feature_extractor, source)
-        return streamed_waveform(StreamedSamples(source.data, source.field, source.limits, source.scan), largest)
+    def read(self, data: bytes, field: str, limits: AudioLimits, hold_seconds: float) -> tuple[Any, float]:
+        """``data``'s samples for :meth:`transcribe` and its seconds: decoded whole if it lasts at most
+        ``hold_seconds``, else streamed (:class:`StreamedWaveform`), the largest value of its features found as it
+        is read through (on the request path, beside the engine, in the same pass that counts it)."""
+        found = read_audio(data, field, limits, int(hold_seconds * SAMPLE_RATE),
+                           lambda: RunningLargest(self.model.feature_extractor))  # fmt: skip
+        if isinstance(found, Audio):
+            return found.samples, found.seconds
+        scan, running = found
+        largest = running.finish(scan.length, scan.head, scan.tail)
+        return streamed_waveform(StreamedSamples(data, field, limits, scan), largest), scan.seconds
 
     # -- on the engine thread ------------------------------------------------------------------------------
 
@@ -315,6 +328,71 @@ def streamed_waveform(source: StreamedSamples, largest: float | None = None) -> 
     return waveform
 
 
+class _Held:
+    """Samples ``start``.. of a file of ``length`` (as far as they came), sliced by the file's indices."""
+
+    def __init__(self, samples: Any, start: int, length: int) -> None:
+        self.samples, self.start, self.length = samples, start, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> Any:
+        lo, hi = key.start - self.start, key.stop - self.start
+        if lo < 0 or hi > len(self.samples):
+            raise IndexError(f"samples {key.start}..{key.stop} are not held ({self.start}..)")
+        return self.samples[lo:hi]
+
+
+class RunningLargest:
+    """:func:`largest_log_mel` of a file given chunk by chunk, front to back, as it is read through: each step of
+    frames computed once its samples have come, holding about two steps' samples. Frames that read only the file's
+    own samples have the same values whatever the file's length, so they are computed before the length is known;
+    the last step (the zeros and reflection at the end) once it is (:meth:`finish`)."""
+
+    #: A length no file reaches: the provisional framing's end, which no frame computed before :meth:`finish` reads.
+    _UNKNOWN = 1 << 62
+
+    def __init__(self, extractor: Any, padding: int = 160) -> None:
+        self._extractor, self._padding = extractor, padding
+        self._hop, self._half, self._n_fft = extractor.hop_length, extractor.n_fft // 2, extractor.n_fft
+        self.largest = -np.inf
+        self._chunks: list[Any] = []
+        self._start = 0  # the file's index of the first sample held
+        self._received = 0
+        self._next = 0  # the first frame not yet computed
+        self._framing: _Framing | None = None
+
+    def add(self, chunk: Any) -> None:
+        self._chunks.append(chunk)
+        self._received += len(chunk)
+        step = FEATURE_STEP_FRAMES
+        # The signal's samples frames first..last read end at (last - 1) * hop + n_fft - half.
+        if (self._next + step - 1) * self._hop + self._n_fft - self._half > self._received:
+            return
+        held = np.concatenate(self._chunks)
+        if self._framing is None:
+            self._framing = _Framing(self._extractor, self._UNKNOWN, self._padding, held, held)
+        window = _Held(held, self._start, self._UNKNOWN)
+        while (self._next + step - 1) * self._hop + self._n_fft - self._half <= self._received:
+            self.largest = max(self.largest, float(self._framing.log_mel(window, self._next, self._next + step).max()))
+            self._next += step
+        # Kept: from a step before the next frame (the last step may reach back that far: _Framing.steps).
+        keep = max(self._start, (self._next - step) * self._hop - self._half)
+        self._chunks = [held[keep - self._start :]]
+        self._start = keep
+
+    def finish(self, length: int, head: Any, tail: Any) -> float:
+        """The largest value, the file (``length`` samples; ``head`` and ``tail``, its first and last ones) read."""
+        edge = self._half + 1
+        framing = _Framing(self._extractor, length, self._padding, head[:edge], tail[-edge:])
+        if self._next < framing.frames:
+            first = max(0, min(self._next, framing.frames - FEATURE_STEP_FRAMES))
+            held = _Held(np.concatenate(self._chunks), self._start, length)
+            self.largest = max(self.largest, float(framing.log_mel(held, first, framing.frames).max()))
+        return float(self.largest)
+
+
 def largest_log_mel(extractor: Any, source: StreamedSamples, padding: int = 160) -> float:
     """The largest value of ``source``'s log10 mel (before the library's clamp and scaling), computed step by step:
     what :class:`StreamedLogMel` needs before its first window."""
@@ -327,9 +405,10 @@ class StreamedLogMel:
     """The log-mel features of a streamed file, computed window by window as faster-whisper slices them
     (``features[:, seek:seek + 3000]``, ``features[..., seek:]`` for language detection), each equal to the
     library's features of the whole file at those frames (tested bit for bit). The file-wide step (clamping to 8
-    below the largest value) needs the largest value first: one pass over the file computes each step's log-mel and
-    keeps only its largest, then windows are computed again as they are asked for. So a file's features cost about
-    twice the library's to compute and hold one window (960 KB) at a time instead of 32 KB a second."""
+    below the largest value) needs the largest value first: found as the file was read through (``largest``:
+    :class:`RunningLargest`), else by a pass over it here; then windows are computed as they are asked for. So a
+    file's features cost about twice the library's to compute and hold one window (960 KB) at a time instead of 32 KB
+    a second."""
 
     ndim = 2
 

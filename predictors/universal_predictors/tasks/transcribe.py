@@ -38,10 +38,8 @@ from universal_predictors.http import FormPart, is_multipart_form, parse_form, v
 from universal_predictors.speech.audio import (
     BYTES_PER_AUDIO_SECOND,
     AudioLimits,
-    StreamedSamples,
     declared_seconds,
     decode_audio,
-    scan_audio,
 )
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
@@ -56,8 +54,8 @@ _Progress = AsyncGenerator[float | str | Transcript, None]
 
 #: Files longer than this that faster-whisper transcribes are streamed (:meth:`TranscribePredictor._samples`): their
 #: samples and features are computed window by window, so a request holds about what a file of this length decoded
-#: whole holds, however long its file. Shorter files are decoded once, whole (streaming decodes a file three times
-#: and computes its features twice: a cost that is small beside a long file's transcription).
+#: whole holds, however long its file. Shorter files are decoded once, whole (streaming decodes a file twice and
+#: computes its features twice: a cost that is small beside a long file's transcription).
 STREAMED_FROM_SECONDS = 120
 #: What a streamed file reserves of the decode budget: what a file of :data:`STREAMED_FROM_SECONDS` reserves.
 STREAMED_BYTES = STREAMED_FROM_SECONDS * BYTES_PER_AUDIO_SECOND
@@ -391,20 +389,19 @@ class TranscribePredictor(UniversalPredictor):
     async def _samples(self, audio: bytes) -> AsyncIterator[tuple[Any, float]]:
         """``audio``'s samples and seconds, with the decode budget's share they hold reserved until the transcript is
         done. A file faster-whisper transcribes that is longer than :data:`STREAMED_FROM_SECONDS` is streamed: read
-        through once for its length and every limit, then decoded again window by window as its features are
-        computed (:class:`StreamedSamples`, ``StreamedLogMel``), holding what a file of that length decoded whole
-        would; any other file is decoded whole, its reservation being what its header declares (else the limit),
-        before anything is decoded."""
+        through once for its length, every limit and its features' largest value, then decoded again window by
+        window as its features are computed (``FasterWhisperEngine.read``), holding what a file of that length
+        decoded whole would; any other file is decoded whole, its reservation being what its header declares (else
+        the limit), before anything is decoded."""
         declared = await self.decode_budget.run(declared_seconds, audio, "file", self.limits)
         seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
         if isinstance(self.whisper, FasterWhisperEngine) and seconds > STREAMED_FROM_SECONDS:
+            # Read through once: decoded whole if it turns out short (a header that did not say how long), else
+            # streamed; either holds no more than a file of STREAMED_FROM_SECONDS.
             async with self.decode_budget.reserve(STREAMED_BYTES, "file", "audio files"):
-                scan = await self.decode_budget.run(scan_audio, audio, "file", self.limits)
-                if scan.seconds > STREAMED_FROM_SECONDS:
-                    source = StreamedSamples(audio, "file", self.limits, scan)
-                    yield await self.decode_budget.run(self.whisper.streamed, source), scan.seconds
-                    return
-            seconds = scan.seconds  # a short file whose header did not say how long: decoded whole after all
+                yield await self.decode_budget.run(self.whisper.read, audio, "file", self.limits,
+                                                   STREAMED_FROM_SECONDS)  # fmt: skip
+            return
         async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
             decoded = await self.decode_budget.run(decode_audio, audio, "file", self.limits)
             yield decoded.samples, decoded.seconds
