@@ -22,6 +22,13 @@ concurrency 4, ahead of both.
     python bench/transcribe.py --rounds 5 --beam-size 5
     python bench/transcribe.py --batch-windows   # faster-whisper: requests share CTranslate2 generate calls
     python bench/transcribe.py --shape base      # openai/whisper-base's shape (random weights)
+    python bench/transcribe.py --memory 10 20 40 # long files: peak memory against faster-whisper's own
+
+``--memory MINUTES...``: for Opus files of those lengths (espeak-ng speech), the peak RSS a transcription adds
+(VmHWM reset just before it; each in a fresh process) for faster-whisper's own ``WhisperModel.transcribe(path)``
+(the anchor: the library with a file, as its README writes it), the predictor's faster-whisper engine on the file
+decoded whole (``decode_audio``, as for a file of 120 s or less) and streamed (``FasterWhisperEngine.read``, as for
+a longer one): whether memory stays flat with duration (issue 30), and what each costs in time.
 """
 
 from __future__ import annotations
@@ -129,7 +136,16 @@ def main() -> None:
                         help="faster-whisper predictor: CTranslate2 threads per replica")  # fmt: skip
     parser.add_argument("--faster-whisper-only", action="store_true",
                         help="skip transformers' anchor and predictor (slow on the base shape)")  # fmt: skip
+    parser.add_argument("--memory", type=float, nargs="+", metavar="MINUTES",
+                        help="long files: peak memory of a transcription against faster-whisper's own")  # fmt: skip
+    parser.add_argument("--measure-one", nargs=3, metavar=("WAY", "MODEL", "FILE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure_one:
+        measure_one(*args.measure_one)
+        return
+    if args.memory:
+        memory(args.memory, args.shape)
+        return
 
     wavs = clips()
     audio = [read_wav(wav) for wav in wavs]
@@ -192,6 +208,80 @@ def main() -> None:
         versus_tf = f", transformers {tf:.1f}x: {c4 / tf:.2f}x" if tf else ""
         print(f"transcribe: predictor {served} {c4:.1f}x real time (concurrency 4) vs in-process faster-whisper "
               f"{fw:.1f}x: {c4 / fw:.2f}x{versus_tf} (goal > 1x of both)", flush=True)  # fmt: skip
+
+
+def memory(lengths: list[float], shape: str) -> None:
+    """The ``--memory`` part (module docstring)."""
+    import subprocess
+
+    from tests.predictors.speech_samples import encoded
+
+    ways = ("faster-whisper's own", "decoded whole", "streamed")
+    print(
+        f"transcribe memory: Opus files, a random-weight Whisper of shape {shape} (greedy, language given), peak "
+        f"RSS a transcription adds (VmHWM reset before it), each in a fresh process; {os.cpu_count()} cores"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        model = build_tiny_ct2_whisper(Path(scratch) / "model", shape=shape)
+        peaks: dict[str, list[float]] = {way: [] for way in ways}
+        for minutes in lengths:
+            path = Path(scratch) / f"{minutes:g}.ogg"
+            path.write_bytes(encoded(long_speech(minutes * 60), "ogg", "libopus", 48_000))
+            line = []
+            for way in ways:
+                run = subprocess.run([sys.executable, __file__, "--measure-one", way, str(model), str(path)],
+                                     check=True, capture_output=True, text=True)  # fmt: skip
+                peak, seconds, segments = (float(v) for v in run.stdout.split()[-3:])
+                peaks[way].append(peak)
+                line.append(f"{way} +{peak:.0f} MB in {seconds:.1f} s ({segments:.0f} segments)")
+            print(f"transcribe memory {minutes:g} min ({path.stat().st_size / 2**20:.1f} MB file): " + "; ".join(line),
+                  flush=True)  # fmt: skip
+        anchor = peaks[ways[0]]
+        for way in ways:
+            growth = (peaks[way][-1] - peaks[way][0]) / max(lengths[-1] - lengths[0], 1e-9)
+            ratio = peaks[way][-1] / anchor[-1]
+            print(f"transcribe memory: {way}: +{growth:.2f} MB a minute of audio; at {lengths[-1]:g} min "
+                  f"{ratio:.2f}x of faster-whisper's own (goal: flat with duration)")  # fmt: skip
+
+
+def measure_one(way: str, model: str, file: str) -> None:
+    """One ``--memory`` measurement in this (fresh) process: prints peak MB added, seconds, segments."""
+    import gc
+
+    from universal_predictors.speech.audio import AudioLimits, decode_audio
+    from universal_predictors.speech.whisper import Job
+    from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine
+
+    def peak_mb() -> float:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+
+    data = Path(file).read_bytes()
+    limits = AudioLimits(max_audio_bytes=2**31, max_audio_seconds=4 * 3600, max_audio_channels=2)
+    warm = decode_audio(wav_bytes(long_speech(3)), "file", limits).samples
+    if way == "faster-whisper's own":
+        from faster_whisper import WhisperModel
+
+        library = WhisperModel(model, device="cpu", compute_type="int8")
+        list(library.transcribe(warm.astype(np.float32) / 32768.0, language="en", beam_size=1)[0])
+    else:
+        engine = FasterWhisperEngine(model, "cpu", "int8")
+        engine.transcribe(Job(warm, "transcribe", "en", None, 0.0))
+    del warm
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM from here (Linux: proc(5), clear_refs)
+    base, started = peak_mb(), time.perf_counter()
+    if way == "faster-whisper's own":
+        found, _ = library.transcribe(file, language="en", beam_size=1, temperature=0.0, vad_filter=False)
+        segments = len(list(found))
+    else:
+        if way == "decoded whole":
+            samples = decode_audio(data, "file", limits).samples
+        else:
+            samples, _ = engine.read(data, "file", limits, 120)
+        segments = len(engine.transcribe(Job(samples, "transcribe", "en", None, 0.0)).segments)
+    print(f"{peak_mb() - base:.1f} {time.perf_counter() - started:.2f} {segments}")
 
 
 if __name__ == "__main__":
