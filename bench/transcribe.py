@@ -250,7 +250,7 @@ def measure_one(way: str, model: str, file: str) -> None:
 
     from universal_predictors.speech.audio import AudioLimits, decode_audio
     from universal_predictors.speech.whisper import Job
-    from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine
+    from universal_predictors.speech.whisper_ct2 import DecodeOptions, FasterWhisperEngine
 
     def peak_mb() -> float:
         with open("/proc/self/status") as status:
@@ -265,7 +265,7 @@ def measure_one(way: str, model: str, file: str) -> None:
         library = WhisperModel(model, device="cpu", compute_type="int8")
         list(library.transcribe(warm.astype(np.float32) / 32768.0, language="en", beam_size=1)[0])
     else:
-        engine = FasterWhisperEngine(model, "cpu", "int8")
+        engine = FasterWhisperEngine(model, "cpu", "int8", options=DecodeOptions(beam_size=1))  # as the anchor
         engine.transcribe(Job(warm, "transcribe", "en", None, 0.0))
     del warm
     gc.collect()
