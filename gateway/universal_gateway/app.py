@@ -569,12 +569,27 @@ class Gateway:
                         series.woke(waited)
 
                 try:
-                    async with self.backends.lease(name) as upstream:
-                        meter.sent = time.monotonic()
-                        response = await self._relay(
-                            request, view, series, upstream, path, body, started, stream, answered=answered,
-                            extra_head=extra_head, observe=observe, meter=meter,
-                        )  # fmt: skip
+                    replayed = False
+                    while True:
+                        async with self.backends.lease(name) as upstream:
+                            meter.sent = time.monotonic()
+                            try:
+                                response = await self._relay(
+                                    request, view, series, upstream, path, body, started, stream, answered=answered,
+                                    extra_head=extra_head, observe=observe, meter=meter,
+                                )  # fmt: skip
+                                break
+                            except _Unanswered as unanswered:
+                                if replayed:
+                                    raise
+                                lost = unanswered
+                        # Its process is gone (killed as the request came, or before it): sent once more, to the
+                        # process the next lease starts. Not where the process failed of itself (the request may
+                        # have been what failed it): that one is the caller's 502.
+                        if not await self.backends.exited(name, upstream, killed=not lost.unsent):
+                            raise lost
+                        replayed = True
+                        logger.info("%s: %s %s replayed: %s", name, request.method, request.path, lost.message)
                 except APIError as error:
                     if stream is None:
                         raise
@@ -708,9 +723,8 @@ class Gateway:
                 attempt += 1
                 if attempt > 1:
                     trace.end(0)
-                    raise APIError(
-                        f"The model {name!r} is unreachable: {exc}", status_code=502, code="upstream_unreachable"
-                    ) from None
+                    raise _Unanswered(f"The model {name!r} is unreachable: {exc}", "upstream_unreachable",
+                                      unsent=True) from None  # fmt: skip
                 await asyncio.sleep(0.2)
         # Any way out but a whole answer (an error, the client leaving) closes the connection, which
         # tells the predictor to stop; only a connection whose answer was read to the end is reused.
@@ -719,10 +733,12 @@ class Gateway:
             upstream.send(head, body, request)
             try:
                 await upstream.headers_received(read_timeout)
-            except (TimeoutError, UpstreamError) as exc:
+            except TimeoutError:
                 raise APIError(
-                    f"The model {name!r} did not answer: {type(exc).__name__}", status_code=502, code="upstream_error"
+                    f"The model {name!r} did not answer: TimeoutError", status_code=502, code="upstream_error"
                 ) from None
+            except UpstreamError:  # the connection broke before a byte of the answer
+                raise _Unanswered(f"The model {name!r} did not answer: UpstreamError", "upstream_error") from None
             if answered is not None:
                 await answered()
             passed = [(k, v) for k, v in upstream.headers if k.lower() not in DROPPED_RESPONSE_HEADERS]
@@ -907,6 +923,16 @@ class AnthropicShaped(APIError):
 
     def body(self) -> dict[str, Any]:
         return anthropic_error_body(self)
+
+
+class _Unanswered(APIError):
+    """A 502 for a request whose upstream gave no byte of an answer: no connection could be made (``unsent``), or
+    the connection broke before the answer's head. The gateway sends it once more where the process turns out to
+    have exited (:meth:`Backends.exited`): for one that was sent, only where the process was killed from outside."""
+
+    def __init__(self, message: str, code: str, *, unsent: bool = False) -> None:
+        super().__init__(message, status_code=502, code=code)
+        self.unsent = unsent
 
 
 class _Relayed(APIError):

@@ -225,6 +225,14 @@ class Backends(ABC):
     def lease(self, name: str) -> contextlib.AbstractAsyncContextManager[str]:
         """A ready upstream base URL for one request (waking the model if needed)."""
 
+    async def exited(self, name: str, upstream: str, *, killed: bool = False) -> bool:
+        """Whether the process serving ``name`` at ``upstream`` (a URL :meth:`lease` gave) has exited, for a
+        request that got no answer from it: True once its exit is recorded (the next lease starts a successor);
+        with ``killed``, only if it was killed from outside (SIGKILL or SIGTERM, not the OOM killer over its limit)
+        rather than failing of itself. False if it runs on, or nothing is known of it: only a backend that runs the
+        processes itself can tell."""
+        return False
+
 
 class counted:
     """Count one request in flight for its whole duration.

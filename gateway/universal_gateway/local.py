@@ -67,6 +67,10 @@ logger = logging.getLogger(__name__)
 #: Crashes within this window count towards marking a model failed.
 CRASH_WINDOW_S = 120.0
 CRASHES_BEFORE_FAILED = 3
+#: How long a process whose connection broke unanswered has to be seen exiting (Backends.exited).
+EXIT_NOTICE_S = 2.0
+#: The exit codes of a process killed from outside (not failing of itself).
+_KILLED = frozenset({-signal.SIGKILL, -signal.SIGTERM})
 #: A failed model is tried again on a request after this long.
 FAILED_COOLDOWN_S = 30.0
 STOP_GRACE_S = 10.0
@@ -331,6 +335,26 @@ class LocalSupervisor(Backends):
         finally:
             if model.drained is not None and model.stats.in_flight == 0:
                 model.drained.set()  # a retired member's last request: its process may stop
+
+    async def exited(self, name: str, upstream: str, *, killed: bool = False) -> bool:
+        """A request got no answer: whether the model's process (or shared host) exited. A process killed as the
+        request came (SIGKILL: the kernel frees its memory before it closes its sockets) may still accept the
+        connection and then close it unanswered; the exit is seen here within :data:`EXIT_NOTICE_S` and recorded
+        (a crash), and the next :meth:`lease` starts a successor."""
+        model = self._models.get(name)
+        if model is None:
+            return False
+        process = model.process
+        if model.url != upstream or process is None:
+            return not killed  # replaced or stopped already: how that one ended is not known here
+        try:
+            code = await asyncio.wait_for(asyncio.shield(process.wait()), EXIT_NOTICE_S)
+        except TimeoutError:
+            return False  # it runs on: the connection broke for another reason
+        self._record_exit(model, process, code)  # as its watcher will (once: the first to see the exit records it)
+        if killed:
+            return code in _KILLED and model.reason != "OOMKilled"
+        return True
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -172,6 +172,63 @@ def test_a_killed_predictor_restarts_on_the_next_request(tmp_path: Path) -> None
         assert gateway.predictor_pid("crashy") not in (None, pid)
 
 
+def _unread_request_at(port: int) -> bool:
+    """Whether a connection to ``port`` on this machine holds bytes its server has not read (/proc/net/tcp's
+    rx_queue of the server's side): a request that reached a predictor which does not read it."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, queues = fields[1], fields[4]
+        if int(local.split(":")[1], 16) == port and int(queues.split(":")[1], 16) > 0:
+            return True
+    return False
+
+
+def test_a_request_taken_by_a_predictor_as_it_is_killed_is_answered_by_its_successor(tmp_path: Path) -> None:
+    """A process killed from outside (SIGKILL: the kernel frees its memory before it closes its sockets) may accept a
+    connection as it dies and close it unanswered: a request that came then is sent once more, to the process
+    started after it. One that came as the process failed of itself (a segfault: the request may have caused it)
+    is not sent again: the caller gets the 502. The crash is recorded either way."""
+    folder = tmp_path / "manifests"
+    embed_manifest(folder, name="dying", served="dying")
+    with running_gateway([folder], tmp_path / "gw") as gateway:
+        client = openai_client(gateway, timeout=120)
+
+        def taken_as_it_dies(how: signal.Signals, send: Any) -> Any:
+            """``send`` run while the predictor is stopped (its socket takes the request, unread), which then dies
+            of ``how``."""
+            pid = gateway.predictor_pid("dying")
+            port = gateway.predictor_argument("dying", "--http_port")
+            assert pid is not None
+            assert port is not None
+            os.kill(pid, signal.SIGSTOP)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(send)
+                wait_for(lambda: _unread_request_at(int(port)), within=30)
+                os.kill(pid, how)
+                os.kill(pid, signal.SIGCONT)  # (a stopped process takes any signal but SIGKILL once it runs)
+                result = pending.result(timeout=120)
+            assert not pid_alive(pid)
+            return result
+
+        client.embeddings.create(model="dying", input="one")
+        replayed = taken_as_it_dies(signal.SIGKILL, lambda: client.embeddings.create(model="dying", input="two"))
+        assert len(replayed.data[0].embedding) == 384
+        assert "POST /v1/embeddings replayed: The model 'dying' did not answer" in gateway.log()
+        card = gateway.models()["dying"]
+        assert (card["state"], card["crashes"], card["starts"]) == ("ready", 1, 2)
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{gateway.base_url}/embeddings", json={"model": "dying", "input": "three"}, timeout=120)
+
+        lost = taken_as_it_dies(signal.SIGSEGV, post)
+        assert lost.status_code == 502, lost.text
+        assert lost.json()["error"]["code"] == "upstream_error"
+        card = gateway.models()["dying"]
+        assert (card["state"], card["crashes"], card["starts"]) == ("idle", 2, 2)
+        assert len(client.embeddings.create(model="dying", input="four").data[0].embedding) == 384
+        assert gateway.models()["dying"]["starts"] == 3
+
+
 def test_api_keys_and_per_key_allowlist(tmp_path: Path) -> None:
     folder = tmp_path / "manifests"
     embed_manifest(folder, name="a", served="model-a")
