@@ -28,7 +28,9 @@ concurrency 4, ahead of both.
 (VmHWM reset just before it; each in a fresh process) for faster-whisper's own ``WhisperModel.transcribe(path)``
 (the anchor: the library with a file, as its README writes it), the predictor's faster-whisper engine on the file
 decoded whole (``decode_audio``, as for a file of 120 s or less) and streamed (``FasterWhisperEngine.read``, as for
-a longer one): whether memory stays flat with duration (issue 30), and what each costs in time.
+a longer one); the same for transformers (its anchor: its own long-form ``generate`` with the processor's
+untruncated features, as its documentation writes it): whether memory stays flat with duration (issue 30), and
+what each costs in time.
 """
 
 from __future__ import annotations
@@ -216,7 +218,11 @@ def memory(lengths: list[float], shape: str) -> None:
 
     from tests.predictors.speech_samples import encoded
 
-    ways = ("faster-whisper's own", "decoded whole", "streamed")
+    backends = {
+        "faster-whisper": ("faster-whisper's own", "decoded whole", "streamed"),
+        "transformers": ("transformers' own", "transformers decoded whole", "transformers streamed"),
+    }
+    ways = tuple(way for backend in backends.values() for way in backend)
     print(
         f"transcribe memory: Opus files, a random-weight Whisper of shape {shape} (greedy, language given), peak "
         f"RSS a transcription adds (VmHWM reset before it), each in a fresh process; {os.cpu_count()} cores"
@@ -236,12 +242,12 @@ def memory(lengths: list[float], shape: str) -> None:
                 line.append(f"{way} +{peak:.0f} MB in {seconds:.1f} s ({segments:.0f} segments)")
             print(f"transcribe memory {minutes:g} min ({path.stat().st_size / 2**20:.1f} MB file): " + "; ".join(line),
                   flush=True)  # fmt: skip
-        anchor = peaks[ways[0]]
-        for way in ways:
-            growth = (peaks[way][-1] - peaks[way][0]) / max(lengths[-1] - lengths[0], 1e-9)
-            ratio = peaks[way][-1] / anchor[-1]
-            print(f"transcribe memory: {way}: +{growth:.2f} MB a minute of audio; at {lengths[-1]:g} min "
-                  f"{ratio:.2f}x of faster-whisper's own (goal: flat with duration)")  # fmt: skip
+        for own, *served in backends.values():
+            for way in (own, *served):
+                growth = (peaks[way][-1] - peaks[way][0]) / max(lengths[-1] - lengths[0], 1e-9)
+                ratio = peaks[way][-1] / peaks[own][-1]
+                print(f"transcribe memory: {way}: +{growth:.2f} MB a minute of audio; at {lengths[-1]:g} min "
+                      f"{ratio:.2f}x of {own} (goal: flat with duration)")  # fmt: skip
 
 
 def measure_one(way: str, model: str, file: str) -> None:
@@ -259,6 +265,9 @@ def measure_one(way: str, model: str, file: str) -> None:
     data = Path(file).read_bytes()
     limits = AudioLimits(max_audio_bytes=2**31, max_audio_seconds=4 * 3600, max_audio_channels=2)
     warm = decode_audio(wav_bytes(long_speech(3)), "file", limits).samples
+    if way.startswith("transformers"):
+        measure_transformers(way, str(Path(model).parent / "transformers"), data, limits, warm, peak_mb)
+        return
     if way == "faster-whisper's own":
         from faster_whisper import WhisperModel
 
@@ -281,6 +290,52 @@ def measure_one(way: str, model: str, file: str) -> None:
         else:
             samples, _ = engine.read(data, "file", limits, 120)
         segments = len(engine.transcribe(Job(samples, "transcribe", "en", None, 0.0)).segments)
+    print(f"{peak_mb() - base:.1f} {time.perf_counter() - started:.2f} {segments}")
+
+
+def measure_transformers(way: str, model: str, data: bytes, limits: Any, warm: Any,
+                         peak_mb: Callable[[], float]) -> None:  # fmt: skip
+    """:func:`measure_one` on transformers: its own long-form ``generate`` as its documentation writes it (the
+    processor's untruncated features and attention mask; the file decoded by PyAV, as the predictor decodes it:
+    transformers reads no file itself), or the predictor's engine on the file decoded whole or streamed."""
+    import gc
+
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    from universal_predictors.speech.audio import as_float, decode_audio
+    from universal_predictors.speech.whisper import Job, WhisperEngine
+
+    if way == "transformers' own":
+        processor = WhisperProcessor.from_pretrained(model)
+        library: Any = WhisperForConditionalGeneration.from_pretrained(model)
+        library.eval()
+
+        def own(samples: Any) -> int:
+            inputs = processor(as_float(samples), sampling_rate=RATE, return_tensors="pt", truncation=False,
+                               padding="longest", return_attention_mask=True)  # fmt: skip
+            with torch.inference_mode():
+                out = library.generate(inputs.input_features, attention_mask=inputs.attention_mask, language="en",
+                                       return_timestamps=True, return_segments=True)  # fmt: skip
+            return len(out["segments"][0])
+
+        own(warm)
+    else:
+        engine = WhisperEngine(model, "cpu", torch.float32)
+        engine.transcribe_batch([Job(warm, "transcribe", "en", None, 0.0)])
+    del warm
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    base, started = peak_mb(), time.perf_counter()
+    if way == "transformers' own":
+        segments = own(decode_audio(data, "file", limits).samples)
+    else:
+        if way == "transformers decoded whole":
+            samples: Any = decode_audio(data, "file", limits).samples
+        else:
+            samples, _ = engine.read(data, "file", limits, 120)
+        segments = len(engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0)])[0].segments)
     print(f"{peak_mb() - base:.1f} {time.perf_counter() - started:.2f} {segments}")
 
 

@@ -10,6 +10,7 @@ concurrent requests batched together.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import struct
 import time
@@ -36,7 +37,8 @@ from universal_predictors.speech.whisper import Job, Segment, WhisperEngine, lon
 
 SERVED = "tiny-whisper"
 MAX_SECONDS = 200
-#: Room for the concurrency test's audio at once (192 KB a second: 75 s + 45 s + the short clips), not for 150 s.
+#: Room for the concurrency test's audio at once (192 KB a second: 75 s + 45 s + the short clips), and for a file
+#: streamed (over 120 s: what 120 s reserves, 23 MB).
 DECODE_BUDGET_MB = 24
 
 
@@ -166,17 +168,23 @@ def reference_scores(model_dir: Path, samples: np.ndarray) -> list[tuple[float, 
     return [scored[id(segment["result"])] for segment in out["segments"][0]]
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iterator[GatewayProcess]:
+@contextlib.contextmanager
+def _serving(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path, budget_mb: int) -> Iterator[GatewayProcess]:
     folder = tmp_path_factory.mktemp("manifests")
     (folder / "whisper.yaml").write_text(
         "apiVersion: serving.universal-runtime.dev/v1alpha1\nkind: UniversalModel\n"
         f"metadata: {{name: whisper}}\nspec:\n  task: transcribe\n  servedName: {SERVED}\n"
         f'  source: {{uri: "{whisper_dir}"}}\n'
         f'  engineArgs: {{max_audio_seconds: "{MAX_SECONDS}", max_wait_ms: "50", '
-        f'decode_budget_mb: "{DECODE_BUDGET_MB}"}}\n'
+        f'decode_budget_mb: "{budget_mb}"}}\n'
     )
     with running_gateway([folder], tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, whisper_dir: Path) -> Iterator[GatewayProcess]:
+    with _serving(tmp_path_factory, whisper_dir, DECODE_BUDGET_MB) as running:
         yield running
 
 
@@ -509,13 +517,16 @@ def test_audio_over_the_duration_limit_is_a_413(gateway: GatewayProcess) -> None
     assert "max_audio_seconds" in error_of(response)["message"]
 
 
-def test_audio_over_the_memory_budget_is_a_413_naming_it(gateway: GatewayProcess) -> None:
-    response = post(gateway, wav_bytes(np.zeros(150 * RATE, dtype=np.int16)))
-    assert response.status_code == 413, response.text
-    assert error_of(response)["code"] == "decode_budget_exceeded"
-    assert (
-        f"decode budget ({DECODE_BUDGET_MB} MiB, the engine argument decode_budget_mb)" in error_of(response)["message"]
-    )
+def test_audio_over_the_memory_budget_is_a_413_naming_it(tmp_path_factory: pytest.TempPathFactory,
+                                                          whisper_dir: Path) -> None:  # fmt: skip
+    """A budget below what one file reserves: 192 KB a second of what it declares (100 s: 19 MB), or for a file
+    streamed (over 120 s), what 120 s reserves (23 MB) however long it is."""
+    with _serving(tmp_path_factory, whisper_dir, 16) as small:
+        for seconds in (100, 150):
+            response = post(small, wav_bytes(np.zeros(seconds * RATE, dtype=np.int16)))
+            assert response.status_code == 413, response.text
+            assert error_of(response)["code"] == "decode_budget_exceeded"
+            assert "decode budget (16 MiB, the engine argument decode_budget_mb)" in error_of(response)["message"]
 
 
 def test_a_form_without_a_file_or_with_a_bad_field_is_a_400(gateway: GatewayProcess, short_wav: bytes) -> None:
@@ -646,6 +657,152 @@ def test_long_form_features_equal_the_extractors_to_the_bit(whisper_dir: Path, f
     samples = (np.random.default_rng(0).standard_normal(65 * RATE + 77) * 0.1).astype(np.float32)
     expected = extractor(samples, sampling_rate=RATE, return_tensors="pt", truncation=False, padding="longest")
     assert torch.equal(long_form_features(samples, extractor, frames_per_step), expected.input_features)
+
+
+# -- files longer than STREAMED_FROM_SECONDS: streamed, window by window ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def longer_speech() -> np.ndarray:
+    from universal_predictors.tasks.transcribe import STREAMED_FROM_SECONDS
+
+    return long_speech(STREAMED_FROM_SECONDS + 37.3)
+
+
+def test_a_file_past_the_streaming_length_is_transcribed_as_generate_does_the_whole_file(
+    client: OpenAI, whisper_dir: Path, longer_speech: np.ndarray
+) -> None:
+    """Streamed (read through, then decoded again window by window as generate cuts its windows): the same segments,
+    text and words as transformers in-process on the whole file's features."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    wav = wav_bytes(longer_speech)
+    samples = read_wav(wav)
+    expected = reference(whisper_dir, samples)
+    answer = verbose(client, wav, language="en", timestamp_granularities=["word", "segment"])
+    assert max(end for _, _, end in expected.segments) > 120, "past the streaming length"
+    assert served_segments(answer) == expected.segments
+    assert answer["text"] == expected.text
+    assert [(w["word"], w["start"], w["end"]) for w in answer["words"]] == reference_words(whisper_dir, samples)
+    # Without a language (detected on the first window) and a header that declares no duration (the file is read
+    # through first to know it): Opus written as a browser streams it.
+    live = encoded(longer_speech, "webm", "libopus", 48_000, live=True)
+    decoded = decode_audio(live, "file", AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600,
+                                                     max_audio_channels=2)).samples  # fmt: skip
+    answer = verbose(client, live, name="note.webm")
+    language = {name: code for code, name in LANGUAGES.items()}[answer["language"]]
+    assert served_segments(answer) == reference(whisper_dir, decoded.astype(np.float32) / 32768.0,
+                                                language=language).segments  # fmt: skip
+
+
+@pytest.mark.parametrize(("container", "codec", "rate"), [("wav", "pcm_s16le", 16_000), ("ogg", "libopus", 48_000)])
+def test_streamed_features_equal_the_whole_files_bit_for_bit(whisper_dir: Path, container: str, codec: str,
+                                                             rate: int, longer_speech: np.ndarray) -> None:  # fmt: skip
+    """The largest value found while the file is read through, and every window generate may cut (any seek, the
+    last ones short, going back), equal the whole file's long-form features."""
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    from universal_predictors.speech.audio import Audio, StreamedSamples, as_float, read_audio
+    from universal_predictors.speech.whisper import RunningLogMelMax, StreamedFeatures
+
+    extractor = WhisperFeatureExtractor.from_pretrained(whisper_dir)
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    data = encoded(longer_speech, container, codec, rate)
+    expected = long_form_features(as_float(decode_audio(data, "file", limits).samples), extractor)[0]
+    found = read_audio(data, "file", limits, 60 * RATE, lambda: RunningLogMelMax(extractor))
+    assert not isinstance(found, Audio)
+    scan, running = found
+    largest = running.finish(scan.length)
+    assert float(expected.max()) == float((torch.tensor(largest) + 4.0) / 4.0)  # the scaling of the largest
+    features = StreamedFeatures(extractor, StreamedSamples(data, "file", limits, scan), largest)
+    frames = expected.shape[1]
+    assert features.frame_count == frames
+    for seek in [0, 1, 2500, 2999, 3000, 4321, frames - 3000, frames - 2999, frames - 100, frames - 1, 10]:
+        assert torch.equal(features.frames(seek, seek + 3000), expected[:, seek : seek + 3000]), seek
+
+
+def test_the_largest_feature_found_while_reading_is_the_whole_files(whisper_dir: Path,
+                                                                    longer_speech: np.ndarray) -> None:  # fmt: skip
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    from universal_predictors.speech.audio import Audio, as_float, read_audio
+    from universal_predictors.speech.whisper import RunningLogMelMax
+
+    extractor = WhisperFeatureExtractor.from_pretrained(whisper_dir)
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    # Loud at the very end (the last step, computed once the length is known), in the middle and at the start.
+    for loud_at in (len(longer_speech) - 300, len(longer_speech) // 2, 100):
+        samples = (longer_speech // 8).astype(np.int16)
+        samples[loud_at : loud_at + 200] = 30_000
+        data = encoded(samples, "ogg", "libopus", 48_000)
+        expected = long_form_features(as_float(decode_audio(data, "file", limits).samples), extractor)
+        found = read_audio(data, "file", limits, 60 * RATE, lambda: RunningLogMelMax(extractor))
+        assert not isinstance(found, Audio)
+        largest = found[1].finish(found[0].length)
+        assert float(expected.max()) == float((torch.tensor(largest) + 4.0) / 4.0), loud_at
+
+
+def test_a_batch_with_a_streamed_file_decodes_each_job_as_it_decodes_alone(
+    whisper_dir: Path, long_wav: bytes, longer_speech: np.ndarray
+) -> None:
+    """A streamed file beside one held whole in one long-form generate call (the shorter one finishes first and
+    leaves the batch), timed by words or not: each as it decodes alone, and the streamed one as its whole file."""
+    import torch
+
+    engine = WhisperEngine(str(whisper_dir), "cpu", torch.float32)
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    data = wav_bytes(longer_speech)
+    streamed, seconds = engine.read(data, "file", limits, 120)
+    assert type(streamed).__name__ == "StreamedFeatures"
+    assert seconds == pytest.approx(len(longer_speech) / RATE)
+    whole, held = read_wav(data), read_wav(long_wav)
+    for options in ({}, {"words": True}):
+        jobs = [Job(streamed, "transcribe", "en", None, 0.0, **options),
+                Job(held, "transcribe", "en", None, 0.0, **options)]  # fmt: skip
+        together = engine.transcribe_batch(jobs)
+        assert together == [engine.transcribe_batch([job])[0] for job in jobs]
+        assert together[0].segments == engine.transcribe_batch([Job(whole, "transcribe", "en", None, 0.0,
+                                                                    **options)])[0].segments  # fmt: skip
+    # Scored (a batch's scores differ from one item's in their last bits, streamed or not: compared alone).
+    scored = [engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0, scored=True, words=True)])[0]
+              for samples in (streamed, whole)]  # fmt: skip
+    assert scored[0] == scored[1]
+    detected = engine.transcribe_batch([Job(streamed, "transcribe", None, None, 0.0)])[0]
+    assert detected == engine.transcribe_batch([Job(whole, "transcribe", None, None, 0.0)])[0]
+
+
+def test_streamed_features_hold_two_steps_whatever_the_files_length(whisper_dir: Path) -> None:
+    """Every window of a 12 minute file as generate cuts them, forward: no more than two steps of features
+    (3000 frames each) held at once, and samples as tracemalloc sees them no more than for a 3 minute file."""
+    import tracemalloc
+
+    from transformers import WhisperFeatureExtractor
+
+    from universal_predictors.speech.audio import StreamedSamples, scan_audio
+    from universal_predictors.speech.whisper import StreamedFeatures
+
+    extractor = WhisperFeatureExtractor.from_pretrained(whisper_dir)
+    limits = AudioLimits(max_audio_bytes=2**28, max_audio_seconds=3600, max_audio_channels=2)
+    rng = np.random.default_rng(5)
+
+    def peak(minutes: int) -> int:
+        data = encoded((rng.standard_normal(minutes * 60 * RATE) * 3000).astype(np.int16), "ogg", "libopus",
+                       48_000)  # fmt: skip
+        tracemalloc.start()
+        try:
+            features = StreamedFeatures(extractor, StreamedSamples(data, "file", limits,
+                                                                   scan_audio(data, "file", limits)), 1.0)  # fmt: skip
+            for seek in range(0, features.frame_count, 2_800):
+                features.frames(seek, seek + 3000)
+                assert len(features._held) <= 2
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    short, long = peak(3), peak(12)
+    assert long - short < 2 * 2**20, (short, long)
 
 
 def test_captions_are_numbered_cues_with_their_clock_times() -> None:

@@ -360,6 +360,23 @@ class StreamedSamples:
         return self._held[: max(hi - lo, 0)].copy()
 
 
+class HeldSamples:
+    """Samples ``start``.. of a file of ``length`` (as far as they came), sliced by the file's indices: what a pass
+    reading a file through keeps of it."""
+
+    def __init__(self, samples: Any, start: int, length: int) -> None:
+        self.samples, self.start, self.length = samples, start, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> Any:
+        lo, hi = key.start - self.start, key.stop - self.start
+        if lo < 0 or hi > len(self.samples):
+            raise IndexError(f"samples {key.start}..{key.stop} are not held ({self.start}..)")
+        return self.samples[lo:hi]
+
+
 def as_float(samples: np.ndarray) -> np.ndarray:
     """``samples`` as float32 in [-1, 1): 16-bit ones scaled as faster-whisper's ``decode_audio`` scales them
     (``astype(np.float32) / 32768.0``); float ones as they are."""

@@ -24,7 +24,15 @@ from typing import Any, Literal
 import numpy as np
 
 from universal_predictors.errors import InvalidRequest
-from universal_predictors.speech.audio import SAMPLE_RATE, as_float
+from universal_predictors.speech.audio import (
+    SAMPLE_RATE,
+    Audio,
+    AudioLimits,
+    HeldSamples,
+    StreamedSamples,
+    as_float,
+    read_audio,
+)
 
 #: One Whisper window: 30 s, 3000 mel frames.
 WINDOW_SECONDS = 30
@@ -37,8 +45,9 @@ SpeechTask = Literal["transcribe", "translate"]
 class Job:
     """One request's audio and how to decode it."""
 
-    #: 16 kHz mono: 16-bit as the predictor decodes them, or float32 in [-1, 1] (``audio.as_float``).
-    samples: np.ndarray
+    #: 16 kHz mono: 16-bit as the predictor decodes them, or float32 in [-1, 1] (``audio.as_float``); or a file
+    #: streamed as the engine reads it (``read``: faster-whisper's ``StreamedWaveform``, :class:`StreamedFeatures`).
+    samples: Any
     task: SpeechTask
     language: str | None
     prompt_ids: tuple[int, ...] | None
@@ -148,6 +157,185 @@ def long_form_features(samples: np.ndarray, extractor: Any, frames_per_step: int
     return out.add_(4.0).div_(4.0)[None]
 
 
+class LogMelSteps:
+    """:func:`long_form_features` of a file of ``length`` samples, one step (:data:`WINDOW_FRAMES` frames, from frame
+    0; the last step what is left) at a time, from samples sliced by the file's indices (``samples[lo:hi]``): the
+    same calls on the same values, so each step equals those frames of :func:`long_form_features` to the bit, before
+    its file-wide clamp and scaling (:meth:`scaled`)."""
+
+    def __init__(self, extractor: Any, length: int) -> None:
+        import torch
+
+        if getattr(extractor, "dither", 0.0):
+            raise ValueError("a feature extractor with dither is not supported")
+        self.n_fft, self.hop = int(extractor.n_fft), int(extractor.hop_length)
+        self.half = self.n_fft // 2
+        self.length = length
+        self.frames = length // self.hop
+        self.steps = -(-self.frames // WINDOW_FRAMES)
+        self._window = torch.hann_window(self.n_fft)
+        self._mel = torch.from_numpy(extractor.mel_filters).to(torch.float32)
+
+    def bounds(self, step: int) -> tuple[int, int]:
+        """The frames of ``step``."""
+        return step * WINDOW_FRAMES, min(self.frames, (step + 1) * WINDOW_FRAMES)
+
+    def reads_up_to(self, step: int) -> int:
+        """The end of the samples a full ``step`` reads (the file's indices; the reflection at its start aside)."""
+        return ((step + 1) * WINDOW_FRAMES - 1) * self.hop + self.n_fft - self.half
+
+    def log_mel(self, samples: Any, step: int) -> Any:
+        """The log10 mel of ``step``'s frames. The samples they read are the file's, reflected at its two ends as
+        ``torch.stft(center=True)`` pads (the reflection of ``n_fft // 2`` samples)."""
+        import torch
+
+        first, last = self.bounds(step)
+        index = np.abs(np.arange(first * self.hop - self.half, (last - 1) * self.hop + self.n_fft - self.half))
+        index = np.where(index >= self.length, 2 * (self.length - 1) - index, index)
+        lo, hi = int(index.min()), int(index.max()) + 1
+        piece = as_float(np.asarray(samples[lo:hi]))[index - lo]
+        stft = torch.stft(torch.from_numpy(piece), self.n_fft, self.hop, window=self._window, center=False,
+                          return_complex=True)  # fmt: skip
+        return torch.clamp(self._mel.T @ (stft.abs() ** 2).contiguous(), min=1e-10).log10()
+
+    @staticmethod
+    def scaled(log_mel: Any, largest: float) -> Any:
+        """Frames of :meth:`log_mel` clamped to 8 below the file's ``largest`` value and scaled, in place, as
+        :func:`long_form_features` does the whole file's."""
+        import torch
+
+        torch.maximum(log_mel, torch.tensor(largest, dtype=torch.float32) - 8.0, out=log_mel)
+        return log_mel.add_(4.0).div_(4.0)
+
+
+class RunningLogMelMax:
+    """The largest value of a file's :class:`LogMelSteps`, computed as the file is read through, front to back
+    (``add``: a chunk of samples at a time; :func:`~universal_predictors.speech.audio.read_audio`'s reader): each step
+    once its samples have come, holding about one step's samples; the steps that reach the file's end once its
+    length is known (:meth:`finish`)."""
+
+    #: A length no file reaches: no step computed before :meth:`finish` reads as far as the file's end.
+    _UNKNOWN = 1 << 62
+
+    def __init__(self, extractor: Any) -> None:
+        self._extractor = extractor
+        self._steps = LogMelSteps(extractor, self._UNKNOWN)
+        self.largest = -math.inf
+        self._chunks: list[np.ndarray] = []
+        self._start = 0  # the file's index of the first sample held
+        self._received = 0
+        self._next = 0  # the first step not yet computed
+
+    def add(self, chunk: np.ndarray) -> None:
+        self._chunks.append(chunk)
+        self._received += len(chunk)
+        if self._steps.reads_up_to(self._next) > self._received:
+            return
+        held = HeldSamples(np.concatenate(self._chunks), self._start, self._UNKNOWN)
+        while self._steps.reads_up_to(self._next) <= self._received:
+            self.largest = max(self.largest, float(self._steps.log_mel(held, self._next).max()))
+            self._next += 1
+        keep = max(self._start, self._next * WINDOW_FRAMES * self._steps.hop - self._steps.half)
+        self._chunks = [held.samples[keep - self._start :]]
+        self._start = keep
+
+    def finish(self, length: int) -> float:
+        """The largest value, the file (``length`` samples) read."""
+        steps = LogMelSteps(self._extractor, length)
+        held = HeldSamples(np.concatenate(self._chunks), self._start, length)
+        for step in range(self._next, steps.steps):
+            self.largest = max(self.largest, float(steps.log_mel(held, step).max()))
+        return float(self.largest)
+
+
+class StreamedFeatures:
+    """A streamed file's :func:`long_form_features`, computed a step at a time as windows are asked for
+    (:meth:`frames`), from its samples decoded again front to back (:class:`StreamedSamples`): equal to the whole
+    file's features at any frames (tested bit for bit), holding two steps (1.9 MB) instead of 32 KB a second. The
+    file-wide clamp needs the largest value first: found as the file was read through (:class:`RunningLogMelMax`)."""
+
+    def __init__(self, extractor: Any, source: StreamedSamples, largest: float) -> None:
+        self._steps = LogMelSteps(extractor, len(source))
+        self._source = source
+        self._largest = largest
+        self.mels = int(extractor.feature_size)
+        self._held: dict[int, Any] = {}  # the latest steps computed (windows move forward; one may span two steps)
+
+    def __len__(self) -> int:
+        """The file's samples (what a job's length is counted in)."""
+        return len(self._source)
+
+    @property
+    def frame_count(self) -> int:
+        return self._steps.frames
+
+    def frames(self, first: int, last: int) -> Any:
+        """Frames ``first``..``last`` (as far as there are: a (mels, n) tensor, n <= last - first), clamped and
+        scaled."""
+        import torch
+
+        last = min(last, self._steps.frames)
+        if last <= first:
+            return torch.zeros((self.mels, 0), dtype=torch.float32)
+        pieces = []
+        for step in range(first // WINDOW_FRAMES, (last - 1) // WINDOW_FRAMES + 1):
+            if step not in self._held:
+                if len(self._held) >= 2:
+                    del self._held[min(self._held)]
+                self._held[step] = LogMelSteps.scaled(self._steps.log_mel(self._source, step), self._largest)
+            lo, hi = self._steps.bounds(step)
+            pieces.append(self._held[step][:, max(first, lo) - lo : min(last, hi) - lo])
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
+class StreamedBatch:
+    """What ``generate`` is given for a long-form batch holding a streamed file: its (batch, mels, frames) shape and
+    device, with each item's frames computed as its windows are cut (``features[i:i + 1, :, seek:seek + n]``, and
+    ``features[:, :, :n]`` for language detection) instead of held. Items are a streamed file
+    (:class:`StreamedFeatures`) or features held whole ((1, mels, frames) tensors); an item is zeros past its end, as
+    the padded batch would be. :func:`scored_whisper_class` drops a finished item from it as ``generate`` drops one
+    from a tensor."""
+
+    def __init__(self, items: Sequence[Any], mels: int, device: Any = None, dtype: Any = None) -> None:
+        import torch
+
+        self.items = list(items)
+        self.mels = mels
+        self.width = max(self._frames_of(item) for item in self.items)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.dtype = torch.float32 if dtype is None else dtype
+
+    @staticmethod
+    def _frames_of(item: Any) -> int:
+        return int(item.frame_count if isinstance(item, StreamedFeatures) else item.shape[-1])
+
+    @property
+    def shape(self) -> Any:
+        import torch
+
+        return torch.Size((len(self.items), self.mels, self.width))
+
+    def to(self, device: Any = None, dtype: Any = None) -> StreamedBatch:
+        return StreamedBatch(self.items, self.mels, device or self.device, dtype or self.dtype)
+
+    def without(self, index: int) -> StreamedBatch:
+        return StreamedBatch(self.items[:index] + self.items[index + 1 :], self.mels, self.device, self.dtype)
+
+    def __getitem__(self, key: Any) -> Any:
+        import torch
+
+        if not (isinstance(key, tuple) and len(key) == 3 and key[1] == slice(None)):
+            raise TypeError(f"streamed features are cut by items and frames only, not {key!r}")
+        rows, _, span = key
+        first, last = int(span.start or 0), int(span.stop if span.stop is not None else self.width)
+        out = []
+        for item in self.items[rows]:
+            part = (item.frames(first, last) if isinstance(item, StreamedFeatures)
+                    else item[0, :, first:last])  # fmt: skip
+            out.append(torch.nn.functional.pad(part, (0, max(0, min(last, self.width) - first) - part.shape[-1])))
+        return torch.stack(out).to(self.device, self.dtype)
+
+
 def scored_generate_kwargs(temperature: float) -> dict[str, Any]:
     """What makes ``generate`` score every window as its temperature fallback does, without ever falling back or
     skipping a window: a ``logprob_threshold`` no average is below (it keeps the scores, ``output_scores``) and a
@@ -177,6 +365,20 @@ def scored_whisper_class() -> type[Any]:
     class ScoredWhisper(parent):
         #: Called with (the item's index in the batch, its window's segments) as each window is cut into segments.
         on_segments: Callable[[int, list[dict[str, Any]]], None] | None = None
+
+        @staticmethod
+        def _maybe_reduce_batch(input_features: Any, seek: Any, max_frames: Any, cur_bsz: int,
+                                batch_idx_map: list[int]) -> Any:  # fmt: skip
+            """The parent's, for a :class:`StreamedBatch` too: the items that are done dropped from it."""
+            if not isinstance(input_features, StreamedBatch):
+                return parent._maybe_reduce_batch(input_features, seek, max_frames, cur_bsz, batch_idx_map)
+            kept: list[int] = []
+            for i in range(cur_bsz):
+                if seek[batch_idx_map[i]] >= max_frames[batch_idx_map[i]]:
+                    input_features = input_features.without(len(kept))
+                else:
+                    kept.append(batch_idx_map[i])
+            return input_features, len(kept), kept
 
         def _retrieve_segment(self, **kwargs: Any) -> Any:
             segments, offset = super()._retrieve_segment(**kwargs)
@@ -268,8 +470,22 @@ class WhisperEngine:
 
     # -- on the engine thread ------------------------------------------------------------------------------
 
-    def features(self, samples: np.ndarray) -> tuple[Any, bool]:
+    def read(self, data: bytes, field: str, limits: AudioLimits, hold_seconds: float) -> tuple[Any, float]:
+        """``data``'s samples for a job and its seconds: decoded whole if it lasts at most ``hold_seconds``, else
+        streamed (:class:`StreamedFeatures`), the largest value of its features found as it is read through (on the
+        request path, beside the engine, in the same pass that counts it and checks every limit)."""
+        extractor = self.processor.feature_extractor
+        found = read_audio(data, field, limits, int(hold_seconds * SAMPLE_RATE), lambda: RunningLogMelMax(extractor))
+        if isinstance(found, Audio):
+            return found.samples, found.seconds
+        scan, running = found
+        source = StreamedSamples(data, field, limits, scan)
+        return StreamedFeatures(extractor, source, running.finish(scan.length)), scan.seconds
+
+    def features(self, samples: Any) -> tuple[Any, bool]:
         """Log-mel features of one job, and whether it is long-form (over one window)."""
+        if isinstance(samples, StreamedFeatures):
+            return samples, True
         extract = self.processor.feature_extractor
         samples = as_float(samples)  # (the decode's 16-bit samples: transformers' extractor takes float32)
         if len(samples) > WINDOW_SECONDS * SAMPLE_RATE:
@@ -310,7 +526,8 @@ class WhisperEngine:
         unknown = [i for i, job in enumerate(jobs) if job.language is None]
         if not self.multilingual or not unknown:
             return languages
-        first = torch.cat([features[i][:, :, :WINDOW_FRAMES] for i in unknown])
+        first = torch.cat([features[i].frames(0, WINDOW_FRAMES)[None] if isinstance(features[i], StreamedFeatures)
+                           else features[i][:, :, :WINDOW_FRAMES] for i in unknown])  # fmt: skip
         if first.shape[-1] < WINDOW_FRAMES:
             first = torch.nn.functional.pad(first, (0, WINDOW_FRAMES - first.shape[-1]))
         with torch.inference_mode():
@@ -324,9 +541,15 @@ class WhisperEngine:
                   scored: bool = False, words: bool = False) -> list[list[Segment]]:  # fmt: skip
         import torch
 
-        frames = [f.shape[-1] for f in batch]
-        width = max(frames)
-        input_features = torch.cat([torch.nn.functional.pad(f, (0, width - f.shape[-1])) for f in batch])
+        input_features: Any
+        if any(isinstance(f, StreamedFeatures) for f in batch):  # (long-form, every one: shorter files are held)
+            input_features = StreamedBatch(batch, int(self.processor.feature_extractor.feature_size))
+            frames = [StreamedBatch._frames_of(f) for f in batch]
+            width = input_features.width
+        else:
+            frames = [f.shape[-1] for f in batch]
+            width = max(frames)
+            input_features = torch.cat([torch.nn.functional.pad(f, (0, width - f.shape[-1])) for f in batch])
         kwargs: dict[str, Any] = {"return_timestamps": True, "return_segments": True}
         if long_form:
             mask = torch.zeros((len(batch), width), dtype=torch.long)

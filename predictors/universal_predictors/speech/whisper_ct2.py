@@ -30,6 +30,7 @@ from universal_predictors.speech.audio import (
     SAMPLE_RATE,
     Audio,
     AudioLimits,
+    HeldSamples,
     StreamedSamples,
     as_float,
     read_audio,
@@ -328,22 +329,6 @@ def streamed_waveform(source: StreamedSamples, largest: float | None = None) -> 
     return waveform
 
 
-class _Held:
-    """Samples ``start``.. of a file of ``length`` (as far as they came), sliced by the file's indices."""
-
-    def __init__(self, samples: Any, start: int, length: int) -> None:
-        self.samples, self.start, self.length = samples, start, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, key: slice) -> Any:
-        lo, hi = key.start - self.start, key.stop - self.start
-        if lo < 0 or hi > len(self.samples):
-            raise IndexError(f"samples {key.start}..{key.stop} are not held ({self.start}..)")
-        return self.samples[lo:hi]
-
-
 class RunningLargest:
     """:func:`largest_log_mel` of a file given chunk by chunk, front to back, as it is read through: each step of
     frames computed once its samples have come, holding about two steps' samples. Frames that read only the file's
@@ -373,7 +358,7 @@ class RunningLargest:
         held = np.concatenate(self._chunks)
         if self._framing is None:
             self._framing = _Framing(self._extractor, self._UNKNOWN, self._padding, held, held)
-        window = _Held(held, self._start, self._UNKNOWN)
+        window = HeldSamples(held, self._start, self._UNKNOWN)
         while (self._next + step - 1) * self._hop + self._n_fft - self._half <= self._received:
             self.largest = max(self.largest, float(self._framing.log_mel(window, self._next, self._next + step).max()))
             self._next += step
@@ -388,7 +373,7 @@ class RunningLargest:
         framing = _Framing(self._extractor, length, self._padding, head[:edge], tail[-edge:])
         if self._next < framing.frames:
             first = max(0, min(self._next, framing.frames - FEATURE_STEP_FRAMES))
-            held = _Held(np.concatenate(self._chunks), self._start, length)
+            held = HeldSamples(np.concatenate(self._chunks), self._start, length)
             self.largest = max(self.largest, float(framing.log_mel(held, first, framing.frames).max()))
         return float(self.largest)
 

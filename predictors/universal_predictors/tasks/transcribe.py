@@ -52,9 +52,9 @@ ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 _Progress = AsyncGenerator[float | str | Transcript, None]
 
 
-#: Files longer than this that faster-whisper transcribes are streamed (:meth:`TranscribePredictor._samples`): their
-#: samples and features are computed window by window, so a request holds about what a file of this length decoded
-#: whole holds, however long its file. Shorter files are decoded once, whole (streaming decodes a file twice and
+#: Files longer than this are streamed (:meth:`TranscribePredictor._samples`), on either backend: their samples and
+#: features are computed window by window, so a request holds about what a file of this length decoded whole holds,
+#: however long its file. Shorter files are decoded once, whole (streaming decodes a file twice and
 #: computes its features twice: a cost that is small beside a long file's transcription).
 STREAMED_FROM_SECONDS = 120
 #: What a streamed file reserves of the decode budget: what a file of :data:`STREAMED_FROM_SECONDS` reserves.
@@ -388,14 +388,14 @@ class TranscribePredictor(UniversalPredictor):
     @contextlib.asynccontextmanager
     async def _samples(self, audio: bytes) -> AsyncIterator[tuple[Any, float]]:
         """``audio``'s samples and seconds, with the decode budget's share they hold reserved until the transcript is
-        done. A file faster-whisper transcribes that is longer than :data:`STREAMED_FROM_SECONDS` is streamed: read
-        through once for its length, every limit and its features' largest value, then decoded again window by
-        window as its features are computed (``FasterWhisperEngine.read``), holding what a file of that length
+        done. A file longer than :data:`STREAMED_FROM_SECONDS` is streamed: read through once for its length, every
+        limit and its features' largest value, then decoded again window by window as its features are computed
+        (``FasterWhisperEngine.read``, ``WhisperEngine.read``), holding what a file of that length
         decoded whole would; any other file is decoded whole, its reservation being what its header declares (else
         the limit), before anything is decoded."""
         declared = await self.decode_budget.run(declared_seconds, audio, "file", self.limits)
         seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
-        if isinstance(self.whisper, FasterWhisperEngine) and seconds > STREAMED_FROM_SECONDS:
+        if seconds > STREAMED_FROM_SECONDS:
             # Read through once: decoded whole if it turns out short (a header that did not say how long), else
             # streamed; either holds no more than a file of STREAMED_FROM_SECONDS.
             async with self.decode_budget.reserve(STREAMED_BYTES, "file", "audio files"):
