@@ -14,7 +14,8 @@ built with the test suite's builders (``tests/predictors/generation/tiny_llama.p
 (llama.cpp): time to ready, GPU memory, the model card, tokens/s at concurrency 1 and 8; the same on vLLM
 (the release the CUDA image pins: another, or none, fails the step), and on a machine with several GPUs vLLM
 with tensor parallelism over two after a /dev/shm check (one GPU: said, not run); an embedding
-model's device and throughput; and the out-of-memory path (a real allocator OOM under a capped memory
+model's device and throughput; speech to text's device, dtype and real-time factor on both Whisper backends (issue
+30); and the out-of-memory path (a real allocator OOM under a capped memory
 fraction on the GPU; ``torch.OutOfMemoryError`` injected through the engine's ``step_hook`` on the CPU).
 Budget: under 12 minutes on one GPU, the llama.cpp CUDA build (``--install``) included.
 """
@@ -267,6 +268,65 @@ def embedding(source: Path, log_dir: Path, facts: dict[str, Any], *, texts: int)
         )
 
 
+def transcription(work: Path, facts: dict[str, Any], *, gpu: bool) -> None:
+    """Whisper on the device and dtype the predictor picks (``device: auto``: transformers in bf16 or fp16 on CUDA,
+    faster-whisper in CTranslate2's float16), in this process, on 150 s of tones and noise (16-bit samples: the GPU
+    machine has no espeak-ng, and the upload path's decoding is the CPU's): long-form decoding's device, dtype,
+    real-time factor, and whether the first window's tokens match fp32 on the CPU (told, not required: half precision
+    may pick another token on random weights). faster-whisper only where CTranslate2 is installed (its wheel, 43 MB,
+    does not fit the carry beside llama.cpp's sdist)."""
+    import numpy as np
+    import torch
+
+    from tests.predictors.tiny_whisper import build_tiny_whisper
+    from universal_predictors.devices import detect_device, dtype_for
+    from universal_predictors.speech.whisper import Job, WhisperEngine
+
+    shape = "base" if gpu else "tiny"
+    hf = build_tiny_whisper(work / "whisper" / "transformers", max_target_positions=448, shape=shape)
+    rng = np.random.default_rng(0)
+    seconds = 150
+    t = np.arange(seconds * 16_000) / 16_000
+    samples = 3000 * np.sin(2 * np.pi * (220 + 40 * np.sin(t / 3)) * t) + rng.normal(0, 300, t.size)
+    samples = samples.astype(np.int16)
+    device = detect_device("auto")
+    engine = WhisperEngine(str(hf), device, dtype_for(device))
+    facts["transformers device"] = str(next(engine.model.parameters()).device)
+    facts["transformers dtype"] = str(next(engine.model.parameters()).dtype)
+    engine.transcribe_batch([Job(samples[: 5 * 16_000], "transcribe", "en", None, 0.0)])  # warm-up
+    started = time.perf_counter()
+    found = engine.transcribe_batch([Job(samples, "transcribe", "en", None, 0.0)])[0]
+    facts["transformers real time x (150 s, long-form)"] = round(seconds / (time.perf_counter() - started), 1)
+    facts["transformers segments"] = len(found.segments)
+    if device != "cpu":
+        reference = WhisperEngine(str(hf), "cpu", torch.float32)
+        first = reference.transcribe_batch([Job(samples[: 30 * 16_000], "transcribe", "en", None, 0.0)])[0]
+        on_device = engine.transcribe_batch([Job(samples[: 30 * 16_000], "transcribe", "en", None, 0.0)])[0]
+        facts["transformers first window as fp32 on the CPU"] = [s.tokens for s in on_device.segments] == [
+            s.tokens for s in first.segments
+        ]
+    del engine
+    try:
+        import ctranslate2
+    except ImportError:
+        facts["faster-whisper"] = "not run: ctranslate2 is not installed"
+        return
+    from tests.predictors.tiny_whisper import build_tiny_ct2_whisper
+    from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine, default_compute_type
+
+    ct2 = build_tiny_ct2_whisper(work / "whisper-ct2", shape=shape)
+    ct2_device = "cuda" if ctranslate2.get_cuda_device_count() else "cpu"
+    compute_type = default_compute_type(ct2_device)
+    fw = FasterWhisperEngine(str(ct2), ct2_device, compute_type)
+    facts["faster-whisper device, compute type"] = f"{ct2_device}, {compute_type}"
+    fw.transcribe(Job(samples[: 5 * 16_000], "transcribe", "en", None, 0.0))  # warm-up
+    started = time.perf_counter()
+    found = fw.transcribe(Job(samples, "transcribe", "en", None, 0.0))
+    facts["faster-whisper real time x (150 s)"] = round(seconds / (time.perf_counter() - started), 1)
+    facts["faster-whisper segments"] = len(found.segments)
+    fw.close()
+
+
 def out_of_memory(source: Path, facts: dict[str, Any], *, gpu: bool) -> None:
     """The OOM path of the transformers engine: 503 with Retry-After for the sequences hit, then served again.
 
@@ -357,6 +417,8 @@ def run(dry_run: bool, work: Path) -> Report:
             tensor_parallel(hf_dir, work / "logs-vllm-tp", facts, requests=requests, tokens=tokens)
     with report.step("embed (auto)") as facts:
         embedding(bert, work / "logs-embed", facts, texts=2048 if gpu else 64)
+    with report.step("transcribe (auto)") as facts:
+        transcription(work, facts, gpu=gpu)
     with report.step("out of memory (transformers)") as facts:
         out_of_memory(hf_dir, facts, gpu=gpu)
     return report

@@ -73,12 +73,14 @@ def test_every_engine_imports_with_the_cuda_builds_the_lock_pins() -> None:
         """
         import json, importlib.metadata as md
         import cv2, flashinfer, llama_cpp, onnxruntime, pyod, rapidocr_onnxruntime, torch, transformers, triton
-        import vllm, universal_predictors
+        import av, ctranslate2, faster_whisper, vllm, universal_predictors
         names = [d.metadata["Name"].lower() for d in md.distributions()]
         print(json.dumps({
             "torch_cuda": torch.version.cuda, "vllm": vllm.__version__, "triton": triton.__version__,
             "llama_offload": llama_cpp.llama_supports_gpu_offload(),
             "opencv": sorted(n for n in names if "opencv" in n),
+            "ctranslate2": ctranslate2.__version__, "faster_whisper": faster_whisper.__version__,
+            "ctranslate2_cuda_devices": ctranslate2.get_cuda_device_count(),
         }))
         """
     )
@@ -89,6 +91,10 @@ def test_every_engine_imports_with_the_cuda_builds_the_lock_pins() -> None:
     assert found["vllm"] == "0.32.0"
     assert found["triton"] == "3.7.1"
     assert found["opencv"] == ["opencv-python-headless"]  # item 9: one cv2, the one without X11 and GL
+    # Speech to text (issue 30): the lock's faster-whisper and CTranslate2 (whose Linux wheel carries its CUDA
+    # kernels), asking for a device without failing where there is none.
+    assert (found["ctranslate2"], found["faster_whisper"]) == ("4.8.5", "1.2.1")
+    assert found["ctranslate2_cuda_devices"] == 0
 
 
 def test_triton_builds_its_driver_stub_and_nvcc_compiles_a_kernel_in_the_image() -> None:
@@ -119,7 +125,14 @@ def test_triton_builds_its_driver_stub_and_nvcc_compiles_a_kernel_in_the_image()
 
 @pytest.mark.parametrize(
     ("task", "backend"),
-    [("generate", "vllm"), ("generate", "transformers"), ("embed", "transformers"), ("generate", "llamacpp")],
+    [
+        ("generate", "vllm"),
+        ("generate", "transformers"),
+        ("embed", "transformers"),
+        ("generate", "llamacpp"),
+        ("transcribe", "transformers"),
+        ("transcribe", "faster-whisper"),
+    ],
 )
 def test_a_gpu_pod_without_the_nvidia_runtime_is_refused_in_one_line(task: str, backend: str) -> None:
     # Before: vLLM's check looked at the torch build only and the engine died later with a traceback; the

@@ -36,6 +36,11 @@ def test_the_dry_run_passes_every_step_and_reports_the_oom_as_503(tmp_path: Path
         assert report[step]["tokens/s c=1"] > 0
         assert report[step]["tokens/s c=8"] > 0
     assert report["embed (auto)"]["device"] == "cpu"
+    speech = report["transcribe (auto)"]
+    assert (speech["transformers device"], speech["transformers dtype"]) == ("cpu", "torch.float32")
+    assert speech["transformers real time x (150 s, long-form)"] > 0
+    assert speech["faster-whisper device, compute type"] == "cpu, int8"
+    assert speech["faster-whisper real time x (150 s)"] > 0
     assert report["out of memory (transformers)"]["under pressure"] == ["503 out_of_memory Retry-After=1"]
     assert report["out of memory (transformers)"]["afterwards"] == ["200"]
 
