@@ -103,3 +103,14 @@ def encoded(samples: np.ndarray, container: str, codec: str, rate: int = RATE, *
 def write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def lying_webm(samples: np.ndarray, declared_seconds: float) -> bytes:
+    """``samples`` as WebM/Opus whose header declares ``declared_seconds`` (its Segment Info's Duration, element
+    0x4489, rewritten): a header that lies about its length."""
+    import struct
+
+    data = encoded(samples, "webm", "libopus", 48_000)
+    at = data.find(b"\x44\x89\x88")  # Duration, an 8-byte float, in the timecode scale's milliseconds
+    assert at > 0, "no 8-byte Duration in the header"
+    return data[: at + 3] + struct.pack(">d", declared_seconds * 1000) + data[at + 11 :]

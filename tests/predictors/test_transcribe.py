@@ -773,6 +773,51 @@ def test_a_batch_with_a_streamed_file_decodes_each_job_as_it_decodes_alone(
     assert detected == engine.transcribe_batch([Job(whole, "transcribe", None, None, 0.0)])[0]
 
 
+def test_a_header_that_lies_short_is_streamed_past_what_its_request_reserved(
+    client: OpenAI, whisper_dir: Path, longer_speech: np.ndarray
+) -> None:
+    """A WebM declaring 10 s that decodes to 157 s: its request reserved 10 s (1.9 MB of the decode budget), and
+    holds no more: held whole up to half again what it declared, read through and streamed from there. Transcribed as
+    the whole file, as transformers does it in-process."""
+    import tracemalloc
+
+    import torch
+
+    from tests.predictors.speech_samples import lying_webm
+    from universal_predictors.speech.audio import declared_seconds
+    from universal_predictors.speech.whisper import StreamedFeatures
+    from universal_predictors.tasks.transcribe import GROWTH
+
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    lie = lying_webm(longer_speech, 10)
+    assert declared_seconds(lie, "file", limits) == 10
+    decoded = decode_audio(lie, "file", limits)
+    assert decoded.seconds > 150
+    engine = WhisperEngine(str(whisper_dir), "cpu", torch.float32)
+
+    def read(data: bytes) -> tuple[Any, float, int]:
+        tracemalloc.start()
+        try:
+            streamed, seconds = engine.read(data, "file", limits, 10 * GROWTH + 1)
+            return streamed, seconds, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    streamed, seconds, peak = read(lie)
+    assert isinstance(streamed, StreamedFeatures)
+    assert seconds == decoded.seconds
+    # What reading it holds does not grow with the file (one 30 s step's work: decoded whole, 157 s of samples are
+    # 5 MB, 10 more minutes 19 MB more).
+    _, _, longer_peak = read(lying_webm(np.tile(longer_speech, 5), 10))
+    assert abs(longer_peak - peak) < 2**20, (peak, longer_peak)
+    answer = verbose(client, lie, name="note.webm", language="en")
+    assert served_segments(answer) == reference(whisper_dir, decoded.samples.astype(np.float32) / 32768.0).segments
+    # A file that decodes to a little more than its header says (within half again) is held whole, as before.
+    near = lying_webm(longer_speech[: 40 * RATE], 30)
+    held, _ = engine.read(near, "file", limits, 30 * GROWTH + 1)
+    assert np.array_equal(held, decode_audio(near, "file", limits).samples)
+
+
 def test_streamed_features_hold_two_steps_whatever_the_files_length(whisper_dir: Path) -> None:
     """Every window of a 12 minute file as generate cuts them, forward: no more than two steps of features
     (3000 frames each) held at once, and samples as tracemalloc sees them no more than for a 3 minute file."""

@@ -487,6 +487,32 @@ def test_a_file_past_the_streaming_length_is_transcribed_as_faster_whisper_does_
     assert answer["duration"] == pytest.approx(info.duration, abs=1e-3)
 
 
+def test_a_header_that_lies_short_is_streamed_and_transcribed_as_the_whole_file(
+    client: OpenAI, ct2_dir: Path, longer_speech: np.ndarray
+) -> None:
+    """A WebM declaring 10 s that decodes to 157 s: streamed past half again what it declared (its request reserved
+    10 s), and transcribed as faster-whisper does the whole file."""
+    from tests.predictors.speech_samples import lying_webm
+    from universal_predictors.speech.audio import AudioLimits, decode_audio
+    from universal_predictors.speech.whisper_ct2 import FasterWhisperEngine, StreamedWaveform
+    from universal_predictors.tasks.transcribe import GROWTH
+
+    limits = AudioLimits(max_audio_bytes=2**26, max_audio_seconds=3600, max_audio_channels=2)
+    lie = lying_webm(longer_speech, 10)
+    samples = decode_audio(lie, "file", limits).samples
+    engine = FasterWhisperEngine(str(ct2_dir), "cpu", "int8")
+    try:
+        streamed, seconds = engine.read(lie, "file", limits, 10 * GROWTH + 1)
+    finally:
+        engine.close()
+    assert isinstance(streamed, StreamedWaveform)
+    assert seconds == len(samples) / 16_000
+    segments, text, _ = reference(ct2_dir, samples.astype(np.float32) / 32768.0, language="en")
+    answer = verbose(client, lie, language="en")
+    assert served(answer) == without_words(segments)
+    assert answer["text"] == text
+
+
 @pytest.mark.parametrize(("container", "codec", "rate"), [("wav", "pcm_s16le", 16_000), ("ogg", "libopus", 48_000)])
 def test_streamed_samples_and_features_equal_the_whole_files_bit_for_bit(
     container: str, codec: str, rate: int, longer_speech: np.ndarray

@@ -237,23 +237,9 @@ def _chunks(data: bytes, field: str, limits: AudioLimits) -> Generator[np.ndarra
 
 def decode_audio(data: bytes, field: str, limits: AudioLimits) -> Audio:
     """``data`` (an uploaded file) as 16 kHz mono 16-bit samples, within ``limits`` (module docstring)."""
-    with _opened(data, field, limits) as (container, stream, declared, damaged):
-        most = int(limits.max_audio_seconds * SAMPLE_RATE)
-        # Decoded into one array sized from the header's duration (grown by half where it says less, or nothing),
-        # not into a list of frames joined at the end: the file's samples are held once, not twice, at the peak.
-        expected = int((declared if declared is not None else GUESS_SECONDS) * SAMPLE_RATE) + SAMPLE_RATE
-        samples = np.empty(min(most + 1, max(expected, SAMPLE_RATE)), np.int16)
-        total = 0
-        for chunk in _decoded(container, stream, damaged, field, limits):
-            if total + len(chunk) > len(samples):
-                grown = np.empty(max(total + len(chunk), min(most + 1, len(samples) * 3 // 2)), np.int16)
-                grown[:total] = samples[:total]
-                samples = grown
-            samples[total : total + len(chunk)] = chunk
-            total += len(chunk)
-        kind = container.format.name
-    # What the header over-declared is given back (a copy only where that is more than a tenth).
-    return Audio(samples[:total] if total * 10 >= len(samples) * 9 else samples[:total].copy(), kind)
+    found = read_audio(data, field, limits, int(limits.max_audio_seconds * SAMPLE_RATE), _Ignore)
+    assert isinstance(found, Audio)  # decoding stops with a 413 past max_audio_seconds
+    return found
 
 
 @dataclass(frozen=True)
@@ -290,31 +276,40 @@ _R = TypeVar("_R", bound=_Reader)
 
 def read_audio(data: bytes, field: str, limits: AudioLimits, hold: int,
                reader: Callable[[], _R]) -> Audio | tuple[Scan, _R]:  # fmt: skip
-    """``data`` decoded whole (as :func:`decode_audio`) if it has at most ``hold`` samples; else read through once,
-    holding about a second of it at a time, every chunk given to a ``reader()`` (made when the file passes
-    ``hold``): its :class:`Scan` and that reader. Either way every check :func:`decode_audio` makes."""
+    """``data`` decoded whole if it has at most ``hold`` samples; else read through once, holding about a second of
+    it at a time from there, every chunk given to a ``reader()`` (made when the file passes ``hold``): its
+    :class:`Scan` and that reader. Either way every check of the module docstring. Samples held are decoded into one
+    array sized from the header's duration (grown by half where it says less, or nothing; never past ``hold``), not
+    into a list of chunks joined at the end: a file's samples are held once, not twice, at the peak."""
     edge = SAMPLE_RATE
-    with _opened(data, field, limits) as (container, stream, _, damaged):
-        held: list[np.ndarray] = []
+    with _opened(data, field, limits) as (container, stream, declared, damaged):
+        expected = int((declared if declared is not None else GUESS_SECONDS) * SAMPLE_RATE) + SAMPLE_RATE
+        samples: np.ndarray | None = np.empty(min(hold + 1, max(expected, SAMPLE_RATE)), np.int16)
         running: _R | None = None
         head = tail = np.zeros(0, np.int16)
         total = 0
         for chunk in _decoded(container, stream, damaged, field, limits):
-            total += len(chunk)
-            if running is None:
-                held.append(chunk)
-                if total > hold:
-                    running = reader()
-                    for piece in held:
-                        running.add(piece)
-                    head = np.concatenate(held)[:edge]
-                    held = []
-            else:
+            if samples is not None and total + len(chunk) > hold:  # past what is held: read through from here
+                running = reader()
+                running.add(samples[:total])
+                head = np.concatenate([samples[: min(total, edge)], chunk[:edge]])[:edge]
+                samples = None
+            if samples is None:
+                assert running is not None
                 running.add(chunk)
+            else:
+                if total + len(chunk) > len(samples):
+                    grown = np.empty(max(total + len(chunk), min(hold + 1, len(samples) * 3 // 2)), np.int16)
+                    grown[:total] = samples[:total]
+                    samples = grown
+                samples[total : total + len(chunk)] = chunk
+            total += len(chunk)
             tail = np.concatenate([tail, chunk])[-edge:] if len(chunk) < edge else chunk[-edge:]
         kind = container.format.name
-    if running is None:
-        return Audio(np.concatenate(held), kind)
+    if samples is not None:
+        # What the header over-declared is given back (a copy only where that is more than a tenth).
+        return Audio(samples[:total] if total * 10 >= len(samples) * 9 else samples[:total].copy(), kind)
+    assert running is not None  # (made when the samples stopped being held)
     return Scan(total, head, tail.copy()), running
 
 

@@ -31,12 +31,16 @@ from universal_predictors.speech.audio import (
     HeldSamples,
     StreamedSamples,
     as_float,
+    decode_audio,
     read_audio,
 )
 
 #: One Whisper window: 30 s, 3000 mel frames.
 WINDOW_SECONDS = 30
 WINDOW_FRAMES = 3000
+#: A file read through past what it was to be held (``read``: its header said it was shorter) is decoded whole
+#: again if it lasts no longer than this (a streamed file is longer than a window or two).
+SHORTEST_STREAMED_SECONDS = 2 * WINDOW_SECONDS
 
 SpeechTask = Literal["transcribe", "translate"]
 
@@ -190,10 +194,15 @@ class LogMelSteps:
         import torch
 
         first, last = self.bounds(step)
-        index = np.abs(np.arange(first * self.hop - self.half, (last - 1) * self.hop + self.n_fft - self.half))
-        index = np.where(index >= self.length, 2 * (self.length - 1) - index, index)
-        lo, hi = int(index.min()), int(index.max()) + 1
-        piece = as_float(np.asarray(samples[lo:hi]))[index - lo]
+        lo, hi = first * self.hop - self.half, (last - 1) * self.hop + self.n_fft - self.half  # may pass the ends
+        start, end = max(lo, 0), min(hi, self.length)
+        got = as_float(np.asarray(samples[start:end]))  # (the reflected samples are among these: one slice)
+        parts = [got]
+        if lo < 0:  # index -i reads sample i
+            parts.insert(0, got[1 - start : 1 - lo - start][::-1])
+        if hi > self.length:  # index length + i reads sample length - 2 - i
+            parts.append(got[2 * self.length - 1 - hi - start : self.length - 1 - start][::-1])
+        piece = np.concatenate(parts) if len(parts) > 1 else got
         stft = torch.stft(torch.from_numpy(piece), self.n_fft, self.hop, window=self._window, center=False,
                           return_complex=True)  # fmt: skip
         return torch.clamp(self._mel.T @ (stft.abs() ** 2).contiguous(), min=1e-10).log10()
@@ -479,6 +488,9 @@ class WhisperEngine:
         if isinstance(found, Audio):
             return found.samples, found.seconds
         scan, running = found
+        if scan.seconds <= SHORTEST_STREAMED_SECONDS:  # past what its header said, yet short: decoded whole
+            audio = decode_audio(data, field, limits)
+            return audio.samples, audio.seconds
         source = StreamedSamples(data, field, limits, scan)
         return StreamedFeatures(extractor, source, running.finish(scan.length)), scan.seconds
 

@@ -33,9 +33,18 @@ from universal_predictors.speech.audio import (
     HeldSamples,
     StreamedSamples,
     as_float,
+    decode_audio,
     read_audio,
 )
-from universal_predictors.speech.whisper import Job, Segment, SpeechTask, Transcript, Word, checked_language
+from universal_predictors.speech.whisper import (
+    SHORTEST_STREAMED_SECONDS,
+    Job,
+    Segment,
+    SpeechTask,
+    Transcript,
+    Word,
+    checked_language,
+)
 
 #: faster-whisper's decoding budget per window (``WhisperModel.max_length``): every Whisper has 448 positions.
 MAX_LENGTH = 448
@@ -136,6 +145,9 @@ class FasterWhisperEngine:
         if isinstance(found, Audio):
             return found.samples, found.seconds
         scan, running = found
+        if scan.seconds <= SHORTEST_STREAMED_SECONDS:  # past what its header said, yet short: decoded whole
+            audio = decode_audio(data, field, limits)
+            return audio.samples, audio.seconds
         largest = running.finish(scan.length, scan.head, scan.tail)
         return streamed_waveform(StreamedSamples(data, field, limits, scan), largest), scan.seconds
 

@@ -39,7 +39,6 @@ from universal_predictors.speech.audio import (
     BYTES_PER_AUDIO_SECOND,
     AudioLimits,
     declared_seconds,
-    decode_audio,
 )
 from universal_predictors.speech.captions import srt, vtt
 from universal_predictors.speech.whisper import Job, SpeechTask, Transcript, WhisperEngine
@@ -59,6 +58,8 @@ _Progress = AsyncGenerator[float | str | Transcript, None]
 STREAMED_FROM_SECONDS = 120
 #: What a streamed file reserves of the decode budget: what a file of :data:`STREAMED_FROM_SECONDS` reserves.
 STREAMED_BYTES = STREAMED_FROM_SECONDS * BYTES_PER_AUDIO_SECOND
+#: How far past its declared duration a file is held whole (the room :data:`BYTES_PER_AUDIO_SECOND` makes for it).
+GROWTH = 1.5
 
 
 class TranscribeEngineArgs(BaseModel):
@@ -391,20 +392,21 @@ class TranscribePredictor(UniversalPredictor):
         done. A file longer than :data:`STREAMED_FROM_SECONDS` is streamed: read through once for its length, every
         limit and its features' largest value, then decoded again window by window as its features are computed
         (``FasterWhisperEngine.read``, ``WhisperEngine.read``), holding what a file of that length
-        decoded whole would; any other file is decoded whole, its reservation being what its header declares (else
-        the limit), before anything is decoded."""
+        decoded whole would; any other file is decoded whole, its reservation being what its header declares, made
+        before anything is decoded, unless it decodes to more than that and half again (a header that lies short):
+        then it is read through and streamed from there, so it holds no more than it reserved."""
         declared = await self.decode_budget.run(declared_seconds, audio, "file", self.limits)
         seconds = min(self.limits.max_audio_seconds, declared if declared is not None else math.inf)
         if seconds > STREAMED_FROM_SECONDS:
             # Read through once: decoded whole if it turns out short (a header that did not say how long), else
             # streamed; either holds no more than a file of STREAMED_FROM_SECONDS.
-            async with self.decode_budget.reserve(STREAMED_BYTES, "file", "audio files"):
-                yield await self.decode_budget.run(self.whisper.read, audio, "file", self.limits,
-                                                   STREAMED_FROM_SECONDS)  # fmt: skip
-            return
-        async with self.decode_budget.reserve(int(seconds * BYTES_PER_AUDIO_SECOND), "file", "audio files"):
-            decoded = await self.decode_budget.run(decode_audio, audio, "file", self.limits)
-            yield decoded.samples, decoded.seconds
+            reserved, hold = STREAMED_BYTES, float(STREAMED_FROM_SECONDS)
+        else:
+            # Held whole as far as its reservation makes room (what the header declares and half again); a file that
+            # decodes past that (a header that lies short) is read through and streamed from there instead.
+            reserved, hold = int(seconds * BYTES_PER_AUDIO_SECOND), seconds * GROWTH + 1
+        async with self.decode_budget.reserve(reserved, "file", "audio files"):
+            yield await self.decode_budget.run(self.whisper.read, audio, "file", self.limits, hold)
 
     @contextlib.contextmanager
     def _arriving(self) -> Iterator[Callable[[], None]]:
