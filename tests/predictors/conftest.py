@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.predictors.harness import PredictorProcess, running_predictor
 from universal_predictors.catalog import Task
 from universal_predictors.config import PredictorConfig
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +40,15 @@ def short_wav() -> bytes:
     from tests.predictors.speech_samples import espeak, wav_bytes  # (not in every tier's environment)
 
     return wav_bytes(espeak("hello world, this is a voice note about the meeting"))
+
+
+@pytest.fixture(scope="session")
+def longer_speech() -> np.ndarray:
+    """Speech 37.3 s past the length from which the transcribe task streams a file (STREAMED_FROM_SECONDS)."""
+    from tests.predictors.speech_samples import long_speech
+    from universal_predictors.tasks.transcribe import STREAMED_FROM_SECONDS
+
+    return long_speech(STREAMED_FROM_SECONDS + 37.3)
 
 
 @pytest.fixture(scope="session")

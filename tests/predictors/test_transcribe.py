@@ -662,13 +662,6 @@ def test_long_form_features_equal_the_extractors_to_the_bit(whisper_dir: Path, f
 # -- files longer than STREAMED_FROM_SECONDS: streamed, window by window ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def longer_speech() -> np.ndarray:
-    from universal_predictors.tasks.transcribe import STREAMED_FROM_SECONDS
-
-    return long_speech(STREAMED_FROM_SECONDS + 37.3)
-
-
 def test_a_file_past_the_streaming_length_is_transcribed_as_generate_does_the_whole_file(
     client: OpenAI, whisper_dir: Path, longer_speech: np.ndarray
 ) -> None:

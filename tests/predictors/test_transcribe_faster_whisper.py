@@ -272,6 +272,8 @@ def test_a_gpu_given_where_ctranslate2_has_none_stops_the_start_naming_why(ct2_d
     from universal_predictors.tasks.transcribe import TranscribePredictor
 
     if ctranslate2_cuda_devices() > 0:
+        # On a GPU machine the refusal cannot happen; CI has no GPU, so it always runs there, and inside a tier a
+        # skip fails (tests/tiers.py).
         pytest.skip("CTranslate2 sees a GPU here: the refusal this test reads cannot happen")
     reason = gpu_unusable_reason(Backend.FASTER_WHISPER, 1)
     assert reason is not None
@@ -448,14 +450,6 @@ def test_features_of_a_longer_file_take_only_their_own_size_more_memory() -> Non
 
 
 # -- files longer than STREAMED_FROM_SECONDS: streamed, window by window ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def longer_speech() -> np.ndarray:
-    from tests.predictors.speech_samples import long_speech
-    from universal_predictors.tasks.transcribe import STREAMED_FROM_SECONDS
-
-    return long_speech(STREAMED_FROM_SECONDS + 37.3)
 
 
 def test_a_file_past_the_streaming_length_is_transcribed_as_faster_whisper_does_the_whole_file(

@@ -274,13 +274,15 @@ class _Reader(Protocol):
 _R = TypeVar("_R", bound=_Reader)
 
 
-def read_audio(data: bytes, field: str, limits: AudioLimits, hold: int,
-               reader: Callable[[], _R]) -> Audio | tuple[Scan, _R]:  # fmt: skip
+def read_audio(data: bytes, field: str, limits: AudioLimits, hold: int, reader: Callable[[], _R],
+               shortest: int = 0) -> Audio | tuple[Scan, _R]:  # fmt: skip
     """``data`` decoded whole if it has at most ``hold`` samples; else read through once, holding about a second of
     it at a time from there, every chunk given to a ``reader()`` (made when the file passes ``hold``): its
-    :class:`Scan` and that reader. Either way every check of the module docstring. Samples held are decoded into one
-    array sized from the header's duration (grown by half where it says less, or nothing; never past ``hold``), not
-    into a list of chunks joined at the end: a file's samples are held once, not twice, at the peak."""
+    :class:`Scan` and that reader; but decoded whole again if it turns out to have at most ``shortest`` samples (a
+    header that said less, yet a short file). Either way every check of the module docstring. Samples held are
+    decoded into one array sized from the header's duration (grown by half where it says less, or nothing; never
+    past ``hold``), not into a list of chunks joined at the end: a file's samples are held once, not twice, at the
+    peak."""
     edge = SAMPLE_RATE
     with _opened(data, field, limits) as (container, stream, declared, damaged):
         expected = int((declared if declared is not None else GUESS_SECONDS) * SAMPLE_RATE) + SAMPLE_RATE
@@ -310,6 +312,8 @@ def read_audio(data: bytes, field: str, limits: AudioLimits, hold: int,
         # What the header over-declared is given back (a copy only where that is more than a tenth).
         return Audio(samples[:total] if total * 10 >= len(samples) * 9 else samples[:total].copy(), kind)
     assert running is not None  # (made when the samples stopped being held)
+    if total <= shortest:
+        return decode_audio(data, field, limits)
     return Scan(total, head, tail.copy()), running
 
 

@@ -31,7 +31,6 @@ from universal_predictors.speech.audio import (
     HeldSamples,
     StreamedSamples,
     as_float,
-    decode_audio,
     read_audio,
 )
 
@@ -484,13 +483,11 @@ class WhisperEngine:
         streamed (:class:`StreamedFeatures`), the largest value of its features found as it is read through (on the
         request path, beside the engine, in the same pass that counts it and checks every limit)."""
         extractor = self.processor.feature_extractor
-        found = read_audio(data, field, limits, int(hold_seconds * SAMPLE_RATE), lambda: RunningLogMelMax(extractor))
+        found = read_audio(data, field, limits, int(hold_seconds * SAMPLE_RATE), lambda: RunningLogMelMax(extractor),
+                           SHORTEST_STREAMED_SECONDS * SAMPLE_RATE)  # fmt: skip
         if isinstance(found, Audio):
             return found.samples, found.seconds
         scan, running = found
-        if scan.seconds <= SHORTEST_STREAMED_SECONDS:  # past what its header said, yet short: decoded whole
-            audio = decode_audio(data, field, limits)
-            return audio.samples, audio.seconds
         source = StreamedSamples(data, field, limits, scan)
         return StreamedFeatures(extractor, source, running.finish(scan.length)), scan.seconds
 

@@ -33,7 +33,6 @@ from universal_predictors.speech.audio import (
     HeldSamples,
     StreamedSamples,
     as_float,
-    decode_audio,
     read_audio,
 )
 from universal_predictors.speech.whisper import (
@@ -141,13 +140,11 @@ class FasterWhisperEngine:
         ``hold_seconds``, else streamed (:class:`StreamedWaveform`), the largest value of its features found as it
         is read through (on the request path, beside the engine, in the same pass that counts it)."""
         found = read_audio(data, field, limits, int(hold_seconds * SAMPLE_RATE),
-                           lambda: RunningLargest(self.model.feature_extractor))  # fmt: skip
+                           lambda: RunningLargest(self.model.feature_extractor),
+                           SHORTEST_STREAMED_SECONDS * SAMPLE_RATE)  # fmt: skip
         if isinstance(found, Audio):
             return found.samples, found.seconds
         scan, running = found
-        if scan.seconds <= SHORTEST_STREAMED_SECONDS:  # past what its header said, yet short: decoded whole
-            audio = decode_audio(data, field, limits)
-            return audio.samples, audio.seconds
         largest = running.finish(scan.length, scan.head, scan.tail)
         return streamed_waveform(StreamedSamples(data, field, limits, scan), largest), scan.seconds
 
