@@ -9,7 +9,9 @@ away closes the upstream request so the predictor stops generating. Errors are O
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import logging
 import time
 import urllib.parse
@@ -28,7 +30,7 @@ from universal_gateway.limits import GatewayLimits as GatewayLimits
 from universal_gateway.limits import ModelGate, WakeWaits
 from universal_gateway.metrics import CLIENT_CLOSED, GatewayMetrics, ModelSeries
 from universal_gateway.openapi import openapi_document
-from universal_gateway.quotas import Quotas, RateLimited, Ticket
+from universal_gateway.quotas import MemoryCounters, Quotas, RateLimited, Ticket
 from universal_gateway.responses_store import (
     FinalResponse,
     ResponseStore,
@@ -105,6 +107,13 @@ class Gateway:
         self.metering = metering
         self._keys_watch: asyncio.Task[None] | None = None
         self._accounting: set[asyncio.Task[None]] = set()  # the requests' accounting, after their answers
+        #: With the limits' counters and the ledger in this process, accounting never waits: the requests' records
+        #: queue here for one task (:meth:`_settle`) rather than each starting a task of its own.
+        self._settling: collections.deque[tuple[Any, ...]] | None = None
+        if isinstance(self.quotas.counters, MemoryCounters) and isinstance(self.ledger, Ledger):
+            self._settling = collections.deque()
+        self._settler: asyncio.Task[None] | None = None
+        self._settled: asyncio.Future[None] | None = None  # what it waits on, when it waits
         backends.wake_steps.observe = lambda model, step, s: self.metrics.wake_steps.labels(model, step).observe(s)
         backends.wake_steps.woke = lambda model: self.metrics.wakes.labels(model).inc()
         self._models: dict[str, tuple[ModelGate, ModelSeries]] = {}
@@ -170,6 +179,10 @@ class Gateway:
         await self.backends.close()
         if self._accounting:
             await asyncio.wait(set(self._accounting))
+        if self._settler is not None:
+            await _stop(self._settler)
+        while self._settling:  # what the settling task had not reached
+            await self._account(*self._settling.popleft())
         await self.ledger.close()
         await self.quotas.close()
         if self.audit is not None:
@@ -627,11 +640,37 @@ class Gateway:
             series.latency.observe(ended - started)
             # After the answer, not before it: a unary answer is returned from here and written after; accounting
             # (the limits' and the ledger's writes, in Redis a round trip or two) must not delay it.
-            accounting = asyncio.create_task(
-                self._account(request, meter, requested, status, started, ended, body, gate)
-            )
-            self._accounting.add(accounting)
-            accounting.add_done_callback(self._accounting.discard)
+            settling = self._settling
+            if settling is not None:
+                settling.append((request, meter, requested, status, started, ended, body, gate))
+                wake = self._settled
+                if wake is not None and not wake.done():
+                    wake.set_result(None)
+                elif self._settler is None:
+                    self._settler = asyncio.create_task(self._settle(), context=contextvars.Context())
+            else:
+                accounting = asyncio.create_task(
+                    self._account(request, meter, requested, status, started, ended, body, gate)
+                )
+                self._accounting.add(accounting)
+                accounting.add_done_callback(self._accounting.discard)
+
+    async def _settle(self) -> None:
+        """The requests' accounting, in the order they ended, while the gateway serves: with every store in this
+        process each ``_account`` runs through without waiting, so the records queued in one turn of the loop are
+        settled together in the next, after their answers were written (one task for all of them: a task each cost
+        more than the accounting itself)."""
+        settling = self._settling
+        assert settling is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            while settling:
+                try:
+                    await self._account(*settling.popleft())
+                except Exception:  # a failing audit log loses a line, never the records after it
+                    logger.exception("could not account for a request")
+            self._settled = wake = loop.create_future()
+            await wake
 
     async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
                        ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip

@@ -18,13 +18,14 @@ from __future__ import annotations
 import csv
 import io
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
 
 #: The comment line a predictor's usage comment starts with (``streaming.usage_comment``).
 USAGE_COMMENT = b": usage "
@@ -173,32 +174,35 @@ class StreamTap:
 
 
 class UsageMetrics:
-    """The ledger's Prometheus counters, by key id and model."""
+    """The ledger's Prometheus counters, by key id and model: totals kept here and read at each scrape (a collector in
+    ``registry``). A request adds to one :class:`Usage`; with a ``Counter`` per field it took a lock per field it
+    counted, on the gateway's loop, for every request."""
+
+    FAMILIES = tuple((name, f"universal_gateway_usage_{name}", f"Usage: {name.replace('_', ' ')}.")
+                     for name in USAGE_FIELDS)  # fmt: skip
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["key_id", "model"]
-        self.counters = {
-            f.name: Counter(
-                f"universal_gateway_usage_{f.name}_total",
-                f"Usage: {f.name.replace('_', ' ')}.",
-                labels,
-                registry=registry,
-            )
-            for f in fields(Usage)
-        }
-
-        #: (key id, model) -> each counter's child: ``labels()`` takes a lock and builds a key on every call.
-        self._children: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+        #: (key id, model) -> what it used, since this process started.
+        self.totals: dict[tuple[str, str], Usage] = {}
+        registry.register(self)
 
     def add(self, key_id: str, model: str, usage: Usage) -> None:
-        children = self._children.get((key_id, model))
-        if children is None:
-            children = [(name, counter.labels(key_id, model)) for name, counter in self.counters.items()]
-            self._children[(key_id, model)] = children
-        for name, child in children:
-            value = getattr(usage, name)
-            if value:
-                child.inc(value)
+        total = self.totals.get((key_id, model))
+        if total is None:
+            total = self.totals[(key_id, model)] = Usage()
+        total.add(usage)
+
+    def describe(self) -> Iterator[Metric]:
+        for _, metric, help_text in self.FAMILIES:
+            yield CounterMetricFamily(metric, help_text, labels=("key_id", "model"))
+
+    def collect(self) -> Iterator[Metric]:
+        totals = list(self.totals.items())
+        for name, metric, help_text in self.FAMILIES:
+            family = CounterMetricFamily(metric, help_text, labels=("key_id", "model"))
+            for (key_id, model), usage in totals:
+                family.add_metric((key_id, model), getattr(usage, name))
+            yield family
 
 
 class UsageLedger(Protocol):

@@ -15,8 +15,9 @@ Context (``traceparent``, ``tracestate``).
 
 Spans are recorded here, not with the SDK's ``Tracer``: a request's spans are known whole when they end (names,
 ids, times, a few attributes), and the SDK spends about 30 us making each and 25 us encoding it for export, on the
-gateway's one event loop (bench/gateway.py --part tracing). Here a span is a small object, encoded to its OTLP
-protobuf bytes when it ends (the encoding of repeated attributes cached), and a thread sends the batches.
+gateway's one event loop (bench/gateway.py --part tracing). Here a span is a small object, queued when it ends;
+a thread encodes the queued spans to OTLP protobuf (the encoding of repeated attributes cached), off the event loop,
+and sends them in batches.
 
 Off, nothing of the SDK is imported and no span object is made: :data:`ACTIVE` is None, the hooks return their
 arguments or a shared no-op, and callers pay one global load and a comparison. On, the predictor's spans are
@@ -169,10 +170,10 @@ _PARENT = b"\x22\x08"
 
 
 class Span:
-    """One span as this process records it; encoded for export when it ends (if sampled)."""
+    """One span as this process records it; queued for export when it ends (if sampled)."""
 
-    __slots__ = ("attributes", "error", "kind", "name", "parent_id", "sampled", "span_id", "start", "trace_id",
-                 "tracestate")  # fmt: skip
+    __slots__ = ("attributes", "error", "finish", "kind", "name", "parent_id", "sampled", "span_id", "start",
+                 "trace_id", "tracestate")  # fmt: skip
 
     def __init__(self, name: str, kind: int, trace_id: int, span_id: int, parent_id: int, sampled: bool,
                  tracestate: str, start: int, attributes: dict[str, Any]) -> None:  # fmt: skip
@@ -186,6 +187,7 @@ class Span:
         self.start = start
         self.attributes = attributes
         self.error = False
+        self.finish = 0  # its end (ns), once it ended
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
@@ -205,33 +207,41 @@ class Span:
         return lines
 
     def end(self, end: int | None = None) -> None:
+        """The span ends (now, or at ``end`` ns): queued as it is, for the export thread to encode (:func:`encode`;
+        :class:`Batches`). Nothing changes a span once it ended."""
         tracing = ACTIVE
         if not self.sampled or tracing is None:
             return
-        # Written out (this runs three times a request on the gateway's loop): the ids and times packed by two
-        # Structs, each attribute's encoding looked up in the cache by its (key, value) item.
-        trace_id = self.trace_id
-        parts = [
-            _IDS(b"\x0a\x10", trace_id >> 64, trace_id & _TRACE_HALF, b"\x12\x08", self.span_id),
-            _NAMES.get(self.name) or _name(self.name),
-            _KIND_TIMES(_KINDS[self.kind], b"\x39", self.start, b"\x41", time.time_ns() if end is None else end),
-        ]
-        if self.parent_id:
-            parts += (_PARENT, self.parent_id.to_bytes(8, "big"))
-        if self.tracestate:
-            parts.append(_field(3, self.tracestate.encode()))
-        cached = _KEY_VALUES.get
-        for item in self.attributes.items():
-            value = item[1]
-            if value is None:
-                continue
-            parts.append(_key_value(*item) if type(value) is list else cached(item) or _key_value(*item))
-        if self.error:
-            parts.append(_ERROR_STATUS)
-        body = b"".join(parts)
-        size = len(body)
-        # As a ScopeSpans' span (field 2).
-        tracing.batches.add(b"\x12" + (_BYTES[size] if size < 0x80 else _varint(size)) + body)
+        self.finish = time.time_ns() if end is None else end
+        tracing.batches.add(self)
+
+
+def encode(span: Span) -> bytes:
+    """An ended span as a ScopeSpans' span (its field 2), OTLP protobuf. Written out (the export thread runs it for
+    every span): the ids and times packed by two Structs, each attribute's encoding looked up in the cache by its
+    (key, value) item."""
+    trace_id = span.trace_id
+    parts = [
+        _IDS(b"\x0a\x10", trace_id >> 64, trace_id & _TRACE_HALF, b"\x12\x08", span.span_id),
+        _NAMES.get(span.name) or _name(span.name),
+        _KIND_TIMES(_KINDS[span.kind], b"\x39", span.start, b"\x41", span.finish),
+    ]
+    if span.parent_id:
+        parts += (_PARENT, span.parent_id.to_bytes(8, "big"))
+    if span.tracestate:
+        parts.append(_field(3, span.tracestate.encode()))
+    cached = _KEY_VALUES.get
+    # A copy taken in one step (list() of a dict's items runs in C, under the GIL): this runs on the export thread.
+    for item in list(span.attributes.items()):
+        value = item[1]
+        if value is None:
+            continue
+        parts.append(_key_value(*item) if type(value) is list else cached(item) or _key_value(*item))
+    if span.error:
+        parts.append(_ERROR_STATUS)
+    body = b"".join(parts)
+    size = len(body)
+    return b"\x12" + (_BYTES[size] if size < 0x80 else _varint(size)) + body
 
 
 #: The span of the request this task is serving (its children's parent).
@@ -300,9 +310,24 @@ def sampler_from_env(environ: Mapping[str, str]) -> Sampler:
     return Sampler(name, ratio)
 
 
+#: Spans the export thread encodes between two offers of the GIL (about 2 us each: :class:`Batches`); and when it is
+#: behind.
+ENCODED_BETWEEN_YIELDS, BEHIND_BETWEEN_YIELDS = 8, 64
+
+
 class Batches:
-    """Encoded spans waiting for export, sent by a thread in batches (the SDK's BatchSpanProcessor's rules: every
-    ``OTEL_BSP_SCHEDULE_DELAY`` ms, or at once when a batch is full; beyond the queue's size spans are dropped)."""
+    """Ended spans waiting for export, encoded and sent by a thread in batches (the SDK's BatchSpanProcessor's rules:
+    every ``OTEL_BSP_SCHEDULE_DELAY`` ms, or at once when a batch is full; beyond the queue's size spans are dropped).
+
+    The thread encodes, not the event loop that ended the spans: their encoding was about half of what tracing cost a
+    proxied request on the gateway's loop (bench/gateway.py --part tenants). It gives the GIL up every
+    :data:`ENCODED_BETWEEN_YIELDS` spans (``os.sched_yield``, which releases it): a thread that holds the GIL running
+    Python keeps a loop that wants it waiting for the switch interval, 5 ms (measured on one core: the loop's wake-up
+    late by 5.1 ms at the median against 0.1 ms with the yields, the same as with the thread idle). A loop that never
+    waits (a saturated gateway) leaves the thread the GIL only once per switch interval, too little to encode 8 spans
+    at a time of what it ends (measured: half the spans were dropped): with a batch or more still waiting the thread
+    encodes 64 at a time, and once :attr:`encode_from` spans are queued :meth:`add` encodes an ending span itself, as
+    the loop did before, so the queue holds both."""
 
     def __init__(self, send: Callable[[list[bytes]], None], environ: Mapping[str, str]) -> None:
         def number(name: str, default: int) -> int:
@@ -317,21 +342,25 @@ class Batches:
         self.max_queue = number("OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self.batch = max(1, min(number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self.max_queue))
         self.timeout_s = number("OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000
+        #: Queued spans from which an ending span is encoded by the thread that ends it: half the queue (a batch
+        #: if that is more).
+        self.encode_from = max(self.batch, self.max_queue // 2)
         self.dropped = 0
         self._send = send
-        self._queue: collections.deque[bytes] = collections.deque()
+        self._queue: collections.deque[Span | bytes] = collections.deque()  # bytes: encoded as it ended
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="otlp-traces", daemon=True)
         self._thread.start()
 
-    def add(self, span: bytes) -> None:
+    def add(self, span: Span) -> None:
         queue = self._queue
         waiting = len(queue)
         if waiting >= self.max_queue:
             self.dropped += 1
             return
-        queue.append(span)
+        # Encoded here, by the thread that ended it, only when the export thread is behind (encode_from).
+        queue.append(span if waiting < self.encode_from else encode(span))
         if waiting + 1 >= self.batch and not self._wake.is_set():  # set() takes the event's lock each time
             self._wake.set()
 
@@ -343,10 +372,15 @@ class Batches:
         self._drain()
 
     def _drain(self) -> None:
-        while self._queue:
+        queue = self._queue
+        while queue:
             spans: list[bytes] = []
-            while self._queue and len(spans) < self.batch:
-                spans.append(self._queue.popleft())
+            while queue and len(spans) < self.batch:
+                span = queue.popleft()
+                spans.append(span if type(span) is bytes else encode(span))  # type: ignore[arg-type]
+                # Behind (a batch or more still waiting), in longer slices: each costs a switch interval's wait.
+                if len(spans) % (ENCODED_BETWEEN_YIELDS if len(queue) < self.batch else BEHIND_BETWEEN_YIELDS) == 0:
+                    os.sched_yield()
             try:
                 self._send(spans)
             except Exception:  # an export that fails loses its batch, never the request path

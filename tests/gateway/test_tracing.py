@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +27,13 @@ from universal_predictors import tracing as shared
 from universal_predictors.tracing import (
     CLIENT,
     SERVER,
+    Batches,
     Remote,
     Sampler,
+    Span,
     Tracing,
     TracingConfigError,
+    encode,
     export_transport,
     exporters_from_env,
     extract,
@@ -295,13 +300,87 @@ def test_the_tls_files_are_the_ones_the_sdk_resolves(monkeypatch: pytest.MonkeyP
     assert ("ca_certs" in pool, pool["cert_file"], "key_file" in pool) == (False, "/general/client.pem", False)
 
 
+def test_spans_are_encoded_by_the_export_thread_which_offers_the_gil_every_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ending a span queues it; the export thread encodes (off the event loop that ended it) and gives the GIL up
+    every ENCODED_BETWEEN_YIELDS spans, so a loop that wants it back waits for a few spans, not a switch interval."""
+    encoded_on: list[str] = []
+    yielded_on: list[str] = []
+    sent: list[tuple[str, list[bytes]]] = []
+
+    def encode_here(span: Span) -> bytes:
+        encoded_on.append(threading.current_thread().name)
+        return encode(span)
+
+    monkeypatch.setattr(shared, "encode", encode_here)
+    monkeypatch.setattr(os, "sched_yield", lambda: yielded_on.append(threading.current_thread().name))
+    batch = 8 * shared.ENCODED_BETWEEN_YIELDS
+    environ = {"OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": str(batch)}
+    tracing = Tracing(Sampler("always_on", 1.0), Batches(lambda spans: sent.append((threading.current_thread().name,
+                                                                                   spans)), environ))  # fmt: skip
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    try:
+        for i in range(batch - 1):
+            tracing.start(f"span-{i}", SERVER, attributes={"i": i}).end(1_000 + i)
+        assert encoded_on == []
+        assert sent == []
+        tracing.start(f"span-{batch - 1}", SERVER, attributes={"i": batch - 1}).end(1_000 + batch - 1)
+        deadline = time.monotonic() + 10
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        tracing.shutdown()
+    [(thread, spans)] = sent
+    assert thread == "otlp-traces"
+    assert set(encoded_on) == {"otlp-traces"}
+    assert len(encoded_on) == batch
+    assert yielded_on == ["otlp-traces"] * 8
+    decoded = ScopeSpans.FromString(b"".join(spans)).spans
+    assert [(s.name, s.end_time_unix_nano, s.attributes[0].value.int_value) for s in decoded] == [
+        (f"span-{i}", 1_000 + i, i) for i in range(batch)
+    ]
+
+
+def test_spans_ended_while_the_export_thread_is_behind_are_encoded_as_they_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that leaves the export thread no time (a saturated gateway) encodes its spans itself once half the queue
+    is waiting, rather than fill it and drop them; the batches still go out whole and in order."""
+    release = threading.Event()
+    sent: list[list[bytes]] = []
+
+    def send(spans: list[bytes]) -> None:
+        release.wait(10)  # an export that takes long: the thread is behind
+        sent.append(spans)
+
+    environ = {"OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+               "OTEL_BSP_MAX_QUEUE_SIZE": "16"}  # fmt: skip
+    batches = Batches(send, environ)
+    tracing = Tracing(Sampler("always_on", 1.0), batches)
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    try:
+        for i in range(4):  # a batch: the thread takes it and waits in send
+            tracing.start(f"span-{i}", SERVER).end()
+        deadline = time.monotonic() + 10
+        while batches._queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for i in range(4, 20):
+            tracing.start(f"span-{i}", SERVER).end()
+        assert [type(span).__name__ for span in batches._queue] == ["Span"] * 8 + ["bytes"] * 8
+        assert batches.dropped == 0
+        release.set()
+    finally:
+        release.set()
+        tracing.shutdown()
+    decoded = [span.name for batch in sent for span in ScopeSpans.FromString(b"".join(batch)).spans]
+    assert decoded == [f"span-{i}" for i in range(20)]
+    assert [len(batch) for batch in sent] == [4] * 5
+
+
 def test_spans_encode_as_otlp_protobuf_decodes_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recorder writes OTLP's protobuf by hand; opentelemetry-proto reads back every field and attribute type."""
     added: list[bytes] = []
 
     class Collect:
-        def add(self, span: bytes) -> None:
-            added.append(span)
+        def add(self, span: Span) -> None:
+            added.append(encode(span))  # as the export thread does
 
     tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
     monkeypatch.setattr(shared, "ACTIVE", tracing)
@@ -331,7 +410,7 @@ async def test_a_streams_usage_and_finish_reason_are_read_however_its_chunks_fal
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class Collect:
-        def add(self, span: bytes) -> None:
+        def add(self, span: Span) -> None:
             pass
 
     tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
@@ -361,7 +440,7 @@ async def test_a_unary_body_s_usage_and_finish_reason_are_read_with_the_ledger_a
     of a route with them (chat, completions, messages, responses) always, for them."""
 
     class Collect:
-        def add(self, span: bytes) -> None:
+        def add(self, span: Span) -> None:
             pass
 
     class Metered:
