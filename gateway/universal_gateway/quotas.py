@@ -36,7 +36,7 @@ ANONYMOUS = "-"
 _ABOVE_ZERO = math.ulp(0.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     """One per-minute limit a request draws on: ``name`` is where its level is kept."""
 
@@ -44,9 +44,16 @@ class Bucket:
     kind: str  # REQUESTS, INPUT or OUTPUT
     limit: int
     scope: str  # "key" or the model's name: for messages
+    #: Its limit as the headers write it, and the header suffixes it may set (made once).
+    limit_text: str = field(init=False, compare=False, repr=False)
+    suffixes: tuple[str, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limit_text", str(self.limit))
+        object.__setattr__(self, "suffixes", _SUFFIXES[self.kind])
 
 
-@dataclass
+@dataclass(slots=True)
 class Level:
     """A bucket's state after a take: what is left (may be below zero) and the seconds until it is full."""
 
@@ -119,11 +126,15 @@ class MemoryCounters:
         return min(float(bucket.limit), level + max(0.0, now - at) * bucket.limit / 60.0)
 
     async def admit(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> Admission:
-        # On every request of a limited key: one pass, until_full's arithmetic written out as _level's is.
+        # On every request of a limited key: one pass, _level's and until_full's arithmetic written out.
         stored = self.levels
         current = []
         for bucket in buckets:
-            level = self._level(bucket, now)
+            kept = stored.get(bucket.name)
+            limit = bucket.limit
+            level = (
+                float(limit) if kept is None else min(float(limit), kept[0] + max(0.0, now - kept[1]) * limit / 60.0)
+            )
             if level < (1.0 if bucket.kind == REQUESTS else _ABOVE_ZERO):
                 return self._refused(buckets, now, bucket, level)
             current.append(level)
@@ -219,17 +230,19 @@ def rate_headers(levels: Sequence[Level]) -> list[tuple[str, str]]:
     least left for its size (``tokens``: input or output, whichever)."""
     tightest: dict[str, tuple[float, Level]] = {}
     for level in levels:
-        share = level.remaining / level.bucket.limit
-        for suffix in _SUFFIXES[level.bucket.kind]:
+        bucket = level.bucket
+        share = level.remaining / bucket.limit
+        for suffix in bucket.suffixes:
             held = tightest.get(suffix)
             if held is None or share < held[0]:
                 tightest[suffix] = (share, level)
     out: list[tuple[str, str]] = []
     for suffix, (_, level) in tightest.items():
         limit, remaining, reset = _HEADER_NAMES[suffix]
+        left = level.remaining
         out += (
-            (limit, str(level.bucket.limit)),
-            (remaining, str(max(0, math.floor(level.remaining)))),
+            (limit, level.bucket.limit_text),
+            (remaining, str(int(left) if left >= 0 else 0)),  # math.floor's, for a level at or above zero
             (reset, duration(level.reset_s)),
         )
     return out
