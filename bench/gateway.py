@@ -91,6 +91,15 @@
    seven times a second here, the event loop waiting that long for it; on the SDK's urllib3 transport (since the
    same evening) 0.30 against 0.66 ms per 100 KB export; a bare ``http.client`` POST takes 0.13 ms. (A GIL switch
    interval of 0.2 ms instead of 5 made it worse in two runs: traced p99 +2.0 and +3.4 ms.)
+   Since 2026-12-06, what a request costs after its answer leaves the loop's path: spans are queued as they end and
+   encoded by the export thread (timed on the loop under load, 9.8 us a span to encode, 1.8 to queue), the audit line
+   formatted by its flushing thread (10.6 -> 2.4 us), the ledger's Prometheus totals read at scrape (10.5 -> 4.3 us),
+   and one task settles every request's accounting in order (38.6 -> 22.8 us a request, all in-process stores).
+   Each line now also gives the event loop's own CPU (the main thread's, from the scheduler), apart from the threads'.
+   Measured that morning (``--requests 12000``, load about 1, the machine noisier than the day before: the off side's
+   p99 beyond the upstream 4.1 ms, was 2.7), upstream's times spread: p50 added +0.08 / +0.16 / +0.21 ms (memory /
+   Redis / traced), p99 +0.46 / +1.41 / +1.95 ms (round by round -0.40 / +1.18 / +1.83), CPU +63 / +128 / +172 us:
+   the goal held for limits, ledger and audit log in memory; with Redis or every request traced it did not.
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
    4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
@@ -724,6 +733,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def loop_seconds(pid: int) -> float:
+    """CPU the process's main thread (the gateway's event loop) has run so far, from the scheduler's own count
+    (``/proc/PID/task/PID/schedstat``, nanoseconds): the work that queues requests, without what its threads (the
+    traces' export, the audit log's writes) do beside it."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
 async def load(url: str, requests: int, concurrency: int, body: dict[str, Any] = BODY,
                key: str | None = None) -> tuple[float, list[float]]:  # fmt: skip
     """Seconds for ``requests`` POSTs at ``concurrency``, and each request's latency (to the last byte), less the
@@ -940,12 +956,14 @@ async def tenants(requests: int, tmp: Path, predictor: str | None = None, delay_
                 latency: dict[str, list[float]] = {side: [] for side, *_ in sides}
                 per_round: dict[str, list[list[float]]] = {side: [] for side, *_ in sides}
                 cpu = {side: 0.0 for side, *_ in sides}
+                loop = {side: 0.0 for side, *_ in sides}
                 halves: tuple[list[float], list[float]] = ([], [])
                 for round_ in range(TENANT_ROUNDS):
                     for side, url, key, pid in sides if round_ % 2 == 0 else list(reversed(sides)):
-                        before = cpu_seconds(pid)
+                        before, looped = cpu_seconds(pid), loop_seconds(pid)
                         _, latencies = await load(f"{url}{path}", requests // TENANT_ROUNDS, 32, body, key)
                         cpu[side] += cpu_seconds(pid) - before
+                        loop[side] += loop_seconds(pid) - looped
                         latency[side] += latencies
                         per_round[side].append(latencies)
                         if side == "off":
@@ -957,13 +975,15 @@ async def tenants(requests: int, tmp: Path, predictor: str | None = None, delay_
                 for side, *_ in sides[1:]:
                     on = latency[side]
                     added_cpu = (cpu[side] - cpu["off"]) / count * 1e6
+                    added_loop = (loop[side] - loop["off"]) / count * 1e6
                     lines.append(
                         f"gateway_tenants {label} c=32, keys+limits+ledger+audit log ({side}): add p50 "
                         f"{pct(on, 50) - pct(off, 50):+.3f} ms, p99 {pct(on, 99) - pct(off, 99):+.3f} ms (off{beyond}: "
                         f"p50 {pct(off, 50):.2f} ms, p99 {pct(off, 99):.2f} ms; goal <= 0.3 ms p50, <= 1 ms p99 "
                         "added); "
                         f"gateway CPU per request {cpu[side] / count * 1e6:.0f} us vs {cpu['off'] / count * 1e6:.0f} "
-                        f"us ({added_cpu:+.0f} us); noise, off vs off: p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms; "
+                        f"us ({added_cpu:+.0f} us; its event loop's {added_loop:+.0f} us); "
+                        f"noise, off vs off: p50 {noise[0]:+.3f} ms, p99 {noise[1]:+.3f} ms; "
                         f"{round_by_round(per_round[side], per_round['off'])}"
                     )
     return lines
