@@ -671,6 +671,9 @@ class Gateway:
                     logger.exception("could not account for a request")
             self._settled = wake = loop.create_future()
             await wake
+            # Woken by the first of the answers written in this turn of the loop: the others, ready beside it, go
+            # first (a burst of answers is not held by the accounting of its first), and are then settled with it.
+            await asyncio.sleep(0)
 
     async def _account(self, request: Request, meter: _Meter, model: str, status: int, started: float,
                        ended: float, body: bytes, gate: ModelGate) -> None:  # fmt: skip

@@ -250,6 +250,11 @@ def _number(x: float) -> str:
     return repr(float(x))  # the shortest text a double is read back from exactly
 
 
+def _plan(buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """What a request draws on, as the key of the leases refreshed for it."""
+    return tuple(b.name for b in buckets) + tuple(name for name, _ in slots)
+
+
 class RedisCounters:
     """Bucket levels and concurrency places in Redis, shared by every gateway replica that names the same one."""
 
@@ -280,7 +285,7 @@ class RedisCounters:
         self._renewer: asyncio.Task[None] | None = None
         #: This replica's leases (:mod:`.redis_leases`); None: every admission asks Redis.
         self.book: LeaseBook | None = LeaseBook() if leases else None
-        self._refreshing: set[tuple[str, ...]] = set()  # the plans whose leases are being refreshed
+        self._refreshing: dict[tuple[str, ...], asyncio.Task[None]] = {}  # plan -> the call refreshing its leases
         self._lease_calls: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -296,6 +301,18 @@ class RedisCounters:
             if admitted is not None:
                 self._refresh_if_due(buckets, slots, now)
                 return admitted
+            # No lease of this replica's can admit it (ended after an idle spell, or spent). While a call refreshing
+            # them is under way, the request waits for it and is admitted from them; else it goes to Redis, exact,
+            # and the refresh starts beside it. So a burst after an idle spell makes two calls, not one exact call
+            # per request (measured: 32 exact calls queued on the link, 8.7 ms each, the burst in the p99).
+            refreshing = self._refreshing.get(_plan(buckets, slots))
+            if refreshing is not None:
+                await asyncio.wait({refreshing})
+                admitted = book.admit(buckets, slots, now)
+                if admitted is not None:
+                    return admitted
+            else:
+                self._refresh_if_due(buckets, slots, now)
         if not self.link.paused:
             try:
                 admission = await self._admit_shared(buckets, slots, now)
@@ -433,30 +450,35 @@ class RedisCounters:
 
     # -- leases (redis_leases.py) --------------------------------------------------------------------------------
 
-    def _refresh_if_due(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> None:
+    def _refresh_if_due(
+        self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float
+    ) -> asyncio.Task[None] | None:
         """The leases for a request's buckets and counters, refreshed in the background when short (one call a
-        plan at a time)."""
+        plan at a time): the call under way for them, if any."""
         assert self.book is not None
-        plan = tuple(b.name for b in buckets) + tuple(name for name, _ in slots)
-        if plan in self._refreshing or self.link.paused or not self.book.due(buckets, slots, now):
-            return
-        self._refreshing.add(plan)
+        plan = _plan(buckets, slots)
+        under_way = self._refreshing.get(plan)
+        if under_way is not None or self.link.paused or not self.book.due(buckets, slots, now):
+            return under_way
         bucket_leases = [self.book.buckets[b.name] for b in buckets]
         place_leases = [self.book.places[name] for name, _ in slots]
-        self._spawn(self._call_leases(bucket_leases, place_leases, now, want=True), plan)
+        return self._spawn(self._call_leases(bucket_leases, place_leases, now, want=True), plan)
 
-    def _spawn(self, call: Coroutine[Any, Any, None], plan: tuple[str, ...] | None = None) -> None:
+    def _spawn(self, call: Coroutine[Any, Any, None], plan: tuple[str, ...] | None = None) -> asyncio.Task[None]:
         task = asyncio.create_task(call)
         self._lease_calls.add(task)
+        if plan is not None:
+            self._refreshing[plan] = task
 
         def done(_: asyncio.Task[None]) -> None:
             self._lease_calls.discard(task)
-            if plan is not None:
-                self._refreshing.discard(plan)
+            if plan is not None and self._refreshing.get(plan) is task:
+                del self._refreshing[plan]
 
         task.add_done_callback(done)
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
+        return task
 
     async def _call_leases(self, buckets: list[BucketLease], places: list[PlaceLease], now: float, *,
                            want: bool) -> None:  # fmt: skip

@@ -7,7 +7,9 @@ from its lease on each requests bucket, needs something left on each token bucke
 taken from the leases at its end; no round trip. A concurrency counter is leased the same way, as *places*
 reserved for the replica (``{counter}:leases``), which count as taken for every replica's admission. The replica
 refreshes a lease ahead of need (less than half of it left, or of its time), in the background, and reports what
-it spent, so that Redis's ``held`` stays what the replica still holds.
+it spent, so that Redis's ``held`` stays what the replica still holds. A request its leases cannot admit (they
+ended after an idle spell, or are spent) waits for the refresh under way and is admitted from it; with none under
+way it is admitted by Redis, exactly, and the refresh starts beside it: a burst makes two calls, not one each.
 
 **Never more than the limit, over all replicas.** Redis grants a lease only out of a bucket's level, and a bucket
 refills only up to its limit *less what every replica holds* (``level + held <= limit`` at all times; the

@@ -179,10 +179,33 @@ async def test_a_lease_that_ended_is_not_admitted_from_again(make: Callable[...,
     clock.now = T0 + LEASE_S + LEASE_GRACE_S + 1  # ended, in Redis too: what it held counted as spent
     assert (await replica.admit([REQ], [], clock())).places_from == ""
     await replica.lease_calls_done()  # a new lease: SIZE, and not a token more of the one that ended
-    local = 0
-    while (await replica.admit([REQ], [], clock())).places_from == "lease":  # (no await yields: no refresh)
-        local += 1
-    assert local == SIZE
+    assert replica.book is not None
+    assert replica.book.buckets[REQ.name].unused == SIZE
+    for _ in range(SIZE):
+        assert (await replica.admit([REQ], [], clock())).places_from == "lease"
+    # Spent: the next waits for the refresh its lease started when short (no await yielded since: it had not run),
+    # rather than make an exact call of its own, and is admitted from the refreshed lease.
+    assert (await replica.admit([REQ], [], clock())).places_from == "lease"
+    assert replica.book.buckets[REQ.name].unused == SIZE - 1
+
+
+async def test_a_burst_after_the_lease_ended_waits_for_one_refresh_rather_than_each_asking_redis(
+    make: Callable[..., RedisCounters], redis_url: str
+) -> None:
+    """An idle spell ends the lease; the burst that follows makes one exact call (its first request's) and one
+    refresh, which the others wait for and are admitted from (each asking Redis queued them all on the link)."""
+    clock = Clock()
+    replica = make(clock)
+    await replica.admit([REQ], [], clock())
+    await replica.lease_calls_done()
+    clock.now = T0 + LEASE_S + LEASE_GRACE_S + 1  # idle: the lease ended
+    burst = await asyncio.gather(*(replica.admit([REQ], [], clock()) for _ in range(SIZE - 1)))
+    assert [admission.places_from for admission in burst] == [""] + ["lease"] * (SIZE - 2)
+    assert replica.book is not None
+    assert replica.book.buckets[REQ.name].unused == 2  # the new lease, SIZE, less the burst's SIZE - 2
+    _, leases = stored(redis_url, replica, REQ.name)
+    [(_holder, held)] = leases.items()
+    assert held.split()[0] == str(SIZE).encode()  # in Redis: one lease of SIZE, held by this replica
 
 
 async def test_a_replica_stopping_gives_its_lease_back_and_one_that_dies_leaves_it_to_end(
