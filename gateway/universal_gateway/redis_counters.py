@@ -450,21 +450,18 @@ class RedisCounters:
 
     # -- leases (redis_leases.py) --------------------------------------------------------------------------------
 
-    def _refresh_if_due(
-        self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float
-    ) -> asyncio.Task[None] | None:
+    def _refresh_if_due(self, buckets: Sequence[Bucket], slots: Sequence[tuple[str, int]], now: float) -> None:
         """The leases for a request's buckets and counters, refreshed in the background when short (one call a
-        plan at a time): the call under way for them, if any."""
+        plan at a time: :attr:`_refreshing`, which a request they cannot admit waits for)."""
         assert self.book is not None
         plan = _plan(buckets, slots)
-        under_way = self._refreshing.get(plan)
-        if under_way is not None or self.link.paused or not self.book.due(buckets, slots, now):
-            return under_way
+        if plan in self._refreshing or self.link.paused or not self.book.due(buckets, slots, now):
+            return
         bucket_leases = [self.book.buckets[b.name] for b in buckets]
         place_leases = [self.book.places[name] for name, _ in slots]
-        return self._spawn(self._call_leases(bucket_leases, place_leases, now, want=True), plan)
+        self._spawn(self._call_leases(bucket_leases, place_leases, now, want=True), plan)
 
-    def _spawn(self, call: Coroutine[Any, Any, None], plan: tuple[str, ...] | None = None) -> asyncio.Task[None]:
+    def _spawn(self, call: Coroutine[Any, Any, None], plan: tuple[str, ...] | None = None) -> None:
         task = asyncio.create_task(call)
         self._lease_calls.add(task)
         if plan is not None:
@@ -472,13 +469,12 @@ class RedisCounters:
 
         def done(_: asyncio.Task[None]) -> None:
             self._lease_calls.discard(task)
-            if plan is not None and self._refreshing.get(plan) is task:
-                del self._refreshing[plan]
+            if plan is not None:
+                self._refreshing.pop(plan, None)  # (one call a plan at a time: this one)
 
         task.add_done_callback(done)
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
-        return task
 
     async def _call_leases(self, buckets: list[BucketLease], places: list[PlaceLease], now: float, *,
                            want: bool) -> None:  # fmt: skip
