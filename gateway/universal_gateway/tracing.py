@@ -15,13 +15,16 @@ On, a proxied request's tree is::
 with the GenAI semantic conventions' attributes where the gateway knows them (``gen_ai.request.model``,
 ``gen_ai.operation.name``; from a 200's body, ``gen_ai.usage.input_tokens``/``output_tokens`` and
 ``gen_ai.response.finish_reasons``: a stream's counts need ``stream_options.include_usage``, as for the client).
-Bodies are read for those counts only, never recorded.
+Bodies are read for those counts only, never recorded. A request's spans are one record on the event loop
+(:class:`RequestTrace`: times and what the gateway read), made into spans by the export thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -31,11 +34,12 @@ import orjson
 from universal_predictors import tracing as shared
 from universal_predictors.tracing import (
     CLIENT,
-    CURRENT,
+    INTERNAL,
+    OFF,
     SERVER,
     TRACE_CONTEXT_HEADERS,
-    Span,
     TracingConfigError,
+    encode_span,
     extract,
     operation_name,
 )
@@ -46,8 +50,8 @@ if TYPE_CHECKING:
 configure = shared.configure
 shutdown = shared.shutdown
 __all__ = [
-    "NO_UPSTREAM", "TracingConfigError", "Upstream", "auth", "configure", "held", "model", "shutdown", "traced",
-    "upstream",
+    "NO_UPSTREAM", "REQUEST", "RequestTrace", "TracingConfigError", "Upstream", "auth", "configure", "held", "model",
+    "shutdown", "traced", "upstream",
 ]  # fmt: skip
 
 #: What the upstream's head leaves out when tracing is on: the client's trace context, which ours replaces.
@@ -60,103 +64,211 @@ _MARKERS = (b'"usage"', b'_reason": "', b'_reason":"')
 _FINISHING_ROUTES = ("/chat/completions", "/completions", "/messages", "/responses")
 
 _Handler = Callable[["Request", Any], Awaitable["Response | StreamedResponse"]]
+#: The largest unary body whose parse (for the spans' counts and finish reasons) is left to the export thread; a larger
+#: one is parsed as its request ends, not kept in the queue.
+DEFERRED_BODY = 65536
+
+
+class RequestTrace:
+    """One proxied request's spans, kept as the event loop learns them (times, ids and what the gateway read) and made
+    into OTLP spans by the export thread (:meth:`encoded`): ``gateway.request``, ``auth``, each ``hold`` and each
+    ``upstream``. It is one entry of the export queue (a :class:`universal_predictors.tracing.Record`).
+
+    Measured in the gateway under bench/gateway.py's load (the tenants part, every request traced), a request's three
+    span objects cost its event loop about 40 us: made, made current, ended, their attributes set as the request went
+    (the loop's CPU, cold under load, several times a benchmark's hot loop). Here the loop keeps only what it cannot
+    know later (times, the upstream's span id, which goes up in its traceparent), in slots; the root's, the auth's and
+    the hold's span ids are drawn, the attributes written and a unary body parsed for its counts and finish reasons by
+    the export thread. Also the ``auth`` span's context manager (:func:`auth`)."""
+
+    __slots__ = ("auth_end", "auth_error", "auth_start", "error_type", "finish", "holds", "key_id", "method", "model",
+                 "parent_id", "path", "route", "sampled", "spans", "start", "status", "trace_id", "tracestate",
+                 "upstreams")  # fmt: skip
+
+    def __init__(self, tracing: shared.Tracing, request: Request, route: tuple[tuple[str, str], ...]) -> None:
+        self.start = time.time_ns()
+        remote = extract(request.headers)
+        if remote is None:
+            self.trace_id, self.parent_id, self.tracestate = tracing._ids.getrandbits(128) or 1, 0, ""
+        else:
+            self.trace_id, self.parent_id, self.tracestate = remote.trace_id, remote.span_id, remote.tracestate
+        self.sampled = tracing.sampler.sampled(self.trace_id, remote)
+        self.route = route  # the route's own attributes: its operation and task
+        self.method = request.method
+        self.path = request.path
+        self.model: str | None = None
+        self.key_id: str | None = None
+        self.status = 500
+        self.error_type: str | None = None
+        self.auth_start = self.auth_end = 0
+        self.auth_error: str | None = None
+        self.holds: list[tuple[int, int, str, float, bool]] | None = None
+        self.upstreams: list[Upstream] | None = None
+        self.finish = 0
+        self.spans = 0
+
+    def __enter__(self) -> RequestTrace:  # the auth span's block
+        self.auth_start = time.time_ns()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.auth_end = time.time_ns()
+        if kind is not None:
+            self.auth_error = kind.__name__
+
+    def end(self) -> None:
+        """The request is answered (or failed): queued for export if sampled."""
+        tracing = shared.ACTIVE
+        if self.sampled and tracing is not None:
+            self.finish = time.time_ns()
+            tracing.batches.add(self)
+
+    def encoded(self) -> bytes:
+        """The request's spans, OTLP protobuf (:func:`universal_predictors.tracing.encode_span`): run by the export
+        thread (or, when it is behind, by the loop as the request ends)."""
+        ids = _EXPORT_IDS.getrandbits
+        trace_id, tracestate, root_id = self.trace_id, self.tracestate, ids(64) or 1
+        attributes: list[tuple[str, Any]] = [
+            *self.route, ("http.request.method", self.method), ("url.path", self.path),
+            ("gen_ai.request.model", self.model), ("universal_runtime.key_id", self.key_id),
+            ("http.response.status_code", self.status), ("error.type", self.error_type),
+        ]  # fmt: skip
+        children = []
+        if self.auth_start:
+            error = self.auth_error
+            children.append(encode_span(trace_id, ids(64) or 1, root_id, tracestate, "auth", INTERNAL,
+                                        self.auth_start, self.auth_end or self.finish, (("error.type", error),),
+                                        error is not None))  # fmt: skip
+        for started, ended, name, waited_s, woke in self.holds or ():
+            children.append(encode_span(trace_id, ids(64) or 1, root_id, tracestate, "hold", INTERNAL, started, ended, (
+                ("gen_ai.request.model", name), ("universal_runtime.wake_seconds", waited_s),
+                ("universal_runtime.woke", woke)), not woke))  # fmt: skip
+        usage: tuple[tuple[str, Any], ...] = ()
+        for upstream in self.upstreams or ():
+            upstream_attributes, read = upstream.attributes()
+            usage = read or usage  # the root's: what its last upstream read
+            children.append(encode_span(trace_id, upstream.span_id, root_id, tracestate, "upstream", CLIENT,
+                                        upstream.start, upstream.finish or self.finish, upstream_attributes,
+                                        not upstream.status or upstream.status >= 500))  # fmt: skip
+        attributes += usage
+        self.spans = 1 + len(children)
+        root = encode_span(trace_id, root_id, self.parent_id, tracestate, "gateway.request", SERVER, self.start,
+                           self.finish, attributes, self.status >= 500)  # fmt: skip
+        return root + b"".join(children)
+
+
+#: The span ids the export thread draws (the root's, the auth's, a hold's): a generator of its own, as the SDK's
+#: RandomIdGenerator draws from ``random`` (getrandbits is one C call, whole under the GIL, from either thread).
+_EXPORT_IDS = random.Random()
+
+#: The request being served: the hooks below (auth, model, held, upstream) record into it.
+REQUEST: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("universal_gateway_trace", default=None)
 
 
 def traced(handler: _Handler, operation: str, task: str) -> _Handler:
-    """``handler`` (a proxied route's) inside a ``gateway.request`` span; ``handler`` itself when tracing is off."""
+    """``handler`` (a proxied route's) recording a ``gateway.request`` span; ``handler`` itself when tracing is off."""
     tracing = shared.ACTIVE
     if tracing is None:
         return handler
-    op = operation_name(operation, task)
+    route = (("gen_ai.operation.name", operation_name(operation, task)), ("universal_runtime.task", task))
 
     @functools.wraps(handler)
     async def request_span(request: Request, params: Any) -> Response | StreamedResponse:
-        span = tracing.start("gateway.request", SERVER, extract(request.headers), {
-            "gen_ai.operation.name": op, "universal_runtime.task": task, "http.request.method": request.method,
-            "url.path": request.path,
-        })  # fmt: skip
-        token = CURRENT.set(span)
-        status = 500
+        trace = RequestTrace(tracing, request, route)
+        token = REQUEST.set(trace)
         try:
             response = await handler(request, params)
-            status = response.status
+            trace.status = response.status
             return response
         except BaseException as exc:
-            status = int(getattr(exc, "status_code", 499 if isinstance(exc, ConnectionResetError) else 500))
-            span.attributes["error.type"] = type(exc).__name__ if status >= 500 else str(status)
+            status = trace.status = int(
+                getattr(exc, "status_code", 499 if isinstance(exc, ConnectionResetError) else 500)
+            )
+            trace.error_type = type(exc).__name__ if status >= 500 else str(status)
             raise
         finally:
-            span.attributes["http.response.status_code"] = status
-            span.error = status >= 500
-            CURRENT.reset(token)
-            span.end()
+            REQUEST.reset(token)
+            trace.end()
 
     return request_span
 
 
 def model(name: str, key_id: str | None = None) -> None:
     """The model the current request names (``gen_ai.request.model``) and the id of its API key (never the key)."""
-    span = CURRENT.get()
-    if span is not None:
-        span.attributes["gen_ai.request.model"] = name
-        if key_id is not None:
-            span.attributes["universal_runtime.key_id"] = key_id
+    trace = REQUEST.get()
+    if trace is not None:
+        trace.model = name
+        trace.key_id = key_id
 
 
 def auth() -> contextlib.AbstractContextManager[Any]:
-    """The ``auth`` span for the block; a shared no-op when tracing is off."""
-    return shared.span("auth")
+    """The ``auth`` span's block (the current request's record); a shared no-op when tracing is off."""
+    trace = REQUEST.get()
+    return OFF if trace is None or not trace.sampled else trace
 
 
 def held(name: str, waited_s: float, *, woke: bool = True) -> None:
     """A ``hold`` span, ending now, of the ``waited_s`` the request waited for ``name`` to wake (``woke``: it did)."""
-    tracing = shared.ACTIVE
-    if tracing is None or CURRENT.get() is None:
+    trace = REQUEST.get()
+    if trace is None or not trace.sampled:
         return
     end = time.time_ns()
-    span = tracing.start("hold", start=end - int(waited_s * 1e9), attributes={
-        "gen_ai.request.model": name, "universal_runtime.wake_seconds": waited_s, "universal_runtime.woke": woke,
-    })  # fmt: skip
-    span.error = not woke
-    span.end(end)
+    hold = (end - int(waited_s * 1e9), end, name, waited_s, woke)
+    if trace.holds is None:
+        trace.holds = [hold]
+    else:
+        trace.holds.append(hold)
 
 
 class Upstream:
     """The ``upstream`` span of one proxied request: the traceparent for the upstream's head, and what a 200's body
-    says of usage (unary: the JSON body; a stream: its events' ``usage`` and ``finish_reason``)."""
+    says of usage (unary: the JSON body, read by the export thread; a stream: its events' ``usage`` and
+    ``finish_reason``, read as they pass)."""
 
-    __slots__ = ("_carry", "_finish", "_finishing", "_observe", "_root", "_unary", "_usage", "head_lines", "span")
+    __slots__ = ("_carry", "_finish", "_finishing", "_observe", "_unary", "_usage", "base", "counts", "finish",
+                 "head_lines", "model", "path", "sampled", "span_id", "start", "status")  # fmt: skip
 
     replaced = REPLACED_HEADERS
 
-    def __init__(self, span: Span, root: Span, finishing: bool = True) -> None:
-        self.span = span
-        self._root = root
-        self.head_lines = span.header_lines()
+    def __init__(self, trace: RequestTrace, span_id: int, model: str, base: str, path: str) -> None:
+        self.start = time.time_ns()
+        self.sampled = trace.sampled  # (the record holds this, not the other way: no cycle for the collector)
+        self.span_id = span_id
+        self.model = model
+        self.base = base
+        self.path = path
+        flags = b"01" if trace.sampled else b"00"
+        self.head_lines = b"traceparent: 00-%032x-%016x-%s\r\n" % (trace.trace_id, span_id, flags)
+        if trace.tracestate:
+            self.head_lines += b"tracestate: " + trace.tracestate.encode("latin-1") + b"\r\n"
+        self.status = 0
+        self.finish = 0
+        self.counts: tuple[int | None, int | None] | None = None  # the ledger's (input, output), when it had them
         self._observe: Callable[[bytes, bool], Awaitable[None]] | None = None
         self._carry = b""
         self._usage: dict[str, Any] | None = None
         self._finish: list[str] = []
-        self._finishing = finishing  # its route's answers have finish reasons
-        self._unary = b""  # a unary body without them: its usage read only if the ledger's is not had
+        self._finishing = path.endswith(_FINISHING_ROUTES)  # its route's answers have finish reasons
+        self._unary = b""  # a unary 200's body, for the export thread to read
+        if trace.sampled:
+            if trace.upstreams is None:
+                trace.upstreams = [self]
+            else:
+                trace.upstreams.append(self)
 
     def observing(
         self, observe: Callable[[bytes, bool], Awaitable[None]] | None
     ) -> Callable[[bytes, bool], Awaitable[None]] | None:
         """An observer (app.Observer) that reads the counts, then passes the body on to ``observe``; ``observe``
         itself for a request the sampler left out."""
-        if not self.span.sampled:
+        if not self.sampled:
             return observe
         self._observe = observe
         return self._seen
 
     async def _seen(self, data: bytes, unary: bool) -> None:
         if unary:
-            if self._finishing:
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    self._read(orjson.loads(data))
-            else:  # usage only, which the gateway's ledger reads too (end())
-                self._unary = data
+            self._unary = data  # read later (attributes), by the export thread unless it is large (end)
         else:
             self._events(data)
         if self._observe is not None:
@@ -197,31 +309,35 @@ class Upstream:
         """The span ends: ``status`` the upstream's (0: none came); ``metered``: the request's usage as the gateway's
         ledger read it (``input_tokens``, ``output_tokens``: a stream's usage comments too), preferred when it has
         counts."""
-        span = self.span
-        if not span.sampled:
-            return
-        if status:
-            span.attributes["http.response.status_code"] = status
-        span.error = not status or status >= 500
+        self.finish = time.time_ns()
+        self.status = status
         if metered is not None and (metered.input_tokens or metered.output_tokens):
-            counts: tuple[int | None, int | None] = (metered.input_tokens, metered.output_tokens)
+            self.counts = (metered.input_tokens, metered.output_tokens)
+            if not self._finishing:
+                self._unary = b""  # nothing left to read in it
+        if len(self._unary) > DEFERRED_BODY:  # not kept for the export thread: read now
+            self._parse_unary()
+
+    def _parse_unary(self) -> None:
+        body, self._unary = self._unary, b""
+        with contextlib.suppress(orjson.JSONDecodeError):
+            self._read(orjson.loads(body))
+
+    def attributes(self) -> tuple[list[tuple[str, Any]], tuple[tuple[str, Any], ...]]:
+        """The span's attributes, and the counts and finish reasons it read (the root's too): for the export thread."""
+        if self._unary:
+            self._parse_unary()
+        if self.counts is not None:
+            counts = self.counts
         else:
-            if self._unary:  # the ledger is off (or read no counts): the body parsed for them
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    self._read(orjson.loads(self._unary))
             usage = self._usage or {}
             counts = (_count(usage, "prompt_tokens", "input_tokens"),
                       _count(usage, "completion_tokens", "output_tokens"))  # fmt: skip
-        attributes, root = span.attributes, self._root.attributes
-        if counts[0] is not None:
-            attributes["gen_ai.usage.input_tokens"] = root["gen_ai.usage.input_tokens"] = counts[0]
-        if counts[1] is not None:
-            attributes["gen_ai.usage.output_tokens"] = root["gen_ai.usage.output_tokens"] = counts[1]
-        if self._finish:
-            span.attributes["gen_ai.response.finish_reasons"] = self._root.attributes[
-                "gen_ai.response.finish_reasons"
-            ] = self._finish
-        span.end()
+        read = (("gen_ai.usage.input_tokens", counts[0]), ("gen_ai.usage.output_tokens", counts[1]),
+                ("gen_ai.response.finish_reasons", self._finish or None))  # fmt: skip
+        attributes = [("gen_ai.request.model", self.model), ("server.address", self.base), ("url.path", self.path),
+                      ("http.response.status_code", self.status or None), *read]  # fmt: skip
+        return attributes, read if counts != (None, None) or self._finish else ()
 
 
 def _count(usage: dict[str, Any], *names: str) -> int | None:
@@ -256,8 +372,7 @@ NO_UPSTREAM = _NoUpstream()
 def upstream(name: str, base: str, path: str) -> Upstream | _NoUpstream:
     """The ``upstream`` client span for a request to ``base`` + ``path``; a shared no-op when tracing is off."""
     tracing = shared.ACTIVE
-    root = CURRENT.get()
-    if tracing is None or root is None:
+    trace = REQUEST.get()
+    if tracing is None or trace is None:
         return NO_UPSTREAM
-    attributes = {"gen_ai.request.model": name, "server.address": base, "url.path": path}
-    return Upstream(tracing.start("upstream", CLIENT, root, attributes), root, path.endswith(_FINISHING_ROUTES))
+    return Upstream(trace, tracing._ids.getrandbits(64) or 1, name, base, path)

@@ -25,7 +25,7 @@ arguments or a shared no-op, and callers pay one global load and a comparison. O
 sequence ``queue`` (waiting for the engine to take it into a batch), ``prefill`` (to the first token) and ``decode``
 (to the last), with the GenAI semantic conventions' attributes (``gen_ai.*``: model, operation, token counts, finish
 reasons). No request or response body is ever recorded. The gateway's spans (``universal_gateway.tracing``) use the
-same recorder.
+same sampler and export, each request's kept as one :class:`Record` until the export thread encodes it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -216,32 +216,52 @@ class Span:
         tracing.batches.add(self)
 
 
-def encode(span: Span) -> bytes:
-    """An ended span as a ScopeSpans' span (its field 2), OTLP protobuf. Written out (the export thread runs it for
-    every span): the ids and times packed by two Structs, each attribute's encoding looked up in the cache by its
-    (key, value) item."""
-    trace_id = span.trace_id
+def encode(span: Span | Record) -> bytes:
+    """An ended span as a ScopeSpans' span (its field 2), OTLP protobuf; a :class:`Record`'s spans, one after the
+    other (:meth:`Record.encoded`)."""
+    if not isinstance(span, Span):
+        return span.encoded()
+    return encode_span(span.trace_id, span.span_id, span.parent_id, span.tracestate, span.name, span.kind,
+                       span.start, span.finish, span.attributes.items(), span.error)  # fmt: skip
+
+
+def encode_span(trace_id: int, span_id: int, parent_id: int, tracestate: str, name: str, kind: int, start: int,
+                end: int, attributes: Iterable[tuple[str, Any]], error: bool) -> bytes:  # fmt: skip
+    """One span as a ScopeSpans' span (its field 2). Written out (the export thread runs it for every span): the ids
+    and times packed by two Structs, each attribute's encoding looked up in the cache by its (key, value) item
+    (None values left out)."""
     parts = [
-        _IDS(b"\x0a\x10", trace_id >> 64, trace_id & _TRACE_HALF, b"\x12\x08", span.span_id),
-        _NAMES.get(span.name) or _name(span.name),
-        _KIND_TIMES(_KINDS[span.kind], b"\x39", span.start, b"\x41", span.finish),
+        _IDS(b"\x0a\x10", trace_id >> 64, trace_id & _TRACE_HALF, b"\x12\x08", span_id),
+        _NAMES.get(name) or _name(name),
+        _KIND_TIMES(_KINDS[kind], b"\x39", start, b"\x41", end),
     ]
-    if span.parent_id:
-        parts += (_PARENT, span.parent_id.to_bytes(8, "big"))
-    if span.tracestate:
-        parts.append(_field(3, span.tracestate.encode()))
+    if parent_id:
+        parts += (_PARENT, parent_id.to_bytes(8, "big"))
+    if tracestate:
+        parts.append(_field(3, tracestate.encode()))
     cached = _KEY_VALUES.get
     # A copy taken in one step (list() of a dict's items runs in C, under the GIL): this runs on the export thread.
-    for item in list(span.attributes.items()):
+    for item in list(attributes):
         value = item[1]
         if value is None:
             continue
         parts.append(_key_value(*item) if type(value) is list else cached(item) or _key_value(*item))
-    if span.error:
+    if error:
         parts.append(_ERROR_STATUS)
     body = b"".join(parts)
     size = len(body)
     return b"\x12" + (_BYTES[size] if size < 0x80 else _varint(size)) + body
+
+
+class Record(Protocol):
+    """Spans kept as something other than :class:`Span` objects until the export thread encodes them (the gateway's
+    requests: ``universal_gateway.tracing.RequestTrace``): one entry of :class:`Batches`, however many spans."""
+
+    #: How many spans :meth:`encoded` made (set by it).
+    spans: int
+
+    def encoded(self) -> bytes:
+        """Its spans, each as a ScopeSpans' span (:func:`encode_span`), one after the other."""
 
 
 #: The span of the request this task is serving (its children's parent).
@@ -327,7 +347,11 @@ class Batches:
     waits (a saturated gateway) leaves the thread the GIL only once per switch interval, too little to encode 8 spans
     at a time of what it ends (measured: half the spans were dropped): with a batch or more still waiting the thread
     encodes 64 at a time, and once :attr:`encode_from` spans are queued :meth:`add` encodes an ending span itself, as
-    the loop did before, so the queue holds both."""
+    the loop did before, so the queue holds both.
+
+    An entry of the queue is a :class:`Span` or a :class:`Record` (the gateway keeps a request's two to four spans as
+    one): ``OTEL_BSP_MAX_QUEUE_SIZE`` and :attr:`encode_from` count entries, a batch and the offers of the GIL count
+    the spans encoded (a batch may pass ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` by the spans of its last entry)."""
 
     def __init__(self, send: Callable[[list[bytes]], None], environ: Mapping[str, str]) -> None:
         def number(name: str, default: int) -> int:
@@ -347,13 +371,13 @@ class Batches:
         self.encode_from = max(self.batch, self.max_queue // 2)
         self.dropped = 0
         self._send = send
-        self._queue: collections.deque[Span | bytes] = collections.deque()  # bytes: encoded as it ended
+        self._queue: collections.deque[Span | Record | bytes] = collections.deque()  # bytes: encoded as it ended
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="otlp-traces", daemon=True)
         self._thread.start()
 
-    def add(self, span: Span) -> None:
+    def add(self, span: Span | Record) -> None:
         queue = self._queue
         waiting = len(queue)
         if waiting >= self.max_queue:
@@ -375,12 +399,21 @@ class Batches:
         queue = self._queue
         while queue:
             spans: list[bytes] = []
-            while queue and len(spans) < self.batch:
+            encoded = 0  # spans in this batch: an entry encoded here may be a Record's several
+            offer = ENCODED_BETWEEN_YIELDS
+            while queue and encoded < self.batch:
                 span = queue.popleft()
-                spans.append(span if type(span) is bytes else encode(span))  # type: ignore[arg-type]
-                # Behind (a batch or more still waiting), in longer slices: each costs a switch interval's wait.
-                if len(spans) % (ENCODED_BETWEEN_YIELDS if len(queue) < self.batch else BEHIND_BETWEEN_YIELDS) == 0:
+                kind = type(span)
+                if kind is bytes:
+                    spans.append(span)  # type: ignore[arg-type]
+                    encoded += 1
+                else:
+                    spans.append(encode(span))  # type: ignore[arg-type]
+                    encoded += 1 if kind is Span else span.spans  # type: ignore[union-attr]
+                if encoded >= offer:
                     os.sched_yield()
+                    # Behind (a batch or more still waiting), in longer slices: each costs a switch interval's wait.
+                    offer = encoded + (ENCODED_BETWEEN_YIELDS if len(queue) < self.batch else BEHIND_BETWEEN_YIELDS)
             try:
                 self._send(spans)
             except Exception:  # an export that fails loses its batch, never the request path

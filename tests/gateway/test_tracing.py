@@ -5,6 +5,7 @@ attributes equal to the response's usage; with OTEL_TRACES_EXPORTER unset nothin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -22,8 +25,9 @@ from tests.gateway.harness import running_gateway, wait_for, write_chat_manifest
 from tests.otlp_collector import CollectedSpan, Collector, running_collector
 from tests.predictors.generation.tiny_llama import build_llama
 from universal_gateway import tracing as gateway_tracing
-from universal_gateway.tracing import Upstream
+from universal_gateway.tracing import DEFERRED_BODY, RequestTrace, Upstream
 from universal_predictors import tracing as shared
+from universal_predictors.errors import InvalidRequest
 from universal_predictors.tracing import (
     CLIENT,
     SERVER,
@@ -406,77 +410,157 @@ def test_spans_encode_as_otlp_protobuf_decodes_them(monkeypatch: pytest.MonkeyPa
     assert "none" not in values
 
 
-async def test_a_streams_usage_and_finish_reason_are_read_however_its_chunks_fall(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    class Collect:
-        def add(self, span: Span) -> None:
-            pass
+def request_trace(tracing: Tracing, path: str = "/v1/chat/completions") -> RequestTrace:
+    """A proxied request's record, as the gateway's traced route starts it."""
+    request = SimpleNamespace(headers={}, method="POST", path=path)
+    return RequestTrace(tracing, request, (("gen_ai.operation.name", "chat"), ("universal_runtime.task", "generate")))  # type: ignore[arg-type]
 
-    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
-    monkeypatch.setattr(shared, "ACTIVE", tracing)
+
+def exported(trace: RequestTrace) -> dict[str, dict[str, Any]]:
+    """A request's spans as the export thread encodes them, decoded by opentelemetry-proto: name -> attributes."""
+    trace.finish = trace.finish or time.time_ns()
+    spans = ScopeSpans.FromString(trace.encoded()).spans
+    assert trace.spans == len(spans)
+    decoded: dict[str, dict[str, Any]] = {}
+    for span in spans:
+        values = {}
+        for attribute in span.attributes:
+            value = attribute.value
+            kind = value.WhichOneof("value")
+            values[attribute.key] = ([v.string_value for v in value.array_value.values] if kind == "array_value"
+                                     else getattr(value, kind))  # fmt: skip
+        decoded[span.name] = values
+    return decoded
+
+
+async def test_a_streams_usage_and_finish_reason_are_read_however_its_chunks_fall() -> None:
+    tracing = Tracing(Sampler("always_on", 1.0), None)  # type: ignore[arg-type]
     stream = (
         b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
         b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n'
         b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
     )
     for size in (1, 5, 13, 64, len(stream)):
-        root = tracing.start("gateway.request", SERVER)
-        upstream = Upstream(tracing.start("upstream", CLIENT, root), root)
+        trace = request_trace(tracing)
+        upstream = Upstream(trace, 7, MODEL, "http://127.0.0.1:1", "/openai/v1/chat/completions")
         observe = upstream.observing(None)
         assert observe is not None
         for at in range(0, len(stream), size):
             await observe(stream[at : at + size], False)
         upstream.end(200)
-        assert root.attributes["gen_ai.usage.input_tokens"] == 3, size
-        assert root.attributes["gen_ai.usage.output_tokens"] == 2, size
-        assert root.attributes["gen_ai.response.finish_reasons"] == ["length"], size
+        for name in ("gateway.request", "upstream"):
+            attributes = exported(trace)[name]
+            assert attributes["gen_ai.usage.input_tokens"] == 3, size
+            assert attributes["gen_ai.usage.output_tokens"] == 2, size
+            assert attributes["gen_ai.response.finish_reasons"] == ["length"], size
 
 
 async def test_a_unary_body_s_usage_and_finish_reason_are_read_with_the_ledger_and_without(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A unary body of a route without finish reasons (embeddings) is parsed only when the ledger read no counts; one
-    of a route with them (chat, completions, messages, responses) always, for them."""
-
-    class Collect:
-        def add(self, span: Span) -> None:
-            pass
+    """A unary body's usage and finish reasons are read by the export thread as it encodes the request's spans (a body
+    larger than DEFERRED_BODY as the request ends, not kept); the ledger's counts are preferred where it read some,
+    and then a body of a route without finish reasons (embeddings) is not kept at all."""
 
     class Metered:
         input_tokens, output_tokens = 7, 0
 
-    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
+    tracing = Tracing(Sampler("always_on", 1.0), None)  # type: ignore[arg-type]
     monkeypatch.setattr(shared, "ACTIVE", tracing)
     embeddings = b'{"object": "list", "data": [], "usage": {"prompt_tokens": 7, "total_tokens": 7}}'
     chat = b'{"choices": [{"index": 0, "finish_reason": "stop"}],"usage": {"prompt_tokens": 7, "completion_tokens": 2}}'
     messages = b'{"type": "message", "stop_reason": "end_turn", "usage": {"input_tokens": 7, "output_tokens": 3}}'
     responses = b'{"object": "response", "status": "completed", "usage": {"input_tokens": 7, "output_tokens": 4}}'
+    large = b'{"object": "list", "data": [%s], "usage": {"prompt_tokens": 7}}' % b", ".join([b"0.5"] * 30000)
     bodies = {
         "/openai/v1/embeddings": (embeddings, 7, None, None),
         "/openai/v1/chat/completions": (chat, 7, 2, ["stop"]),
         "/openai/v1/messages": (messages, 7, 3, ["end_turn"]),
         "/openai/v1/responses": (responses, 7, 4, None),
+        "/openai/v1/embeddings ": (large, 7, None, None),
     }  # fmt: skip
     for route, (body, inputs, outputs, finish) in bodies.items():
         for metered in (None, Metered()):
-            root = tracing.start("gateway.request", SERVER)
-            token = shared.CURRENT.set(root)
+            trace = request_trace(tracing, route)
+            token = gateway_tracing.REQUEST.set(trace)
             try:
-                upstream = gateway_tracing.upstream(MODEL, "http://127.0.0.1:1", route)
+                upstream = gateway_tracing.upstream(MODEL, "http://127.0.0.1:1", route.strip())
             finally:
-                shared.CURRENT.reset(token)
+                gateway_tracing.REQUEST.reset(token)
             assert isinstance(upstream, Upstream)
             observe = upstream.observing(None)
             assert observe is not None
             await observe(body, True)
             upstream.end(200, metered)
-            attributes = root.attributes
-            assert attributes["gen_ai.usage.input_tokens"] == inputs, (route, metered)
-            # With the ledger's counts, the ledger's output count (0 here) is the span's, as before.
-            expected = 0 if metered is not None else outputs
-            assert attributes.get("gen_ai.usage.output_tokens") == expected, (route, metered)
-            assert attributes.get("gen_ai.response.finish_reasons") == finish, (route, metered)
+            kept = upstream._unary
+            # Kept for the export thread only while something is left to read in it, and not when it is large.
+            readable = metered is None or finish is not None or route.endswith("responses")  # finish reasons
+            assert (kept == body) == (len(body) <= DEFERRED_BODY and readable), route
+            for name in ("gateway.request", "upstream"):
+                attributes = exported(trace)[name]
+                assert attributes["gen_ai.usage.input_tokens"] == inputs, (route, metered)
+                # With the ledger's counts, the ledger's output count (0 here) is the span's, as before.
+                expected = 0 if metered is not None else outputs
+                assert attributes.get("gen_ai.usage.output_tokens") == expected, (route, metered)
+                assert attributes.get("gen_ai.response.finish_reasons") == finish, (route, metered)
+
+
+def test_a_request_s_record_encodes_its_span_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spans the export thread makes of one request's record: the root the child of the client's traceparent, the
+    auth, each hold and each upstream its children (the upstream's id the one its traceparent sent up), with their
+    times, statuses and errors; and one entry of the export queue."""
+    added: list[Any] = []
+
+    class Collect:
+        def add(self, entry: Any) -> None:
+            added.append(entry)
+
+    tracing = Tracing(Sampler("parentbased_always_on", 1.0), Collect())  # type: ignore[arg-type]
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    request = SimpleNamespace(headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "v=1"},
+                              method="POST", path="/v1/chat/completions")  # fmt: skip
+    sent_up: list[int] = []
+
+    async def handler(request: Any, params: Any) -> Any:
+        with gateway_tracing.auth():
+            pass
+        gateway_tracing.model(MODEL, "team-a")
+        gateway_tracing.held(MODEL, 0.25)
+        first = gateway_tracing.upstream(MODEL, "http://a:1", "/openai/v1/chat/completions")
+        first.end(0)  # its process was gone: replayed
+        second = gateway_tracing.upstream(MODEL, "http://a:1", "/openai/v1/chat/completions")
+        assert isinstance(second, Upstream)
+        expected = b"traceparent: 00-%s-%016x-01\r\ntracestate: v=1\r\n" % (CLIENT_TRACE.encode(), second.span_id)
+        assert second.head_lines == expected
+        sent_up.append(second.span_id)
+        second.end(200)
+        raise InvalidRequest("no")
+
+    with pytest.raises(InvalidRequest):
+        asyncio.run(gateway_tracing.traced(handler, "chat_completions", "generate")(request, None))  # type: ignore[arg-type]
+    [trace] = added
+    assert isinstance(trace, RequestTrace)
+    spans = ScopeSpans.FromString(trace.encoded()).spans
+    assert trace.spans == 5
+    assert [s.name for s in spans] == ["gateway.request", "auth", "hold", "upstream", "upstream"]
+    root = spans[0]
+    assert (root.trace_id.hex(), root.parent_span_id.hex(), root.trace_state) == (CLIENT_TRACE, CLIENT_SPAN, "v=1")
+    assert {s.parent_span_id for s in spans[1:]} == {root.span_id}
+    assert {s.trace_id.hex() for s in spans} == {CLIENT_TRACE}
+    assert len({s.span_id for s in spans}) == 5
+    assert int(spans[4].span_id.hex(), 16) == sent_up[0]
+    values = {a.key: a.value for a in root.attributes}
+    assert values["gen_ai.request.model"].string_value == MODEL
+    assert values["universal_runtime.key_id"].string_value == "team-a"
+    assert values["http.response.status_code"].int_value == 400
+    assert values["error.type"].string_value == "400"
+    assert root.status.code == 0  # a 4xx is the client's, not the server span's error
+    hold = spans[2]
+    assert hold.end_time_unix_nano - hold.start_time_unix_nano == 250_000_000
+    assert root.start_time_unix_nano <= spans[1].start_time_unix_nano <= spans[1].end_time_unix_nano
+    assert spans[3].status.code == 2  # none came: an error
+    assert spans[4].status.code == 0  # a 200
+    assert spans[4].end_time_unix_nano <= root.end_time_unix_nano
 
 
 def test_a_span_s_header_lines_are_its_traceparent() -> None:
