@@ -39,6 +39,7 @@ from universal_predictors.tracing import (
     SERVER,
     TRACE_CONTEXT_HEADERS,
     TracingConfigError,
+    encode_attributes,
     encode_span,
     extract,
     operation_name,
@@ -81,9 +82,9 @@ class RequestTrace:
     the hold's span ids are drawn, the attributes written and a unary body parsed for its counts and finish reasons by
     the export thread. Also the ``auth`` span's context manager (:func:`auth`)."""
 
-    __slots__ = ("auth_end", "auth_error", "auth_start", "error_type", "finish", "holds", "key_id", "method", "model",
-                 "parent_id", "path", "route", "sampled", "spans", "start", "status", "trace_id", "tracestate",
-                 "upstreams")  # fmt: skip
+    __slots__ = ("auth_end", "auth_error", "auth_start", "earlier", "error_type", "finish", "holds", "key_id", "method",
+                 "model", "parent_id", "path", "route", "sampled", "spans", "start", "status", "trace_id", "tracestate",
+                 "upstream")  # fmt: skip
 
     def __init__(self, tracing: shared.Tracing, request: Request, route: tuple[tuple[str, str], ...]) -> None:
         self.start = time.time_ns()
@@ -103,7 +104,8 @@ class RequestTrace:
         self.auth_start = self.auth_end = 0
         self.auth_error: str | None = None
         self.holds: list[tuple[int, int, str, float, bool]] | None = None
-        self.upstreams: list[Upstream] | None = None
+        self.upstream: Upstream | None = None  # the last; a request replayed to a new process has more
+        self.earlier: list[Upstream] | None = None
         self.finish = 0
         self.spans = 0
 
@@ -127,34 +129,59 @@ class RequestTrace:
         """The request's spans, OTLP protobuf (:func:`universal_predictors.tracing.encode_span`): run by the export
         thread (or, when it is behind, by the loop as the request ends)."""
         ids = _EXPORT_IDS.getrandbits
-        trace_id, tracestate, root_id = self.trace_id, self.tracestate, ids(64) or 1
-        attributes: list[tuple[str, Any]] = [
-            *self.route, ("http.request.method", self.method), ("url.path", self.path),
-            ("gen_ai.request.model", self.model), ("universal_runtime.key_id", self.key_id),
-            ("http.response.status_code", self.status), ("error.type", self.error_type),
-        ]  # fmt: skip
+        trace_id, tracestate, root_id, finish = self.trace_id, self.tracestate, ids(64) or 1, self.finish
         children = []
         if self.auth_start:
             error = self.auth_error
-            children.append(encode_span(trace_id, ids(64) or 1, root_id, tracestate, "auth", INTERNAL,
-                                        self.auth_start, self.auth_end or self.finish, (("error.type", error),),
-                                        error is not None))  # fmt: skip
+            children.append(encode_span(
+                trace_id, ids(64) or 1, root_id, tracestate, "auth", INTERNAL, self.auth_start, self.auth_end or finish,
+                b"" if error is None else encode_attributes((("error.type", error),)), error is not None,
+            ))  # fmt: skip
         for started, ended, name, waited_s, woke in self.holds or ():
-            children.append(encode_span(trace_id, ids(64) or 1, root_id, tracestate, "hold", INTERNAL, started, ended, (
-                ("gen_ai.request.model", name), ("universal_runtime.wake_seconds", waited_s),
-                ("universal_runtime.woke", woke)), not woke))  # fmt: skip
+            children.append(encode_span(trace_id, ids(64) or 1, root_id, tracestate, "hold", INTERNAL, started, ended,
+                                        encode_attributes((("gen_ai.request.model", name),
+                                                           ("universal_runtime.wake_seconds", waited_s),
+                                                           ("universal_runtime.woke", woke))), not woke))  # fmt: skip
         usage: tuple[tuple[str, Any], ...] = ()
-        for upstream in self.upstreams or ():
-            upstream_attributes, read = upstream.attributes()
+        for upstream in (*(self.earlier or ()), self.upstream) if self.upstream is not None else ():
+            status, read = upstream.status, upstream.read()
             usage = read or usage  # the root's: what its last upstream read
+            attributes = _group((("gen_ai.request.model", upstream.model), ("server.address", upstream.base),
+                                 ("url.path", upstream.path))) + encode_attributes(
+                                (("http.response.status_code", status or None), *read))  # fmt: skip
             children.append(encode_span(trace_id, upstream.span_id, root_id, tracestate, "upstream", CLIENT,
-                                        upstream.start, upstream.finish or self.finish, upstream_attributes,
-                                        not upstream.status or upstream.status >= 500))  # fmt: skip
-        attributes += usage
+                                        upstream.start, upstream.finish or finish, attributes,
+                                        not status or status >= 500))  # fmt: skip
         self.spans = 1 + len(children)
+        attributes = _group(
+            (
+                *self.route,
+                ("http.request.method", self.method),
+                ("url.path", self.path),
+                ("gen_ai.request.model", self.model),
+                ("universal_runtime.key_id", self.key_id),
+            )
+        )
+        attributes += encode_attributes((("http.response.status_code", self.status), ("error.type", self.error_type),
+                                         *usage))  # fmt: skip
         root = encode_span(trace_id, root_id, self.parent_id, tracestate, "gateway.request", SERVER, self.start,
-                           self.finish, attributes, self.status >= 500)  # fmt: skip
+                           finish, attributes, self.status >= 500)  # fmt: skip
         return root + b"".join(children)
+
+
+#: The encodings of attributes that come together (a route's, a model's upstream's), by their items.
+_GROUPS: dict[tuple[tuple[str, Any], ...], bytes] = {}
+
+
+def _group(items: tuple[tuple[str, Any], ...]) -> bytes:
+    """``items`` encoded (:func:`universal_predictors.tracing.encode_attributes`), cached whole: a route's
+    attributes and a model's name recur from request to request (up to 4,096 groups kept)."""
+    encoded = _GROUPS.get(items)
+    if encoded is None:
+        encoded = encode_attributes(items)
+        if len(_GROUPS) < 4096:
+            _GROUPS[items] = encoded
+    return encoded
 
 
 #: The span ids the export thread draws (the root's, the auth's, a hold's): a generator of its own, as the SDK's
@@ -247,14 +274,13 @@ class Upstream:
         self._observe: Callable[[bytes, bool], Awaitable[None]] | None = None
         self._carry = b""
         self._usage: dict[str, Any] | None = None
-        self._finish: list[str] = []
+        self._finish: list[str] | None = None
         self._finishing = path.endswith(_FINISHING_ROUTES)  # its route's answers have finish reasons
         self._unary = b""  # a unary 200's body, for the export thread to read
         if trace.sampled:
-            if trace.upstreams is None:
-                trace.upstreams = [self]
-            else:
-                trace.upstreams.append(self)
+            if trace.upstream is not None:  # replayed
+                trace.earlier = [*(trace.earlier or ()), trace.upstream]
+            trace.upstream = self
 
     def observing(
         self, observe: Callable[[bytes, bool], Awaitable[None]] | None
@@ -298,10 +324,10 @@ class Upstream:
                 self._usage = {**(self._usage or {}), **source["usage"]}
         for choice in body.get("choices") or ():
             if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-                self._finish.append(choice["finish_reason"])
+                self._finish = [*(self._finish or ()), choice["finish_reason"]]
         for source in (body, body.get("delta")):
             if isinstance(source, dict) and isinstance(source.get("stop_reason"), str):
-                self._finish.append(source["stop_reason"])  # Anthropic's Messages API
+                self._finish = [*(self._finish or ()), source["stop_reason"]]  # Anthropic's Messages API
         if inner is not None and isinstance(inner.get("status"), str) and inner["status"] != "in_progress":
             self._finish = [inner["status"]]  # Responses API: completed, incomplete
 
@@ -323,8 +349,9 @@ class Upstream:
         with contextlib.suppress(orjson.JSONDecodeError):
             self._read(orjson.loads(body))
 
-    def attributes(self) -> tuple[list[tuple[str, Any]], tuple[tuple[str, Any], ...]]:
-        """The span's attributes, and the counts and finish reasons it read (the root's too): for the export thread."""
+    def read(self) -> tuple[tuple[str, Any], ...]:
+        """The counts and finish reasons its body said (the root's too), as attributes; none if it said none. For the
+        export thread: a unary body kept for it is read here."""
         if self._unary:
             self._parse_unary()
         if self.counts is not None:
@@ -333,11 +360,10 @@ class Upstream:
             usage = self._usage or {}
             counts = (_count(usage, "prompt_tokens", "input_tokens"),
                       _count(usage, "completion_tokens", "output_tokens"))  # fmt: skip
-        read = (("gen_ai.usage.input_tokens", counts[0]), ("gen_ai.usage.output_tokens", counts[1]),
+        if counts == (None, None) and not self._finish:
+            return ()
+        return (("gen_ai.usage.input_tokens", counts[0]), ("gen_ai.usage.output_tokens", counts[1]),
                 ("gen_ai.response.finish_reasons", self._finish or None))  # fmt: skip
-        attributes = [("gen_ai.request.model", self.model), ("server.address", self.base), ("url.path", self.path),
-                      ("http.response.status_code", self.status or None), *read]  # fmt: skip
-        return attributes, read if counts != (None, None) or self._finish else ()
 
 
 def _count(usage: dict[str, Any], *names: str) -> int | None:

@@ -221,15 +221,29 @@ def encode(span: Span | Record) -> bytes:
     other (:meth:`Record.encoded`)."""
     if not isinstance(span, Span):
         return span.encoded()
+    # A copy taken in one step (list() of a dict's items runs in C, under the GIL): this runs on the export thread.
+    attributes = encode_attributes(list(span.attributes.items()))
     return encode_span(span.trace_id, span.span_id, span.parent_id, span.tracestate, span.name, span.kind,
-                       span.start, span.finish, span.attributes.items(), span.error)  # fmt: skip
+                       span.start, span.finish, attributes, span.error)  # fmt: skip
+
+
+def encode_attributes(items: Iterable[tuple[str, Any]]) -> bytes:
+    """Attributes as a Span's KeyValues (its field 9), each looked up in the cache by its (key, value) item; None
+    values left out."""
+    cached = _KEY_VALUES.get
+    parts = []
+    for item in items:
+        value = item[1]
+        if value is None:
+            continue
+        parts.append(_key_value(*item) if type(value) is list else cached(item) or _key_value(*item))
+    return b"".join(parts)
 
 
 def encode_span(trace_id: int, span_id: int, parent_id: int, tracestate: str, name: str, kind: int, start: int,
-                end: int, attributes: Iterable[tuple[str, Any]], error: bool) -> bytes:  # fmt: skip
-    """One span as a ScopeSpans' span (its field 2). Written out (the export thread runs it for every span): the ids
-    and times packed by two Structs, each attribute's encoding looked up in the cache by its (key, value) item
-    (None values left out)."""
+                end: int, attributes: bytes, error: bool) -> bytes:  # fmt: skip
+    """One span as a ScopeSpans' span (its field 2), its ``attributes`` encoded already (:func:`encode_attributes`).
+    Written out (the export thread runs it for every span): the ids and times packed by two Structs."""
     parts = [
         _IDS(b"\x0a\x10", trace_id >> 64, trace_id & _TRACE_HALF, b"\x12\x08", span_id),
         _NAMES.get(name) or _name(name),
@@ -239,13 +253,7 @@ def encode_span(trace_id: int, span_id: int, parent_id: int, tracestate: str, na
         parts += (_PARENT, parent_id.to_bytes(8, "big"))
     if tracestate:
         parts.append(_field(3, tracestate.encode()))
-    cached = _KEY_VALUES.get
-    # A copy taken in one step (list() of a dict's items runs in C, under the GIL): this runs on the export thread.
-    for item in list(attributes):
-        value = item[1]
-        if value is None:
-            continue
-        parts.append(_key_value(*item) if type(value) is list else cached(item) or _key_value(*item))
+    parts.append(attributes)
     if error:
         parts.append(_ERROR_STATUS)
     body = b"".join(parts)
