@@ -563,6 +563,70 @@ def test_a_request_s_record_encodes_its_span_tree(monkeypatch: pytest.MonkeyPatc
     assert spans[4].end_time_unix_nano <= root.end_time_unix_nano
 
 
+def test_a_request_the_sampler_leaves_out_sends_its_traceparent_unsampled_and_queues_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client's traceparent flagged not sampled, under the default parent-based sampler: the upstream still gets a
+    traceparent of the same trace (flags 00), and nothing is recorded or queued."""
+    added: list[Any] = []
+
+    class Collect:
+        def add(self, entry: Any) -> None:
+            added.append(entry)
+
+    tracing = Tracing(Sampler("parentbased_always_on", 1.0), Collect())  # type: ignore[arg-type]
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    request = SimpleNamespace(headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}, method="POST",
+                              path="/v1/chat/completions")  # fmt: skip
+    heads: list[bytes] = []
+
+    async def handler(request: Any, params: Any) -> Any:
+        assert gateway_tracing.auth() is shared.OFF
+        gateway_tracing.held(MODEL, 0.5)
+        upstream = gateway_tracing.upstream(MODEL, "http://a:1", "/openai/v1/chat/completions")
+        observe = object()
+        assert upstream.observing(observe) is observe  # type: ignore[arg-type]
+        heads.append(upstream.head_lines)
+        upstream.end(200)
+        return SimpleNamespace(status=200)
+
+    asyncio.run(gateway_tracing.traced(handler, "chat_completions", "generate")(request, None))  # type: ignore[arg-type]
+    [head] = heads
+    assert head.startswith(b"traceparent: 00-%s-" % CLIENT_TRACE.encode())
+    assert head.endswith(b"-00\r\n")
+    assert added == []
+
+
+def test_a_batch_counts_the_spans_of_the_requests_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTEL_BSP_MAX_EXPORT_BATCH_SIZE counts spans, a request's record several of them: with batches of 6, requests of
+    three spans (the root, auth, upstream) go two a batch, each whole, in order."""
+    sent: list[list[bytes]] = []
+    environ = {"OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "6"}
+    batches = Batches(sent.append, environ)
+    tracing = Tracing(Sampler("always_on", 1.0), batches)
+    monkeypatch.setattr(shared, "ACTIVE", tracing)
+
+    async def handler(request: Any, params: Any) -> Any:
+        with gateway_tracing.auth():
+            pass
+        gateway_tracing.upstream(MODEL, "http://a:1", "/openai/v1/chat/completions").end(200)
+        return SimpleNamespace(status=200)
+
+    try:
+        route = gateway_tracing.traced(handler, "chat_completions", "generate")
+        for i in range(8):
+            request = SimpleNamespace(headers={}, method="POST", path=f"/v1/chat/completions/{i}")
+            asyncio.run(route(request, None))  # type: ignore[arg-type]
+    finally:
+        tracing.shutdown()
+    assert [len(batch) for batch in sent] == [2, 2, 2, 2]
+    decoded = [ScopeSpans.FromString(b"".join(batch)).spans for batch in sent]
+    assert [len(spans) for spans in decoded] == [6, 6, 6, 6]
+    roots = [span for spans in decoded for span in spans if span.name == "gateway.request"]
+    paths = [next(a.value.string_value for a in root.attributes if a.key == "url.path") for root in roots]
+    assert paths == [f"/v1/chat/completions/{i}" for i in range(8)]
+
+
 def test_a_span_s_header_lines_are_its_traceparent() -> None:
     tracing = Tracing(Sampler("always_on", 1.0), None)  # type: ignore[arg-type]
     for parent in (None, Remote(int(CLIENT_TRACE, 16), int(CLIENT_SPAN, 16), True, "vendor=1"),
