@@ -112,8 +112,11 @@
    +0.04 and +0.05 / +0.09 / +0.09 ms (memory / Redis / traced), p99 +0.45 / +0.50 / +0.61 and +0.27 / +0.41 /
    +0.45 ms (round by round +0.39 / +0.47 / +0.56 and +0.24 / +0.39 / +0.38), the loop's CPU added +55 to +71 us:
    the goal held on every side in both. With the fixed 50 ms, p99 added +0.21 / +0.17 / +0.34 and -0.22 / -0.53 /
-   -0.45 ms. Before the trivial upstream the gateway is saturated and what it adds is its CPU queued 32 deep:
-   p50 +0.9 to +1.8 ms (CPU +39 to +65 us a request).
+   -0.45 ms. A third run, after the last of those changes: p50 +0.05 / +0.08 / +0.06, p99 +0.17 / +0.24 / +0.26 ms
+   (round by round +0.25 / +0.29 / +0.21; fixed 50 ms +0.47 / +0.44 / +0.71). Before the trivial upstream the
+   gateway is saturated and what it adds is its CPU queued 32 deep: p50 +0.6 to +1.8 ms (CPU +27 to +65 us a
+   request). (A gen0 collection threshold of 20,000 instead of 700 made fewer, longer collections, 2.3-3.4 ms each,
+   and moved no p99.)
 5. Fairness (``--part fairness``; needs no model): two keys share a saturated model (a trivial upstream taking
    10 ms per request behind a gateway letting 2 through at a time): one key keeps 48 requests in flight, the other
    4. Each key's share of the requests served while both were sending, and the light key's p50 latency, with the
