@@ -600,10 +600,13 @@ def test_a_request_the_sampler_leaves_out_sends_its_traceparent_unsampled_and_qu
 def test_a_batch_counts_the_spans_of_the_requests_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """OTEL_BSP_MAX_EXPORT_BATCH_SIZE counts spans, a request's record several of them: with batches of 6, requests of
     three spans (the root, auth, upstream) go two a batch, each whole, in order."""
-    sent: list[list[bytes]] = []
-    environ = {"OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "6"}
-    batches = Batches(sent.append, environ)
-    tracing = Tracing(Sampler("always_on", 1.0), batches)
+    records: list[Any] = []
+
+    class Collect:
+        def add(self, entry: Any) -> None:
+            records.append(entry)
+
+    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
     monkeypatch.setattr(shared, "ACTIVE", tracing)
 
     async def handler(request: Any, params: Any) -> Any:
@@ -612,13 +615,14 @@ def test_a_batch_counts_the_spans_of_the_requests_in_it(monkeypatch: pytest.Monk
         gateway_tracing.upstream(MODEL, "http://a:1", "/openai/v1/chat/completions").end(200)
         return SimpleNamespace(status=200)
 
-    try:
-        route = gateway_tracing.traced(handler, "chat_completions", "generate")
-        for i in range(8):
-            request = SimpleNamespace(headers={}, method="POST", path=f"/v1/chat/completions/{i}")
-            asyncio.run(route(request, None))  # type: ignore[arg-type]
-    finally:
-        tracing.shutdown()
+    route = gateway_tracing.traced(handler, "chat_completions", "generate")
+    for i in range(8):
+        request = SimpleNamespace(headers={}, method="POST", path=f"/v1/chat/completions/{i}")
+        asyncio.run(route(request, None))  # type: ignore[arg-type]
+    sent: list[list[bytes]] = []
+    batches = Batches(sent.append, {"OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "6"})
+    batches._queue.extend(records)  # all queued before the thread drains (at shutdown), whatever the timing
+    batches.shutdown()
     assert [len(batch) for batch in sent] == [2, 2, 2, 2]
     decoded = [ScopeSpans.FromString(b"".join(batch)).spans for batch in sent]
     assert [len(spans) for spans in decoded] == [6, 6, 6, 6]
