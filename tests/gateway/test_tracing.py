@@ -505,18 +505,23 @@ async def test_a_unary_body_s_usage_and_finish_reason_are_read_with_the_ledger_a
                 assert attributes.get("gen_ai.response.finish_reasons") == finish, (route, metered)
 
 
-def test_a_request_s_record_encodes_its_span_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The spans the export thread makes of one request's record: the root the child of the client's traceparent, the
-    auth, each hold and each upstream its children (the upstream's id the one its traceparent sent up), with their
-    times, statuses and errors; and one entry of the export queue."""
+def recording(monkeypatch: pytest.MonkeyPatch, sampler: str) -> list[Any]:
+    """Tracing on in this process with ``sampler``, what it queues for export collected in the list returned."""
     added: list[Any] = []
 
     class Collect:
         def add(self, entry: Any) -> None:
             added.append(entry)
 
-    tracing = Tracing(Sampler("parentbased_always_on", 1.0), Collect())  # type: ignore[arg-type]
-    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    monkeypatch.setattr(shared, "ACTIVE", Tracing(Sampler(sampler, 1.0), Collect()))  # type: ignore[arg-type]
+    return added
+
+
+def test_a_request_s_record_encodes_its_span_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spans the export thread makes of one request's record: the root the child of the client's traceparent, the
+    auth, each hold and each upstream its children (the upstream's id the one its traceparent sent up), with their
+    times, statuses and errors; and one entry of the export queue."""
+    added = recording(monkeypatch, "parentbased_always_on")
     request = SimpleNamespace(headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "v=1"},
                               method="POST", path="/v1/chat/completions")  # fmt: skip
     sent_up: list[int] = []
@@ -568,14 +573,7 @@ def test_a_request_the_sampler_leaves_out_sends_its_traceparent_unsampled_and_qu
 ) -> None:
     """A client's traceparent flagged not sampled, under the default parent-based sampler: the upstream still gets a
     traceparent of the same trace (flags 00), and nothing is recorded or queued."""
-    added: list[Any] = []
-
-    class Collect:
-        def add(self, entry: Any) -> None:
-            added.append(entry)
-
-    tracing = Tracing(Sampler("parentbased_always_on", 1.0), Collect())  # type: ignore[arg-type]
-    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    added = recording(monkeypatch, "parentbased_always_on")
     request = SimpleNamespace(headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}, method="POST",
                               path="/v1/chat/completions")  # fmt: skip
     heads: list[bytes] = []
@@ -600,14 +598,7 @@ def test_a_request_the_sampler_leaves_out_sends_its_traceparent_unsampled_and_qu
 def test_a_batch_counts_the_spans_of_the_requests_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """OTEL_BSP_MAX_EXPORT_BATCH_SIZE counts spans, a request's record several of them: with batches of 6, requests of
     three spans (the root, auth, upstream) go two a batch, each whole, in order."""
-    records: list[Any] = []
-
-    class Collect:
-        def add(self, entry: Any) -> None:
-            records.append(entry)
-
-    tracing = Tracing(Sampler("always_on", 1.0), Collect())  # type: ignore[arg-type]
-    monkeypatch.setattr(shared, "ACTIVE", tracing)
+    records = recording(monkeypatch, "always_on")
 
     async def handler(request: Any, params: Any) -> Any:
         with gateway_tracing.auth():
